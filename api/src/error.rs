@@ -1,0 +1,96 @@
+//! The API's error type and its one mapping to HTTP: `{"error":{"code","message"[,"field"]}}`.
+//! Status mapping lives here only (STYLE.md habit 4).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use berth_schemas::SandboxState;
+use serde_json::json;
+use tracing::error;
+
+/// Every error an API route returns.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// 401 `unauthorized`: no bearer key, or one that matches no live key.
+    #[error("missing or invalid API key")]
+    Unauthorized,
+    /// 404 `not_found`: no such resource in the caller's org (another org's looks the same).
+    #[error("{0} not found")]
+    NotFound(String),
+    /// 400 `invalid_request`: malformed JSON or a value out of range; `field` names it.
+    #[error("{message}")]
+    InvalidRequest {
+        field: Option<String>,
+        message: String,
+    },
+    /// 422 `unknown_template`.
+    #[error("unknown template {0:?}")]
+    UnknownTemplate(String),
+    /// 503 `no_capacity`: no ready host with a recent heartbeat has the headroom.
+    #[error("no host has capacity for {vcpus} vCPUs and {memory_mib} MiB")]
+    NoCapacity { vcpus: u32, memory_mib: u32 },
+    /// 409 `conflict`: a conflicting transition is in flight; carries the current state.
+    #[error("{message}")]
+    Conflict {
+        state: SandboxState,
+        message: String,
+    },
+    /// 503 `host_unavailable`: the sandbox's host did not answer.
+    #[error("host unavailable: {0}")]
+    HostUnavailable(String),
+    /// 502 `agent_error`: the in-sandbox agent failed.
+    #[error("agent error: {0}")]
+    Agent(String),
+    /// 500 `internal`: logged with its cause; the client sees no detail.
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// The HTTP status and the stable error code.
+    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ApiError::UnknownTemplate(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unknown_template"),
+            ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
+            ApiError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
+            ApiError::HostUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),
+            ApiError::Agent(_) => (StatusCode::BAD_GATEWAY, "agent_error"),
+            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        }
+    }
+
+    /// A 400 naming `field`.
+    pub fn invalid(field: &str, message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest {
+            field: Some(field.to_owned()),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        ApiError::Internal(format!("database: {e}"))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        if let ApiError::Internal(cause) = &self {
+            error!(%cause, "internal error");
+        }
+        let mut body = json!({ "code": code, "message": self.to_string() });
+        match &self {
+            ApiError::InvalidRequest {
+                field: Some(field), ..
+            } => body["field"] = json!(field),
+            ApiError::Conflict { state, .. } => body["state"] = json!(state),
+            _ => {}
+        }
+        (status, Json(json!({ "error": body }))).into_response()
+    }
+}

@@ -1,0 +1,121 @@
+//! `POST /v1/sandboxes/{id}/exec`: runs a command inside a running sandbox.
+//!
+//! Path: API → NATS request/reply on `{p}.exec.<host>` → hostd → the sandbox's agent. The API
+//! never reaches a sandbox address directly.
+
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::Json;
+use berth_schemas::wire::{self, ExecError, ExecReply, ExecRequest};
+use berth_schemas::SandboxState;
+use tracing::instrument;
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::model::{ExecBody, ExecOutput};
+use crate::sandboxes::{fetch, json_error, parse_id};
+use crate::AppState;
+
+/// Timeout when the request names none, in milliseconds.
+pub const DEFAULT_EXEC_TIMEOUT_MS: u64 = 30_000;
+/// The longest timeout a request may ask for, in milliseconds (10 minutes).
+pub const MAX_EXEC_TIMEOUT_MS: u64 = 600_000;
+/// Extra time the API waits for the host's reply beyond the exec timeout.
+pub const EXEC_REPLY_GRACE: Duration = Duration::from_secs(5);
+/// The most argv entries an exec may carry.
+pub const MAX_ARGV: usize = 4096;
+
+/// `POST /v1/sandboxes/{id}/exec`
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", params(("id" = String, Path)),
+    request_body = ExecBody,
+    responses(
+        (status = 200, description = "The process ended (or was killed at its timeout)", body = ExecOutput),
+        (status = 400, description = "`invalid_request`: empty `cmd` or a timeout out of range"),
+        (status = 404, description = "`not_found`"),
+        (status = 409, description = "`conflict`: the sandbox is not running"),
+        (status = 502, description = "`agent_error`: the in-sandbox agent failed"),
+        (status = 503, description = "`host_unavailable`: the host did not answer"),
+    ), security(("bearer" = [])))]
+#[instrument(skip_all, fields(org_id = %caller.org_id, sandbox_id = %id))]
+pub async fn exec(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    body: Result<Json<ExecBody>, JsonRejection>,
+) -> Result<Json<ExecOutput>, ApiError> {
+    let Json(body) = body.map_err(json_error)?;
+    if body.cmd.is_empty() || body.cmd.len() > MAX_ARGV {
+        return Err(ApiError::invalid("cmd", format!("cmd must hold 1 to {MAX_ARGV} arguments")));
+    }
+    let timeout_ms = body.timeout_ms.unwrap_or(DEFAULT_EXEC_TIMEOUT_MS);
+    if !(1..=MAX_EXEC_TIMEOUT_MS).contains(&timeout_ms) {
+        return Err(ApiError::invalid(
+            "timeout_ms",
+            format!("timeout_ms must be between 1 and {MAX_EXEC_TIMEOUT_MS}"),
+        ));
+    }
+    let sandbox = fetch(&app, &caller, parse_id(&id)?).await?;
+    let not_running = || ApiError::Conflict {
+        state: sandbox.state,
+        message: format!("exec needs a running sandbox; it is {}", sandbox.state),
+    };
+    if sandbox.state != SandboxState::Running || sandbox.deleted_at.is_some() {
+        return Err(not_running());
+    }
+    let host = sandbox.host_id.ok_or_else(not_running)?;
+    sqlx::query("UPDATE sandboxes SET last_activity_at = now() WHERE id = $1")
+        .bind(sandbox.id)
+        .execute(&app.db)
+        .await?;
+
+    let started = std::time::Instant::now();
+    let request = ExecRequest {
+        sandbox_id: sandbox.id,
+        argv: body.cmd,
+        timeout_ms,
+    };
+    let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
+    let reply = app
+        .nats
+        .send_request(
+            app.subjects.exec(host),
+            async_nats::Request::new()
+                .payload(wire::encode(&request).into())
+                .timeout(Some(wait)),
+        )
+        .await
+        .map_err(|e| match e.kind() {
+            async_nats::RequestErrorKind::NoResponders => {
+                ApiError::HostUnavailable(format!("host {host} has no exec responder"))
+            }
+            async_nats::RequestErrorKind::TimedOut => {
+                ApiError::HostUnavailable(format!("host {host} did not answer in {wait:?}"))
+            }
+            _ => ApiError::HostUnavailable(e.to_string()),
+        })?;
+    let reply: ExecReply = wire::decode(&reply.payload)
+        .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
+    let outcome = match &reply {
+        ExecReply::Finished { .. } => "finished",
+        ExecReply::Failed(_) => "failed",
+    };
+    metrics::counter!("berth_exec_total", "outcome" => outcome).increment(1);
+    metrics::histogram!("berth_exec_duration_seconds").record(started.elapsed().as_secs_f64());
+    match reply {
+        ExecReply::Finished {
+            exit_code,
+            stdout,
+            stderr,
+            timed_out,
+        } => Ok(Json(ExecOutput {
+            exit_code,
+            stdout: String::from_utf8_lossy(&stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&stderr).into_owned(),
+            timed_out,
+        })),
+        ExecReply::Failed(ExecError::NotFound | ExecError::NotRunning) => Err(not_running()),
+        ExecReply::Failed(ExecError::Agent(message)) => Err(ApiError::Agent(message)),
+    }
+}

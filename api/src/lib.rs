@@ -1,0 +1,170 @@
+//! Berth's HTTP API (axum), its auth, its OpenAPI document, and the outbox relay.
+//!
+//! # Guarantees
+//! - A create commits placement, the sandbox row, its `sandbox.create` command and its event in
+//!   one transaction, or writes nothing (guarantee 1). Bad input writes nothing.
+//! - Every sandbox query is scoped by the caller's org: another org's sandbox is `404`
+//!   (guarantee 7).
+//! - Errors are `{"error":{"code","message"}}` with the status of [`error::ApiError`].
+
+pub mod auth;
+pub mod error;
+pub mod exec;
+pub mod metrics;
+pub mod model;
+pub mod openapi;
+pub mod relay;
+pub mod sandboxes;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use berth_schemas::Subjects;
+use metrics_exporter_prometheus::PrometheusHandle;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+/// Default listen address of the API.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+/// What the API needs besides its connections.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    pub listen: SocketAddr,
+    pub subjects: Subjects,
+    /// Placement only chooses hosts heard from within this window.
+    pub heartbeat_freshness: Duration,
+}
+
+impl ApiConfig {
+    /// Defaults for everything but the subjects.
+    pub fn new(listen: SocketAddr, subjects: Subjects) -> Self {
+        Self {
+            listen,
+            subjects,
+            heartbeat_freshness: berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS,
+        }
+    }
+}
+
+/// Shared state of every route.
+#[derive(Clone)]
+pub struct AppState {
+    pub db: PgPool,
+    pub nats: async_nats::Client,
+    pub subjects: Subjects,
+    pub config: ApiConfig,
+    pub prometheus: PrometheusHandle,
+}
+
+/// Errors of [`run`].
+#[derive(Debug, thiserror::Error)]
+pub enum ApiRunError {
+    #[error("bind {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("serve: {0}")]
+    Serve(std::io::Error),
+}
+
+/// The router with every route; `state` is shared by all.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/sandboxes", post(sandboxes::create).get(sandboxes::list))
+        .route(
+            "/v1/sandboxes/{id}",
+            get(sandboxes::get).delete(sandboxes::delete),
+        )
+        .route("/v1/sandboxes/{id}/stop", post(sandboxes::stop))
+        .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
+        .route("/v1/sandboxes/{id}/start", post(sandboxes::start))
+        .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
+        .route("/v1/sandboxes/{id}/exec", post(exec::exec))
+        .route("/v1/sandboxes/{id}/events", get(sandboxes::events))
+        .route("/v1/templates", get(sandboxes::templates))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(render_metrics))
+        .route("/openapi.json", get(openapi_json))
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn(metrics::track))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// Serves the API and runs the outbox relay until `shutdown` fires.
+///
+/// Errors: [`ApiRunError::Bind`] when the address is taken, [`ApiRunError::Serve`] on a
+/// server failure.
+pub async fn run(state: AppState, shutdown: CancellationToken) -> Result<(), ApiRunError> {
+    let addr = state.config.listen;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| ApiRunError::Bind { addr, source })?;
+    serve(listener, state, shutdown).await
+}
+
+/// Like [`run`], on a listener the caller bound (tests bind port 0).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: CancellationToken,
+) -> Result<(), ApiRunError> {
+    info!(addr = ?listener.local_addr().ok(), "api listening");
+    let relay = tokio::spawn(relay::run(
+        state.db.clone(),
+        state.nats.clone(),
+        state.subjects.clone(),
+        shutdown.clone(),
+    ));
+    let app = router(state);
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+        .await
+        .map_err(ApiRunError::Serve);
+    shutdown.cancel();
+    let _ = relay.await;
+    served
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+/// Ready when Postgres answers and the NATS connection is up.
+async fn readyz(State(app): State<AppState>) -> impl IntoResponse {
+    let db_ok = sqlx::query("SELECT 1").execute(&app.db).await.is_ok();
+    let nats_ok = app.nats.connection_state() == async_nats::connection::State::Connected;
+    let status = if db_ok && nats_ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(serde_json::json!({ "database": db_ok, "nats": nats_ok })),
+    )
+}
+
+async fn render_metrics(State(app): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.prometheus.render(),
+    )
+}
+
+async fn openapi_json() -> impl IntoResponse {
+    Json(openapi::document())
+}
+
+async fn not_found() -> error::ApiError {
+    error::ApiError::NotFound("route".to_owned())
+}

@@ -1,0 +1,262 @@
+//! Request and response bodies of the sandbox API, and their validation.
+
+use berth_schemas::wire::Resources;
+use berth_schemas::{Generation, HostId, SandboxId, SandboxState};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgRow;
+use sqlx::Row;
+use utoipa::ToSchema;
+
+use crate::error::ApiError;
+
+/// The template used when a create names none.
+pub const DEFAULT_TEMPLATE: &str = "base";
+/// vCPUs when a create names none.
+pub const DEFAULT_VCPUS: u32 = 1;
+/// Memory when a create names none, in MiB.
+pub const DEFAULT_MEMORY_MIB: u32 = 512;
+/// The largest sandbox, in vCPUs.
+pub const MAX_VCPUS: u32 = 32;
+/// The smallest sandbox, in MiB.
+pub const MIN_MEMORY_MIB: u32 = 64;
+/// The largest sandbox, in MiB (64 GiB).
+pub const MAX_MEMORY_MIB: u32 = 65_536;
+/// At most this many metadata keys.
+pub const MAX_METADATA_KEYS: usize = 64;
+/// A metadata key or value is at most this many bytes.
+pub const MAX_METADATA_LEN: usize = 256;
+
+/// `POST /v1/sandboxes` body. Unknown fields are refused.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandbox {
+    /// Template name; default `base`.
+    pub template: Option<String>,
+    /// Whole vCPUs, 1 to 32; default 1.
+    pub vcpus: Option<u32>,
+    /// Memory in MiB, 64 to 65536; default 512.
+    pub memory_mib: Option<u32>,
+    /// Up to 64 string → string pairs, each at most 256 bytes.
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// A validated create request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidCreate {
+    pub template: String,
+    pub resources: Resources,
+    pub metadata: serde_json::Value,
+}
+
+impl CreateSandbox {
+    /// Applies defaults and checks ranges.
+    ///
+    /// Errors: [`ApiError::InvalidRequest`] naming the offending field.
+    pub fn validate(self) -> Result<ValidCreate, ApiError> {
+        let template = self.template.unwrap_or_else(|| DEFAULT_TEMPLATE.to_owned());
+        if template.is_empty() || template.len() > 64 {
+            return Err(ApiError::invalid("template", "template must be 1 to 64 characters"));
+        }
+        let vcpus = self.vcpus.unwrap_or(DEFAULT_VCPUS);
+        if !(1..=MAX_VCPUS).contains(&vcpus) {
+            return Err(ApiError::invalid(
+                "vcpus",
+                format!("vcpus must be between 1 and {MAX_VCPUS}, got {vcpus}"),
+            ));
+        }
+        let memory_mib = self.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB);
+        if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&memory_mib) {
+            return Err(ApiError::invalid(
+                "memory_mib",
+                format!(
+                    "memory_mib must be between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB}, got {memory_mib}"
+                ),
+            ));
+        }
+        let metadata = self.metadata.unwrap_or_default();
+        if metadata.len() > MAX_METADATA_KEYS {
+            return Err(ApiError::invalid(
+                "metadata",
+                format!("metadata holds at most {MAX_METADATA_KEYS} keys"),
+            ));
+        }
+        for (k, v) in &metadata {
+            let Some(v) = v.as_str() else {
+                return Err(ApiError::invalid(
+                    "metadata",
+                    format!("metadata value of {k:?} must be a string"),
+                ));
+            };
+            if k.is_empty() || k.len() > MAX_METADATA_LEN || v.len() > MAX_METADATA_LEN {
+                return Err(ApiError::invalid(
+                    "metadata",
+                    format!("metadata keys are 1 to {MAX_METADATA_LEN} bytes, values at most {MAX_METADATA_LEN}"),
+                ));
+            }
+        }
+        Ok(ValidCreate {
+            template,
+            resources: Resources { vcpus, memory_mib },
+            metadata: serde_json::Value::Object(metadata),
+        })
+    }
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Sandbox {
+    #[schema(value_type = String, format = Uuid)]
+    pub id: SandboxId,
+    pub state: SandboxState,
+    /// Why the sandbox is in its state, when the host or the reconciler said (e.g. a boot error).
+    pub state_reason: Option<String>,
+    pub template: String,
+    #[schema(value_type = Option<String>, format = Uuid)]
+    pub host_id: Option<HostId>,
+    /// The fencing generation, bumped by every state-changing request.
+    #[schema(value_type = i64)]
+    pub generation: Generation,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    #[schema(value_type = Object)]
+    pub metadata: serde_json::Value,
+    /// The sandbox's IPv4 address on its host, while running.
+    pub address: Option<String>,
+    /// How the last stop kept the sandbox: `memory` or `disk`.
+    pub last_stop: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    /// Set when a delete was accepted.
+    pub deleted_at: Option<DateTime<Utc>>,
+}
+
+/// The columns [`Sandbox::from_row`] reads.
+pub const SANDBOX_COLUMNS: &str = "id, state, state_reason, template, host_id, generation, vcpus, \
+     memory_mib, metadata, address, last_stop, created_at, updated_at, deleted_at";
+
+impl Sandbox {
+    /// Reads a row selected with [`SANDBOX_COLUMNS`].
+    pub fn from_row(row: &PgRow) -> Result<Self, ApiError> {
+        let state: String = row.try_get("state")?;
+        Ok(Sandbox {
+            id: row.try_get("id")?,
+            state: state
+                .parse()
+                .map_err(|e| ApiError::Internal(format!("row state: {e}")))?,
+            state_reason: row.try_get("state_reason")?,
+            template: row.try_get("template")?,
+            host_id: row.try_get("host_id")?,
+            generation: row.try_get("generation")?,
+            vcpus: u32::try_from(row.try_get::<i32, _>("vcpus")?).unwrap_or(0),
+            memory_mib: u32::try_from(row.try_get::<i32, _>("memory_mib")?).unwrap_or(0),
+            metadata: row.try_get("metadata")?,
+            address: row.try_get("address")?,
+            last_stop: row.try_get("last_stop")?,
+            created_at: row.try_get("created_at")?,
+            updated_at: row.try_get("updated_at")?,
+            deleted_at: row.try_get("deleted_at")?,
+        })
+    }
+
+    /// The resources the sandbox reserves on its host when it holds capacity.
+    pub fn resources(&self) -> Resources {
+        Resources {
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib,
+        }
+    }
+}
+
+/// `GET /v1/sandboxes` response: newest first.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+    /// Pass as `cursor` to get the next page; absent on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// `POST /v1/sandboxes/{id}/exec` body.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecBody {
+    /// argv; `cmd[0]` is looked up on the sandbox's `PATH`.
+    pub cmd: Vec<String>,
+    /// Kill the process after this many milliseconds; default 30000, at most 600000.
+    pub timeout_ms: Option<u64>,
+}
+
+/// `POST /v1/sandboxes/{id}/exec` response. Output is decoded as UTF-8, invalid bytes replaced.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ExecOutput {
+    /// The exit status, or 128 + signal number when killed by a signal.
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    /// Whether the process was killed at `timeout_ms`.
+    pub timed_out: bool,
+}
+
+/// A lifecycle event.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Event {
+    #[schema(value_type = String, format = Uuid)]
+    pub id: uuid::Uuid,
+    #[schema(value_type = String, format = Uuid)]
+    pub sandbox_id: SandboxId,
+    /// `sandbox.<state>`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub from: Option<String>,
+    pub to: String,
+    /// `user_request`, `host_report`, `timeout`, `auto_stop`, `host_lost`, `runtime_error`,
+    /// `compensation`.
+    pub reason: String,
+    pub generation: i64,
+    pub message: Option<String>,
+    pub at: DateTime<Utc>,
+}
+
+/// A template sandboxes can be created from.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Template {
+    pub name: String,
+    pub description: String,
+    pub runtime: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(e: ApiError) -> Option<String> {
+        match e {
+            ApiError::InvalidRequest { field, .. } => field,
+            other => panic!("expected invalid_request, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_empty_create_gets_the_defaults() {
+        let v = CreateSandbox::default().validate().unwrap();
+        assert_eq!(v.template, "base");
+        assert_eq!(v.resources, Resources { vcpus: 1, memory_mib: 512 });
+    }
+
+    #[test]
+    fn out_of_range_sizes_name_their_field() {
+        let zero_cpu = CreateSandbox { vcpus: Some(0), ..Default::default() };
+        assert_eq!(field_of(zero_cpu.validate().unwrap_err()).as_deref(), Some("vcpus"));
+        let huge_mem = CreateSandbox { memory_mib: Some(1 << 20), ..Default::default() };
+        assert_eq!(field_of(huge_mem.validate().unwrap_err()).as_deref(), Some("memory_mib"));
+    }
+
+    #[test]
+    fn metadata_values_must_be_strings() {
+        let mut m = serde_json::Map::new();
+        m.insert("n".into(), serde_json::json!(1));
+        let bad = CreateSandbox { metadata: Some(m), ..Default::default() };
+        assert_eq!(field_of(bad.validate().unwrap_err()).as_deref(), Some("metadata"));
+    }
+}

@@ -1,0 +1,109 @@
+//! The OpenAPI 3.1 document served at `/openapi.json`, generated with utoipa from the route
+//! annotations; its description carries the request × state table of
+//! [`berth_schemas::state`].
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use crate::{exec, model, sandboxes};
+
+/// The API description, with the lifecycle table.
+const DESCRIPTION: &str = r#"Berth: create isolated Linux sandboxes, run code in them, stop, start and delete them.
+
+Authenticate with `Authorization: Bearer <api key>`. Errors are `{"error":{"code":"…","message":"…"}}`.
+
+## Lifecycle requests × states
+
+`=` returns the sandbox unchanged (200); `409` is `conflict` with the current `state`; otherwise
+the request is accepted (202) and the sandbox moves to the state shown. A sandbox being deleted
+answers `=` to delete and `409` to everything else. `pause` is an alias of `stop`, `resume` of
+`start`.
+
+| state          | start / resume | stop / pause | delete   |
+|----------------|----------------|--------------|----------|
+| provisioning   | =              | 409          | stopping |
+| starting       | =              | 409          | stopping |
+| running        | =              | stopping     | stopping |
+| stopping       | 409            | =            | stopping |
+| stopped        | starting       | =            | stopping |
+| resuming       | =              | 409          | stopping |
+| restoring      | =              | 409          | stopping |
+| migrating      | 409            | 409          | stopping |
+| archiving      | 409            | =            | stopping |
+| archived       | 409            | =            | stopping |
+| unarchiving    | =              | 409          | stopping |
+| failed-start   | starting       | =            | stopping |
+| deleted        | 409            | 409          | =        |
+"#;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Berth API", version = "1"),
+    paths(
+        sandboxes::create,
+        sandboxes::list,
+        sandboxes::get,
+        sandboxes::delete,
+        sandboxes::stop,
+        sandboxes::pause,
+        sandboxes::start,
+        sandboxes::resume,
+        sandboxes::events,
+        sandboxes::templates,
+        exec::exec,
+    ),
+    components(schemas(
+        model::CreateSandbox,
+        model::Sandbox,
+        model::SandboxList,
+        model::ExecBody,
+        model::ExecOutput,
+        model::Event,
+        model::Template,
+        berth_schemas::SandboxState,
+    )),
+    modifiers(&BearerAuth)
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// The document.
+pub fn document() -> utoipa::openapi::OpenApi {
+    let mut doc = ApiDoc::openapi();
+    doc.info.description = Some(DESCRIPTION.to_owned());
+    doc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_document_lists_every_lifecycle_route_and_the_state_table() {
+        let doc = document();
+        for path in [
+            "/v1/sandboxes",
+            "/v1/sandboxes/{id}",
+            "/v1/sandboxes/{id}/stop",
+            "/v1/sandboxes/{id}/start",
+            "/v1/sandboxes/{id}/exec",
+        ] {
+            assert!(doc.paths.paths.contains_key(path), "{path}");
+        }
+        let description = doc.info.description.unwrap();
+        for state in berth_schemas::SandboxState::ALL.iter().filter(|s| s.is_written()) {
+            assert!(description.contains(&format!("| {:<14} |", state.as_str())), "{state}");
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! The heartbeat consumer: each `{p}.hb.<host>` message upserts that host's row, stamping
+//! `last_seen` with the database clock (never the host's or ours, so hosts with skewed clocks
+//! are judged fairly).
+//!
+//! Heartbeats are core NATS (at most once): only the latest matters, and a lost one is
+//! replaced a few seconds later. Scheduler replicas share the queue group [`QUEUE_GROUP`].
+
+use berth_schemas::wire::{self, Heartbeat};
+use berth_schemas::Subjects;
+use futures::StreamExt;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::SchedulerError;
+
+/// The queue group heartbeat consumers share, so each heartbeat is applied once.
+pub const QUEUE_GROUP: &str = "berth-scheduler";
+
+/// Consumes heartbeats until `shutdown` fires.
+pub async fn consume(
+    subjects: &Subjects,
+    db: &PgPool,
+    nats: &async_nats::Client,
+    shutdown: CancellationToken,
+) -> Result<(), SchedulerError> {
+    let subject = subjects.heartbeat_all();
+    let mut sub = nats
+        .queue_subscribe(subject.clone(), QUEUE_GROUP.to_owned())
+        .await
+        .map_err(|source| SchedulerError::Subscribe { subject, source })?;
+    loop {
+        let msg = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            msg = sub.next() => match msg {
+                Some(msg) => msg,
+                None => return Ok(()),
+            },
+        };
+        let hb: Heartbeat = match wire::decode(&msg.payload) {
+            Ok(hb) => hb,
+            Err(error) => {
+                warn!(%error, subject = %msg.subject, "dropping undecodable heartbeat");
+                metrics::counter!("berth_heartbeats_total", "outcome" => "malformed").increment(1);
+                continue;
+            }
+        };
+        match apply(db, &hb).await {
+            Ok(()) => {
+                debug!(host_id = %hb.host_id, seq = hb.seq, "heartbeat applied");
+                metrics::counter!("berth_heartbeats_total", "outcome" => "applied").increment(1);
+            }
+            Err(error) => {
+                warn!(host_id = %hb.host_id, %error, "heartbeat not applied");
+                metrics::counter!("berth_heartbeats_total", "outcome" => "error").increment(1);
+            }
+        }
+    }
+}
+
+/// Upserts the host row from one heartbeat. A `lost` host that speaks again becomes `ready`;
+/// `draining` and `cordoned` are operator decisions and stay.
+pub async fn apply(db: &PgPool, hb: &Heartbeat) -> Result<(), sqlx::Error> {
+    let runtimes: Vec<String> = hb.runtimes.iter().map(|r| r.name.clone()).collect();
+    let memory_snapshot = hb.runtimes.iter().any(|r| r.memory_snapshot);
+    let inventory = serde_json::Value::Array(
+        hb.inventory
+            .iter()
+            .map(|i| {
+                serde_json::json!({
+                    "sandbox_id": i.sandbox_id.to_string(),
+                    "generation": i.generation.0,
+                    "status": format!("{:?}", i.status).to_lowercase(),
+                })
+            })
+            .collect(),
+    );
+    sqlx::query(
+        "INSERT INTO hosts (id, name, capacity_vcpus, capacity_memory_mib, runtimes,
+                            memory_snapshot, used_vcpus, used_memory_mib, heartbeat_seq,
+                            inventory, last_seen)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now())
+         ON CONFLICT (id) DO UPDATE SET
+             name = EXCLUDED.name,
+             capacity_vcpus = EXCLUDED.capacity_vcpus,
+             capacity_memory_mib = EXCLUDED.capacity_memory_mib,
+             runtimes = EXCLUDED.runtimes,
+             memory_snapshot = EXCLUDED.memory_snapshot,
+             used_vcpus = EXCLUDED.used_vcpus,
+             used_memory_mib = EXCLUDED.used_memory_mib,
+             heartbeat_seq = EXCLUDED.heartbeat_seq,
+             inventory = EXCLUDED.inventory,
+             last_seen = now(),
+             state = CASE WHEN hosts.state = 'lost' THEN 'ready' ELSE hosts.state END",
+    )
+    .bind(hb.host_id)
+    .bind(&hb.name)
+    .bind(i32::try_from(hb.capacity.vcpus).unwrap_or(i32::MAX))
+    .bind(i64::from(hb.capacity.memory_mib))
+    .bind(&runtimes)
+    .bind(memory_snapshot)
+    .bind(i32::try_from(hb.used.vcpus).unwrap_or(i32::MAX))
+    .bind(i64::from(hb.used.memory_mib))
+    .bind(i64::try_from(hb.seq).unwrap_or(i64::MAX))
+    .bind(inventory)
+    .execute(db)
+    .await?;
+    Ok(())
+}

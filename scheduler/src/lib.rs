@@ -1,0 +1,54 @@
+//! Berth's scheduler: placement and the heartbeat consumer that keeps `hosts` current.
+//!
+//! - [`placement`]: a pure scoring function plus the SQL that reserves capacity on the chosen
+//!   host inside the caller's transaction (so placement commits with the sandbox row, its
+//!   command and its event: guarantee 1).
+//! - [`heartbeat`]: consumes `{p}.hb.*` and upserts host rows on the database clock.
+//!
+//! # Guarantees
+//! - A reservation never takes a host past its capacity: the `UPDATE` re-checks headroom under
+//!   the row lock, so concurrent placements on one host serialize.
+//! - Only `ready` hosts whose last heartbeat is younger than the freshness window are chosen.
+
+pub mod heartbeat;
+pub mod placement;
+
+use std::time::Duration;
+
+use berth_schemas::Subjects;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+/// How recent a host's last heartbeat must be for placement to choose it.
+pub const DEFAULT_HEARTBEAT_FRESHNESS: Duration = Duration::from_secs(15);
+
+/// Errors of the scheduler.
+#[derive(Debug, thiserror::Error)]
+pub enum SchedulerError {
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("nats subscribe to {subject}: {source}")]
+    Subscribe {
+        subject: String,
+        source: async_nats::SubscribeError,
+    },
+}
+
+/// What the scheduler process needs.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub subjects: Subjects,
+}
+
+/// Runs the heartbeat consumer until `shutdown` fires.
+///
+/// Errors: [`SchedulerError::Subscribe`] when the subscription cannot be made; database
+/// errors on single heartbeats are logged and the next heartbeat retries.
+pub async fn run(
+    config: SchedulerConfig,
+    db: PgPool,
+    nats: async_nats::Client,
+    shutdown: CancellationToken,
+) -> Result<(), SchedulerError> {
+    heartbeat::consume(&config.subjects, &db, &nats, shutdown).await
+}

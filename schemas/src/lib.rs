@@ -1,0 +1,24 @@
+//! Berth's contract crate: the types every component agrees on.
+//!
+//! - [`ids`]: ID newtypes (`SandboxId`, `HostId`, …) and the fencing [`ids::Generation`].
+//! - [`state`]: the lifecycle state machine, pure.
+//! - [`wire`]: NATS messages (postcard in a versioned envelope, pinned by golden bytes).
+//! - [`subjects`]: subject and stream names under a configurable prefix.
+//! - [`db`] (feature `db`): SQL migrations and the shared outbox/event writes.
+//!
+//! The pure core (everything but `db`) has no tokio and no I/O.
+
+pub mod ids;
+pub mod state;
+pub mod subjects;
+pub mod wire;
+
+#[cfg(feature = "db")]
+pub mod db;
+
+pub use ids::{ApiKeyId, CommandId, EventId, Generation, HostId, OrgId, SandboxId};
+pub use state::{CommandKind, Reason, SandboxState};
+pub use subjects::Subjects;
+
+#[cfg(feature = "nats")]
+pub mod streams;

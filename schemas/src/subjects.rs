@@ -1,0 +1,130 @@
+//! NATS subject and JetStream stream names, all under a configurable prefix `{p}` (default
+//! `berth`) so tests can isolate themselves on one shared server.
+
+use crate::ids::HostId;
+
+/// The default subject prefix.
+pub const DEFAULT_PREFIX: &str = "berth";
+
+/// Builds every subject and stream name Berth uses from one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subjects {
+    prefix: String,
+}
+
+/// The prefix was empty or held characters NATS tokens cannot.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid subject prefix {0:?}: use letters, digits, '-' and '_' (dots separate tokens)")]
+pub struct InvalidPrefix(pub String);
+
+impl Subjects {
+    /// Errors: [`InvalidPrefix`] when `prefix` is empty, or a token holds anything but ASCII
+    /// letters, digits, `-` and `_`.
+    pub fn new(prefix: &str) -> Result<Self, InvalidPrefix> {
+        let ok = !prefix.is_empty()
+            && prefix.split('.').all(|t| {
+                !t.is_empty()
+                    && t.chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            });
+        if ok {
+            Ok(Self {
+                prefix: prefix.to_owned(),
+            })
+        } else {
+            Err(InvalidPrefix(prefix.to_owned()))
+        }
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// `{p}.cmd.<host>`: commands for one host.
+    pub fn cmd(&self, host: HostId) -> String {
+        format!("{}.cmd.{host}", self.prefix)
+    }
+
+    /// `{p}.cmd.>`: the command stream's subjects.
+    pub fn cmd_all(&self) -> String {
+        format!("{}.cmd.>", self.prefix)
+    }
+
+    /// `{p}.result.<host>`: results from one host.
+    pub fn result(&self, host: HostId) -> String {
+        format!("{}.result.{host}", self.prefix)
+    }
+
+    /// `{p}.result.>`: the result stream's subjects.
+    pub fn result_all(&self) -> String {
+        format!("{}.result.>", self.prefix)
+    }
+
+    /// `{p}.hb.<host>`: heartbeats (core NATS, at most once: only the latest matters).
+    pub fn heartbeat(&self, host: HostId) -> String {
+        format!("{}.hb.{host}", self.prefix)
+    }
+
+    /// `{p}.hb.*`: every host's heartbeat.
+    pub fn heartbeat_all(&self) -> String {
+        format!("{}.hb.*", self.prefix)
+    }
+
+    /// `{p}.exec.<host>`: exec request/reply to one host.
+    pub fn exec(&self, host: HostId) -> String {
+        format!("{}.exec.{host}", self.prefix)
+    }
+
+    /// The JetStream stream holding commands (`{P}_CMD`, dots as `_`).
+    pub fn cmd_stream(&self) -> String {
+        format!("{}_CMD", self.stream_stem())
+    }
+
+    /// The JetStream stream holding results (`{P}_RESULT`).
+    pub fn result_stream(&self) -> String {
+        format!("{}_RESULT", self.stream_stem())
+    }
+
+    /// The durable consumer name of one host on the command stream.
+    pub fn host_consumer(&self, host: HostId) -> String {
+        format!("hostd-{host}")
+    }
+
+    /// The durable consumer name of the reconciler on the result stream.
+    pub fn reconciler_consumer(&self) -> String {
+        "reconciler".to_owned()
+    }
+
+    fn stream_stem(&self) -> String {
+        self.prefix.replace('.', "_").to_ascii_uppercase()
+    }
+}
+
+impl Default for Subjects {
+    fn default() -> Self {
+        Self::new(DEFAULT_PREFIX).expect("the default prefix is valid")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use uuid::Uuid;
+
+    #[test]
+    fn subjects_are_built_under_the_prefix() {
+        let s = Subjects::new("t1.run-7").unwrap();
+        let h = HostId(Uuid::nil());
+        assert_eq!(s.cmd(h), "t1.run-7.cmd.00000000-0000-0000-0000-000000000000");
+        assert_eq!(s.result_all(), "t1.run-7.result.>");
+        assert_eq!(s.heartbeat_all(), "t1.run-7.hb.*");
+        assert_eq!(s.cmd_stream(), "T1_RUN-7_CMD");
+    }
+
+    #[test]
+    fn a_prefix_with_wildcards_or_spaces_is_refused() {
+        for bad in ["", "a.>", "a b", "a..b", "*"] {
+            assert!(Subjects::new(bad).is_err(), "{bad:?}");
+        }
+    }
+}

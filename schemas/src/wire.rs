@@ -1,0 +1,347 @@
+//! Wire messages between the control plane and hosts: postcard inside a versioned envelope.
+//!
+//! # Guarantees
+//! - Every message travels as [`Envelope`] `{ version, body }`; [`decode`] refuses a version it
+//!   does not know with [`WireError::UnsupportedVersion`] rather than misreading bytes.
+//! - Enums and structs are append-only: a change is a new enum variant (postcard encodes the
+//!   variant index as a varint), never a reordering. The golden-byte tests below pin version 1.
+//!
+//! External event consumers get JSON (CloudEvents), not these bytes.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{CommandId, Generation, HostId, OrgId, SandboxId};
+use crate::state::CommandKind;
+
+/// The envelope version this build writes and reads.
+pub const WIRE_VERSION: u16 = 1;
+
+/// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    pub version: u16,
+    pub body: T,
+}
+
+/// Errors of [`decode`].
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("unsupported wire version {found} (this build reads {WIRE_VERSION})")]
+    UnsupportedVersion { found: u16 },
+    #[error("malformed message: {0}")]
+    Malformed(#[from] postcard::Error),
+}
+
+/// Encodes `body` in a version-[`WIRE_VERSION`] envelope.
+pub fn encode<T: Serialize>(body: &T) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct EnvelopeRef<'a, T> {
+        version: u16,
+        body: &'a T,
+    }
+    postcard::to_stdvec(&EnvelopeRef {
+        version: WIRE_VERSION,
+        body,
+    })
+    .expect("postcard encoding of an owned value into a Vec cannot fail")
+}
+
+/// Decodes an envelope, checking its version first.
+///
+/// Errors: [`WireError::UnsupportedVersion`], [`WireError::Malformed`].
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, WireError> {
+    let (version, rest): (u16, &[u8]) = postcard::take_from_bytes(bytes)?;
+    if version != WIRE_VERSION {
+        return Err(WireError::UnsupportedVersion { found: version });
+    }
+    Ok(postcard::from_bytes(rest)?)
+}
+
+/// Resources in the units the API uses: whole vCPUs and MiB of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Resources {
+    pub vcpus: u32,
+    pub memory_mib: u32,
+}
+
+/// What a host needs to build or boot a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    pub org_id: OrgId,
+    /// Template name (`base`, …).
+    pub template: String,
+    pub resources: Resources,
+}
+
+/// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Command {
+    pub id: CommandId,
+    pub sandbox_id: SandboxId,
+    /// The sandbox generation this command was issued at (the fence).
+    pub generation: Generation,
+    pub kind: CommandKind,
+    /// The sandbox's spec: a host needs it for `Create`, and for `Start` when it has no local
+    /// record (for instance a start after a failed create).
+    pub spec: SandboxSpec,
+}
+
+/// How a stop kept the sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StopMode {
+    /// Memory snapshot plus disk: processes continue on start.
+    Memory,
+    /// Disk only: the next start cold-boots.
+    Disk,
+}
+
+impl StopMode {
+    /// The API spelling (`memory`, `disk`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopMode::Memory => "memory",
+            StopMode::Disk => "disk",
+        }
+    }
+}
+
+/// What a host did with a command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ResultOutcome {
+    /// The work is done. `address` is the sandbox's IPv4 address when it runs.
+    Succeeded {
+        address: Option<String>,
+        last_stop: Option<StopMode>,
+    },
+    /// The runtime failed; `reason` is a human-readable cause.
+    Failed { reason: String },
+    /// The host refused the command without acting: its generation is older than the last the
+    /// host applied for that sandbox.
+    RefusedStale { applied: Generation },
+}
+
+/// A command's result, published on `{p}.result.<host_id>` after the work is done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommandResult {
+    pub command_id: CommandId,
+    pub sandbox_id: SandboxId,
+    pub host_id: HostId,
+    pub generation: Generation,
+    pub kind: CommandKind,
+    pub outcome: ResultOutcome,
+}
+
+/// A sandbox's status as the host sees it, reported in every heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GuestStatus {
+    /// The container runs and its agent answers.
+    Running,
+    /// The container runs but its agent does not answer.
+    Unhealthy,
+    /// Kept on disk (and in memory where the runtime can), no process.
+    Stopped,
+}
+
+/// One inventory line of a heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InventoryItem {
+    pub sandbox_id: SandboxId,
+    pub generation: Generation,
+    pub status: GuestStatus,
+}
+
+/// A runtime a host offers, with what it can do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuntimeInfo {
+    /// `runc`, `runsc`.
+    pub name: String,
+    /// Whether stop can keep memory (checkpoint/restore).
+    pub memory_snapshot: bool,
+}
+
+/// A host's heartbeat, published every few seconds on `{p}.hb.<host_id>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub host_id: HostId,
+    /// Human-readable host name (hostname plus index in `berth dev`).
+    pub name: String,
+    /// Monotonic per hostd process; lets a consumer drop an older heartbeat that arrives late.
+    pub seq: u64,
+    /// What the host offers to sandboxes.
+    pub capacity: Resources,
+    /// What its running sandboxes use, as the host counts them (informational; the control
+    /// plane's reservation is authoritative).
+    pub used: Resources,
+    pub runtimes: Vec<RuntimeInfo>,
+    pub inventory: Vec<InventoryItem>,
+}
+
+/// An exec request, sent by NATS request/reply on `{p}.exec.<host_id>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    pub sandbox_id: SandboxId,
+    /// argv; `argv[0]` is looked up on the guest's `PATH`.
+    pub argv: Vec<String>,
+    /// Kill the process after this many milliseconds.
+    pub timeout_ms: u64,
+}
+
+/// Why an exec did not run to completion.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExecError {
+    /// The host has no such sandbox.
+    NotFound,
+    /// The sandbox exists but does not run.
+    NotRunning,
+    /// The agent could not be reached or the process could not be spawned.
+    Agent(String),
+}
+
+/// The reply to an [`ExecRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExecReply {
+    /// The process ended (or was killed at the timeout, `timed_out`). `exit_code` is the exit
+    /// status, or 128 + signal number when killed by a signal.
+    Finished {
+        exit_code: i32,
+        stdout: Vec<u8>,
+        stderr: Vec<u8>,
+        timed_out: bool,
+    },
+    Failed(ExecError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use uuid::Uuid;
+
+    fn uuid(n: u8) -> Uuid {
+        Uuid::from_bytes([n; 16])
+    }
+
+    fn sample_command() -> Command {
+        Command {
+            id: CommandId(uuid(1)),
+            sandbox_id: SandboxId(uuid(2)),
+            generation: Generation(3),
+            kind: CommandKind::Start,
+            spec: SandboxSpec {
+                org_id: OrgId(uuid(4)),
+                template: "base".into(),
+                resources: Resources {
+                    vcpus: 2,
+                    memory_mib: 512,
+                },
+            },
+        }
+    }
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    // postcard encodes a Uuid (serde, non-human-readable) as a length-prefixed byte string.
+    const U1: &str = "1001010101010101010101010101010101";
+    const U2: &str = "1002020202020202020202020202020202";
+
+    #[test]
+    fn command_golden_bytes_v1() {
+        let bytes = encode(&sample_command());
+        let expected = format!(
+            "01{U1}{U2}0601{org}0462617365028004",
+            org = "1004040404040404040404040404040404"
+        );
+        assert_eq!(hex(&bytes), expected);
+        assert_eq!(decode::<Command>(&bytes).unwrap(), sample_command());
+    }
+
+    #[test]
+    fn result_golden_bytes_v1() {
+        let result = CommandResult {
+            command_id: CommandId(uuid(1)),
+            sandbox_id: SandboxId(uuid(2)),
+            host_id: HostId(uuid(5)),
+            generation: Generation(3),
+            kind: CommandKind::Stop,
+            outcome: ResultOutcome::Succeeded {
+                address: Some("10.1.0.2".into()),
+                last_stop: Some(StopMode::Disk),
+            },
+        };
+        let bytes = encode(&result);
+        let expected = format!(
+            "01{U1}{U2}{U5}0602000108{ip}0101",
+            U5 = "1005050505050505050505050505050505",
+            ip = hex(b"10.1.0.2")
+        );
+        assert_eq!(hex(&bytes), expected);
+        assert_eq!(decode::<CommandResult>(&bytes).unwrap(), result);
+    }
+
+    #[test]
+    fn heartbeat_golden_bytes_v1() {
+        let hb = Heartbeat {
+            host_id: HostId(uuid(5)),
+            name: "h".into(),
+            seq: 300,
+            capacity: Resources {
+                vcpus: 8,
+                memory_mib: 1024,
+            },
+            used: Resources::default(),
+            runtimes: vec![RuntimeInfo {
+                name: "runc".into(),
+                memory_snapshot: false,
+            }],
+            inventory: vec![InventoryItem {
+                sandbox_id: SandboxId(uuid(2)),
+                generation: Generation(1),
+                status: GuestStatus::Unhealthy,
+            }],
+        };
+        let bytes = encode(&hb);
+        let expected = format!(
+            "01{U5}0168ac0208800800000104{runc}0001{U2}0201",
+            U5 = "1005050505050505050505050505050505",
+            runc = hex(b"runc")
+        );
+        assert_eq!(hex(&bytes), expected);
+        assert_eq!(decode::<Heartbeat>(&bytes).unwrap(), hb);
+    }
+
+    #[test]
+    fn exec_golden_bytes_v1() {
+        let req = ExecRequest {
+            sandbox_id: SandboxId(uuid(2)),
+            argv: vec!["echo".into(), "hi".into()],
+            timeout_ms: 1000,
+        };
+        let bytes = encode(&req);
+        assert_eq!(
+            hex(&bytes),
+            format!("01{U2}0204{echo}02{hi}e807", echo = hex(b"echo"), hi = hex(b"hi"))
+        );
+        let reply = ExecReply::Finished {
+            exit_code: -1,
+            stdout: b"a".to_vec(),
+            stderr: vec![],
+            timed_out: true,
+        };
+        // i32 is zig-zag encoded: -1 → 1.
+        assert_eq!(hex(&encode(&reply)), "010001016100" .to_owned() + "01");
+        assert_eq!(decode::<ExecReply>(&encode(&reply)).unwrap(), reply);
+    }
+
+    #[test]
+    fn an_unknown_version_is_refused_not_misread() {
+        let mut bytes = encode(&sample_command());
+        bytes[0] = 2;
+        assert!(matches!(
+            decode::<Command>(&bytes),
+            Err(WireError::UnsupportedVersion { found: 2 })
+        ));
+        assert!(matches!(decode::<Command>(&[1, 0xff]), Err(WireError::Malformed(_))));
+    }
+}
