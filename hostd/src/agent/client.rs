@@ -1,0 +1,140 @@
+//! hostd's side of the agent protocol (tokio).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+use super::protocol::{ExecOutput, Request, Response, MAX_LINE_BYTES};
+use crate::error::HostdError;
+
+/// How long a ping (connect, request, answer) may take.
+pub const PING_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Extra time an exec answer may take beyond the command's own timeout (spawn, output
+/// transfer, the agent's reader grace).
+pub const EXEC_REPLY_GRACE: Duration = Duration::from_secs(5);
+
+/// Sends one request and reads the one-line answer, all within `timeout`.
+///
+/// Errors: [`HostdError::AgentTimeout`]; [`HostdError::Agent`] on connection or parse errors.
+pub async fn call(
+    address: SocketAddr,
+    request: &Request,
+    timeout: Duration,
+) -> Result<Response, HostdError> {
+    let agent_err = |reason: String| HostdError::Agent { address, reason };
+    let exchange = async {
+        let mut stream = TcpStream::connect(address)
+            .await
+            .map_err(|e| agent_err(format!("connect: {e}")))?;
+        let mut line = serde_json::to_vec(request).map_err(|e| agent_err(e.to_string()))?;
+        line.push(b'\n');
+        stream
+            .write_all(&line)
+            .await
+            .map_err(|e| agent_err(format!("send: {e}")))?;
+        let mut answer = String::new();
+        BufReader::new(stream.take(MAX_LINE_BYTES))
+            .read_line(&mut answer)
+            .await
+            .map_err(|e| agent_err(format!("receive: {e}")))?;
+        serde_json::from_str::<Response>(&answer)
+            .map_err(|e| agent_err(format!("bad answer {:?}: {e}", truncate(&answer))))
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| HostdError::AgentTimeout {
+            address,
+            waited: timeout,
+        })?
+}
+
+/// Pings the agent.
+///
+/// Errors: as [`call`], plus [`HostdError::Agent`] when the answer is not `{"ok":true}`.
+pub async fn ping(address: SocketAddr) -> Result<(), HostdError> {
+    match call(address, &Request::Ping, PING_TIMEOUT).await? {
+        Response::Ping(p) if p.ok => Ok(()),
+        other => Err(HostdError::Agent {
+            address,
+            reason: format!("unexpected ping answer {other:?}"),
+        }),
+    }
+}
+
+/// What an exec came to, from hostd's point of view.
+#[derive(Debug)]
+pub enum ExecResult {
+    /// The process ran (to completion or to its timeout).
+    Finished(ExecOutput),
+    /// The agent answered with an error (empty argv, spawn failed).
+    Refused(String),
+}
+
+/// Runs `argv` in the sandbox.
+///
+/// Errors: as [`call`]; the overall wait is `timeout_ms` + [`EXEC_REPLY_GRACE`].
+pub async fn exec(
+    address: SocketAddr,
+    argv: Vec<String>,
+    timeout_ms: u64,
+) -> Result<ExecResult, HostdError> {
+    let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
+    match call(address, &Request::Exec { argv, timeout_ms }, wait).await? {
+        Response::Exec(out) => Ok(ExecResult::Finished(out)),
+        Response::Error(e) => Ok(ExecResult::Refused(e.error)),
+        Response::Ping(_) => Err(HostdError::Agent {
+            address,
+            reason: "ping answer to an exec".into(),
+        }),
+    }
+}
+
+fn truncate(s: &str) -> &str {
+    const SHOWN: usize = 200;
+    match s.char_indices().nth(SHOWN) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn start_agent() -> SocketAddr {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || super::super::server::serve(listener));
+        addr
+    }
+
+    #[tokio::test]
+    async fn the_client_pings_and_execs_against_the_real_server() {
+        let addr = start_agent();
+        ping(addr).await.unwrap();
+        let argv = vec!["echo".into(), "hello".into()];
+        match exec(addr, argv, 5_000).await.unwrap() {
+            ExecResult::Finished(out) => {
+                assert_eq!(out.stdout, b"hello\n");
+                assert_eq!(out.exit_code, 0);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        match exec(addr, vec!["/no/such".into()], 1_000).await.unwrap() {
+            ExecResult::Refused(reason) => assert!(reason.contains("/no/such")),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn pinging_a_closed_port_fails_quickly() {
+        let addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        assert!(ping(addr).await.is_err());
+    }
+}

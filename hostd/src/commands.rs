@@ -1,0 +1,218 @@
+//! The command consumer: a durable JetStream pull consumer per host on `{p}.cmd.<host_id>`.
+//!
+//! # Guarantees
+//! - Commands of one sandbox are applied in delivery order, one at a time; different
+//!   sandboxes proceed concurrently. (Each command's task first awaits the previous task of
+//!   the same sandbox.)
+//! - A command is acked only after its result was published to `{p}.result.<host_id>` and
+//!   JetStream acknowledged that publish. If the publish fails the command is nak'd; the
+//!   redelivery republishes the stored result (see `fence`).
+//! - A message that does not decode is terminated (acked without redelivery) and logged.
+//! - Long work extends the ack deadline with progress acks, so JetStream does not redeliver a
+//!   command that is still being worked on.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::{self, AckKind};
+use berth_schemas::wire::{self, Command, CommandResult};
+use berth_schemas::{SandboxId, Subjects};
+use futures::StreamExt;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::error::HostdError;
+use crate::host::Host;
+use crate::lifecycle::Applied;
+
+/// How long JetStream waits for an ack before redelivering a command.
+pub const ACK_WAIT: Duration = Duration::from_secs(60);
+
+/// How often a command still being worked on extends its ack deadline.
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(20);
+
+/// How long a nak'd command (delete that must be retried, result not published) waits.
+pub const RETRY_DELAY: Duration = Duration::from_secs(5);
+
+/// Pause before resubscribing after the message stream broke.
+const RESUBSCRIBE_DELAY: Duration = Duration::from_secs(1);
+
+/// How long shutdown waits for commands in progress.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// Consumes commands until `shutdown`, then waits (up to [`SHUTDOWN_GRACE`]) for those in
+/// progress. Un-acked commands are redelivered to the next run.
+///
+/// Errors: [`HostdError::Nats`] when the command stream does not exist.
+pub async fn consume(
+    host: Arc<Host>,
+    js: jetstream::Context,
+    subjects: Subjects,
+    shutdown: CancellationToken,
+) -> Result<(), HostdError> {
+    let stream = js
+        .get_stream(subjects.cmd_stream())
+        .await
+        .map_err(HostdError::nats("look up the command stream"))?;
+    let name = subjects.host_consumer(host.host_id);
+    let config = pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: subjects.cmd(host.host_id),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: ACK_WAIT,
+        deliver_policy: DeliverPolicy::All,
+        ..Default::default()
+    };
+    let result_subject = subjects.result(host.host_id);
+    let mut chains: HashMap<SandboxId, JoinHandle<()>> = HashMap::new();
+
+    'resubscribe: while !shutdown.is_cancelled() {
+        let messages = async {
+            let consumer: PullConsumer = stream
+                .get_or_create_consumer(&name, config.clone())
+                .await
+                .map_err(HostdError::nats("create the host consumer"))?;
+            consumer
+                .messages()
+                .await
+                .map_err(HostdError::nats("pull commands"))
+        };
+        let mut messages = match messages.await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e.report(), "command subscription failed; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break 'resubscribe,
+                    _ = tokio::time::sleep(RESUBSCRIBE_DELAY) => continue 'resubscribe,
+                }
+            }
+        };
+        tracing::info!(consumer = %name, "consuming commands");
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break 'resubscribe,
+                next = messages.next() => match next {
+                    Some(Ok(message)) => {
+                        dispatch(&host, &js, &result_subject, &mut chains, message);
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "command stream error; resubscribing");
+                        tokio::time::sleep(RESUBSCRIBE_DELAY).await;
+                        continue 'resubscribe;
+                    }
+                    None => continue 'resubscribe,
+                },
+            }
+        }
+    }
+
+    // `chains` holds the last task of each sandbox, which awaits the ones before it.
+    let in_progress: Vec<JoinHandle<()>> =
+        chains.into_values().filter(|h| !h.is_finished()).collect();
+    tracing::info!(in_progress = in_progress.len(), "command consumer stopping");
+    let drain = futures::future::join_all(in_progress);
+    if tokio::time::timeout(SHUTDOWN_GRACE, drain).await.is_err() {
+        tracing::warn!(grace = ?SHUTDOWN_GRACE, "commands still in progress at shutdown");
+    }
+    Ok(())
+}
+
+/// Decodes a message and chains its handling behind the sandbox's previous command.
+fn dispatch(
+    host: &Arc<Host>,
+    js: &jetstream::Context,
+    result_subject: &str,
+    chains: &mut HashMap<SandboxId, JoinHandle<()>>,
+    message: jetstream::Message,
+) {
+    let command = match wire::decode::<Command>(&message.payload) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(subject = %message.subject, error = %e, "undecodable command; terminating it");
+            tokio::spawn(async move {
+                if let Err(e) = message.ack_with(AckKind::Term).await {
+                    tracing::warn!(error = %e, "term of an undecodable command failed");
+                }
+            });
+            return;
+        }
+    };
+    chains.retain(|_, h| !h.is_finished());
+    let previous = chains.remove(&command.sandbox_id);
+    let span = tracing::info_span!(
+        "command",
+        host_id = %host.host_id,
+        sandbox_id = %command.sandbox_id,
+        command_id = %command.id,
+        kind = %command.kind,
+    );
+    let (host, js, subject) = (host.clone(), js.clone(), result_subject.to_owned());
+    let sandbox_id = command.sandbox_id;
+    let task = async move {
+        if let Some(previous) = previous {
+            // A panicked predecessor is logged by the runtime; order is all that matters here.
+            let _ = previous.await;
+        }
+        handle(&host, &js, &subject, message, command).await;
+    };
+    chains.insert(sandbox_id, tokio::spawn(task.instrument(span)));
+}
+
+/// Applies one command, publishes its result, then acks (or naks).
+async fn handle(
+    host: &Arc<Host>,
+    js: &jetstream::Context,
+    result_subject: &str,
+    message: jetstream::Message,
+    command: Command,
+) {
+    let work = host.apply(&command);
+    tokio::pin!(work);
+    let start = tokio::time::Instant::now() + PROGRESS_INTERVAL;
+    let mut progress = tokio::time::interval_at(start, PROGRESS_INTERVAL);
+    let applied = loop {
+        tokio::select! {
+            applied = &mut work => break applied,
+            _ = progress.tick() => {
+                if let Err(e) = message.ack_with(AckKind::Progress).await {
+                    tracing::debug!(error = %e, "progress ack failed");
+                }
+            }
+        }
+    };
+    let settle = match applied {
+        Applied::Respond { result, .. } => {
+            match publish_result(js, result_subject, &result).await {
+                Ok(()) => AckKind::Ack,
+                Err(e) => {
+                    tracing::warn!(error = %e.report(), "result not published; command will be redelivered");
+                    AckKind::Nak(Some(RETRY_DELAY))
+                }
+            }
+        }
+        Applied::Retry { .. } => AckKind::Nak(Some(RETRY_DELAY)),
+    };
+    if let Err(e) = message.ack_with(settle).await {
+        // Not acked: JetStream redelivers after the ack wait and the fence replays the result.
+        tracing::warn!(error = %e, "settling the command message failed");
+    }
+}
+
+/// Publishes a result through JetStream and waits for the stream's acknowledgement.
+///
+/// Errors: [`HostdError::Nats`].
+pub async fn publish_result(
+    js: &jetstream::Context,
+    subject: &str,
+    result: &CommandResult,
+) -> Result<(), HostdError> {
+    js.publish(subject.to_owned(), wire::encode(result).into())
+        .await
+        .map_err(HostdError::nats("publish a result"))?
+        .await
+        .map_err(HostdError::nats("confirm a result"))?;
+    Ok(())
+}

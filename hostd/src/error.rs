@@ -1,0 +1,159 @@
+//! [`HostdError`]: the one error type at the `berth-hostd` crate boundary.
+//!
+//! Messages are lowercase and short; context travels in fields, and the underlying cause is the
+//! `#[source]`. [`HostdError::report`] renders the whole chain on one line, which is what a
+//! `ResultOutcome::Failed { reason }` carries back to the control plane.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use berth_schemas::SandboxId;
+
+/// A boxed error from a dependency whose error types are many and generic (async-nats).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything that can go wrong inside hostd.
+#[derive(Debug, thiserror::Error)]
+pub enum HostdError {
+    /// A filesystem or process operation failed; `context` says which and on what.
+    #[error("{context}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// An external tool (`ip`, `runc`, `ldd`, `busybox`) exited unsuccessfully.
+    #[error("{program} {args} failed ({status}): {stderr}")]
+    Tool {
+        program: String,
+        args: String,
+        status: String,
+        stderr: String,
+    },
+
+    /// A mount or unmount syscall failed.
+    #[error("{operation} {path}")]
+    Mount {
+        operation: &'static str,
+        path: PathBuf,
+        #[source]
+        source: nix::Error,
+    },
+
+    /// A JSON state file (sandbox record, bundle manifest) could not be read or written.
+    #[error("invalid state file {path}")]
+    StateFile {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// The `<state_dir>/host-id` file holds something that is not a host id.
+    #[error("invalid host id file {path}: {content:?}")]
+    HostIdFile { path: PathBuf, content: String },
+
+    /// The command asked for a template this host cannot build.
+    #[error("unknown template {name:?} (known: {known})")]
+    UnknownTemplate { name: String, known: String },
+
+    /// Every /30 of the pool is taken.
+    #[error("address pool {pool}/16 is exhausted")]
+    AddressPoolExhausted { pool: Ipv4Addr },
+
+    /// The agent bundle (binary plus shared libraries) could not be assembled.
+    #[error("agent bundle: {reason}")]
+    Bundle { reason: String },
+
+    /// The agent did not answer a ping within `waited`.
+    #[error("agent at {address} did not answer within {waited:?}")]
+    AgentTimeout {
+        address: SocketAddr,
+        waited: Duration,
+    },
+
+    /// The agent answered with an error, garbage, or the connection broke.
+    #[error("agent at {address}: {reason}")]
+    Agent { address: SocketAddr, reason: String },
+
+    /// The container stopped while hostd waited for its agent.
+    #[error("container {container_id} exited while booting; console: {console_tail}")]
+    ContainerExited {
+        container_id: String,
+        console_tail: String,
+    },
+
+    /// The OCI runtime spec could not be built or written.
+    #[error("oci runtime spec")]
+    Oci(#[from] oci_spec::OciSpecError),
+
+    /// `HostdConfig::runtime` names a runtime this build has no driver for.
+    #[error("unsupported runtime {name:?} (supported: runc)")]
+    UnsupportedRuntime { name: String },
+
+    /// A NATS or JetStream operation failed.
+    #[error("nats {operation}")]
+    Nats {
+        operation: &'static str,
+        #[source]
+        source: BoxError,
+    },
+
+    /// One or more cleanup steps failed; every step was still attempted (last-in-first-out).
+    #[error("cleanup failed: {}", errors.join("; "))]
+    Cleanup { errors: Vec<String> },
+
+    /// A command needs a local sandbox this host does not have.
+    #[error("no sandbox {sandbox_id} on this host")]
+    UnknownSandbox { sandbox_id: SandboxId },
+
+    /// The operation was abandoned because hostd is shutting down.
+    #[error("hostd is shutting down")]
+    ShuttingDown,
+}
+
+impl HostdError {
+    /// The error and every source below it, joined with `": "`, on one line.
+    pub fn report(&self) -> String {
+        let mut out = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            out.push_str(": ");
+            out.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        out
+    }
+
+    /// A `map_err` adapter for I/O errors: `fs::read(p).map_err(HostdError::io(format!(..)))`.
+    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> HostdError {
+        let context = context.into();
+        move |source| HostdError::Io { context, source }
+    }
+
+    /// A `map_err` adapter for NATS errors.
+    pub(crate) fn nats<E>(operation: &'static str) -> impl FnOnce(E) -> HostdError
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        move |source| HostdError::Nats {
+            operation,
+            source: Box::new(source),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_joins_the_whole_source_chain_on_one_line() {
+        let err = HostdError::Io {
+            context: "read /x".into(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "gone"),
+        };
+        assert_eq!(err.report(), "read /x: gone");
+    }
+}

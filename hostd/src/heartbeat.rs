@@ -1,0 +1,73 @@
+//! Heartbeats: core-NATS publishes on `{p}.hb.<host_id>`, one at start and then every
+//! interval, carrying capacity, use, runtimes and the observed inventory.
+//!
+//! Core NATS (at most once) on purpose: only the latest heartbeat matters, and `seq` lets the
+//! consumer drop one that arrives late.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::Client;
+use berth_schemas::wire::{self, Heartbeat, Resources, RuntimeInfo};
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+
+use crate::host::Host;
+
+/// The default interval between heartbeats.
+pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+
+/// What every heartbeat of this hostd repeats.
+#[derive(Debug, Clone)]
+pub struct HeartbeatConfig {
+    pub subject: String,
+    pub name: String,
+    pub capacity: Resources,
+    pub interval: Duration,
+}
+
+/// Publishes heartbeats until `shutdown`. A round whose observation fails (the runtime does
+/// not answer) is skipped with a warning rather than sent with a wrong inventory.
+pub async fn run(
+    host: Arc<Host>,
+    nats: Client,
+    config: HeartbeatConfig,
+    shutdown: CancellationToken,
+) {
+    let mut seq: u64 = 0;
+    let mut ticker = tokio::time::interval(config.interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            // The first tick fires at once: one heartbeat right at start.
+            _ = ticker.tick() => {}
+        }
+        let (used, inventory) = match host.observe().await {
+            Ok(observed) => observed,
+            Err(e) => {
+                tracing::warn!(error = %e.report(), "heartbeat skipped: observation failed");
+                continue;
+            }
+        };
+        seq += 1;
+        let heartbeat = Heartbeat {
+            host_id: host.host_id,
+            name: config.name.clone(),
+            seq,
+            capacity: config.capacity,
+            used,
+            runtimes: vec![RuntimeInfo {
+                name: host.runtime.name().to_owned(),
+                memory_snapshot: host.runtime.memory_snapshot(),
+            }],
+            inventory,
+        };
+        if let Err(e) = nats
+            .publish(config.subject.clone(), wire::encode(&heartbeat).into())
+            .await
+        {
+            tracing::warn!(error = %e, seq, "heartbeat not published");
+        }
+    }
+}

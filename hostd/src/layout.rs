@@ -1,0 +1,210 @@
+//! Where things live: the paths under `<state_dir>` and the kernel-visible names (netns, veth,
+//! cgroup) of each sandbox.
+//!
+//! # Layout of `<state_dir>`
+//! ```text
+//! host-id                         stable host id (created once)
+//! runc/                           runc --root (per hostd, so container ids only need to be
+//!                                 unique per host)
+//! templates/<name>/rootfs/        read-only lower dirs of the overlays
+//! agent/<fingerprint>/            agent bundle: `berth` + its shared libraries
+//! sandboxes/<id>/record.json      the local record (generation fence, results, address)
+//! sandboxes/<id>/{upper,work}/    the overlay's writable half (survives stop)
+//! sandboxes/<id>/rootfs/          the merged overlay (mounted while running)
+//! sandboxes/<id>/config.json      the OCI runtime spec; the sandbox dir is the OCI bundle
+//! sandboxes/<id>/console.log      the container's stdout and stderr
+//! tombstones/<id>.json            the record of a deleted (or never created) sandbox
+//! ```
+//!
+//! # Names
+//! Network namespaces, veth devices and cgroups are global to the machine, and `berth dev`
+//! runs several hostd in one root network namespace, so their names derive from a hash of
+//! (host id, sandbox id): two hostd never pick the same name, even for the same sandbox.
+//! A veth name must fit `IFNAMSIZ` (15 bytes).
+
+use std::path::{Path, PathBuf};
+
+use berth_schemas::{HostId, SandboxId};
+use sha2::{Digest, Sha256};
+
+/// Hex characters of the (host, sandbox) hash used in kernel-visible names: 40 bits, so a
+/// collision between two sandboxes on one machine has odds of about 1 in 10^12 per pair.
+pub const NAME_TAG_HEX_LEN: usize = 10;
+
+/// Linux's `IFNAMSIZ - 1`: the longest interface name.
+pub const MAX_INTERFACE_NAME_LEN: usize = 15;
+
+/// Where `ip netns add` puts the namespace handles.
+pub const NETNS_DIR: &str = "/var/run/netns";
+
+/// The paths under one hostd's state dir.
+#[derive(Debug, Clone)]
+pub struct StateLayout {
+    root: PathBuf,
+}
+
+impl StateLayout {
+    pub fn new(state_dir: &Path) -> Self {
+        Self {
+            root: state_dir.to_path_buf(),
+        }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// `<state_dir>/host-id`.
+    pub fn host_id_file(&self) -> PathBuf {
+        self.root.join("host-id")
+    }
+
+    /// `<state_dir>/runc`: the `runc --root` of this hostd.
+    pub fn runc_root(&self) -> PathBuf {
+        self.root.join("runc")
+    }
+
+    /// `<state_dir>/templates`.
+    pub fn templates_dir(&self) -> PathBuf {
+        self.root.join("templates")
+    }
+
+    /// `<state_dir>/agent`.
+    pub fn agent_dir(&self) -> PathBuf {
+        self.root.join("agent")
+    }
+
+    /// `<state_dir>/sandboxes`.
+    pub fn sandboxes_dir(&self) -> PathBuf {
+        self.root.join("sandboxes")
+    }
+
+    /// `<state_dir>/tombstones`.
+    pub fn tombstones_dir(&self) -> PathBuf {
+        self.root.join("tombstones")
+    }
+
+    /// `<state_dir>/tombstones/<id>.json`.
+    pub fn tombstone(&self, id: SandboxId) -> PathBuf {
+        self.tombstones_dir().join(format!("{id}.json"))
+    }
+
+    /// The paths of one sandbox.
+    pub fn sandbox(&self, id: SandboxId) -> SandboxPaths {
+        SandboxPaths {
+            dir: self.sandboxes_dir().join(id.to_string()),
+        }
+    }
+}
+
+/// The paths of one sandbox, all below `<state_dir>/sandboxes/<id>/`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxPaths {
+    dir: PathBuf,
+}
+
+impl SandboxPaths {
+    /// The sandbox dir; also the OCI bundle dir.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn record(&self) -> PathBuf {
+        self.dir.join("record.json")
+    }
+
+    pub fn upper(&self) -> PathBuf {
+        self.dir.join("upper")
+    }
+
+    pub fn work(&self) -> PathBuf {
+        self.dir.join("work")
+    }
+
+    /// The merged overlay, and the container's root.
+    pub fn rootfs(&self) -> PathBuf {
+        self.dir.join("rootfs")
+    }
+
+    pub fn oci_config(&self) -> PathBuf {
+        self.dir.join("config.json")
+    }
+
+    pub fn console_log(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+}
+
+/// The machine-global names of one sandbox's kernel objects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxNames {
+    /// The runc container id: the sandbox id (the runc root is per hostd).
+    pub container_id: String,
+    /// The network namespace (`ip netns` name).
+    pub netns: String,
+    /// The host-side veth in the root network namespace. Its peer is `eth0` in `netns`.
+    pub veth_host: String,
+    /// The cgroup path, relative to hostd's own cgroup (runc's convention for a relative
+    /// `cgroupsPath`).
+    pub cgroup: String,
+}
+
+impl SandboxNames {
+    /// Derives every name from `(host, sandbox)`; see the module docs.
+    pub fn derive(host: HostId, sandbox: SandboxId) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(host.as_uuid().as_bytes());
+        hasher.update(sandbox.as_uuid().as_bytes());
+        let digest = hex::encode(hasher.finalize());
+        let tag = &digest[..NAME_TAG_HEX_LEN];
+        Self {
+            container_id: sandbox.to_string(),
+            netns: format!("berth-{tag}"),
+            veth_host: format!("bv{tag}"),
+            cgroup: format!("berth-{tag}"),
+        }
+    }
+
+    /// `/var/run/netns/<netns>`: what the OCI spec's network namespace `path` points at.
+    pub fn netns_path(&self) -> PathBuf {
+        Path::new(NETNS_DIR).join(&self.netns)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use uuid::Uuid;
+
+    #[test]
+    fn names_fit_the_kernel_interface_name_limit() {
+        let names = SandboxNames::derive(HostId::new(), SandboxId::new());
+        assert!(names.veth_host.len() <= MAX_INTERFACE_NAME_LEN);
+        assert!(names.veth_host.chars().all(|c| c.is_ascii_alphanumeric()));
+    }
+
+    #[test]
+    fn the_same_sandbox_on_two_hosts_gets_different_names() {
+        let sandbox = SandboxId(Uuid::from_bytes([7; 16]));
+        let a = SandboxNames::derive(HostId(Uuid::from_bytes([1; 16])), sandbox);
+        let b = SandboxNames::derive(HostId(Uuid::from_bytes([2; 16])), sandbox);
+        assert_ne!(a.netns, b.netns);
+        assert_ne!(a.veth_host, b.veth_host);
+        assert_ne!(a.cgroup, b.cgroup);
+    }
+
+    #[test]
+    fn names_are_stable_for_the_same_pair() {
+        let (h, s) = (HostId::new(), SandboxId::new());
+        assert_eq!(SandboxNames::derive(h, s), SandboxNames::derive(h, s));
+    }
+
+    #[test]
+    fn sandbox_ids_created_in_the_same_millisecond_get_different_names() {
+        // UUIDv7 ids share their leading (timestamp) hex digits; the hash spreads them.
+        let h = HostId::new();
+        let a = SandboxNames::derive(h, SandboxId::new());
+        let b = SandboxNames::derive(h, SandboxId::new());
+        assert_ne!(a.veth_host, b.veth_host);
+    }
+}

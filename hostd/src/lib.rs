@@ -1,0 +1,298 @@
+//! `berth-hostd`: the host daemon. It owns everything sandbox-shaped on one machine: it
+//! consumes the host's commands from JetStream, runs sandboxes in an OCI runtime (runc) with
+//! an overlay root filesystem and a network namespace each, answers exec requests through the
+//! in-sandbox agent, and publishes heartbeats.
+//!
+//! Entry points: [`run`] (the daemon), [`host_id`], [`ensure_streams`], [`agent::main`] (the
+//! in-sandbox agent, `berth agent`).
+//!
+//! # Modules
+//! - [`commands`]: the JetStream consumer (ordering per sandbox, publish-then-ack).
+//! - [`lifecycle`] with [`fence`]: applying create/start/stop/delete at most once.
+//! - [`host`]: records, adoption after restart, observation for heartbeats.
+//! - [`runtime`]: the runtime driver trait and runc.
+//! - [`netns`], [`overlay`], [`template`], [`bundle`], [`oci`], [`address`]: the pieces.
+//! - [`exec`], [`heartbeat`]: the other two NATS interfaces.
+//!
+//! # Guarantees
+//! See DESIGN.md guarantees 2 (at most once per command id + generation) and 5 (no container
+//! that no record accounts for); each module's docs say how it keeps them.
+//!
+//! # Assumptions
+//! hostd runs as root in the root network namespace with runc, iproute2 and a static busybox
+//! at `/bin/busybox`. Several hostd may share one machine if their state dirs differ.
+
+pub mod address;
+pub mod agent;
+pub mod bundle;
+pub mod cleanup;
+pub mod commands;
+pub mod error;
+pub mod exec;
+pub mod fence;
+pub mod heartbeat;
+pub mod host;
+pub mod layout;
+pub mod lifecycle;
+pub mod metrics;
+pub mod netns;
+pub mod oci;
+pub mod overlay;
+pub mod record;
+pub mod runtime;
+pub mod template;
+pub mod tool;
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_schemas::wire::Resources;
+use berth_schemas::{HostId, Subjects};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+pub use error::HostdError;
+pub use heartbeat::DEFAULT_HEARTBEAT_INTERVAL;
+
+use crate::host::Host;
+use crate::layout::StateLayout;
+use crate::runtime::runc::{Runc, RUNC};
+use crate::runtime::RuntimeDriver;
+
+/// The default address pool: sandboxes get /30s out of 10.200.0.0/16.
+pub const DEFAULT_ADDRESS_POOL: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 0);
+
+/// The default runtime.
+pub const DEFAULT_RUNTIME: &str = RUNC;
+
+/// Where the host's memory size is read from.
+const MEMINFO: &str = "/proc/meminfo";
+
+/// Configuration of one hostd.
+#[derive(Debug, Clone)]
+pub struct HostdConfig {
+    /// NATS server URL (`nats://127.0.0.1:4222`).
+    pub nats_url: String,
+    /// Subject and stream names (carries the prefix).
+    pub subjects: Subjects,
+    /// Everything this hostd owns lives below it (see [`layout`]).
+    pub state_dir: PathBuf,
+    /// Human-readable name for heartbeats.
+    pub name: String,
+    /// What the host offers to sandboxes (whole vCPUs, MiB).
+    pub capacity: Resources,
+    /// Interval between heartbeats; default [`DEFAULT_HEARTBEAT_INTERVAL`].
+    pub heartbeat_interval: Duration,
+    /// Base of a /16; each sandbox gets a /30 from it. Default [`DEFAULT_ADDRESS_POOL`].
+    /// Two hostd on one machine need disjoint pools.
+    pub address_pool: Ipv4Addr,
+    /// The `berth` binary containing `berth agent`, copied into every sandbox. Default: the
+    /// running executable.
+    pub agent_binary: PathBuf,
+    /// The OCI runtime: `runc` ([`DEFAULT_RUNTIME`]).
+    pub runtime: String,
+}
+
+impl HostdConfig {
+    /// A config with defaults for everything but the four arguments; capacity is the
+    /// machine's CPU count and memory size.
+    pub fn new(
+        nats_url: impl Into<String>,
+        subjects: Subjects,
+        state_dir: impl Into<PathBuf>,
+        name: impl Into<String>,
+    ) -> Self {
+        Self {
+            nats_url: nats_url.into(),
+            subjects,
+            state_dir: state_dir.into(),
+            name: name.into(),
+            capacity: machine_capacity(),
+            heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
+            address_pool: DEFAULT_ADDRESS_POOL,
+            agent_binary: std::env::current_exe()
+                .unwrap_or_else(|_| PathBuf::from("/proc/self/exe")),
+            runtime: DEFAULT_RUNTIME.to_owned(),
+        }
+    }
+}
+
+/// Runs hostd until `shutdown` is cancelled: stable host id, streams, adoption of what a
+/// previous run left, then the command consumer, the exec server and heartbeats.
+///
+/// Sandboxes keep running when hostd stops; the next run adopts them.
+///
+/// Errors: [`HostdError::UnsupportedRuntime`]; [`HostdError::Nats`] when NATS is unreachable
+/// or the streams cannot be made; [`HostdError::Io`] for the state dir.
+pub async fn run(config: HostdConfig, shutdown: CancellationToken) -> Result<(), HostdError> {
+    let host_id = host_id(&config.state_dir)?;
+    let span = tracing::info_span!("hostd", %host_id, name = %config.name);
+    run_as(host_id, config, shutdown).instrument(span).await
+}
+
+async fn run_as(
+    host_id: HostId,
+    config: HostdConfig,
+    shutdown: CancellationToken,
+) -> Result<(), HostdError> {
+    let runtime: Arc<dyn RuntimeDriver> = match config.runtime.as_str() {
+        RUNC => Arc::new(Runc::new(StateLayout::new(&config.state_dir).runc_root())?),
+        other => {
+            return Err(HostdError::UnsupportedRuntime {
+                name: other.to_owned(),
+            })
+        }
+    };
+    let nats = async_nats::connect(config.nats_url.as_str())
+        .await
+        .map_err(HostdError::nats("connect"))?;
+    let js = async_nats::jetstream::new(nats.clone());
+    ensure_streams(&js, &config.subjects).await?;
+
+    let host = Arc::new(Host::open(host_id, &config, runtime)?);
+    host.adopt().await?;
+    tracing::info!(%host_id, name = %config.name, state_dir = %config.state_dir.display(), "hostd started");
+
+    // Stop the siblings when one part fails for good.
+    let stop = shutdown.child_token();
+    let heartbeats = tokio::spawn(heartbeat::run(
+        host.clone(),
+        nats.clone(),
+        heartbeat::HeartbeatConfig {
+            subject: config.subjects.heartbeat(host_id),
+            name: config.name.clone(),
+            capacity: config.capacity,
+            interval: config.heartbeat_interval,
+        },
+        stop.clone(),
+    ));
+    let exec = tokio::spawn(exec::serve(
+        host.clone(),
+        nats.clone(),
+        config.subjects.clone(),
+        stop.clone(),
+    ));
+    let consumed = commands::consume(host, js, config.subjects.clone(), stop.clone()).await;
+    stop.cancel();
+    let exec = exec.await.map_err(|e| HostdError::Io {
+        context: "exec task".into(),
+        source: std::io::Error::other(e),
+    })?;
+    let _ = heartbeats.await;
+    if let Err(e) = nats.flush().await {
+        tracing::debug!(error = %e, "flush at shutdown failed");
+    }
+    tracing::info!(%host_id, "hostd stopped");
+    consumed.and(exec)
+}
+
+/// The host's stable id: read from `<state_dir>/host-id`, or created there once.
+///
+/// Errors: [`HostdError::Io`]; [`HostdError::HostIdFile`] when the file holds something else.
+pub fn host_id(state_dir: &Path) -> Result<HostId, HostdError> {
+    let path = StateLayout::new(state_dir).host_id_file();
+    let read = |path: &Path| -> Result<Option<HostId>, HostdError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                text.trim()
+                    .parse::<HostId>()
+                    .map(Some)
+                    .map_err(|_| HostdError::HostIdFile {
+                        path: path.to_path_buf(),
+                        content: text.clone(),
+                    })
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(HostdError::io(format!("read {}", path.display()))(e)),
+        }
+    };
+    if let Some(id) = read(&path)? {
+        return Ok(id);
+    }
+    std::fs::create_dir_all(state_dir)
+        .map_err(HostdError::io(format!("create {}", state_dir.display())))?;
+    // Write a temporary file, then hard-link it into place: the link fails if another process
+    // won the race, and the file is never seen half-written.
+    let tmp = state_dir.join(format!(".host-id.{}", uuid::Uuid::new_v4().simple()));
+    let id = HostId::new();
+    std::fs::write(&tmp, format!("{id}\n"))
+        .map_err(HostdError::io(format!("write {}", tmp.display())))?;
+    let linked = std::fs::hard_link(&tmp, &path);
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => Ok(id),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            read(&path)?.ok_or_else(|| HostdError::HostIdFile {
+                path: path.clone(),
+                content: String::new(),
+            })
+        }
+        Err(e) => Err(HostdError::io(format!("create {}", path.display()))(e)),
+    }
+}
+
+/// Makes sure the command and result streams exist (idempotent; the api and reconciler call
+/// the same definitions). The configs live in `berth_schemas::streams` so every component
+/// creates them identically: file storage, work-queue retention, a duplicate window so a
+/// re-published command (same `Nats-Msg-Id`) is dropped.
+///
+/// Errors: [`HostdError::Nats`].
+pub async fn ensure_streams(
+    js: &async_nats::jetstream::Context,
+    subjects: &Subjects,
+) -> Result<(), HostdError> {
+    berth_schemas::streams::ensure_streams(js, subjects)
+        .await
+        .map_err(HostdError::nats("ensure streams"))
+}
+
+/// The machine's CPU count and memory size (MiB).
+fn machine_capacity() -> Resources {
+    let vcpus = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1);
+    let memory_mib = std::fs::read_to_string(MEMINFO)
+        .ok()
+        .and_then(|t| meminfo_total_mib(&t))
+        .unwrap_or(0);
+    Resources { vcpus, memory_mib }
+}
+
+/// `MemTotal` of a `/proc/meminfo` text, in MiB.
+fn meminfo_total_mib(meminfo: &str) -> Option<u32> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    u32::try_from(kib / 1024).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meminfo_total_is_read_in_mib() {
+        let text = "MemTotal:       24683652 kB\nMemFree:        21987000 kB\n";
+        assert_eq!(meminfo_total_mib(text), Some(24105));
+        assert_eq!(meminfo_total_mib("nothing"), None);
+    }
+
+    #[test]
+    fn the_host_id_is_created_once_and_read_afterwards() {
+        let dir = std::env::temp_dir().join(format!("berth-hostid-{}", uuid::Uuid::new_v4()));
+        let first = host_id(&dir).unwrap();
+        assert_eq!(host_id(&dir).unwrap(), first);
+        std::fs::write(dir.join("host-id"), "garbage").unwrap();
+        assert!(matches!(host_id(&dir), Err(HostdError::HostIdFile { .. })));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn defaults_fill_everything_but_the_arguments() {
+        let c = HostdConfig::new("nats://x", Subjects::default(), "/tmp/s", "h");
+        assert_eq!(c.heartbeat_interval, DEFAULT_HEARTBEAT_INTERVAL);
+        assert_eq!(c.runtime, "runc");
+        assert!(c.capacity.vcpus >= 1);
+    }
+}

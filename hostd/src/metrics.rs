@@ -1,0 +1,50 @@
+//! hostd's metrics (the `metrics` facade; the binary installs the Prometheus exporter).
+//!
+//! Labels are bounded: runtime, operation, command kind, outcome. Never sandbox ids.
+
+use std::time::Duration;
+
+use berth_schemas::CommandKind;
+
+/// Histogram of runtime operations (`runc run`, `state`, `delete`, …), in seconds.
+/// Labels: `runtime`, `operation`.
+pub const RUNTIME_OPERATION_DURATION: &str = "berth_hostd_runtime_operation_duration_seconds";
+
+/// Counter of commands handled. Labels: `kind` (`sandbox.create`, …), `outcome`.
+pub const COMMANDS_TOTAL: &str = "berth_hostd_commands_total";
+
+/// How a command ended, as the `outcome` label of [`COMMANDS_TOTAL`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommandOutcome {
+    Succeeded,
+    Failed,
+    RefusedStale,
+    /// A redelivery answered from the stored result.
+    Replayed,
+    /// Not finished; the message was nak'd for a later retry.
+    Retried,
+}
+
+impl CommandOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommandOutcome::Succeeded => "succeeded",
+            CommandOutcome::Failed => "failed",
+            CommandOutcome::RefusedStale => "refused_stale",
+            CommandOutcome::Replayed => "replayed",
+            CommandOutcome::Retried => "retried",
+        }
+    }
+}
+
+/// Records one runtime operation's duration.
+pub fn runtime_operation(runtime: &'static str, operation: &'static str, elapsed: Duration) {
+    ::metrics::histogram!(RUNTIME_OPERATION_DURATION, "runtime" => runtime, "operation" => operation)
+        .record(elapsed.as_secs_f64());
+}
+
+/// Counts one handled command.
+pub fn command(kind: CommandKind, outcome: CommandOutcome) {
+    ::metrics::counter!(COMMANDS_TOTAL, "kind" => kind.as_str(), "outcome" => outcome.as_str())
+        .increment(1);
+}

@@ -1,0 +1,130 @@
+//! Sandbox networking with iproute2: a network namespace per sandbox and a veth pair whose host
+//! side stays in the root namespace (`.1` of the sandbox's /30) and whose peer is the sandbox's
+//! `eth0` (`.2`), with `lo` up and a default route via the host side.
+//!
+//! # Guarantees
+//! [`ensure`] converges: whatever part exists is kept, a half-made veth is rebuilt, addresses
+//! and routes are `replace`d. [`teardown`] removes what exists and succeeds on what does not.
+//!
+//! No NAT or forwarding is set up: the host reaches the agent over the link; sandbox egress
+//! beyond the host is out of scope here.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use crate::address::{parse_ip_addr_output, AddressPool, LinkAddresses, Slot, LINK_PREFIX_LEN};
+use crate::error::HostdError;
+use crate::layout::SandboxNames;
+use crate::tool;
+
+/// The sandbox-side interface name.
+pub const GUEST_INTERFACE: &str = "eth0";
+
+/// What [`ensure`] had to build, so a failed start undoes only that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Built {
+    pub netns: bool,
+    pub veth: bool,
+}
+
+/// Makes the sandbox's namespace, veth pair, addresses and route exist.
+///
+/// Errors: [`HostdError::Tool`] from `ip`.
+pub async fn ensure(names: &SandboxNames, link: &LinkAddresses) -> Result<Built, HostdError> {
+    let mut built = Built::default();
+    if !names.netns_path().exists() {
+        tool::run("ip", &["netns", "add", &names.netns]).await?;
+        built.netns = true;
+    }
+    let ns = names.netns.as_str();
+    let host_if = names.veth_host.as_str();
+    let guest_ok = tool::run("ip", &["-n", ns, "link", "show", GUEST_INTERFACE])
+        .await
+        .is_ok();
+    if !(guest_ok && host_link_exists(host_if)) {
+        // Half a pair (a crash between steps) is rebuilt from scratch.
+        let _ = tool::run("ip", &["link", "del", host_if]).await;
+        let _ = tool::run("ip", &["-n", ns, "link", "del", GUEST_INTERFACE]).await;
+        tool::run(
+            "ip",
+            &[
+                "link",
+                "add",
+                host_if,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                GUEST_INTERFACE,
+                "netns",
+                ns,
+            ],
+        )
+        .await?;
+        built.veth = true;
+    }
+    let host_cidr = format!("{}/{LINK_PREFIX_LEN}", link.host);
+    let guest_cidr = format!("{}/{LINK_PREFIX_LEN}", link.sandbox);
+    let gateway = link.host.to_string();
+    let steps: [&[&str]; 6] = [
+        &["addr", "replace", &host_cidr, "dev", host_if],
+        &["link", "set", host_if, "up"],
+        &["-n", ns, "link", "set", "lo", "up"],
+        &[
+            "-n",
+            ns,
+            "addr",
+            "replace",
+            &guest_cidr,
+            "dev",
+            GUEST_INTERFACE,
+        ],
+        &["-n", ns, "link", "set", GUEST_INTERFACE, "up"],
+        &["-n", ns, "route", "replace", "default", "via", &gateway],
+    ];
+    for args in steps {
+        tool::run("ip", args).await?;
+    }
+    Ok(built)
+}
+
+/// Removes the veth pair and the namespace; succeeds when they are already gone.
+///
+/// Errors: [`HostdError::Tool`] when something exists and `ip` cannot remove it.
+pub async fn teardown(names: &SandboxNames) -> Result<(), HostdError> {
+    remove_veth(names).await?;
+    remove_netns(names).await
+}
+
+/// Removes the host-side veth (and with it the peer); succeeds when it is gone.
+pub async fn remove_veth(names: &SandboxNames) -> Result<(), HostdError> {
+    if host_link_exists(&names.veth_host) {
+        tool::run("ip", &["link", "del", &names.veth_host]).await?;
+    }
+    Ok(())
+}
+
+/// Removes the network namespace; succeeds when it is gone.
+pub async fn remove_netns(names: &SandboxNames) -> Result<(), HostdError> {
+    if names.netns_path().exists() {
+        tool::run("ip", &["netns", "del", &names.netns]).await?;
+    }
+    Ok(())
+}
+
+/// Slots of `pool` whose addresses are configured on an interface of the root namespace
+/// (another hostd's sandbox, a stray interface), so they are not handed out again.
+///
+/// Errors: [`HostdError::Tool`] from `ip`.
+pub async fn foreign_slots(pool: AddressPool) -> Result<BTreeSet<Slot>, HostdError> {
+    let out = tool::run("ip", &["-o", "-4", "addr", "show"]).await?;
+    Ok(parse_ip_addr_output(&out.stdout)
+        .into_iter()
+        .filter_map(|a| pool.slot_of(a))
+        .collect())
+}
+
+/// Whether an interface of that name exists in the root network namespace.
+pub fn host_link_exists(name: &str) -> bool {
+    Path::new("/sys/class/net").join(name).exists()
+}
