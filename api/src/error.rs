@@ -26,6 +26,9 @@ pub enum ApiError {
     /// 422 `unknown_template`.
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
+    /// 422 `idempotency_key_reused`: the key was used for a different request.
+    #[error("Idempotency-Key {0:?} was used for a different request")]
+    IdempotencyKeyReused(String),
     /// 503 `no_capacity`: no ready host with a recent heartbeat has the headroom.
     #[error("no host has capacity for {vcpus} vCPUs and {memory_mib} MiB")]
     NoCapacity { vcpus: u32, memory_mib: u32 },
@@ -54,6 +57,9 @@ impl ApiError {
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
             ApiError::UnknownTemplate(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unknown_template"),
+            ApiError::IdempotencyKeyReused(_) => {
+                (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
+            }
             ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
             ApiError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
             ApiError::HostUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),

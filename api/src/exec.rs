@@ -5,8 +5,10 @@
 
 use std::time::Duration;
 
-use axum::extract::rejection::JsonRejection;
+use axum::body::Bytes;
 use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_schemas::wire::{self, ExecError, ExecReply, ExecRequest};
 use berth_schemas::SandboxState;
@@ -14,6 +16,7 @@ use tracing::instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::idempotency::Idempotency;
 use crate::model::{ExecBody, ExecOutput};
 use crate::sandboxes::{fetch, json_error, parse_id};
 use crate::AppState;
@@ -43,9 +46,18 @@ pub async fn exec(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    body: Result<Json<ExecBody>, JsonRejection>,
-) -> Result<Json<ExecOutput>, ApiError> {
-    let Json(body) = body.map_err(json_error)?;
+    headers: HeaderMap,
+    raw: Bytes,
+) -> Result<Response, ApiError> {
+    let path = format!("/v1/sandboxes/{id}/exec");
+    let idem = Idempotency::from_headers(&headers, "POST", &path, &raw)?;
+    if let Some(idem) = &idem {
+        let mut conn = app.db.acquire().await?;
+        if let Some(stored) = idem.replay(&mut conn, caller.org_id).await? {
+            return Ok(stored);
+        }
+    }
+    let Json(body) = Json::<ExecBody>::from_bytes(&raw).map_err(json_error)?;
     if body.cmd.is_empty() || body.cmd.len() > MAX_ARGV {
         return Err(ApiError::invalid("cmd", format!("cmd must hold 1 to {MAX_ARGV} arguments")));
     }
@@ -109,12 +121,21 @@ pub async fn exec(
             stdout,
             stderr,
             timed_out,
-        } => Ok(Json(ExecOutput {
-            exit_code,
-            stdout: String::from_utf8_lossy(&stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&stderr).into_owned(),
-            timed_out,
-        })),
+        } => {
+            let output = serde_json::to_value(ExecOutput {
+                exit_code,
+                stdout: String::from_utf8_lossy(&stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&stderr).into_owned(),
+                timed_out,
+            })
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+            if let Some(idem) = &idem {
+                // Exec is not transactional: store after it ran. A lost race stores nothing.
+                let mut conn = app.db.acquire().await?;
+                idem.store(&mut conn, caller.org_id, StatusCode::OK, &output).await?;
+            }
+            Ok((StatusCode::OK, Json(output)).into_response())
+        }
         ExecReply::Failed(ExecError::NotFound | ExecError::NotRunning) => Err(not_running()),
         ExecReply::Failed(ExecError::Agent(message)) => Err(ApiError::Agent(message)),
     }

@@ -10,6 +10,7 @@
 pub mod auth;
 pub mod error;
 pub mod exec;
+pub mod idempotency;
 pub mod metrics;
 pub mod model;
 pub mod openapi;

@@ -40,6 +40,10 @@ pub struct CreateSandbox {
     /// Up to 64 string → string pairs, each at most 256 bytes.
     #[schema(value_type = Option<Object>)]
     pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Stop after this many minutes without activity (API calls on it, exec); 1 to 10080.
+    pub auto_stop_minutes: Option<u32>,
+    /// Delete after this many minutes stopped; 1 to 525600.
+    pub auto_delete_minutes: Option<u32>,
 }
 
 /// A validated create request.
@@ -48,6 +52,24 @@ pub struct ValidCreate {
     pub template: String,
     pub resources: Resources,
     pub metadata: serde_json::Value,
+    pub auto_stop_minutes: Option<i32>,
+    pub auto_delete_minutes: Option<i32>,
+}
+
+/// The longest `auto_stop_minutes` (a week).
+pub const MAX_AUTO_STOP_MINUTES: u32 = 7 * 24 * 60;
+/// The longest `auto_delete_minutes` (a year).
+pub const MAX_AUTO_DELETE_MINUTES: u32 = 365 * 24 * 60;
+
+fn minutes(field: &str, value: Option<u32>, max: u32) -> Result<Option<i32>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(m) if (1..=max).contains(&m) => Ok(Some(m as i32)),
+        Some(m) => Err(ApiError::invalid(
+            field,
+            format!("{field} must be between 1 and {max}, got {m}"),
+        )),
+    }
 }
 
 impl CreateSandbox {
@@ -100,6 +122,8 @@ impl CreateSandbox {
             template,
             resources: Resources { vcpus, memory_mib },
             metadata: serde_json::Value::Object(metadata),
+            auto_stop_minutes: minutes("auto_stop_minutes", self.auto_stop_minutes, MAX_AUTO_STOP_MINUTES)?,
+            auto_delete_minutes: minutes("auto_delete_minutes", self.auto_delete_minutes, MAX_AUTO_DELETE_MINUTES)?,
         })
     }
 }
@@ -130,11 +154,14 @@ pub struct Sandbox {
     pub updated_at: DateTime<Utc>,
     /// Set when a delete was accepted.
     pub deleted_at: Option<DateTime<Utc>>,
+    pub auto_stop_minutes: Option<i32>,
+    pub auto_delete_minutes: Option<i32>,
 }
 
 /// The columns [`Sandbox::from_row`] reads.
 pub const SANDBOX_COLUMNS: &str = "id, state, state_reason, template, host_id, generation, vcpus, \
-     memory_mib, metadata, address, last_stop, created_at, updated_at, deleted_at";
+     memory_mib, metadata, address, last_stop, created_at, updated_at, deleted_at, \
+     auto_stop_minutes, auto_delete_minutes";
 
 impl Sandbox {
     /// Reads a row selected with [`SANDBOX_COLUMNS`].
@@ -157,6 +184,8 @@ impl Sandbox {
             created_at: row.try_get("created_at")?,
             updated_at: row.try_get("updated_at")?,
             deleted_at: row.try_get("deleted_at")?,
+            auto_stop_minutes: row.try_get("auto_stop_minutes")?,
+            auto_delete_minutes: row.try_get("auto_delete_minutes")?,
         })
     }
 

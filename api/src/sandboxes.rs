@@ -4,9 +4,14 @@
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
-use berth_schemas::db::{insert_command, insert_event, NewEvent};
+use berth_schemas::db::{
+    insert_command, insert_event, write_transition, NewEvent, SandboxSnapshot, Transition,
+    SNAPSHOT_COLUMNS,
+};
 use berth_schemas::state::{on_request, Decision, Reason, Refusal, Request};
 use berth_schemas::wire::{Command, SandboxSpec};
 use berth_schemas::{CommandId, CommandKind, Generation, SandboxId, SandboxState};
@@ -17,6 +22,7 @@ use tracing::{info, instrument};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::idempotency::Idempotency;
 use crate::model::{
     CreateSandbox, Event, Sandbox, SandboxList, Template, SANDBOX_COLUMNS,
 };
@@ -52,19 +58,27 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
     responses(
         (status = 202, description = "Accepted; the sandbox is `provisioning`", body = Sandbox),
         (status = 400, description = "`invalid_request`: malformed JSON or a size out of range (the field is named)"),
+        (status = 422, description = "`unknown_template`, or `idempotency_key_reused`: the Idempotency-Key was used for a different request"),
         (status = 401, description = "`unauthorized`"),
-        (status = 422, description = "`unknown_template`"),
         (status = 503, description = "`no_capacity`: no ready host has the headroom; nothing was written"),
     ), security(("bearer" = [])))]
 #[instrument(skip_all, fields(org_id = %caller.org_id))]
 pub async fn create(
     State(app): State<AppState>,
     caller: Caller,
-    body: Result<Json<CreateSandbox>, JsonRejection>,
-) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
-    let Json(body) = body.map_err(json_error)?;
-    let req = body.validate()?;
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let idem = Idempotency::from_headers(&headers, "POST", "/v1/sandboxes", &body)?;
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &body };
+    let Json(create) = Json::<CreateSandbox>::from_bytes(body).map_err(json_error)?;
+    let req = create.validate()?;
     let mut tx = app.db.begin().await?;
+    if let Some(idem) = &idem {
+        if let Some(stored) = idem.replay(&mut tx, caller.org_id).await? {
+            return Ok(stored);
+        }
+    }
     let known = sqlx::query("SELECT 1 FROM templates WHERE name = $1")
         .bind(&req.template)
         .fetch_optional(&mut *tx)
@@ -84,8 +98,9 @@ pub async fn create(
     let generation = Generation::INITIAL;
     let row = sqlx::query(&format!(
         "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
-                                memory_mib, holds_capacity, metadata)
-         VALUES ($1, $2, $3, $4, 'provisioning', $5, $6, $7, true, $8)
+                                memory_mib, holds_capacity, metadata, auto_stop_minutes,
+                                auto_delete_minutes)
+         VALUES ($1, $2, $3, $4, 'provisioning', $5, $6, $7, true, $8, $9, $10)
          RETURNING {SANDBOX_COLUMNS}"
     ))
     .bind(id)
@@ -96,6 +111,8 @@ pub async fn create(
     .bind(i32::try_from(req.resources.vcpus).unwrap_or(i32::MAX))
     .bind(i32::try_from(req.resources.memory_mib).unwrap_or(i32::MAX))
     .bind(&req.metadata)
+    .bind(req.auto_stop_minutes)
+    .bind(req.auto_delete_minutes)
     .fetch_one(&mut *tx)
     .await?;
     let command = Command {
@@ -124,10 +141,36 @@ pub async fn create(
         },
     )
     .await?;
-    tx.commit().await?;
+    let sandbox = Sandbox::from_row(&row)?;
+    let response = commit_with_replay(tx, &app, &caller, idem.as_ref(), StatusCode::ACCEPTED, &sandbox).await?;
     metrics::counter!("berth_sandboxes_created_total").increment(1);
     info!(sandbox_id = %id, host_id = %host, "sandbox placed");
-    Ok((StatusCode::ACCEPTED, Json(Sandbox::from_row(&row)?)))
+    Ok(response)
+}
+
+/// Stores the response under the idempotency key (if any) and commits. When a concurrent
+/// request with the same key committed first, rolls back and replays that one instead.
+async fn commit_with_replay(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    app: &AppState,
+    caller: &Caller,
+    idem: Option<&Idempotency>,
+    status: StatusCode,
+    sandbox: &Sandbox,
+) -> Result<Response, ApiError> {
+    let body = serde_json::to_value(sandbox).map_err(|e| ApiError::Internal(e.to_string()))?;
+    if let Some(idem) = idem {
+        if !idem.store(&mut tx, caller.org_id, status, &body).await? {
+            tx.rollback().await?;
+            let mut conn = app.db.acquire().await?;
+            return match idem.replay(&mut conn, caller.org_id).await? {
+                Some(stored) => Ok(stored),
+                None => Err(ApiError::Internal("idempotency row vanished".into())),
+            };
+        }
+    }
+    tx.commit().await?;
+    Ok((status, Json(body)).into_response())
 }
 
 /// Reads one sandbox of the caller's org; another org's sandbox is "not found".
@@ -239,90 +282,79 @@ pub(crate) async fn lifecycle(
     caller: &Caller,
     id: SandboxId,
     request: Request,
-) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
+    idem: Option<Idempotency>,
+) -> Result<Response, ApiError> {
     let mut tx = app.db.begin().await?;
+    if let Some(idem) = &idem {
+        if let Some(stored) = idem.replay(&mut tx, caller.org_id).await? {
+            return Ok(stored);
+        }
+    }
     let row = sqlx::query(&format!(
-        "SELECT {SANDBOX_COLUMNS}, org_id, holds_capacity FROM sandboxes
-          WHERE id = $1 AND org_id = $2 FOR UPDATE"
+        "SELECT {SNAPSHOT_COLUMNS} FROM sandboxes WHERE id = $1 AND org_id = $2 FOR UPDATE"
     ))
     .bind(id)
     .bind(caller.org_id)
     .fetch_optional(&mut *tx)
     .await?
     .ok_or_else(|| ApiError::NotFound(format!("sandbox {id}")))?;
-    let current = Sandbox::from_row(&row)?;
-    let holds_capacity: bool = row.try_get("holds_capacity")?;
-    let decision = on_request(current.state, current.deleted_at.is_some(), request).map_err(
-        |refusal| match refusal {
-            Refusal::Conflict { state, .. } => ApiError::Conflict {
-                state,
-                message: refusal.to_string(),
-            },
+    let snap = SandboxSnapshot::from_row(&row)?;
+    let decision = on_request(snap.state, snap.deleting, request).map_err(|refusal| match refusal {
+        Refusal::Conflict { state, .. } => ApiError::Conflict {
+            state,
+            message: refusal.to_string(),
         },
-    )?;
+    })?;
     let (to, kind) = match decision {
-        Decision::Unchanged => return Ok((StatusCode::OK, Json(current))),
+        Decision::Unchanged => {
+            let current = read_in(&mut tx, id).await?;
+            return commit_with_replay(tx, app, caller, idem.as_ref(), StatusCode::OK, &current).await;
+        }
         Decision::Transition { to, command } => (to, command),
     };
-    let host = current
+    let host = snap
         .host_id
         .ok_or_else(|| ApiError::Internal(format!("sandbox {id} has no host")))?;
-    let mut holds = holds_capacity;
-    if kind == CommandKind::Start && !holds {
-        if !placement::reserve(&mut tx, host, current.resources()).await? {
+    let mut holds_capacity = snap.holds_capacity;
+    if kind == CommandKind::Start && !holds_capacity {
+        if !placement::reserve(&mut tx, host, snap.resources).await? {
             return Err(ApiError::NoCapacity {
-                vcpus: current.vcpus,
-                memory_mib: current.memory_mib,
+                vcpus: snap.resources.vcpus,
+                memory_mib: snap.resources.memory_mib,
             });
         }
-        holds = true;
+        holds_capacity = true;
     }
-    let generation = current.generation.next();
-    let row = sqlx::query(&format!(
-        "UPDATE sandboxes
-            SET state = $3, generation = $4, holds_capacity = $5, state_reason = NULL,
-                deleted_at = CASE WHEN $6 THEN now() ELSE deleted_at END,
-                updated_at = now(), last_activity_at = now()
-          WHERE id = $1 AND generation = $2
-          RETURNING {SANDBOX_COLUMNS}"
-    ))
-    .bind(id)
-    .bind(current.generation)
-    .bind(to.as_str())
-    .bind(generation)
-    .bind(holds)
-    .bind(kind == CommandKind::Delete)
-    .fetch_one(&mut *tx)
-    .await?;
-    let command = Command {
-        id: CommandId::new(),
-        sandbox_id: id,
-        generation,
-        kind,
-        spec: SandboxSpec {
-            org_id: caller.org_id,
-            template: current.template.clone(),
-            resources: current.resources(),
-        },
-    };
-    insert_command(&mut tx, host, &command).await?;
-    insert_event(
+    let (generation, command_id) = write_transition(
         &mut tx,
-        &NewEvent {
-            sandbox_id: id,
-            org_id: caller.org_id,
-            from: Some(current.state),
+        &snap,
+        &Transition {
             to,
+            command: Some(kind),
             reason: Reason::UserRequest,
-            generation,
-            command_id: Some(command.id),
+            holds_capacity,
+            delete: kind == CommandKind::Delete,
             message: None,
         },
     )
     .await?;
-    tx.commit().await?;
-    info!(command_id = %command.id, generation = %generation, to = %to, "lifecycle request accepted");
-    Ok((StatusCode::ACCEPTED, Json(Sandbox::from_row(&row)?)))
+    sqlx::query("UPDATE sandboxes SET last_activity_at = now() WHERE id = $1")
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+    let sandbox = read_in(&mut tx, id).await?;
+    let response =
+        commit_with_replay(tx, app, caller, idem.as_ref(), StatusCode::ACCEPTED, &sandbox).await?;
+    info!(command_id = ?command_id, generation = %generation, to = %to, "lifecycle request accepted");
+    Ok(response)
+}
+
+async fn read_in(conn: &mut sqlx::PgConnection, id: SandboxId) -> Result<Sandbox, ApiError> {
+    let row = sqlx::query(&format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = $1"))
+        .bind(id)
+        .fetch_one(conn)
+        .await?;
+    Sandbox::from_row(&row)
 }
 
 macro_rules! lifecycle_route {
@@ -341,8 +373,10 @@ macro_rules! lifecycle_route {
             State(app): State<AppState>,
             caller: Caller,
             Path(id): Path<String>,
-        ) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
-            lifecycle(&app, &caller, parse_id(&id)?, $request).await
+            headers: HeaderMap,
+        ) -> Result<Response, ApiError> {
+            let idem = Idempotency::from_headers(&headers, "POST", $path, id.as_bytes())?;
+            lifecycle(&app, &caller, parse_id(&id)?, $request, idem).await
         }
     };
 }
@@ -367,8 +401,8 @@ pub async fn delete(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-) -> Result<(StatusCode, Json<Sandbox>), ApiError> {
-    lifecycle(&app, &caller, parse_id(&id)?, Request::Delete).await
+) -> Result<Response, ApiError> {
+    lifecycle(&app, &caller, parse_id(&id)?, Request::Delete, None).await
 }
 
 /// `GET /v1/sandboxes/{id}/events`: the sandbox's state changes, oldest first.

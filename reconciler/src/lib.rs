@@ -1,21 +1,38 @@
-//! Berth's reconciler: applies host results to sandbox rows behind the generation fence.
+//! Berth's reconciler: applies host results behind the generation fence, and — as the elected
+//! leader — runs a periodic pass that converges everything results alone cannot.
 //!
-//! - [`results`]: the durable result consumer and the fenced, idempotent apply.
+//! - [`results`]: the durable result consumer and the fenced, idempotent apply (every
+//!   replica consumes; the JetStream consumer is shared, so each result is applied once).
+//! - [`lease`]: leader election on Postgres with a term.
+//! - [`pass`]: the leader's pass.
 //!
 //! # Guarantees
 //! - A result changes a row only when its generation equals the row's current generation and
 //!   the state machine ([`berth_schemas::state::on_result`]) leads from the row's state; a
 //!   redelivered result finds the row already moved and changes nothing.
 //! - A late result cannot bring a deleted sandbox back (guarantee 3): a deleting row only
-//!   accepts its delete's result.
+//!   accepts its delete's result; a success that contradicts a terminal state is compensated.
 //! - Capacity is released in the same transaction as the state change, exactly once (the
 //!   row's `holds_capacity` flag flips with it).
+//! - Only the lease holder's pass can commit (see [`lease`]).
 
+pub mod lease;
+pub mod pass;
 pub mod results;
+
+use std::time::Duration;
 
 use berth_schemas::Subjects;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+/// The lease the reconciler's leader holds.
+pub const LEASE_NAME: &str = "reconciler";
+/// How long a lease lasts unless renewed; a standby takes over within this after the leader
+/// dies.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 
 /// Errors of the reconciler.
 #[derive(Debug, thiserror::Error)]
@@ -30,16 +47,84 @@ pub enum ReconcilerError {
 #[derive(Debug, Clone)]
 pub struct ReconcilerConfig {
     pub subjects: Subjects,
+    pub pass: pass::PassConfig,
+    pub lease_ttl: Duration,
 }
 
-/// Runs the result consumer until `shutdown` fires.
+impl ReconcilerConfig {
+    /// Defaults for everything but the subjects.
+    pub fn new(subjects: Subjects) -> Self {
+        Self {
+            subjects,
+            pass: pass::PassConfig::default(),
+            lease_ttl: DEFAULT_LEASE_TTL,
+        }
+    }
+}
+
+/// Runs the result consumer and the leader loop until `shutdown` fires.
 ///
-/// Errors: [`ReconcilerError::JetStream`] when the stream or consumer cannot be set up.
+/// Errors: [`ReconcilerError::JetStream`] when the result stream or consumer cannot be set up.
 pub async fn run(
     config: ReconcilerConfig,
     db: PgPool,
     nats: async_nats::Client,
     shutdown: CancellationToken,
 ) -> Result<(), ReconcilerError> {
-    results::consume(&config.subjects, &db, nats, shutdown).await
+    let leader = tokio::spawn(lead(config.clone(), db.clone(), shutdown.clone()));
+    let consumed = results::consume(&config.subjects, &db, nats, shutdown.clone()).await;
+    shutdown.cancel();
+    let _ = leader.await;
+    consumed
+}
+
+/// The leader loop: renew (or try to take) the lease every third of its TTL, and run a pass
+/// every `pass.interval` while holding it.
+pub async fn lead(config: ReconcilerConfig, db: PgPool, shutdown: CancellationToken) {
+    let holder = Uuid::now_v7();
+    let tick = (config.lease_ttl / 3).min(config.pass.interval);
+    let mut last_pass: Option<tokio::time::Instant> = None;
+    let mut held: Option<lease::Lease> = None;
+    loop {
+        match lease::acquire(&db, LEASE_NAME, holder, config.lease_ttl).await {
+            Ok(Some(l)) => {
+                if held.map(|h| h.term) != Some(l.term) {
+                    info!(term = l.term, %holder, "reconciler leadership taken");
+                    last_pass = None;
+                }
+                metrics::gauge!("berth_reconciler_leader_term").set(l.term as f64);
+                metrics::gauge!("berth_reconciler_is_leader").set(1.0);
+                held = Some(l);
+            }
+            Ok(None) => {
+                if held.take().is_some() {
+                    warn!(%holder, "reconciler leadership lost");
+                }
+                metrics::gauge!("berth_reconciler_is_leader").set(0.0);
+            }
+            Err(error) => {
+                warn!(%error, "lease renewal failed");
+                held = None;
+                metrics::gauge!("berth_reconciler_is_leader").set(0.0);
+            }
+        }
+        if let Some(l) = held {
+            let due = last_pass.is_none_or(|t| t.elapsed() >= config.pass.interval);
+            if due {
+                last_pass = Some(tokio::time::Instant::now());
+                match pass::run_pass(&db, &config.pass, &l).await {
+                    Ok(report) if report.deposed => held = None,
+                    Ok(_) => {}
+                    Err(error) => warn!(%error, "reconcile pass failed"),
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(tick) => {}
+        }
+    }
+    if let Some(l) = held {
+        let _ = lease::release(&db, &l).await;
+    }
 }

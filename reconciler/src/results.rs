@@ -8,10 +8,10 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, AckKind};
-use berth_schemas::db::{insert_event, NewEvent};
+use berth_schemas::db::{insert_command, insert_event, NewEvent};
 use berth_schemas::state::{on_result, Outcome, Reason, ResultDecision};
-use berth_schemas::wire::{self, CommandResult, Resources, ResultOutcome};
-use berth_schemas::{Generation, HostId, OrgId, SandboxState, Subjects};
+use berth_schemas::wire::{self, Command, CommandResult, Resources, ResultOutcome, SandboxSpec};
+use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxState, Subjects};
 use futures::StreamExt;
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
@@ -105,6 +105,57 @@ pub enum Applied {
     Duplicate,
     /// No such sandbox (purged).
     Unknown,
+    /// A success that contradicted the row's terminal state: a compensating command was queued.
+    Compensated,
+}
+
+/// The command that undoes a host's success the row does not want, if any: a create that
+/// succeeded after its sandbox became `failed-start` is destroyed; a start is stopped (the
+/// sandbox's disk stays, so it can be started again).
+pub fn compensation_for(
+    state: SandboxState,
+    kind: CommandKind,
+    outcome: Outcome,
+) -> Option<CommandKind> {
+    match (state, kind, outcome) {
+        (SandboxState::FailedStart, CommandKind::Create, Outcome::Succeeded) => {
+            Some(CommandKind::Delete)
+        }
+        (SandboxState::FailedStart, CommandKind::Start, Outcome::Succeeded) => {
+            Some(CommandKind::Stop)
+        }
+        _ => None,
+    }
+}
+
+/// Queues `kind` for the sandbox on the host that reported, at the row's generation (never
+/// older than what the host applied, so the host's fence lets it through). The row is not
+/// changed.
+async fn compensate(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    result: &CommandResult,
+    row: &sqlx::postgres::PgRow,
+    generation: Generation,
+    kind: CommandKind,
+) -> Result<(), sqlx::Error> {
+    let command = Command {
+        id: CommandId::new(),
+        sandbox_id: result.sandbox_id,
+        generation,
+        kind,
+        spec: SandboxSpec {
+            org_id: row.get("org_id"),
+            template: row.get("template"),
+            resources: Resources {
+                vcpus: u32::try_from(row.get::<i32, _>("vcpus")).unwrap_or(0),
+                memory_mib: u32::try_from(row.get::<i32, _>("memory_mib")).unwrap_or(0),
+            },
+        },
+    };
+    insert_command(tx, result.host_id, &command).await?;
+    metrics::counter!("berth_compensations_total", "kind" => kind.as_str()).increment(1);
+    warn!(compensation = %kind, compensation_id = %command.id, "late success contradicts the row; compensating");
+    Ok(())
 }
 
 impl Applied {
@@ -115,6 +166,7 @@ impl Applied {
             Applied::Stale => "stale",
             Applied::Duplicate => "duplicate",
             Applied::Unknown => "unknown",
+            Applied::Compensated => "compensated",
         }
     }
 }
@@ -142,8 +194,8 @@ pub async fn apply(db: &PgPool, result: &CommandResult) -> Result<Applied, sqlx:
     .await?;
 
     let Some(row) = sqlx::query(
-        "SELECT org_id, state, generation, deleted_at IS NOT NULL AS deleting, host_id,
-                holds_capacity, vcpus, memory_mib
+        "SELECT org_id, template, state, generation, deleted_at IS NOT NULL AS deleting,
+                host_id, holds_capacity, vcpus, memory_mib
            FROM sandboxes WHERE id = $1 FOR UPDATE",
     )
     .bind(result.sandbox_id)
@@ -181,6 +233,13 @@ pub async fn apply(db: &PgPool, result: &CommandResult) -> Result<Applied, sqlx:
         releases_capacity,
     } = on_result(state, deleting, result.kind, outcome)
     else {
+        // The first terminal result for a generation wins. A success that contradicts it
+        // (the row already failed this boot) is undone on the host, never applied.
+        if let Some(kind) = compensation_for(state, result.kind, outcome) {
+            compensate(&mut tx, result, &row, generation, kind).await?;
+            tx.commit().await?;
+            return Ok(Applied::Compensated);
+        }
         tx.commit().await?;
         return Ok(Applied::Duplicate);
     };

@@ -76,6 +76,10 @@ CREATE TABLE sandboxes (
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now(),
     last_activity_at timestamptz NOT NULL DEFAULT now(),
+    -- Stop after this many minutes without activity (API calls on the sandbox, exec); NULL: never.
+    auto_stop_minutes   integer CHECK (auto_stop_minutes > 0),
+    -- Delete after this many minutes stopped; NULL: never.
+    auto_delete_minutes integer CHECK (auto_delete_minutes > 0),
     deleted_at       timestamptz
 );
 
@@ -86,7 +90,8 @@ CREATE INDEX sandboxes_host_id ON sandboxes (host_id) WHERE holds_capacity;
 -- The transactional outbox: written with the row change, published by the relay.
 CREATE TABLE commands (
     id            uuid PRIMARY KEY,
-    sandbox_id    uuid NOT NULL REFERENCES sandboxes(id) ON DELETE CASCADE,
+    -- No foreign key: a compensating command may outlive its sandbox's purged tombstone.
+    sandbox_id    uuid NOT NULL,
     host_id       uuid NOT NULL REFERENCES hosts(id),
     kind          text NOT NULL,
     generation    bigint NOT NULL,
@@ -101,6 +106,7 @@ CREATE TABLE commands (
 
 CREATE INDEX commands_unpublished ON commands (created_at) WHERE published_at IS NULL;
 CREATE INDEX commands_open ON commands (created_at) WHERE completed_at IS NULL;
+CREATE INDEX commands_sandbox ON commands (sandbox_id);
 
 CREATE OR REPLACE FUNCTION berth_notify_outbox() RETURNS trigger AS $$
 BEGIN

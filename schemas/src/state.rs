@@ -333,6 +333,8 @@ pub enum Reason {
     Timeout,
     /// `auto_stop_minutes` passed without activity.
     AutoStop,
+    /// `auto_delete_minutes` passed while stopped.
+    AutoDelete,
     /// The sandbox's host was lost.
     HostLost,
     /// The runtime failed (boot, restore, stop).
@@ -349,6 +351,7 @@ impl Reason {
             Reason::HostReport => "host_report",
             Reason::Timeout => "timeout",
             Reason::AutoStop => "auto_stop",
+            Reason::AutoDelete => "auto_delete",
             Reason::HostLost => "host_lost",
             Reason::RuntimeError => "runtime_error",
             Reason::Compensation => "compensation",
