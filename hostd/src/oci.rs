@@ -29,8 +29,10 @@ pub const CPU_PERIOD_US: u64 = 100_000;
 /// Bytes per MiB.
 const MIB: i64 = 1024 * 1024;
 
-/// The open-file limit of the container process.
-pub const NOFILE_LIMIT: u64 = 65_536;
+/// The open-file limit of the container process: runc's default, which also fits under the
+/// hard limit of a hostd that runs without `CAP_SYS_RESOURCE` headroom (raising it above the
+/// caller's hard limit fails the container's init).
+pub const NOFILE_LIMIT: u64 = 1024;
 
 /// The `PATH` of the container process (and, through the agent, of every exec).
 pub const GUEST_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";

@@ -1,0 +1,726 @@
+//! hostd against the real things: NATS JetStream (a unique subject prefix and streams, deleted
+//! at the end), runc, overlayfs and network namespaces. Runs `berth_hostd::run` in-process with
+//! the `berth` binary of this package as the in-sandbox agent.
+//!
+//! Needs root, runc, iproute2 and `/bin/busybox` (busybox-static), and NATS at `NATS_URL`
+//! (default `nats://127.0.0.1:4222`).
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context as _};
+use async_nats::jetstream::{self, consumer::pull, AckKind};
+use berth_hostd::layout::SandboxNames;
+use berth_hostd::HostdConfig;
+use berth_schemas::wire::{
+    self, Command, CommandResult, ExecError, ExecReply, ExecRequest, GuestStatus, Heartbeat,
+    ResultOutcome, SandboxSpec, StopMode,
+};
+use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
+use futures::StreamExt;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// How long the test waits for one command result.
+const RESULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long the test waits for a heartbeat showing what it expects.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Heartbeat interval of the hostd under test.
+const TEST_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(500);
+
+/// NATS request timeout for exec.
+const EXEC_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Default exec timeout given to the agent.
+const EXEC_TIMEOUT_MS: u64 = 10_000;
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// One hostd under test plus the NATS handles to drive it.
+struct Harness {
+    subjects: Subjects,
+    state_dir: PathBuf,
+    config: HostdConfig,
+    host_id: HostId,
+    nats: async_nats::Client,
+    js: jetstream::Context,
+    results: jetstream::consumer::pull::Stream,
+    unclaimed: VecDeque<CommandResult>,
+    heartbeats: async_nats::Subscriber,
+    hostd: Option<(
+        CancellationToken,
+        JoinHandle<Result<(), berth_hostd::HostdError>>,
+    )>,
+    sandboxes: std::sync::Mutex<Vec<SandboxId>>,
+}
+
+impl Harness {
+    async fn new() -> anyhow::Result<Self> {
+        let tag = uuid::Uuid::new_v4().simple().to_string();
+        let subjects = Subjects::new(&format!("t{tag}"))?;
+        let state_dir = PathBuf::from(format!("/var/tmp/berth-hostd-test-{tag}"));
+        let mut config = HostdConfig::new(nats_url(), subjects.clone(), &state_dir, "test-host");
+        config.agent_binary = PathBuf::from(env!("CARGO_BIN_EXE_berth"));
+        config.heartbeat_interval = TEST_HEARTBEAT_INTERVAL;
+        config.address_pool = unused_pool().await?;
+        let host_id = berth_hostd::host_id(&state_dir)?;
+
+        let nats = async_nats::connect(nats_url()).await?;
+        let js = jetstream::new(nats.clone());
+        berth_hostd::ensure_streams(&js, &subjects).await?;
+        let results = js
+            .get_stream(subjects.result_stream())
+            .await?
+            .create_consumer(pull::Config {
+                filter_subject: subjects.result(host_id),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ..Default::default()
+            })
+            .await?
+            .messages()
+            .await?;
+        let heartbeats = nats.subscribe(subjects.heartbeat(host_id)).await?;
+        Ok(Self {
+            subjects,
+            state_dir,
+            config,
+            host_id,
+            nats,
+            js,
+            results,
+            unclaimed: VecDeque::new(),
+            heartbeats,
+            hostd: None,
+            sandboxes: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    fn start_hostd(&mut self) {
+        let token = CancellationToken::new();
+        let task = tokio::spawn(berth_hostd::run(self.config.clone(), token.clone()));
+        self.hostd = Some((token, task));
+    }
+
+    async fn stop_hostd(&mut self) -> anyhow::Result<()> {
+        if let Some((token, task)) = self.hostd.take() {
+            token.cancel();
+            task.await?.context("hostd run")?;
+        }
+        Ok(())
+    }
+
+    fn runc_root(&self) -> PathBuf {
+        self.state_dir.join("runc")
+    }
+
+    fn names(&self, sandbox: SandboxId) -> SandboxNames {
+        SandboxNames::derive(self.host_id, sandbox)
+    }
+
+    fn command(&self, sandbox: SandboxId, generation: i64, kind: CommandKind) -> Command {
+        self.command_with_template(sandbox, generation, kind, "base")
+    }
+
+    fn command_with_template(
+        &self,
+        sandbox: SandboxId,
+        generation: i64,
+        kind: CommandKind,
+        template: &str,
+    ) -> Command {
+        let mut tracked = self.sandboxes.lock().expect("not poisoned");
+        if !tracked.contains(&sandbox) {
+            tracked.push(sandbox);
+        }
+        Command {
+            id: CommandId::new(),
+            sandbox_id: sandbox,
+            generation: Generation(generation),
+            kind,
+            spec: SandboxSpec {
+                org_id: OrgId(uuid::Uuid::nil()),
+                template: template.to_owned(),
+                resources: berth_schemas::wire::Resources {
+                    vcpus: 1,
+                    memory_mib: 256,
+                },
+            },
+        }
+    }
+
+    /// Publishes with `Nats-Msg-Id` = command id, as the outbox relay does.
+    async fn publish(&self, cmd: &Command) -> anyhow::Result<()> {
+        let publish = jetstream::context::Publish::build()
+            .payload(wire::encode(cmd).into())
+            .message_id(cmd.id.to_string());
+        self.js
+            .send_publish(self.subjects.cmd(self.host_id), publish)
+            .await?
+            .await?;
+        Ok(())
+    }
+
+    /// Publishes without a message id: a redelivery the stream's dedup window can't catch.
+    async fn publish_again(&self, cmd: &Command) -> anyhow::Result<()> {
+        self.js
+            .publish(self.subjects.cmd(self.host_id), wire::encode(cmd).into())
+            .await?
+            .await?;
+        Ok(())
+    }
+
+    /// The next result of `command`, acking every result read on the way.
+    async fn result_of(&mut self, command: CommandId) -> anyhow::Result<CommandResult> {
+        if let Some(pos) = self.unclaimed.iter().position(|r| r.command_id == command) {
+            return Ok(self.unclaimed.remove(pos).expect("position is valid"));
+        }
+        let deadline = tokio::time::Instant::now() + RESULT_TIMEOUT;
+        loop {
+            let next = tokio::time::timeout_at(deadline, self.results.next())
+                .await
+                .with_context(|| format!("no result for command {command}"))?
+                .context("result stream ended")?
+                .map_err(|e| anyhow::anyhow!("result stream: {e}"))?;
+            next.ack_with(AckKind::Ack)
+                .await
+                .map_err(|e| anyhow::anyhow!("ack: {e}"))?;
+            let result: CommandResult = wire::decode(&next.payload)?;
+            if result.command_id == command {
+                return Ok(result);
+            }
+            self.unclaimed.push_back(result);
+        }
+    }
+
+    async fn send(&mut self, cmd: &Command) -> anyhow::Result<CommandResult> {
+        self.publish(cmd).await?;
+        let result = self.result_of(cmd.id).await?;
+        ensure!(result.sandbox_id == cmd.sandbox_id && result.host_id == self.host_id);
+        ensure!(result.generation == cmd.generation && result.kind == cmd.kind);
+        Ok(result)
+    }
+
+    async fn exec(
+        &self,
+        sandbox: SandboxId,
+        argv: &[&str],
+        timeout_ms: u64,
+    ) -> anyhow::Result<ExecReply> {
+        let request = ExecRequest {
+            sandbox_id: sandbox,
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            timeout_ms,
+        };
+        let reply = tokio::time::timeout(
+            EXEC_REQUEST_TIMEOUT,
+            self.nats.request(
+                self.subjects.exec(self.host_id),
+                wire::encode(&request).into(),
+            ),
+        )
+        .await
+        .context("exec request timed out")??;
+        Ok(wire::decode(&reply.payload)?)
+    }
+
+    /// Waits for a heartbeat in which `sandbox` has `status`.
+    async fn heartbeat_with(
+        &mut self,
+        sandbox: SandboxId,
+        status: GuestStatus,
+    ) -> anyhow::Result<Heartbeat> {
+        let deadline = tokio::time::Instant::now() + HEARTBEAT_TIMEOUT;
+        loop {
+            let msg = tokio::time::timeout_at(deadline, self.heartbeats.next())
+                .await
+                .with_context(|| format!("no heartbeat with {sandbox} {status:?}"))?
+                .context("heartbeat subscription ended")?;
+            let hb: Heartbeat = wire::decode(&msg.payload)?;
+            if hb
+                .inventory
+                .iter()
+                .any(|i| i.sandbox_id == sandbox && i.status == status)
+            {
+                return Ok(hb);
+            }
+        }
+    }
+
+    /// Container ids in this hostd's runc root.
+    async fn containers(&self) -> anyhow::Result<Vec<(String, String)>> {
+        let out = run(
+            "runc",
+            &[
+                "--root",
+                &path_str(&self.runc_root()),
+                "list",
+                "--format",
+                "json",
+            ],
+        )
+        .await?;
+        let list: Option<Vec<serde_json::Value>> = serde_json::from_str(&out)?;
+        Ok(list
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| {
+                (
+                    c["id"].as_str().unwrap_or("").to_owned(),
+                    c["status"].as_str().unwrap_or("").to_owned(),
+                )
+            })
+            .collect())
+    }
+
+    fn sandbox_dir(&self, sandbox: SandboxId) -> PathBuf {
+        self.state_dir.join("sandboxes").join(sandbox.to_string())
+    }
+
+    /// Best-effort removal of everything the test may have left, then the streams.
+    async fn teardown(mut self) {
+        if let Err(e) = self.stop_hostd().await {
+            eprintln!("teardown: hostd: {e:#}");
+        }
+        let root = path_str(&self.runc_root());
+        let tracked = self.sandboxes.lock().expect("not poisoned").clone();
+        for sandbox in tracked {
+            let names = self.names(sandbox);
+            let _ = run(
+                "runc",
+                &["--root", &root, "delete", "--force", &names.container_id],
+            )
+            .await;
+            let rootfs = self.sandbox_dir(sandbox).join("rootfs");
+            let _ = nix::mount::umount2(&rootfs, nix::mount::MntFlags::MNT_DETACH);
+            let _ = run("ip", &["link", "del", &names.veth_host]).await;
+            let _ = run("ip", &["netns", "del", &names.netns]).await;
+        }
+        let _ = self.js.delete_stream(self.subjects.cmd_stream()).await;
+        let _ = self.js.delete_stream(self.subjects.result_stream()).await;
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        if mounts.contains(&path_str(&self.state_dir)) {
+            eprintln!(
+                "teardown: mounts remain under {}; not removing it",
+                self.state_dir.display()
+            );
+        } else {
+            let _ = std::fs::remove_dir_all(&self.state_dir);
+        }
+    }
+}
+
+/// A /16 under 10/8 none of whose addresses is configured on this machine.
+async fn unused_pool() -> anyhow::Result<std::net::Ipv4Addr> {
+    let used = run("ip", &["-o", "-4", "addr", "show"]).await?;
+    for _ in 0..64 {
+        let second: u8 = rand::random_range(64..=250);
+        let prefix = format!(" 10.{second}.");
+        if !used.contains(&prefix) {
+            return Ok(std::net::Ipv4Addr::new(10, second, 0, 0));
+        }
+    }
+    bail!("no unused 10.x.0.0/16 found")
+}
+
+async fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = tokio::process::Command::new(program)
+        .args(args)
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn path_str(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,async_nats=warn".into()),
+        )
+        .with_ansi(false)
+        .with_test_writer()
+        .try_init();
+}
+
+fn finished(reply: &ExecReply) -> anyhow::Result<(i32, String, bool)> {
+    match reply {
+        ExecReply::Finished {
+            exit_code,
+            stdout,
+            timed_out,
+            ..
+        } => Ok((
+            *exit_code,
+            String::from_utf8_lossy(stdout).into_owned(),
+            *timed_out,
+        )),
+        other => bail!("exec failed: {other:?}"),
+    }
+}
+
+fn succeeded_address(result: &CommandResult) -> anyhow::Result<String> {
+    match &result.outcome {
+        ResultOutcome::Succeeded {
+            address: Some(address),
+            last_stop: None,
+        } => Ok(address.clone()),
+        other => bail!("expected success with an address, got {other:?}"),
+    }
+}
+
+/// A test body over the harness.
+type Body = for<'a> fn(&'a mut Harness) -> futures::future::BoxFuture<'a, anyhow::Result<()>>;
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// Runs `body` on a harness, then tears the harness down even when `body` failed or panicked.
+async fn with_harness(body: Body) -> anyhow::Result<()> {
+    init_tracing();
+    ensure!(is_root(), "this test needs root");
+    let mut harness = Harness::new().await?;
+    harness.start_hostd();
+    let outcome = {
+        let harness_ref = &mut harness;
+        // Catch panics so the teardown below always runs.
+        futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(body(harness_ref))).await
+    };
+    harness.teardown().await;
+    match outcome {
+        Ok(result) => result,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_is_created_executed_in_stopped_started_and_deleted_with_runc(
+) -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(lifecycle(h))).await
+}
+
+async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+
+    // Create → running, with an address from the pool.
+    let create = h.command(sandbox, 1, CommandKind::Create);
+    let created = h.send(&create).await?;
+    let address = succeeded_address(&created)?;
+    let ip: std::net::Ipv4Addr = address.parse()?;
+    ensure!(
+        berth_hostd::address::AddressPool::new(h.config.address_pool)
+            .slot_of(ip)
+            .is_some(),
+        "{address} is not from the pool {}",
+        h.config.address_pool
+    );
+    ensure!(h.containers().await?.len() == 1);
+    assert_cgroup_limits(h, sandbox).await?;
+
+    // Exec: output, exit codes, timeouts.
+    let (code, stdout, _) = finished(&h.exec(sandbox, &["echo", "hello"], EXEC_TIMEOUT_MS).await?)?;
+    ensure!(code == 0 && stdout == "hello\n", "echo: {code} {stdout:?}");
+    let (code, _, _) = finished(
+        &h.exec(sandbox, &["sh", "-c", "exit 3"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(code == 3, "exit 3 gave {code}");
+    let started = std::time::Instant::now();
+    let (_, _, timed_out) = finished(&h.exec(sandbox, &["sleep", "5"], 300).await?)?;
+    ensure!(timed_out, "sleep 5 with a 300 ms timeout did not time out");
+    ensure!(
+        started.elapsed() < Duration::from_secs(4),
+        "the timeout was not enforced"
+    );
+    let (code, _, _) = finished(
+        &h.exec(
+            sandbox,
+            &["sh", "-c", "echo data > /root/f"],
+            EXEC_TIMEOUT_MS,
+        )
+        .await?,
+    )?;
+    ensure!(code == 0);
+    let missing = h.exec(SandboxId::new(), &["true"], EXEC_TIMEOUT_MS).await?;
+    ensure!(
+        missing == ExecReply::Failed(ExecError::NotFound),
+        "{missing:?}"
+    );
+
+    // A heartbeat lists it as running.
+    let hb = h.heartbeat_with(sandbox, GuestStatus::Running).await?;
+    ensure!(
+        hb.used.vcpus == 1 && hb.used.memory_mib == 256,
+        "used {:?}",
+        hb.used
+    );
+    ensure!(hb
+        .runtimes
+        .iter()
+        .any(|r| r.name == "runc" && !r.memory_snapshot));
+
+    // A redelivered create (same id, past the dedup window) gets the same result, no new container.
+    h.publish_again(&create).await?;
+    let again = h.result_of(create.id).await?;
+    ensure!(again == created, "replayed {again:?} vs {created:?}");
+    ensure!(h.containers().await?.len() == 1);
+
+    // hostd restarts: the running container is adopted, not duplicated.
+    h.stop_hostd().await?;
+    h.start_hostd();
+    h.heartbeat_with(sandbox, GuestStatus::Running).await?;
+    ensure!(h.containers().await?.len() == 1);
+    let (_, stdout, _) = finished(
+        &h.exec(sandbox, &["cat", "/root/f"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(stdout == "data\n");
+
+    // A crash after the work but before the result was recorded: the record says "creating"
+    // and remembers nothing. The redelivered create converges on what exists.
+    h.stop_hostd().await?;
+    let record_path = h.sandbox_dir(sandbox).join("record.json");
+    let mut record: serde_json::Value = serde_json::from_slice(&std::fs::read(&record_path)?)?;
+    record["phase"] = "Creating".into();
+    record["results"] = serde_json::json!([]);
+    std::fs::write(&record_path, serde_json::to_vec(&record)?)?;
+    h.start_hostd();
+    h.publish_again(&create).await?;
+    let converged = h.result_of(create.id).await?;
+    ensure!(succeeded_address(&converged)? == address, "{converged:?}");
+    ensure!(h.containers().await?.len() == 1);
+    let (_, stdout, _) = finished(
+        &h.exec(sandbox, &["cat", "/root/f"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(stdout == "data\n", "files after converging: {stdout:?}");
+
+    // Stop (disk only): no container, no mount, exec refused, heartbeat says stopped.
+    let cmd = h.command(sandbox, 2, CommandKind::Stop);
+    let stopped = h.send(&cmd).await?;
+    ensure!(
+        stopped.outcome
+            == ResultOutcome::Succeeded {
+                address: None,
+                last_stop: Some(StopMode::Disk)
+            },
+        "{stopped:?}"
+    );
+    ensure!(h.containers().await?.is_empty());
+    let rootfs = path_str(&h.sandbox_dir(sandbox).join("rootfs"));
+    ensure!(!std::fs::read_to_string("/proc/self/mounts")?.contains(&rootfs));
+    let refused = h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?;
+    ensure!(
+        refused == ExecReply::Failed(ExecError::NotRunning),
+        "{refused:?}"
+    );
+    h.heartbeat_with(sandbox, GuestStatus::Stopped).await?;
+    let cmd = h.command(sandbox, 2, CommandKind::Stop);
+    let again = h.send(&cmd).await?;
+    ensure!(
+        matches!(again.outcome, ResultOutcome::Succeeded { .. }),
+        "second stop: {again:?}"
+    );
+
+    // A command older than the applied generation is refused without acting.
+    let cmd = h.command(sandbox, 1, CommandKind::Start);
+    let stale = h.send(&cmd).await?;
+    ensure!(
+        stale.outcome
+            == ResultOutcome::RefusedStale {
+                applied: Generation(2)
+            },
+        "{stale:?}"
+    );
+    ensure!(h.containers().await?.is_empty());
+
+    // Start: running again at the same address, and the file survived.
+    let cmd = h.command(sandbox, 3, CommandKind::Start);
+    let restarted = h.send(&cmd).await?;
+    ensure!(succeeded_address(&restarted)? == address);
+    let (_, stdout, _) = finished(
+        &h.exec(sandbox, &["cat", "/root/f"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(stdout == "data\n", "file after restart: {stdout:?}");
+
+    // Delete: nothing remains.
+    let cmd = h.command(sandbox, 4, CommandKind::Delete);
+    let deleted = h.send(&cmd).await?;
+    ensure!(
+        matches!(deleted.outcome, ResultOutcome::Succeeded { .. }),
+        "{deleted:?}"
+    );
+    assert_nothing_remains(h, sandbox).await?;
+    let gone = h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?;
+    ensure!(gone == ExecReply::Failed(ExecError::NotFound), "{gone:?}");
+
+    // Deleting again succeeds; a late create for the deleted sandbox is refused.
+    let cmd = h.command(sandbox, 4, CommandKind::Delete);
+    let again = h.send(&cmd).await?;
+    ensure!(
+        matches!(again.outcome, ResultOutcome::Succeeded { .. }),
+        "{again:?}"
+    );
+    let cmd = h.command(sandbox, 1, CommandKind::Create);
+    let late = h.send(&cmd).await?;
+    ensure!(
+        matches!(late.outcome, ResultOutcome::RefusedStale { .. }),
+        "{late:?}"
+    );
+    assert_nothing_remains(h, sandbox).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_create_leaves_nothing_and_a_later_start_creates_from_the_spec(
+) -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(failed_create(h))).await
+}
+
+async fn failed_create(h: &mut Harness) -> anyhow::Result<()> {
+    // Garbage on the command subject is dropped; the consumer keeps going.
+    h.js.publish(
+        h.subjects.cmd(h.host_id),
+        b"\xffnot a command".to_vec().into(),
+    )
+    .await?
+    .await?;
+
+    let sandbox = SandboxId::new();
+    let create = h.command_with_template(sandbox, 1, CommandKind::Create, "no-such-template");
+    let failed = h.send(&create).await?;
+    match &failed.outcome {
+        ResultOutcome::Failed { reason } => {
+            ensure!(reason.contains("unknown template"), "reason: {reason}")
+        }
+        other => bail!("expected a failure, got {other:?}"),
+    }
+    assert_nothing_remains(h, sandbox).await?;
+
+    // A start without a local record is a full create from the command's spec.
+    let cmd = h.command(sandbox, 2, CommandKind::Start);
+    let started = h.send(&cmd).await?;
+    succeeded_address(&started)?;
+    let (code, stdout, _) = finished(&h.exec(sandbox, &["hostname"], EXEC_TIMEOUT_MS).await?)?;
+    ensure!(
+        code == 0 && stdout.trim() == sandbox.to_string(),
+        "hostname: {stdout:?}"
+    );
+
+    // The container dies behind hostd's back: heartbeats say so, and a start brings it back.
+    let container_id = h.names(sandbox).container_id;
+    let root = path_str(&h.runc_root());
+    run("runc", &["--root", &root, "kill", &container_id, "KILL"]).await?;
+    h.heartbeat_with(sandbox, GuestStatus::Unhealthy).await?;
+    let cmd = h.command(sandbox, 3, CommandKind::Start);
+    let restarted = h.send(&cmd).await?;
+    succeeded_address(&restarted)?;
+    h.heartbeat_with(sandbox, GuestStatus::Running).await?;
+    ensure!(h.containers().await?.len() == 1);
+
+    let cmd = h.command(sandbox, 4, CommandKind::Delete);
+    let deleted = h.send(&cmd).await?;
+    ensure!(
+        matches!(deleted.outcome, ResultOutcome::Succeeded { .. }),
+        "{deleted:?}"
+    );
+    assert_nothing_remains(h, sandbox).await?;
+
+    // Deleting a sandbox this host never had succeeds.
+    let unknown = SandboxId::new();
+    let cmd = h.command(unknown, 1, CommandKind::Delete);
+    let deleted = h.send(&cmd).await?;
+    ensure!(
+        matches!(deleted.outcome, ResultOutcome::Succeeded { .. }),
+        "{deleted:?}"
+    );
+    Ok(())
+}
+
+/// The container's cgroups carry the spec's limits: 256 MiB, one vCPU, the pids limit.
+async fn assert_cgroup_limits(h: &Harness, sandbox: SandboxId) -> anyhow::Result<()> {
+    let state = run(
+        "runc",
+        &[
+            "--root",
+            &path_str(&h.runc_root()),
+            "state",
+            &h.names(sandbox).container_id,
+        ],
+    )
+    .await?;
+    let pid = serde_json::from_str::<serde_json::Value>(&state)?["pid"]
+        .as_u64()
+        .context("no pid in runc state")?;
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    let limit = |controller: &str, file: &str| -> anyhow::Result<String> {
+        let path = cgroups
+            .lines()
+            .find_map(|l| {
+                let mut parts = l.splitn(3, ':');
+                let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+                controllers
+                    .split(',')
+                    .any(|c| c == controller)
+                    .then_some(path)
+            })
+            .with_context(|| format!("no {controller} cgroup in {cgroups}"))?;
+        let file = format!("/sys/fs/cgroup/{controller}{path}/{file}");
+        Ok(std::fs::read_to_string(&file)
+            .with_context(|| format!("read {file}"))?
+            .trim()
+            .to_owned())
+    };
+    ensure!(limit("memory", "memory.limit_in_bytes")? == (256u64 << 20).to_string());
+    ensure!(limit("pids", "pids.max")? == berth_hostd::oci::PIDS_LIMIT.to_string());
+    ensure!(limit("cpu", "cpu.cfs_quota_us")? == berth_hostd::oci::CPU_PERIOD_US.to_string());
+    Ok(())
+}
+
+/// No container, netns, veth, mount or sandbox dir of `sandbox` exists.
+async fn assert_nothing_remains(h: &Harness, sandbox: SandboxId) -> anyhow::Result<()> {
+    let names = h.names(sandbox);
+    let containers = h.containers().await?;
+    ensure!(
+        !containers.iter().any(|(id, _)| *id == names.container_id),
+        "container remains: {containers:?}"
+    );
+    let netns = run("ip", &["netns", "list"]).await?;
+    ensure!(
+        !netns.contains(&names.netns),
+        "netns {} remains",
+        names.netns
+    );
+    let links = run("ip", &["link"]).await?;
+    ensure!(
+        !links.contains(&names.veth_host),
+        "veth {} remains",
+        names.veth_host
+    );
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    ensure!(
+        !mounts.contains(&path_str(&h.sandbox_dir(sandbox))),
+        "a mount under the sandbox dir remains"
+    );
+    ensure!(!h.sandbox_dir(sandbox).exists(), "sandbox dir remains");
+    Ok(())
+}
