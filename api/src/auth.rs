@@ -61,11 +61,12 @@ pub async fn create_org(db: &PgPool, name: &str) -> Result<(OrgId, String), Crea
     }
     let mut tx = db.begin().await?;
     let org = OrgId::new();
-    let inserted = sqlx::query("INSERT INTO orgs (id, name) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
-        .bind(org)
-        .bind(name)
-        .execute(&mut *tx)
-        .await?;
+    let inserted =
+        sqlx::query("INSERT INTO orgs (id, name) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
+            .bind(org)
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
     if inserted.rows_affected() == 0 {
         return Err(CreateOrgError::Exists(name.to_owned()));
     }
@@ -99,12 +100,11 @@ async fn create_key_in(
 
 /// Resolves a key to its caller; `None` for an unknown or revoked key.
 pub async fn authenticate(db: &PgPool, key: &str) -> Result<Option<Caller>, sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT id, org_id FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL",
-    )
-    .bind(hash(key))
-    .fetch_optional(db)
-    .await?;
+    let row =
+        sqlx::query("SELECT id, org_id FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL")
+            .bind(hash(key))
+            .fetch_optional(db)
+            .await?;
     Ok(row.map(|r| Caller {
         key_id: r.get("id"),
         org_id: r.get("org_id"),

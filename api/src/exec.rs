@@ -59,7 +59,10 @@ pub async fn exec(
     }
     let Json(body) = Json::<ExecBody>::from_bytes(&raw).map_err(json_error)?;
     if body.cmd.is_empty() || body.cmd.len() > MAX_ARGV {
-        return Err(ApiError::invalid("cmd", format!("cmd must hold 1 to {MAX_ARGV} arguments")));
+        return Err(ApiError::invalid(
+            "cmd",
+            format!("cmd must hold 1 to {MAX_ARGV} arguments"),
+        ));
     }
     let timeout_ms = body.timeout_ms.unwrap_or(DEFAULT_EXEC_TIMEOUT_MS);
     if !(1..=MAX_EXEC_TIMEOUT_MS).contains(&timeout_ms) {
@@ -132,7 +135,8 @@ pub async fn exec(
             if let Some(idem) = &idem {
                 // Exec is not transactional: store after it ran. A lost race stores nothing.
                 let mut conn = app.db.acquire().await?;
-                idem.store(&mut conn, caller.org_id, StatusCode::OK, &output).await?;
+                idem.store(&mut conn, caller.org_id, StatusCode::OK, &output)
+                    .await?;
             }
             Ok((StatusCode::OK, Json(output)).into_response())
         }

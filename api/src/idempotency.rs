@@ -45,7 +45,9 @@ impl Idempotency {
         let key = raw
             .to_str()
             .ok()
-            .filter(|k| !k.is_empty() && k.len() <= MAX_KEY_LEN && k.bytes().all(|b| b.is_ascii_graphic()))
+            .filter(|k| {
+                !k.is_empty() && k.len() <= MAX_KEY_LEN && k.bytes().all(|b| b.is_ascii_graphic())
+            })
             .ok_or_else(|| {
                 ApiError::invalid(
                     "Idempotency-Key",

@@ -41,6 +41,8 @@ pub struct ApiConfig {
     pub subjects: Subjects,
     /// Placement only chooses hosts heard from within this window.
     pub heartbeat_freshness: Duration,
+    /// How far placement reserves beyond hosts' physical capacity.
+    pub overcommit: berth_scheduler::placement::Overcommit,
 }
 
 impl ApiConfig {
@@ -50,6 +52,7 @@ impl ApiConfig {
             listen,
             subjects,
             heartbeat_freshness: berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS,
+            overcommit: Default::default(),
         }
     }
 }
@@ -79,7 +82,10 @@ pub enum ApiRunError {
 /// The router with every route; `state` is shared by all.
 pub fn router(state: AppState) -> Router {
     Router::new()
-        .route("/v1/sandboxes", post(sandboxes::create).get(sandboxes::list))
+        .route(
+            "/v1/sandboxes",
+            post(sandboxes::create).get(sandboxes::list),
+        )
         .route(
             "/v1/sandboxes/{id}",
             get(sandboxes::get).delete(sandboxes::delete),

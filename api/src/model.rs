@@ -79,7 +79,10 @@ impl CreateSandbox {
     pub fn validate(self) -> Result<ValidCreate, ApiError> {
         let template = self.template.unwrap_or_else(|| DEFAULT_TEMPLATE.to_owned());
         if template.is_empty() || template.len() > 64 {
-            return Err(ApiError::invalid("template", "template must be 1 to 64 characters"));
+            return Err(ApiError::invalid(
+                "template",
+                "template must be 1 to 64 characters",
+            ));
         }
         let vcpus = self.vcpus.unwrap_or(DEFAULT_VCPUS);
         if !(1..=MAX_VCPUS).contains(&vcpus) {
@@ -122,8 +125,16 @@ impl CreateSandbox {
             template,
             resources: Resources { vcpus, memory_mib },
             metadata: serde_json::Value::Object(metadata),
-            auto_stop_minutes: minutes("auto_stop_minutes", self.auto_stop_minutes, MAX_AUTO_STOP_MINUTES)?,
-            auto_delete_minutes: minutes("auto_delete_minutes", self.auto_delete_minutes, MAX_AUTO_DELETE_MINUTES)?,
+            auto_stop_minutes: minutes(
+                "auto_stop_minutes",
+                self.auto_stop_minutes,
+                MAX_AUTO_STOP_MINUTES,
+            )?,
+            auto_delete_minutes: minutes(
+                "auto_delete_minutes",
+                self.auto_delete_minutes,
+                MAX_AUTO_DELETE_MINUTES,
+            )?,
         })
     }
 }
@@ -270,22 +281,46 @@ mod tests {
     fn an_empty_create_gets_the_defaults() {
         let v = CreateSandbox::default().validate().unwrap();
         assert_eq!(v.template, "base");
-        assert_eq!(v.resources, Resources { vcpus: 1, memory_mib: 512 });
+        assert_eq!(
+            v.resources,
+            Resources {
+                vcpus: 1,
+                memory_mib: 512
+            }
+        );
     }
 
     #[test]
     fn out_of_range_sizes_name_their_field() {
-        let zero_cpu = CreateSandbox { vcpus: Some(0), ..Default::default() };
-        assert_eq!(field_of(zero_cpu.validate().unwrap_err()).as_deref(), Some("vcpus"));
-        let huge_mem = CreateSandbox { memory_mib: Some(1 << 20), ..Default::default() };
-        assert_eq!(field_of(huge_mem.validate().unwrap_err()).as_deref(), Some("memory_mib"));
+        let zero_cpu = CreateSandbox {
+            vcpus: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(
+            field_of(zero_cpu.validate().unwrap_err()).as_deref(),
+            Some("vcpus")
+        );
+        let huge_mem = CreateSandbox {
+            memory_mib: Some(1 << 20),
+            ..Default::default()
+        };
+        assert_eq!(
+            field_of(huge_mem.validate().unwrap_err()).as_deref(),
+            Some("memory_mib")
+        );
     }
 
     #[test]
     fn metadata_values_must_be_strings() {
         let mut m = serde_json::Map::new();
         m.insert("n".into(), serde_json::json!(1));
-        let bad = CreateSandbox { metadata: Some(m), ..Default::default() };
-        assert_eq!(field_of(bad.validate().unwrap_err()).as_deref(), Some("metadata"));
+        let bad = CreateSandbox {
+            metadata: Some(m),
+            ..Default::default()
+        };
+        assert_eq!(
+            field_of(bad.validate().unwrap_err()).as_deref(),
+            Some("metadata")
+        );
     }
 }

@@ -102,8 +102,14 @@ mod tests {
             assert!(doc.paths.paths.contains_key(path), "{path}");
         }
         let description = doc.info.description.unwrap();
-        for state in berth_schemas::SandboxState::ALL.iter().filter(|s| s.is_written()) {
-            assert!(description.contains(&format!("| {:<14} |", state.as_str())), "{state}");
+        for state in berth_schemas::SandboxState::ALL
+            .iter()
+            .filter(|s| s.is_written())
+        {
+            assert!(
+                description.contains(&format!("| {:<14} |", state.as_str())),
+                "{state}"
+            );
         }
     }
 }

@@ -40,7 +40,12 @@ pub enum RelayError {
 
 /// Runs the relay until `shutdown` fires. Errors are logged and retried; the relay only
 /// returns on shutdown.
-pub async fn run(db: PgPool, nats: async_nats::Client, subjects: Subjects, shutdown: CancellationToken) {
+pub async fn run(
+    db: PgPool,
+    nats: async_nats::Client,
+    subjects: Subjects,
+    shutdown: CancellationToken,
+) {
     let js = jetstream::new(nats);
     while let Err(error) = berth_schemas::streams::ensure_streams(&js, &subjects).await {
         warn!(%error, "relay: cannot ensure streams yet");
@@ -148,7 +153,8 @@ pub async fn drain(
         for (id, kind, ack) in pending {
             match ack.await {
                 Ok(_) => {
-                    metrics::counter!("berth_commands_published_total", "kind" => kind).increment(1);
+                    metrics::counter!("berth_commands_published_total", "kind" => kind)
+                        .increment(1);
                     published.push(id.as_uuid());
                 }
                 Err(e) => {
@@ -169,7 +175,11 @@ pub async fn drain(
             "UPDATE commands SET publish_attempts = publish_attempts + 1
               WHERE published_at IS NULL AND id = ANY($1)",
         )
-        .bind(rows.iter().map(|r| r.get::<uuid::Uuid, _>("id")).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| r.get::<uuid::Uuid, _>("id"))
+                .collect::<Vec<_>>(),
+        )
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;

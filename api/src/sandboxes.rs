@@ -2,12 +2,13 @@
 //! delete), and events. Each state change commits its row, command and event in one
 //! transaction (guarantee 1); the relay publishes the command afterwards.
 
+use axum::body::Bytes;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
-use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use berth_scheduler::placement;
 use berth_schemas::db::{
     insert_command, insert_event, write_transition, NewEvent, SandboxSnapshot, Transition,
     SNAPSHOT_COLUMNS,
@@ -15,7 +16,6 @@ use berth_schemas::db::{
 use berth_schemas::state::{on_request, Decision, Reason, Refusal, Request};
 use berth_schemas::wire::{Command, SandboxSpec};
 use berth_schemas::{CommandId, CommandKind, Generation, SandboxId, SandboxState};
-use berth_scheduler::placement;
 use serde::Deserialize;
 use sqlx::Row;
 use tracing::{info, instrument};
@@ -23,9 +23,7 @@ use tracing::{info, instrument};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency::Idempotency;
-use crate::model::{
-    CreateSandbox, Event, Sandbox, SandboxList, Template, SANDBOX_COLUMNS,
-};
+use crate::model::{CreateSandbox, Event, Sandbox, SandboxList, Template, SANDBOX_COLUMNS};
 use crate::AppState;
 
 /// Default page size of `GET /v1/sandboxes`.
@@ -70,7 +68,11 @@ pub async fn create(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let idem = Idempotency::from_headers(&headers, "POST", "/v1/sandboxes", &body)?;
-    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &body };
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        &body
+    };
     let Json(create) = Json::<CreateSandbox>::from_bytes(body).map_err(json_error)?;
     let req = create.validate()?;
     let mut tx = app.db.begin().await?;
@@ -86,7 +88,13 @@ pub async fn create(
     if known.is_none() {
         return Err(ApiError::UnknownTemplate(req.template));
     }
-    let Some(host) = placement::place(&mut tx, req.resources, app.config.heartbeat_freshness).await?
+    let Some(host) = placement::place(
+        &mut tx,
+        req.resources,
+        app.config.heartbeat_freshness,
+        app.config.overcommit,
+    )
+    .await?
     else {
         // Dropping the transaction rolls back: nothing is written.
         return Err(ApiError::NoCapacity {
@@ -142,7 +150,15 @@ pub async fn create(
     )
     .await?;
     let sandbox = Sandbox::from_row(&row)?;
-    let response = commit_with_replay(tx, &app, &caller, idem.as_ref(), StatusCode::ACCEPTED, &sandbox).await?;
+    let response = commit_with_replay(
+        tx,
+        &app,
+        &caller,
+        idem.as_ref(),
+        StatusCode::ACCEPTED,
+        &sandbox,
+    )
+    .await?;
     metrics::counter!("berth_sandboxes_created_total").increment(1);
     info!(sandbox_id = %id, host_id = %host, "sandbox placed");
     Ok(response)
@@ -174,7 +190,11 @@ async fn commit_with_replay(
 }
 
 /// Reads one sandbox of the caller's org; another org's sandbox is "not found".
-pub(crate) async fn fetch(app: &AppState, caller: &Caller, id: SandboxId) -> Result<Sandbox, ApiError> {
+pub(crate) async fn fetch(
+    app: &AppState,
+    caller: &Caller,
+    id: SandboxId,
+) -> Result<Sandbox, ApiError> {
     let row = sqlx::query(&format!(
         "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = $1 AND org_id = $2"
     ))
@@ -299,16 +319,18 @@ pub(crate) async fn lifecycle(
     .await?
     .ok_or_else(|| ApiError::NotFound(format!("sandbox {id}")))?;
     let snap = SandboxSnapshot::from_row(&row)?;
-    let decision = on_request(snap.state, snap.deleting, request).map_err(|refusal| match refusal {
-        Refusal::Conflict { state, .. } => ApiError::Conflict {
-            state,
-            message: refusal.to_string(),
-        },
-    })?;
+    let decision =
+        on_request(snap.state, snap.deleting, request).map_err(|refusal| match refusal {
+            Refusal::Conflict { state, .. } => ApiError::Conflict {
+                state,
+                message: refusal.to_string(),
+            },
+        })?;
     let (to, kind) = match decision {
         Decision::Unchanged => {
             let current = read_in(&mut tx, id).await?;
-            return commit_with_replay(tx, app, caller, idem.as_ref(), StatusCode::OK, &current).await;
+            return commit_with_replay(tx, app, caller, idem.as_ref(), StatusCode::OK, &current)
+                .await;
         }
         Decision::Transition { to, command } => (to, command),
     };
@@ -317,7 +339,7 @@ pub(crate) async fn lifecycle(
         .ok_or_else(|| ApiError::Internal(format!("sandbox {id} has no host")))?;
     let mut holds_capacity = snap.holds_capacity;
     if kind == CommandKind::Start && !holds_capacity {
-        if !placement::reserve(&mut tx, host, snap.resources).await? {
+        if !placement::reserve(&mut tx, host, snap.resources, app.config.overcommit).await? {
             return Err(ApiError::NoCapacity {
                 vcpus: snap.resources.vcpus,
                 memory_mib: snap.resources.memory_mib,
@@ -343,17 +365,26 @@ pub(crate) async fn lifecycle(
         .execute(&mut *tx)
         .await?;
     let sandbox = read_in(&mut tx, id).await?;
-    let response =
-        commit_with_replay(tx, app, caller, idem.as_ref(), StatusCode::ACCEPTED, &sandbox).await?;
+    let response = commit_with_replay(
+        tx,
+        app,
+        caller,
+        idem.as_ref(),
+        StatusCode::ACCEPTED,
+        &sandbox,
+    )
+    .await?;
     info!(command_id = ?command_id, generation = %generation, to = %to, "lifecycle request accepted");
     Ok(response)
 }
 
 async fn read_in(conn: &mut sqlx::PgConnection, id: SandboxId) -> Result<Sandbox, ApiError> {
-    let row = sqlx::query(&format!("SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = $1"))
-        .bind(id)
-        .fetch_one(conn)
-        .await?;
+    let row = sqlx::query(&format!(
+        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = $1"
+    ))
+    .bind(id)
+    .fetch_one(conn)
+    .await?;
     Sandbox::from_row(&row)
 }
 
@@ -381,14 +412,30 @@ macro_rules! lifecycle_route {
     };
 }
 
-lifecycle_route!(stop, "/v1/sandboxes/{id}/stop", Request::Stop,
-    "Stop: keeps the disk (and memory where the runtime can); settles as `stopped`.");
-lifecycle_route!(pause, "/v1/sandboxes/{id}/pause", Request::Stop,
-    "Pause: an alias of stop (there is no paused state).");
-lifecycle_route!(start, "/v1/sandboxes/{id}/start", Request::Start,
-    "Start a `stopped` or `failed-start` sandbox on its host; settles as `running`.");
-lifecycle_route!(resume, "/v1/sandboxes/{id}/resume", Request::Start,
-    "Resume: an alias of start.");
+lifecycle_route!(
+    stop,
+    "/v1/sandboxes/{id}/stop",
+    Request::Stop,
+    "Stop: keeps the disk (and memory where the runtime can); settles as `stopped`."
+);
+lifecycle_route!(
+    pause,
+    "/v1/sandboxes/{id}/pause",
+    Request::Stop,
+    "Pause: an alias of stop (there is no paused state)."
+);
+lifecycle_route!(
+    start,
+    "/v1/sandboxes/{id}/start",
+    Request::Start,
+    "Start a `stopped` or `failed-start` sandbox on its host; settles as `running`."
+);
+lifecycle_route!(
+    resume,
+    "/v1/sandboxes/{id}/resume",
+    Request::Start,
+    "Resume: an alias of start."
+);
 
 /// `DELETE /v1/sandboxes/{id}`: accepted from every state; repeating it changes nothing.
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),

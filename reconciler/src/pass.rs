@@ -143,14 +143,20 @@ async fn fenced(db: &PgPool, lease: &Lease) -> Result<Transaction<'static, Postg
 }
 
 /// Runs one pass as the holder of `lease`.
-pub async fn run_pass(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<PassReport, PassError> {
+pub async fn run_pass(
+    db: &PgPool,
+    config: &PassConfig,
+    lease: &Lease,
+) -> Result<PassReport, PassError> {
     let started = Instant::now();
     let mut report = PassReport::default();
     let result = run_actions(db, config, lease, &mut report).await;
-    metrics::histogram!("berth_reconciler_pass_duration_seconds").record(started.elapsed().as_secs_f64());
+    metrics::histogram!("berth_reconciler_pass_duration_seconds")
+        .record(started.elapsed().as_secs_f64());
     for (action, n) in &report.actions {
         if *n > 0 {
-            metrics::counter!("berth_reconciler_actions_total", "action" => action.as_str()).increment(*n);
+            metrics::counter!("berth_reconciler_actions_total", "action" => action.as_str())
+                .increment(*n);
         }
     }
     if let Err(e) = record_capacity_drift(db).await {
@@ -181,7 +187,11 @@ async fn run_actions(
     .fetch_one(db)
     .await?;
     report.all_hosts_silent = in_service > 0 && alive == 0;
-    metrics::gauge!("berth_reconciler_all_hosts_silent").set(if report.all_hosts_silent { 1.0 } else { 0.0 });
+    metrics::gauge!("berth_reconciler_all_hosts_silent").set(if report.all_hosts_silent {
+        1.0
+    } else {
+        0.0
+    });
     if report.all_hosts_silent {
         warn!(in_service, "every in-service host is silent at once; doing nothing (check the control plane's network and database)");
         return Ok(());
@@ -203,7 +213,11 @@ async fn run_actions(
     Ok(())
 }
 
-async fn mark_lost_hosts(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, PassError> {
+async fn mark_lost_hosts(
+    db: &PgPool,
+    config: &PassConfig,
+    lease: &Lease,
+) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
     let lost: Vec<uuid::Uuid> = sqlx::query_scalar(
         "UPDATE hosts SET state = 'lost'
@@ -259,7 +273,11 @@ async fn fail_sandbox(
     Ok(())
 }
 
-async fn time_out_commands(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, PassError> {
+async fn time_out_commands(
+    db: &PgPool,
+    config: &PassConfig,
+    lease: &Lease,
+) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
     let rows = sqlx::query(&format!(
         "SELECT c.kind AS command_kind, {cols}
@@ -294,7 +312,14 @@ async fn time_out_commands(db: &PgPool, config: &PassConfig, lease: &Lease) -> R
             CommandKind::Stop
         };
         let message = format!("timeout: host never answered {kind}");
-        fail_sandbox(&mut tx, &snap, Reason::Timeout, &message, Some(compensation)).await?;
+        fail_sandbox(
+            &mut tx,
+            &snap,
+            Reason::Timeout,
+            &message,
+            Some(compensation),
+        )
+        .await?;
         info!(sandbox_id = %snap.id, %kind, "command timed out; sandbox failed-start");
         n += 1;
     }
@@ -302,7 +327,11 @@ async fn time_out_commands(db: &PgPool, config: &PassConfig, lease: &Lease) -> R
     Ok(n)
 }
 
-async fn fail_unhealthy_guests(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, PassError> {
+async fn fail_unhealthy_guests(
+    db: &PgPool,
+    config: &PassConfig,
+    lease: &Lease,
+) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
     let rows = sqlx::query(&format!(
         "SELECT {cols},
@@ -330,7 +359,14 @@ async fn fail_unhealthy_guests(db: &PgPool, config: &PassConfig, lease: &Lease) 
         } else {
             "guest missing from its host's inventory"
         };
-        fail_sandbox(&mut tx, &snap, Reason::RuntimeError, message, Some(CommandKind::Stop)).await?;
+        fail_sandbox(
+            &mut tx,
+            &snap,
+            Reason::RuntimeError,
+            message,
+            Some(CommandKind::Stop),
+        )
+        .await?;
         warn!(sandbox_id = %snap.id, message, "running sandbox failed");
         n += 1;
     }
@@ -338,7 +374,11 @@ async fn fail_unhealthy_guests(db: &PgPool, config: &PassConfig, lease: &Lease) 
     Ok(n)
 }
 
-async fn fail_over_lost_hosts(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, PassError> {
+async fn fail_over_lost_hosts(
+    db: &PgPool,
+    config: &PassConfig,
+    lease: &Lease,
+) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
     let rows = sqlx::query(&format!(
         "SELECT {cols}
@@ -360,8 +400,14 @@ async fn fail_over_lost_hosts(db: &PgPool, config: &PassConfig, lease: &Lease) -
         let snap = SandboxSnapshot::from_row(row)?;
         // No backup store yet: the sandbox cannot be restored elsewhere. Nothing is sent to the
         // lost host; if it comes back, its inventory shows the container as an orphan.
-        fail_sandbox(&mut tx, &snap, Reason::HostLost, "host_lost: its host was lost and no backup exists", None)
-            .await?;
+        fail_sandbox(
+            &mut tx,
+            &snap,
+            Reason::HostLost,
+            "host_lost: its host was lost and no backup exists",
+            None,
+        )
+        .await?;
         n += 1;
     }
     tx.commit().await?;
@@ -401,7 +447,8 @@ async fn auto_lifecycle(
     let mut n = 0;
     for row in &rows {
         let snap = SandboxSnapshot::from_row(row)?;
-        let Ok(Decision::Transition { to, command }) = on_request(snap.state, snap.deleting, request)
+        let Ok(Decision::Transition { to, command }) =
+            on_request(snap.state, snap.deleting, request)
         else {
             continue;
         };
@@ -442,10 +489,12 @@ async fn purge(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, P
         .bind(&purged)
         .execute(&mut *tx)
         .await?;
-    sqlx::query("DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)")
-        .bind(secs(config.idempotency_retention))
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query(
+        "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)",
+    )
+    .bind(secs(config.idempotency_retention))
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(purged.len() as u64)
 }

@@ -13,7 +13,43 @@ use berth_schemas::wire::Resources;
 use berth_schemas::HostId;
 use sqlx::{PgConnection, Row};
 
-/// A host as placement sees it: capacity and what is already reserved.
+/// How far placement may reserve beyond a host's physical capacity: sandboxes rarely use all
+/// their vCPUs at once, so CPU is overcommitted by default; memory is not (an OOM kill is worse
+/// than a refused create).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Overcommit {
+    pub cpu: f64,
+    pub memory: f64,
+}
+
+/// Default CPU overcommit ratio.
+pub const DEFAULT_CPU_OVERCOMMIT: f64 = 4.0;
+/// Default memory overcommit ratio.
+pub const DEFAULT_MEMORY_OVERCOMMIT: f64 = 1.0;
+
+impl Default for Overcommit {
+    fn default() -> Self {
+        Self {
+            cpu: DEFAULT_CPU_OVERCOMMIT,
+            memory: DEFAULT_MEMORY_OVERCOMMIT,
+        }
+    }
+}
+
+impl Overcommit {
+    /// What placement may reserve on a host of `capacity`.
+    pub fn limit(&self, capacity: Resources) -> Resources {
+        let scale =
+            |v: u32, r: f64| (f64::from(v) * r).floor().clamp(0.0, f64::from(u32::MAX)) as u32;
+        Resources {
+            vcpus: scale(capacity.vcpus, self.cpu),
+            memory_mib: scale(capacity.memory_mib, self.memory),
+        }
+    }
+}
+
+/// A host as placement sees it: its reservable capacity (physical capacity times the
+/// overcommit ratio) and what is already reserved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {
     pub id: HostId,
@@ -57,10 +93,12 @@ pub fn rank(candidates: &[Candidate], need: Resources) -> Vec<HostId> {
     fitting.into_iter().map(|c| c.id).collect()
 }
 
-/// Lists `ready` hosts whose last heartbeat (database clock) is younger than `freshness`.
+/// Lists `ready` hosts whose last heartbeat (database clock) is younger than `freshness`, with
+/// their capacity scaled by `overcommit`.
 pub async fn candidates(
     conn: &mut PgConnection,
     freshness: Duration,
+    overcommit: Overcommit,
 ) -> Result<Vec<Candidate>, sqlx::Error> {
     let rows = sqlx::query(
         "SELECT id, capacity_vcpus, capacity_memory_mib, reserved_vcpus, reserved_memory_mib
@@ -74,10 +112,10 @@ pub async fn candidates(
         .into_iter()
         .map(|r| Candidate {
             id: r.get("id"),
-            capacity: Resources {
+            capacity: overcommit.limit(Resources {
                 vcpus: clamp_u32(r.get::<i32, _>("capacity_vcpus").into()),
                 memory_mib: clamp_u32(r.get("capacity_memory_mib")),
-            },
+            }),
             reserved: Resources {
                 vcpus: clamp_u32(r.get::<i32, _>("reserved_vcpus").into()),
                 memory_mib: clamp_u32(r.get("reserved_memory_mib")),
@@ -97,18 +135,21 @@ pub async fn reserve(
     conn: &mut PgConnection,
     host: HostId,
     need: Resources,
+    overcommit: Overcommit,
 ) -> Result<bool, sqlx::Error> {
     let updated = sqlx::query(
         "UPDATE hosts
             SET reserved_vcpus = reserved_vcpus + $2,
                 reserved_memory_mib = reserved_memory_mib + $3
           WHERE id = $1 AND state = 'ready'
-            AND reserved_vcpus + $2 <= capacity_vcpus
-            AND reserved_memory_mib + $3 <= capacity_memory_mib",
+            AND reserved_vcpus + $2 <= floor(capacity_vcpus * $4)
+            AND reserved_memory_mib + $3 <= floor(capacity_memory_mib * $5)",
     )
     .bind(host)
     .bind(i32::try_from(need.vcpus).unwrap_or(i32::MAX))
     .bind(i64::from(need.memory_mib))
+    .bind(overcommit.cpu)
+    .bind(overcommit.memory)
     .execute(conn)
     .await?;
     Ok(updated.rows_affected() == 1)
@@ -142,10 +183,11 @@ pub async fn place(
     conn: &mut PgConnection,
     need: Resources,
     freshness: Duration,
+    overcommit: Overcommit,
 ) -> Result<Option<HostId>, sqlx::Error> {
-    let ranked = rank(&candidates(conn, freshness).await?, need);
+    let ranked = rank(&candidates(conn, freshness, overcommit).await?, need);
     for host in ranked {
-        if reserve(conn, host, need).await? {
+        if reserve(conn, host, need, overcommit).await? {
             return Ok(Some(host));
         }
     }
@@ -194,7 +236,25 @@ mod tests {
         let busy = host(1, (8, 16384), (6, 1024));
         let idle = host(2, (8, 16384), (0, 0));
         let mem_busy = host(3, (8, 16384), (0, 14000));
-        assert_eq!(rank(&[busy, idle, mem_busy], NEED), vec![idle.id, mem_busy.id, busy.id]);
+        assert_eq!(
+            rank(&[busy, idle, mem_busy], NEED),
+            vec![idle.id, mem_busy.id, busy.id]
+        );
+    }
+
+    #[test]
+    fn overcommit_scales_cpu_but_not_memory_by_default() {
+        let limit = Overcommit::default().limit(Resources {
+            vcpus: 2,
+            memory_mib: 1000,
+        });
+        assert_eq!(
+            limit,
+            Resources {
+                vcpus: 8,
+                memory_mib: 1000
+            }
+        );
     }
 
     #[test]

@@ -309,8 +309,12 @@ pub fn on_result(
         releases_capacity,
     };
     match (kind, state, outcome, deleting) {
-        (CommandKind::Create, S::Provisioning, Outcome::Succeeded, false) => apply(S::Running, false),
-        (CommandKind::Create, S::Provisioning, Outcome::Failed, false) => apply(S::FailedStart, true),
+        (CommandKind::Create, S::Provisioning, Outcome::Succeeded, false) => {
+            apply(S::Running, false)
+        }
+        (CommandKind::Create, S::Provisioning, Outcome::Failed, false) => {
+            apply(S::FailedStart, true)
+        }
         (CommandKind::Start, S::Starting, Outcome::Succeeded, false) => apply(S::Running, false),
         (CommandKind::Start, S::Starting, Outcome::Failed, false) => apply(S::FailedStart, true),
         (CommandKind::Stop, S::Stopping, Outcome::Succeeded, false) => apply(S::Stopped, true),
@@ -368,7 +372,10 @@ mod tests {
     fn every_state_round_trips_through_its_spelling() {
         for s in S::ALL {
             assert_eq!(s.as_str().parse::<S>().unwrap(), s);
-            assert_eq!(serde_json::to_string(&s).unwrap(), format!("\"{}\"", s.as_str()));
+            assert_eq!(
+                serde_json::to_string(&s).unwrap(),
+                format!("\"{}\"", s.as_str())
+            );
         }
         assert!("paused".parse::<S>().is_err());
     }
@@ -416,8 +423,16 @@ mod tests {
             Err(Refusal::Conflict { .. }) => C,
         };
         for (state, start, stop) in table {
-            assert_eq!(to_e(on_request(state, false, Request::Start)), start, "start in {state}");
-            assert_eq!(to_e(on_request(state, false, Request::Stop)), stop, "stop in {state}");
+            assert_eq!(
+                to_e(on_request(state, false, Request::Start)),
+                start,
+                "start in {state}"
+            );
+            assert_eq!(
+                to_e(on_request(state, false, Request::Stop)),
+                stop,
+                "stop in {state}"
+            );
         }
     }
 
@@ -430,10 +445,16 @@ mod tests {
             } else {
                 assert_eq!(
                     first,
-                    Decision::Transition { to: S::Stopping, command: CommandKind::Delete }
+                    Decision::Transition {
+                        to: S::Stopping,
+                        command: CommandKind::Delete
+                    }
                 );
             }
-            assert_eq!(on_request(state, true, Request::Delete).unwrap(), Decision::Unchanged);
+            assert_eq!(
+                on_request(state, true, Request::Delete).unwrap(),
+                Decision::Unchanged
+            );
         }
     }
 
@@ -454,8 +475,22 @@ mod tests {
         use CommandKind as K;
         use Outcome::*;
         let cases = [
-            (S::Provisioning, false, K::Create, Succeeded, S::Running, false),
-            (S::Provisioning, false, K::Create, Failed, S::FailedStart, true),
+            (
+                S::Provisioning,
+                false,
+                K::Create,
+                Succeeded,
+                S::Running,
+                false,
+            ),
+            (
+                S::Provisioning,
+                false,
+                K::Create,
+                Failed,
+                S::FailedStart,
+                true,
+            ),
             (S::Starting, false, K::Start, Succeeded, S::Running, false),
             (S::Starting, false, K::Start, Failed, S::FailedStart, true),
             (S::Stopping, false, K::Stop, Succeeded, S::Stopped, true),
@@ -465,7 +500,10 @@ mod tests {
         for (state, deleting, kind, outcome, to, releases_capacity) in cases {
             assert_eq!(
                 on_result(state, deleting, kind, outcome),
-                ResultDecision::Apply { to, releases_capacity },
+                ResultDecision::Apply {
+                    to,
+                    releases_capacity
+                },
                 "{kind} {outcome:?} in {state}"
             );
         }

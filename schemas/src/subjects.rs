@@ -115,7 +115,10 @@ mod tests {
     fn subjects_are_built_under_the_prefix() {
         let s = Subjects::new("t1.run-7").unwrap();
         let h = HostId(Uuid::nil());
-        assert_eq!(s.cmd(h), "t1.run-7.cmd.00000000-0000-0000-0000-000000000000");
+        assert_eq!(
+            s.cmd(h),
+            "t1.run-7.cmd.00000000-0000-0000-0000-000000000000"
+        );
         assert_eq!(s.result_all(), "t1.run-7.result.>");
         assert_eq!(s.heartbeat_all(), "t1.run-7.hb.*");
         assert_eq!(s.cmd_stream(), "T1_RUN-7_CMD");

@@ -321,7 +321,11 @@ mod tests {
         let bytes = encode(&req);
         assert_eq!(
             hex(&bytes),
-            format!("01{U2}0204{echo}02{hi}e807", echo = hex(b"echo"), hi = hex(b"hi"))
+            format!(
+                "01{U2}0204{echo}02{hi}e807",
+                echo = hex(b"echo"),
+                hi = hex(b"hi")
+            )
         );
         let reply = ExecReply::Finished {
             exit_code: -1,
@@ -330,7 +334,7 @@ mod tests {
             timed_out: true,
         };
         // i32 is zig-zag encoded: -1 → 1.
-        assert_eq!(hex(&encode(&reply)), "010001016100" .to_owned() + "01");
+        assert_eq!(hex(&encode(&reply)), "010001016100".to_owned() + "01");
         assert_eq!(decode::<ExecReply>(&encode(&reply)).unwrap(), reply);
     }
 
@@ -342,6 +346,9 @@ mod tests {
             decode::<Command>(&bytes),
             Err(WireError::UnsupportedVersion { found: 2 })
         ));
-        assert!(matches!(decode::<Command>(&[1, 0xff]), Err(WireError::Malformed(_))));
+        assert!(matches!(
+            decode::<Command>(&[1, 0xff]),
+            Err(WireError::Malformed(_))
+        ));
     }
 }

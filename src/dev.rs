@@ -1,0 +1,459 @@
+//! `berth dev`: the whole system in one process — API (with the relay), scheduler, reconciler
+//! and N hostd, each hostd with its own state dir, host id and address pool.
+//!
+//! Against `DATABASE_URL` / `NATS_URL` when set; otherwise against a private Postgres (initdb
+//! in the state dir) and a private `nats-server -js`, both on free loopback ports, started here
+//! and stopped (by the PIDs started here) when `berth dev` exits.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use sqlx::Row;
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// How long `berth dev` waits for its hosts' first heartbeats before giving up.
+const HOSTS_READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a private service gets to start answering.
+const SERVICE_START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a private service gets to exit after SIGTERM before SIGKILL.
+const SERVICE_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// The name of the org `berth dev` creates.
+const DEV_ORG: &str = "dev";
+
+/// Flags of `berth dev`.
+#[derive(Args, Debug)]
+pub struct DevArgs {
+    /// API listen address.
+    #[arg(long, env = "BERTH_API_ADDR", default_value = berth_api::DEFAULT_LISTEN)]
+    api_addr: SocketAddr,
+    /// State directory (hostd state, private Postgres and NATS data, the API key).
+    #[arg(long, env = "BERTH_STATE_DIR", default_value = ".berth")]
+    state_dir: PathBuf,
+    /// Prefix of every NATS subject.
+    #[arg(long, env = "BERTH_SUBJECT_PREFIX", default_value = berth_schemas::subjects::DEFAULT_PREFIX)]
+    subject_prefix: String,
+    /// How many hostd to run.
+    #[arg(long, env = "BERTH_DEV_HOSTS", default_value_t = 2)]
+    hosts: u8,
+    /// Host i takes sandbox addresses from this /16 with its second octet plus i.
+    #[arg(long, env = "BERTH_ADDRESS_POOL", default_value = "10.200.0.0")]
+    address_pool: Ipv4Addr,
+    /// Postgres to use; unset → a private one in the state dir.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// NATS to use; unset → a private `nats-server -js`.
+    #[arg(long, env = "NATS_URL")]
+    nats_url: Option<String>,
+}
+
+/// The machine's host name, for host names in heartbeats.
+pub fn hostname() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// A child process started by `berth dev`; stopped by its PID on exit.
+struct PrivateService {
+    name: &'static str,
+    child: Child,
+}
+
+impl PrivateService {
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let pid = nix::unistd::Pid::from_raw(pid as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            if tokio::time::timeout(SERVICE_STOP_TIMEOUT, self.child.wait())
+                .await
+                .is_err()
+            {
+                warn!(service = self.name, "did not stop on SIGTERM; killing");
+                let _ = self.child.kill().await;
+            }
+        }
+        info!(service = self.name, "stopped");
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn postgres_bin_dir() -> anyhow::Result<PathBuf> {
+    let root = Path::new("/usr/lib/postgresql");
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir(root)
+        .with_context(|| {
+            format!(
+                "no Postgres under {} (apt-get install postgresql)",
+                root.display()
+            )
+        })?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let v = e.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("postgres").exists().then_some((v, bin))
+        })
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .map(|(_, bin)| bin)
+        .context("no Postgres server binaries found (apt-get install postgresql)")
+}
+
+/// Runs `program` as the `postgres` user when we are root (Postgres refuses to run as root).
+fn as_postgres_user(program: &Path) -> Command {
+    if nix::unistd::geteuid().is_root() {
+        let mut c = Command::new("runuser");
+        c.arg("-u").arg("postgres").arg("--").arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+async fn start_private_postgres(state_dir: &Path) -> anyhow::Result<(String, PrivateService)> {
+    let bin = postgres_bin_dir()?;
+    let data = state_dir.join("postgres");
+    let data = std::path::absolute(&data)?;
+    let root = nix::unistd::geteuid().is_root();
+    if !data.join("PG_VERSION").exists() {
+        std::fs::create_dir_all(&data)?;
+        if root {
+            chown_postgres(&data).await?;
+        }
+        let status = as_postgres_user(&bin.join("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", "postgres", "--auth=trust", "--encoding=UTF8"])
+            .stdout(Stdio::null())
+            .status()
+            .await
+            .context("run initdb")?;
+        if !status.success() {
+            bail!("initdb failed for {}", data.display());
+        }
+    } else if root {
+        chown_postgres(&data).await?;
+    }
+    let port = free_port()?;
+    let log = std::fs::File::create(state_dir.join("postgres.log"))?;
+    let child = as_postgres_user(&bin.join("postgres"))
+        .arg("-D")
+        .arg(&data)
+        .arg("-k")
+        .arg(&data)
+        .args(["-p", &port.to_string(), "-c", "listen_addresses=127.0.0.1"])
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .context("start postgres")?;
+    let service = PrivateService {
+        name: "postgres",
+        child,
+    };
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let deadline = tokio::time::Instant::now() + SERVICE_START_TIMEOUT;
+    loop {
+        match sqlx::postgres::PgConnectOptions::new()
+            .host("127.0.0.1")
+            .port(port)
+            .username("postgres")
+            .database("postgres")
+            .connect_opts()
+            .await
+        {
+            Ok(_) => break,
+            Err(e) if tokio::time::Instant::now() > deadline => {
+                service.stop().await;
+                bail!(
+                    "private Postgres did not start (see {}/postgres.log): {e}",
+                    state_dir.display()
+                );
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    info!(%port, "private Postgres running");
+    Ok((url, service))
+}
+
+trait ConnectOpts {
+    async fn connect_opts(self) -> Result<sqlx::PgConnection, sqlx::Error>;
+}
+
+impl ConnectOpts for sqlx::postgres::PgConnectOptions {
+    async fn connect_opts(self) -> Result<sqlx::PgConnection, sqlx::Error> {
+        use sqlx::ConnectOptions;
+        self.connect().await
+    }
+}
+
+async fn chown_postgres(dir: &Path) -> anyhow::Result<()> {
+    let status = Command::new("chown")
+        .args(["-R", "postgres:postgres"])
+        .arg(dir)
+        .status()
+        .await?;
+    if !status.success() {
+        bail!(
+            "chown postgres {} failed (is there a postgres user?)",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+async fn start_private_nats(state_dir: &Path) -> anyhow::Result<(String, PrivateService)> {
+    let port = free_port()?;
+    let dir = std::path::absolute(state_dir.join("nats"))?;
+    std::fs::create_dir_all(&dir)?;
+    let log = std::fs::File::create(state_dir.join("nats.log"))?;
+    let child = Command::new("nats-server")
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(&dir)
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .context("start nats-server (apt-get install nats-server)")?;
+    let service = PrivateService {
+        name: "nats",
+        child,
+    };
+    let url = format!("nats://127.0.0.1:{port}");
+    let deadline = tokio::time::Instant::now() + SERVICE_START_TIMEOUT;
+    loop {
+        match async_nats::connect(&url).await {
+            Ok(c) => {
+                let js = async_nats::jetstream::new(c);
+                if js.query_account().await.is_ok() {
+                    break;
+                }
+            }
+            Err(e) if tokio::time::Instant::now() > deadline => {
+                service.stop().await;
+                bail!(
+                    "private nats-server did not start (see {}/nats.log): {e}",
+                    state_dir.display()
+                );
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    info!(%port, "private NATS running");
+    Ok((url, service))
+}
+
+/// Reuses `<state>/api-key` when it still authenticates; otherwise makes a key for the dev
+/// org (creating the org if needed) and writes it there (mode 0600).
+async fn dev_api_key(db: &sqlx::PgPool, state_dir: &Path) -> anyhow::Result<String> {
+    let path = state_dir.join("api-key");
+    if let Ok(key) = std::fs::read_to_string(&path) {
+        let key = key.trim().to_owned();
+        if berth_api::auth::authenticate(db, &key).await?.is_some() {
+            return Ok(key);
+        }
+    }
+    let key = match berth_api::auth::create_org(db, DEV_ORG).await {
+        Ok((_, key)) => key,
+        Err(berth_api::auth::CreateOrgError::Exists(_)) => {
+            let org = sqlx::query("SELECT id FROM orgs WHERE name = $1")
+                .bind(DEV_ORG)
+                .fetch_one(db)
+                .await?
+                .get("id");
+            berth_api::auth::create_key(db, org).await?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)?;
+    std::io::Write::write_all(&mut f, format!("{key}\n").as_bytes())?;
+    Ok(key)
+}
+
+fn pool_for(base: Ipv4Addr, index: u8) -> anyhow::Result<Ipv4Addr> {
+    let [a, b, _, _] = base.octets();
+    let b = b
+        .checked_add(index)
+        .context("address pool second octet overflows")?;
+    Ok(Ipv4Addr::new(a, b, 0, 0))
+}
+
+/// Runs the whole stack until SIGINT/SIGTERM.
+pub async fn run(args: DevArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.state_dir)
+        .with_context(|| format!("create {}", args.state_dir.display()))?;
+    let state_dir = std::path::absolute(&args.state_dir)?;
+    let mut services = Vec::new();
+    let result = run_stack(&args, &state_dir, &mut services).await;
+    for service in services.into_iter().rev() {
+        service.stop().await;
+    }
+    result
+}
+
+async fn run_stack(
+    args: &DevArgs,
+    state_dir: &Path,
+    services: &mut Vec<PrivateService>,
+) -> anyhow::Result<()> {
+    let shutdown = crate::shutdown_on_signal();
+    let database_url = match &args.database_url {
+        Some(url) => url.clone(),
+        None => {
+            let (url, svc) = start_private_postgres(state_dir).await?;
+            services.push(svc);
+            url
+        }
+    };
+    let nats_url = match &args.nats_url {
+        Some(url) => url.clone(),
+        None => {
+            let (url, svc) = start_private_nats(state_dir).await?;
+            services.push(svc);
+            url
+        }
+    };
+    let db = crate::connect_db(&database_url).await?;
+    berth_schemas::db::MIGRATOR
+        .run(&db)
+        .await
+        .context("migrate")?;
+    let nats = crate::connect_nats(&nats_url).await?;
+    let subjects = berth_schemas::Subjects::new(&args.subject_prefix)?;
+    let js = async_nats::jetstream::new(nats.clone());
+    berth_schemas::streams::ensure_streams(&js, &subjects)
+        .await
+        .context("create JetStream streams")?;
+
+    let mut tasks = tokio::task::JoinSet::new();
+    let stop = shutdown.clone();
+    tasks.spawn({
+        let (db, nats, subjects, stop) = (db.clone(), nats.clone(), subjects.clone(), stop.clone());
+        async move {
+            berth_scheduler::run(
+                berth_scheduler::SchedulerConfig { subjects },
+                db,
+                nats,
+                stop,
+            )
+            .await
+            .context("scheduler")
+        }
+    });
+    tasks.spawn({
+        let (db, nats, subjects, stop) = (db.clone(), nats.clone(), subjects.clone(), stop.clone());
+        async move {
+            berth_reconciler::run(
+                berth_reconciler::ReconcilerConfig::new(subjects),
+                db,
+                nats,
+                stop,
+            )
+            .await
+            .context("reconciler")
+        }
+    });
+    let host_name = hostname();
+    for i in 0..args.hosts {
+        let mut config = berth_hostd::HostdConfig::new(
+            nats_url.clone(),
+            subjects.clone(),
+            state_dir.join("hosts").join(i.to_string()),
+            format!("{host_name}-{i}"),
+        );
+        config.address_pool = pool_for(args.address_pool, i)?;
+        let stop = stop.clone();
+        tasks.spawn(async move { berth_hostd::run(config, stop).await.context("hostd") });
+    }
+    let listener = tokio::net::TcpListener::bind(args.api_addr)
+        .await
+        .with_context(|| format!("bind the API to {}", args.api_addr))?;
+    let api_addr = listener.local_addr()?;
+    let state = berth_api::AppState {
+        db: db.clone(),
+        nats: nats.clone(),
+        subjects: subjects.clone(),
+        config: berth_api::ApiConfig::new(api_addr, subjects.clone()),
+        prometheus: berth_api::metrics::handle(),
+    };
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { berth_api::serve(listener, state, stop).await.context("api") }
+    });
+
+    let key = dev_api_key(&db, state_dir).await?;
+    wait_for_hosts(&db, args.hosts, &shutdown, &mut tasks).await?;
+    println!("api: http://{api_addr}");
+    println!("api key: {key}");
+    println!("ready: {} hosts", args.hosts);
+
+    let outcome = tokio::select! {
+        _ = shutdown.cancelled() => Ok(()),
+        Some(joined) = tasks.join_next() => match joined {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(e.into()),
+        },
+    };
+    shutdown.cancel();
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok(Err(e)) = joined {
+            warn!(error = %format!("{e:#}"), "component stopped with an error");
+        }
+    }
+    outcome
+}
+
+async fn wait_for_hosts(
+    db: &sqlx::PgPool,
+    hosts: u8,
+    shutdown: &CancellationToken,
+    tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + HOSTS_READY_TIMEOUT;
+    loop {
+        let fresh: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM hosts WHERE state = 'ready' AND last_seen > now() - interval '15 seconds'",
+        )
+        .fetch_one(db)
+        .await?;
+        if fresh >= i64::from(hosts) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("only {fresh} of {hosts} hosts sent a heartbeat within {HOSTS_READY_TIMEOUT:?}");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => bail!("interrupted while waiting for hosts"),
+            Some(joined) = tasks.join_next() => {
+                return match joined {
+                    Ok(Ok(())) => Err(anyhow::anyhow!("a component exited during start-up")),
+                    Ok(Err(e)) => Err(e),
+                    Err(e) => Err(e.into()),
+                };
+            }
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! End-to-end: the whole path from `POST /v1/sandboxes` to a real runc container and back,
+//! against the real Postgres, NATS and `berth hostd` processes.
+
+mod common;
+
+use common::Stack;
+use reqwest::Method;
+use serde_json::json;
+use sqlx::PgPool;
+
+/// What a host leaves of a sandbox: containers, netns, veths, mounts and dirs naming it.
+async fn leftovers(stack: &Stack, id: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    let short: String = id.replace('-', "")[..12].to_owned();
+    for host in &stack.hosts {
+        let out = std::process::Command::new("runc")
+            .arg("--root")
+            .arg(host.runc_root())
+            .args(["list", "-q"])
+            .output()
+            .unwrap();
+        let list = String::from_utf8_lossy(&out.stdout).into_owned();
+        if list.contains(id) || list.contains(&short) {
+            found.push(format!(
+                "container in {}: {list}",
+                host.runc_root().display()
+            ));
+        }
+        let dir = host.state_dir.join("sandboxes").join(id);
+        if dir.exists() {
+            found.push(format!("dir {}", dir.display()));
+        }
+    }
+    let netns = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    let netns = String::from_utf8_lossy(&netns.stdout).into_owned();
+    if netns.contains(id) || netns.contains(&short) {
+        found.push(format!("netns: {netns}"));
+    }
+    let links = std::process::Command::new("ip")
+        .args(["-o", "link"])
+        .output()
+        .unwrap();
+    for line in String::from_utf8_lossy(&links.stdout).lines() {
+        if line.contains(&short[..8]) {
+            found.push(format!("link: {line}"));
+        }
+    }
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    for line in mounts.lines() {
+        if line.contains(id) {
+            found.push(format!("mount: {line}"));
+        }
+    }
+    found
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_sandbox_runs_stops_keeps_its_files_starts_and_is_deleted_without_a_trace(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let id = stack.create().await;
+    let running = stack.wait_state(&id, "running").await;
+    assert!(running["address"].is_string(), "{running}");
+    assert_eq!(running["host_id"], stack.hosts[0].host_id.to_string());
+
+    let (status, out) = stack.exec(&id, &["echo", "hello"]).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["stdout"], "hello\n");
+    assert_eq!(out["exit_code"], 0);
+    let (_, out) = stack
+        .exec(&id, &["sh", "-c", "echo kept > /root/note; exit 3"])
+        .await;
+    assert_eq!(out["exit_code"], 3, "{out}");
+
+    let (status, body) = stack
+        .call(Method::POST, &format!("/v1/sandboxes/{id}/stop"), None)
+        .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "stopping");
+    let stopped = stack.wait_state(&id, "stopped").await;
+    assert_eq!(stopped["last_stop"], "disk");
+    let (status, body) = stack.exec(&id, &["true"]).await;
+    assert_eq!(status, 409, "exec on a stopped sandbox: {body}");
+    assert_eq!(body["error"]["code"], "conflict");
+
+    let (status, body) = stack
+        .call(Method::POST, &format!("/v1/sandboxes/{id}/start"), None)
+        .await;
+    assert_eq!(status, 202, "{body}");
+    stack.wait_state(&id, "running").await;
+    let (_, out) = stack.exec(&id, &["cat", "/root/note"]).await;
+    assert_eq!(
+        out["stdout"], "kept\n",
+        "the file written before the stop survives it"
+    );
+
+    let (status, body) = stack
+        .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(status, 202, "{body}");
+    assert!(body["deleted_at"].is_string());
+    stack.wait_state(&id, "deleted").await;
+    assert_eq!(leftovers(&stack, &id).await, Vec::<String>::new());
+
+    let events: Vec<String> =
+        sqlx::query_scalar("SELECT to_state FROM events WHERE sandbox_id = $1::uuid ORDER BY id")
+            .bind(&id)
+            .fetch_all(&stack.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        events,
+        [
+            "provisioning",
+            "running",
+            "stopping",
+            "stopped",
+            "starting",
+            "running",
+            "stopping",
+            "deleted"
+        ]
+    );
+    let reserved: (i32, i64) =
+        sqlx::query_as("SELECT reserved_vcpus, reserved_memory_mib FROM hosts")
+            .fetch_one(&stack.db)
+            .await
+            .unwrap();
+    assert_eq!(reserved, (0, 0), "a deleted sandbox holds no capacity");
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let cases = [
+        (json!({"template": "nope"}), 422, "unknown_template", None),
+        (json!({"vcpus": 0}), 400, "invalid_request", Some("vcpus")),
+        (
+            json!({"memory_mib": 10_000_000}),
+            400,
+            "invalid_request",
+            Some("memory_mib"),
+        ),
+        (
+            json!({"vcpus": "two"}),
+            400,
+            "invalid_request",
+            Some("vcpus"),
+        ),
+        (json!({"colour": "blue"}), 400, "invalid_request", None),
+        (
+            json!({"metadata": {"a": 1}}),
+            400,
+            "invalid_request",
+            Some("metadata"),
+        ),
+    ];
+    for (body, status, code, field) in cases {
+        let (got, resp) = stack
+            .call(Method::POST, "/v1/sandboxes", Some(body.clone()))
+            .await;
+        assert_eq!(got, status, "{body} → {resp}");
+        assert_eq!(resp["error"]["code"], code, "{body} → {resp}");
+        if let Some(field) = field {
+            assert_eq!(resp["error"]["field"], field, "{body} → {resp}");
+        }
+    }
+    let malformed = stack
+        .http
+        .post(stack.url("/v1/sandboxes"))
+        .bearer_auth(&stack.key)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(malformed.status(), 400);
+
+    for key in ["", "berth_wrong", "Bearer"] {
+        let (status, body) = stack
+            .call_as(key, Method::POST, "/v1/sandboxes", Some(json!({})))
+            .await;
+        assert_eq!(status, 401, "{body}");
+        assert_eq!(body["error"]["code"], "unauthorized");
+    }
+    let unauthenticated = stack
+        .http
+        .get(stack.url("/v1/sandboxes"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unauthenticated.status(), 401);
+
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"vcpus": 32, "memory_mib": 65536})),
+        )
+        .await;
+    assert_eq!(status, 503, "more than any host has: {body}");
+    assert_eq!(body["error"]["code"], "no_capacity");
+
+    let written: i64 = sqlx::query_scalar("SELECT (SELECT count(*) FROM sandboxes) + (SELECT count(*) FROM commands) + (SELECT count(*) FROM events)")
+        .fetch_one(&stack.db)
+        .await
+        .unwrap();
+    assert_eq!(written, 0, "bad input wrote nothing");
+    let reserved: i64 =
+        sqlx::query_scalar("SELECT COALESCE(sum(reserved_vcpus), 0)::int8 FROM hosts")
+            .fetch_one(&stack.db)
+            .await
+            .unwrap();
+    assert_eq!(reserved, 0);
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn another_orgs_sandbox_is_not_found_on_every_route(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let id = stack.create().await;
+    stack.wait_state(&id, "running").await;
+    let (_, other_key) = berth_api::auth::create_org(&stack.db, "other")
+        .await
+        .unwrap();
+    let routes = [
+        (Method::GET, format!("/v1/sandboxes/{id}"), None),
+        (Method::POST, format!("/v1/sandboxes/{id}/stop"), None),
+        (Method::POST, format!("/v1/sandboxes/{id}/pause"), None),
+        (Method::POST, format!("/v1/sandboxes/{id}/start"), None),
+        (Method::POST, format!("/v1/sandboxes/{id}/resume"), None),
+        (
+            Method::POST,
+            format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"cmd": ["true"]})),
+        ),
+        (Method::GET, format!("/v1/sandboxes/{id}/events"), None),
+        (Method::DELETE, format!("/v1/sandboxes/{id}"), None),
+    ];
+    for (method, path, body) in routes {
+        let (status, resp) = stack.call_as(&other_key, method.clone(), &path, body).await;
+        assert_eq!(status, 404, "{method} {path}: {resp}");
+        assert_eq!(resp["error"]["code"], "not_found");
+    }
+    let (status, list) = stack
+        .call_as(&other_key, Method::GET, "/v1/sandboxes", None)
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(list["sandboxes"], json!([]), "the other org lists nothing");
+    // The owner's sandbox was untouched by all of that.
+    let running = stack.wait_state(&id, "running").await;
+    assert_eq!(running["generation"], 1);
+
+    let (status, _) = stack
+        .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(status, 202);
+    stack.wait_state(&id, "deleted").await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn listing_is_paginated_newest_first_and_filters_by_state(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(stack.create().await);
+    }
+    for id in &ids {
+        stack.wait_state(id, "running").await;
+    }
+    let (status, page1) = stack.call(Method::GET, "/v1/sandboxes?limit=2", None).await;
+    assert_eq!(status, 200, "{page1}");
+    let got: Vec<&str> = page1["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, [ids[2].as_str(), ids[1].as_str()]);
+    let cursor = page1["next_cursor"].as_str().unwrap();
+    let (_, page2) = stack
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes?limit=2&cursor={cursor}"),
+            None,
+        )
+        .await;
+    assert_eq!(page2["sandboxes"].as_array().unwrap().len(), 1);
+    assert_eq!(page2["sandboxes"][0]["id"], ids[0].as_str());
+    assert!(page2["next_cursor"].is_null());
+
+    let (status, _) = stack
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{}/stop", ids[0]),
+            None,
+        )
+        .await;
+    assert_eq!(status, 202);
+    stack.wait_state(&ids[0], "stopped").await;
+    let (_, stopped) = stack
+        .call(Method::GET, "/v1/sandboxes?state=stopped", None)
+        .await;
+    assert_eq!(stopped["sandboxes"].as_array().unwrap().len(), 1);
+    let (status, bad) = stack
+        .call(Method::GET, "/v1/sandboxes?state=paused", None)
+        .await;
+    assert_eq!(status, 400, "{bad}");
+    assert_eq!(bad["error"]["field"], "state");
+
+    for id in &ids {
+        stack
+            .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+            .await;
+    }
+    for id in &ids {
+        stack.wait_state(id, "deleted").await;
+    }
+    let (_, live) = stack.call(Method::GET, "/v1/sandboxes", None).await;
+    assert_eq!(
+        live["sandboxes"],
+        json!([]),
+        "tombstones are not listed by default"
+    );
+    stack.teardown().await;
+}
