@@ -148,7 +148,7 @@ impl Host {
     }
 
     /// The heartbeat's `used` and `inventory`: each live sandbox's status as observed now
-    /// (runtime state plus an agent ping), and the resources of those meant to run.
+    /// (runtime state plus an agent ping), and the resources of those not `Stopped`.
     ///
     /// Errors: [`HostdError`] from the runtime's `list`.
     pub async fn observe(&self) -> Result<(Resources, Vec<InventoryItem>), HostdError> {
@@ -176,13 +176,15 @@ impl Host {
             }
         });
         let inventory = futures::future::join_all(checks).await;
-        let used = records.iter().filter(|r| r.phase == Phase::Running).fold(
-            Resources::default(),
-            |acc, r| Resources {
+        // What runs or should run holds resources; only a stopped sandbox does not.
+        let used = records
+            .iter()
+            .zip(&inventory)
+            .filter(|(_, item)| item.status != GuestStatus::Stopped)
+            .fold(Resources::default(), |acc, (r, _)| Resources {
                 vcpus: acc.vcpus + r.spec.resources.vcpus,
                 memory_mib: acc.memory_mib + r.spec.resources.memory_mib,
-            },
-        );
+            });
         Ok((used, inventory))
     }
 

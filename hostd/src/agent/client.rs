@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-use super::protocol::{ExecOutput, Request, Response, MAX_LINE_BYTES};
+use super::protocol::{ExecOutput, Request, Response, MAX_EXEC_TIMEOUT_MS, MAX_LINE_BYTES};
 use crate::error::HostdError;
 
 /// How long a ping (connect, request, answer) may take.
@@ -75,12 +75,14 @@ pub enum ExecResult {
 
 /// Runs `argv` in the sandbox.
 ///
-/// Errors: as [`call`]; the overall wait is `timeout_ms` + [`EXEC_REPLY_GRACE`].
+/// Errors: as [`call`]; the overall wait is `timeout_ms` (clamped to
+/// [`MAX_EXEC_TIMEOUT_MS`]) + [`EXEC_REPLY_GRACE`].
 pub async fn exec(
     address: SocketAddr,
     argv: Vec<String>,
     timeout_ms: u64,
 ) -> Result<ExecResult, HostdError> {
+    let timeout_ms = timeout_ms.min(MAX_EXEC_TIMEOUT_MS);
     let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
     match call(address, &Request::Exec { argv, timeout_ms }, wait).await? {
         Response::Exec(out) => Ok(ExecResult::Finished(out)),

@@ -23,6 +23,10 @@ pub const MAX_LINE_BYTES: u64 = 4 * 1024 * 1024;
 /// dropped so the process never blocks on a full pipe.
 pub const MAX_CAPTURED_OUTPUT: usize = 1024 * 1024;
 
+/// The longest exec timeout either side honours, in milliseconds (one day); longer requests
+/// are clamped to it.
+pub const MAX_EXEC_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
+
 /// A request to the agent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]

@@ -16,7 +16,8 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 use super::protocol::{
-    ErrorReply, ExecOutput, PingReply, Request, Response, MAX_CAPTURED_OUTPUT, MAX_LINE_BYTES,
+    ErrorReply, ExecOutput, PingReply, Request, Response, MAX_CAPTURED_OUTPUT, MAX_EXEC_TIMEOUT_MS,
+    MAX_LINE_BYTES,
 };
 use crate::oci::GUEST_PATH;
 
@@ -67,7 +68,9 @@ fn handle(stream: TcpStream) -> std::io::Result<()> {
     (&stream).flush()
 }
 
-/// Runs `argv`, capturing output, killing the process group at `timeout_ms`.
+/// Runs `argv`, capturing output, killing the process group at `timeout_ms` (clamped to
+/// [`MAX_EXEC_TIMEOUT_MS`]). When the process exits but a background descendant keeps its
+/// output pipes open, the answer waits for them until the timeout (plus a short grace).
 ///
 /// Errors: a message when `argv` is empty or the process cannot be spawned.
 pub fn exec(argv: &[String], timeout_ms: u64) -> Result<ExecOutput, String> {
@@ -84,7 +87,7 @@ pub fn exec(argv: &[String], timeout_ms: u64) -> Result<ExecOutput, String> {
         .process_group(0)
         .spawn()
         .map_err(|e| format!("spawn {program}: {e}"))?;
-    let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+    let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(MAX_EXEC_TIMEOUT_MS));
     let stdout = spawn_reader(child.stdout.take());
     let stderr = spawn_reader(child.stderr.take());
     let group = Pid::from_raw(child.id() as i32);

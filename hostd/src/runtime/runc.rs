@@ -25,7 +25,7 @@ pub const RUNC: &str = "runc";
 const RUNC_BINARY: &str = "runc";
 
 /// How much of the console log a failed `runc run` quotes.
-const CONSOLE_TAIL_BYTES: usize = 2048;
+pub const CONSOLE_TAIL_BYTES: usize = 2048;
 
 /// The runc driver.
 #[derive(Debug, Clone)]
