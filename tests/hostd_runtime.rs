@@ -34,6 +34,9 @@ const TEST_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(500);
 /// NATS request timeout for exec.
 const EXEC_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The id of the container the test leaves for hostd's orphan sweep.
+const ORPHAN_CONTAINER: &str = "orphan";
+
 /// Default exec timeout given to the agent.
 const EXEC_TIMEOUT_MS: u64 = 10_000;
 
@@ -287,6 +290,11 @@ impl Harness {
             eprintln!("teardown: hostd: {e:#}");
         }
         let root = path_str(&self.runc_root());
+        let _ = run(
+            "runc",
+            &["--root", &root, "delete", "--force", ORPHAN_CONTAINER],
+        )
+        .await;
         let tracked = self.sandboxes.lock().expect("not poisoned").clone();
         for sandbox in tracked {
             let names = self.names(sandbox);
@@ -483,11 +491,18 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(again == created, "replayed {again:?} vs {created:?}");
     ensure!(h.containers().await?.len() == 1);
 
-    // hostd restarts: the running container is adopted, not duplicated.
+    // hostd restarts: the running container is adopted, not duplicated, and a container no
+    // record accounts for is swept.
     h.stop_hostd().await?;
+    start_orphan_container(h).await?;
+    ensure!(h.containers().await?.len() == 2);
     h.start_hostd();
     h.heartbeat_with(sandbox, GuestStatus::Running).await?;
-    ensure!(h.containers().await?.len() == 1);
+    let containers = h.containers().await?;
+    ensure!(
+        containers == [(h.names(sandbox).container_id, "running".to_owned())],
+        "after adoption: {containers:?}"
+    );
     let (_, stdout, _) = finished(
         &h.exec(sandbox, &["cat", "/root/f"], EXEC_TIMEOUT_MS)
             .await?,
@@ -653,6 +668,35 @@ async fn failed_create(h: &mut Harness) -> anyhow::Result<()> {
         matches!(deleted.outcome, ResultOutcome::Succeeded { .. }),
         "{deleted:?}"
     );
+    Ok(())
+}
+
+/// Starts a container in the hostd's runc root that no record accounts for: `sleep` on the
+/// base template, read-only, in a fresh network namespace of its own.
+async fn start_orphan_container(h: &Harness) -> anyhow::Result<()> {
+    let bundle = h.state_dir.join("orphan-bundle");
+    std::fs::create_dir_all(&bundle)?;
+    run("runc", &["spec", "--bundle", &path_str(&bundle)]).await?;
+    let config_path = bundle.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_slice(&std::fs::read(&config_path)?)?;
+    config["root"] = serde_json::json!({
+        "path": path_str(&h.state_dir.join("templates/base/rootfs")),
+        "readonly": true,
+    });
+    config["process"]["terminal"] = false.into();
+    config["process"]["args"] = serde_json::json!(["sleep", "600"]);
+    config["linux"]["cgroupsPath"] = format!("berth-orphan-{}", h.subjects.prefix()).into();
+    std::fs::write(&config_path, serde_json::to_vec(&config)?)?;
+    // Detached: its stdio must not be pipes we wait on (the container would hold them open).
+    let status = tokio::process::Command::new("runc")
+        .args(["--root", &path_str(&h.runc_root()), "run", "--detach"])
+        .args(["--bundle", &path_str(&bundle), ORPHAN_CONTAINER])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .await?;
+    ensure!(status.success(), "runc run of the orphan: {status}");
     Ok(())
 }
 
