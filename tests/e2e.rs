@@ -8,55 +8,6 @@ use reqwest::Method;
 use serde_json::json;
 use sqlx::PgPool;
 
-/// What a host leaves of a sandbox: containers, netns, veths, mounts and dirs naming it.
-async fn leftovers(stack: &Stack, id: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    let short: String = id.replace('-', "")[..12].to_owned();
-    for host in &stack.hosts {
-        let out = std::process::Command::new("runc")
-            .arg("--root")
-            .arg(host.runc_root())
-            .args(["list", "-q"])
-            .output()
-            .unwrap();
-        let list = String::from_utf8_lossy(&out.stdout).into_owned();
-        if list.contains(id) || list.contains(&short) {
-            found.push(format!(
-                "container in {}: {list}",
-                host.runc_root().display()
-            ));
-        }
-        let dir = host.state_dir.join("sandboxes").join(id);
-        if dir.exists() {
-            found.push(format!("dir {}", dir.display()));
-        }
-    }
-    let netns = std::process::Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .unwrap();
-    let netns = String::from_utf8_lossy(&netns.stdout).into_owned();
-    if netns.contains(id) || netns.contains(&short) {
-        found.push(format!("netns: {netns}"));
-    }
-    let links = std::process::Command::new("ip")
-        .args(["-o", "link"])
-        .output()
-        .unwrap();
-    for line in String::from_utf8_lossy(&links.stdout).lines() {
-        if line.contains(&short[..8]) {
-            found.push(format!("link: {line}"));
-        }
-    }
-    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
-    for line in mounts.lines() {
-        if line.contains(id) {
-            found.push(format!("mount: {line}"));
-        }
-    }
-    found
-}
-
 #[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
 async fn a_sandbox_runs_stops_keeps_its_files_starts_and_is_deleted_without_a_trace(db: PgPool) {
     let stack = Stack::start(db, 1).await;
@@ -64,6 +15,13 @@ async fn a_sandbox_runs_stops_keeps_its_files_starts_and_is_deleted_without_a_tr
     let running = stack.wait_state(&id, "running").await;
     assert!(running["address"].is_string(), "{running}");
     assert_eq!(running["host_id"], stack.hosts[0].host_id.to_string());
+    let live = stack.leftovers(&id);
+    for part in ["container", "netns", "veth", "dir", "mount"] {
+        assert!(
+            live.iter().any(|l| l.contains(part)),
+            "a running sandbox has its {part}: {live:?}"
+        );
+    }
 
     let (status, out) = stack.exec(&id, &["echo", "hello"]).await;
     assert_eq!(status, 200, "{out}");
@@ -102,7 +60,7 @@ async fn a_sandbox_runs_stops_keeps_its_files_starts_and_is_deleted_without_a_tr
     assert_eq!(status, 202, "{body}");
     assert!(body["deleted_at"].is_string());
     stack.wait_state(&id, "deleted").await;
-    assert_eq!(leftovers(&stack, &id).await, Vec::<String>::new());
+    assert_eq!(stack.leftovers(&id), Vec::<String>::new());
 
     let events: Vec<String> =
         sqlx::query_scalar("SELECT to_state FROM events WHERE sandbox_id = $1::uuid ORDER BY id")

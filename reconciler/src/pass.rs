@@ -283,12 +283,12 @@ async fn time_out_commands(
         "SELECT c.kind AS command_kind, {cols}
            FROM commands c JOIN sandboxes s ON s.id = c.sandbox_id
           WHERE c.completed_at IS NULL
+            AND c.kind IN ('sandbox.create', 'sandbox.start', 'sandbox.stop')
             AND c.generation = s.generation AND s.deleted_at IS NULL
             AND c.created_at < now() - make_interval(secs => CASE c.kind
                     WHEN 'sandbox.create' THEN $1
                     WHEN 'sandbox.start' THEN $2
-                    WHEN 'sandbox.stop' THEN $3
-                    ELSE 'Infinity'::float8 END)
+                    ELSE $3 END)
           ORDER BY c.created_at
           LIMIT $4
           FOR UPDATE OF s SKIP LOCKED",

@@ -36,6 +36,32 @@ impl HostProcess {
         self.state_dir.join("runc")
     }
 
+    /// Freezes the process (SIGSTOP): it neither consumes commands nor heartbeats.
+    pub fn freeze(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// Sends SIGCONT if the process runs (harmless when it is not frozen).
+    pub fn thaw_if_frozen(&self) {
+        if self.child.as_ref().and_then(|c| c.id()).is_some() {
+            self.thaw();
+        }
+    }
+
+    /// Thaws a frozen process (SIGCONT).
+    pub fn thaw(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        let pid = self
+            .child
+            .as_ref()
+            .and_then(|c| c.id())
+            .expect("host is running");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
+    }
+
     /// Stops it with SIGTERM (or SIGKILL when `kill`), by the PID we started.
     pub async fn stop(&mut self, kill: bool) {
         if let Some(mut child) = self.child.take() {
@@ -79,6 +105,15 @@ impl Stack {
     /// Starts a stack with `hosts` hostd processes on the fresh database `db`, and creates an
     /// org whose key is `self.key`. Returns once every host has sent a heartbeat.
     pub async fn start(db: PgPool, hosts: usize) -> Stack {
+        Self::start_with(db, hosts, berth_reconciler::pass::PassConfig::default()).await
+    }
+
+    /// Like [`Stack::start`], with the reconciler's pass timing given.
+    pub async fn start_with(
+        db: PgPool,
+        hosts: usize,
+        pass: berth_reconciler::pass::PassConfig,
+    ) -> Stack {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_default_env()
@@ -115,14 +150,9 @@ impl Stack {
             let (db, nats, subjects, stop) =
                 (db.clone(), nats.clone(), subjects.clone(), shutdown.clone());
             tasks.push(tokio::spawn(async move {
-                berth_reconciler::run(
-                    berth_reconciler::ReconcilerConfig::new(subjects),
-                    db,
-                    nats,
-                    stop,
-                )
-                .await
-                .unwrap()
+                let mut config = berth_reconciler::ReconcilerConfig::new(subjects);
+                config.pass = pass;
+                berth_reconciler::run(config, db, nats, stop).await.unwrap()
             }));
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -302,9 +332,107 @@ impl Stack {
         .await
     }
 
+    /// The state of a sandbox, read from its row.
+    pub async fn state_of(&self, id: &str) -> String {
+        sqlx::query_scalar("SELECT state FROM sandboxes WHERE id = $1::uuid")
+            .bind(id)
+            .fetch_one(&self.db)
+            .await
+            .unwrap()
+    }
+
+    /// Sends a lifecycle request (`stop`, `start`, `pause`, `resume`) and returns the status.
+    pub async fn request(&self, id: &str, what: &str) -> (u16, Value) {
+        self.call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/{what}"),
+            None,
+        )
+        .await
+    }
+
+    /// Deletes a sandbox and returns the status.
+    pub async fn delete(&self, id: &str) -> (u16, Value) {
+        self.call(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{id}"),
+            None,
+        )
+        .await
+    }
+
+    /// Whether any host still runs a container of `id` (by `runc list`).
+    pub fn container_exists(&self, id: &str) -> bool {
+        self.hosts.iter().any(|h| {
+            let out = std::process::Command::new("runc")
+                .arg("--root")
+                .arg(h.runc_root())
+                .args(["list", "-q"])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).contains(&id.replace('-', "")[..12])
+                || String::from_utf8_lossy(&out.stdout).contains(id)
+        })
+    }
+
+    /// What any host left of a sandbox: its container, netns, host veth, mounts and directory,
+    /// looked up by the names hostd derives for it.
+    pub fn leftovers(&self, id: &str) -> Vec<String> {
+        let sandbox: berth_schemas::SandboxId = id.parse().unwrap();
+        let netns = std::process::Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .unwrap();
+        let netns = String::from_utf8_lossy(&netns.stdout).into_owned();
+        let links = std::process::Command::new("ip")
+            .args(["-o", "link"])
+            .output()
+            .unwrap();
+        let links = String::from_utf8_lossy(&links.stdout).into_owned();
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+        let mut found = Vec::new();
+        if self.container_exists(id) {
+            found.push("a runc container".to_owned());
+        }
+        for host in &self.hosts {
+            let names = berth_hostd::layout::SandboxNames::derive(host.host_id, sandbox);
+            if netns
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(names.netns.as_str()))
+            {
+                found.push(format!("netns {}", names.netns));
+            }
+            if links.contains(&format!(" {}@", names.veth_host))
+                || links.contains(&format!(" {}:", names.veth_host))
+            {
+                found.push(format!("veth {}", names.veth_host));
+            }
+            let dir = host.state_dir.join("sandboxes").join(id);
+            if dir.exists() {
+                found.push(format!("dir {}", dir.display()));
+            }
+        }
+        found.extend(
+            mounts
+                .lines()
+                .filter(|l| l.contains(id))
+                .map(|l| format!("mount {l}")),
+        );
+        found
+    }
+
+    /// Guarantee 4: every host's reservation equals what its capacity-holding sandboxes need.
+    pub async fn assert_no_capacity_drift(&self) {
+        let drift = berth_reconciler::pass::capacity_drift(&self.db)
+            .await
+            .unwrap();
+        assert_eq!(drift, (0, 0), "capacity drift (vcpus, memory_mib)");
+    }
+
     /// Stops everything this stack started and deletes its streams and files.
     pub async fn teardown(mut self) {
         for host in &mut self.hosts {
+            host.thaw_if_frozen();
             host.stop(false).await;
         }
         self.shutdown.cancel();
