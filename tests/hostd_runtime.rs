@@ -121,6 +121,10 @@ impl Harness {
         self.state_dir.join("runc")
     }
 
+    fn runsc_root(&self) -> PathBuf {
+        self.state_dir.join("runsc")
+    }
+
     fn names(&self, sandbox: SandboxId) -> SandboxNames {
         SandboxNames::derive(self.host_id, sandbox)
     }
@@ -301,6 +305,18 @@ impl Harness {
             let _ = run(
                 "runc",
                 &["--root", &root, "delete", "--force", &names.container_id],
+            )
+            .await;
+            let runsc_root = path_str(&self.runsc_root());
+            let _ = run(
+                "runsc",
+                &[
+                    "--root",
+                    &runsc_root,
+                    "delete",
+                    "--force",
+                    &names.container_id,
+                ],
             )
             .await;
             let rootfs = self.sandbox_dir(sandbox).join("rootfs");
@@ -766,5 +782,144 @@ async fn assert_nothing_remains(h: &Harness, sandbox: SandboxId) -> anyhow::Resu
         "a mount under the sandbox dir remains"
     );
     ensure!(!h.sandbox_dir(sandbox).exists(), "sandbox dir remains");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_keeps_counting_across_stop_and_start_on_gvisor() -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(memory_stop(h))).await
+}
+
+/// The counter process of [`memory_stop`]: increments `/root/count` every 100 ms (gVisor keeps `/tmp` in memory), detached
+/// from the exec (its output goes nowhere), and prints its pid.
+const COUNTER: &str =
+    "sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.1; done' \
+    </dev/null >/dev/null 2>&1 & echo $!";
+
+async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    let create = h.command_with_template(sandbox, 1, CommandKind::Create, "base-gvisor");
+    let created = h.send(&create).await?;
+    let address = succeeded_address(&created)?;
+    let hb = h.heartbeat_with(sandbox, GuestStatus::Running).await?;
+    ensure!(
+        hb.runtimes
+            .iter()
+            .any(|r| r.name == "runsc" && r.memory_snapshot),
+        "runtimes {:?}",
+        hb.runtimes
+    );
+
+    let (code, pid, _) = finished(
+        &h.exec(sandbox, &["sh", "-c", COUNTER], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(code == 0, "counter start: {code}");
+    let pid = pid.trim().to_owned();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let (_, before, _) = finished(
+        &h.exec(sandbox, &["cat", "/root/count"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    let before: u64 = before.trim().parse().context("count before the stop")?;
+    ensure!(before > 0);
+
+    // Stop keeps memory: the container is gone, the image and the disk stay.
+    let cmd = h.command(sandbox, 2, CommandKind::Stop);
+    let stopped = h.send(&cmd).await?;
+    ensure!(
+        stopped.outcome
+            == ResultOutcome::Succeeded {
+                address: None,
+                last_stop: Some(StopMode::Memory)
+            },
+        "{stopped:?}"
+    );
+    h.heartbeat_with(sandbox, GuestStatus::Stopped).await?;
+    let at_stop: u64 = std::fs::read_to_string(h.sandbox_dir(sandbox).join("upper/root/count"))?
+        .trim()
+        .parse()?;
+    ensure!(at_stop >= before, "{at_stop} < {before}");
+    ensure!(h.sandbox_dir(sandbox).join("snapshot").is_dir());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let still: u64 = std::fs::read_to_string(h.sandbox_dir(sandbox).join("upper/root/count"))?
+        .trim()
+        .parse()?;
+    ensure!(
+        still == at_stop,
+        "the counter ran while stopped: {at_stop} → {still}"
+    );
+
+    // Start restores: the same process continues from where it was.
+    let cmd = h.command(sandbox, 3, CommandKind::Start);
+    let restarted = h.send(&cmd).await?;
+    ensure!(succeeded_address(&restarted)? == address);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, after, _) = finished(
+        &h.exec(sandbox, &["cat", "/root/count"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    let after: u64 = after.trim().parse().context("count after the start")?;
+    ensure!(
+        after > at_stop,
+        "not counting after the start: {after} <= {at_stop}"
+    );
+    let (code, cmdline, _) = finished(
+        &h.exec(
+            sandbox,
+            &["cat", &format!("/proc/{pid}/cmdline")],
+            EXEC_TIMEOUT_MS,
+        )
+        .await?,
+    )?;
+    ensure!(
+        code == 0 && cmdline.contains("while"),
+        "the counter (pid {pid}) is not the process that was stopped: {code} {cmdline:?}"
+    );
+    ensure!(
+        !h.sandbox_dir(sandbox).join("snapshot").exists(),
+        "the spent image is removed"
+    );
+
+    // A second stop/start cycle works the same way.
+    let cmd = h.command(sandbox, 4, CommandKind::Stop);
+    let stopped = h.send(&cmd).await?;
+    ensure!(
+        matches!(
+            stopped.outcome,
+            ResultOutcome::Succeeded {
+                last_stop: Some(StopMode::Memory),
+                ..
+            }
+        ),
+        "{stopped:?}"
+    );
+    let cmd = h.command(sandbox, 5, CommandKind::Start);
+    succeeded_address(&h.send(&cmd).await?)?;
+    let (code, _, _) = finished(
+        &h.exec(sandbox, &["kill", "-0", &pid], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(code == 0, "the counter died in the second cycle");
+
+    let cmd = h.command(sandbox, 6, CommandKind::Delete);
+    let deleted = h.send(&cmd).await?;
+    ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
+    assert_nothing_remains(h, sandbox).await?;
+    let runsc = run(
+        "runsc",
+        &[
+            "--root",
+            &path_str(&h.runsc_root()),
+            "list",
+            "--format",
+            "json",
+        ],
+    )
+    .await?;
+    ensure!(
+        !runsc.contains(&sandbox.to_string()),
+        "a runsc container remains: {runsc}"
+    );
     Ok(())
 }

@@ -88,9 +88,22 @@ pub enum HostdError {
     #[error("oci runtime spec")]
     Oci(#[from] oci_spec::OciSpecError),
 
-    /// `HostdConfig::runtime` names a runtime this build has no driver for.
-    #[error("unsupported runtime {name:?} (supported: runc)")]
-    UnsupportedRuntime { name: String },
+    /// A runtime was asked for that this host does not offer (`HostdConfig::runtimes`, or a
+    /// template's runtime).
+    #[error("runtime {name:?} is not offered by this host (offered: {offered})")]
+    UnsupportedRuntime { name: String, offered: String },
+
+    /// A memory snapshot was asked of a runtime that cannot take one.
+    #[error("runtime {runtime} cannot snapshot memory")]
+    SnapshotUnsupported { runtime: &'static str },
+
+    /// nftables refused a change (`nft` exited unsuccessfully), with the ruleset text sent.
+    #[error("nft: {stderr}")]
+    Nft { stderr: String, ruleset: String },
+
+    /// A file operation in the sandbox was refused before reaching the agent.
+    #[error("file {path:?}: {reason}")]
+    File { path: String, reason: String },
 
     /// A NATS or JetStream operation failed.
     #[error("nats {operation}")]

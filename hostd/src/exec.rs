@@ -67,7 +67,7 @@ async fn answer(host: Arc<Host>, nats: Client, message: async_nats::Message) {
 
 /// Runs one request against the sandbox's agent.
 pub async fn run(host: &Host, request: ExecRequest) -> ExecReply {
-    let address = match host.exec_target(request.sandbox_id) {
+    let (address, _permit) = match host.exec_target(request.sandbox_id) {
         Ok(a) => a,
         Err(e) => return ExecReply::Failed(e),
     };

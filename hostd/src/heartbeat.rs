@@ -57,10 +57,15 @@ pub async fn run(
             seq,
             capacity: config.capacity,
             used,
-            runtimes: vec![RuntimeInfo {
-                name: host.runtime.name().to_owned(),
-                memory_snapshot: host.runtime.memory_snapshot(),
-            }],
+            runtimes: host
+                .runtimes
+                .all()
+                .iter()
+                .map(|r| RuntimeInfo {
+                    name: r.name().to_owned(),
+                    memory_snapshot: r.memory_snapshot(),
+                })
+                .collect(),
             inventory,
         };
         if let Err(e) = nats

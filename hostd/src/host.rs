@@ -19,9 +19,11 @@ use crate::address::{AddressPool, Allocator};
 use crate::agent::protocol::AGENT_PORT;
 use crate::bundle::Bundles;
 use crate::error::HostdError;
-use crate::layout::{SandboxNames, StateLayout};
+use crate::firewall::Firewall;
+use crate::gate::{AgentGates, Permit};
+use crate::layout::{firewall_table, SandboxNames, StateLayout};
 use crate::record::{Phase, RecordStore, SandboxRecord, TOMBSTONE_RETENTION};
-use crate::runtime::{ContainerStatus, RuntimeDriver};
+use crate::runtime::{ContainerStatus, RuntimeDriver, Runtimes};
 use crate::template::Templates;
 use crate::HostdConfig;
 
@@ -33,7 +35,12 @@ pub struct Host {
     pub allocator: Allocator,
     pub templates: Templates,
     pub bundles: Bundles,
-    pub runtime: Arc<dyn RuntimeDriver>,
+    /// The runtimes this host offers; each record names the one its sandbox uses.
+    pub runtimes: Runtimes,
+    /// Agent calls in flight per sandbox (drained before a memory snapshot).
+    pub gates: Arc<AgentGates>,
+    /// This hostd's nftables table.
+    pub firewall: Firewall,
     records: Mutex<HashMap<SandboxId, SandboxRecord>>,
 }
 
@@ -44,7 +51,7 @@ impl Host {
     pub fn open(
         host_id: HostId,
         config: &HostdConfig,
-        runtime: Arc<dyn RuntimeDriver>,
+        runtimes: Runtimes,
     ) -> Result<Self, HostdError> {
         let layout = StateLayout::new(&config.state_dir);
         let store = RecordStore::new(layout.clone());
@@ -58,34 +65,44 @@ impl Host {
         }
         Ok(Self {
             host_id,
-            templates: Templates::new(layout.templates_dir()),
+            templates: Templates::new(layout.templates_dir(), config.template_cache.clone()),
             bundles: Bundles::new(layout.agent_dir(), config.agent_binary.clone()),
             layout,
             store,
             allocator,
-            runtime,
+            runtimes,
+            gates: AgentGates::new(),
+            firewall: Firewall::new(firewall_table(host_id)),
             records: Mutex::new(records),
         })
     }
 
     /// Adopts what a previous run left: destroys containers no record accounts for, reports
-    /// the state of the others, purges old tombstones.
+    /// the state of the others, purges old tombstones, sweeps stray mounts, namespaces and
+    /// veths, and rebuilds the firewall table (see `sweep`).
     ///
     /// Errors: [`HostdError`] from the runtime's `list`.
     pub async fn adopt(&self) -> Result<(), HostdError> {
         let purged = self.store.purge_tombstones(TOMBSTONE_RETENTION);
-        let containers = self.runtime.list().await?;
         let records = self.snapshot();
         let known: HashMap<String, &SandboxRecord> = records
             .iter()
             .map(|r| (self.names(r.sandbox_id).container_id, r))
             .collect();
-        for container_id in containers.keys() {
-            if !known.contains_key(container_id) {
-                tracing::warn!(%container_id, "destroying orphan container");
-                if let Err(e) = self.runtime.destroy(container_id).await {
-                    tracing::warn!(%container_id, error = %e.report(), "orphan not destroyed");
+        let mut containers = HashMap::new();
+        for runtime in self.runtimes.all() {
+            for (container_id, status) in runtime.list().await? {
+                let owned = known
+                    .get(&container_id)
+                    .is_some_and(|r| r.runtime == runtime.name());
+                if !owned {
+                    tracing::warn!(%container_id, runtime = runtime.name(), "destroying orphan container");
+                    if let Err(e) = runtime.destroy(&container_id).await {
+                        tracing::warn!(%container_id, error = %e.report(), "orphan not destroyed");
+                    }
+                    continue;
                 }
+                containers.insert(container_id, status);
             }
         }
         for (container_id, record) in &known {
@@ -97,9 +114,13 @@ impl Host {
                 "adopted sandbox"
             );
         }
+        let swept = crate::sweep::sweep(self).await?;
         tracing::info!(
             sandboxes = records.len(),
             purged_tombstones = purged,
+            swept_mounts = swept.mounts,
+            swept_netns = swept.netns,
+            swept_veths = swept.veths,
             "adoption done"
         );
         Ok(())
@@ -134,17 +155,40 @@ impl Host {
         self.table().remove(&sandbox);
     }
 
-    /// Where to reach the agent of a running sandbox.
+    /// The runtime driver of a record.
+    ///
+    /// Errors: [`HostdError::UnsupportedRuntime`].
+    pub fn runtime_of(&self, record: &SandboxRecord) -> Result<Arc<dyn RuntimeDriver>, HostdError> {
+        self.runtimes.get(&record.runtime)
+    }
+
+    /// Where to reach the agent of a running sandbox, with the permit that counts the call as
+    /// in flight (hold it for the call's length).
     ///
     /// Errors: [`ExecError::NotFound`] without a live record; [`ExecError::NotRunning`] when it
-    /// is not (meant to be) running.
-    pub fn exec_target(&self, sandbox: SandboxId) -> Result<SocketAddr, ExecError> {
-        let table = self.table();
-        let record = table.get(&sandbox).ok_or(ExecError::NotFound)?;
-        match (record.phase, record.link) {
-            (Phase::Running, Some(link)) => Ok(SocketAddr::new(link.sandbox.into(), AGENT_PORT)),
-            _ => Err(ExecError::NotRunning),
+    /// is not (meant to be) running, or is being stopped.
+    pub fn exec_target(&self, sandbox: SandboxId) -> Result<(SocketAddr, Permit), ExecError> {
+        let address = {
+            let table = self.table();
+            let record = table.get(&sandbox).ok_or(ExecError::NotFound)?;
+            match (record.phase, record.link) {
+                (Phase::Running, Some(link)) => SocketAddr::new(link.sandbox.into(), AGENT_PORT),
+                _ => return Err(ExecError::NotRunning),
+            }
+        };
+        let permit = self.gates.enter(sandbox).ok_or(ExecError::NotRunning)?;
+        Ok((address, permit))
+    }
+
+    /// Every container of every runtime this host offers, by id.
+    ///
+    /// Errors: [`HostdError`] from a runtime's `list`.
+    pub async fn containers(&self) -> Result<HashMap<String, ContainerStatus>, HostdError> {
+        let mut all = HashMap::new();
+        for runtime in self.runtimes.all() {
+            all.extend(runtime.list().await?);
         }
+        Ok(all)
     }
 
     /// The heartbeat's `used` and `inventory`: each live sandbox's status as observed now
@@ -153,7 +197,7 @@ impl Host {
     /// Errors: [`HostdError`] from the runtime's `list`.
     pub async fn observe(&self) -> Result<(Resources, Vec<InventoryItem>), HostdError> {
         let records = self.snapshot();
-        let containers = self.runtime.list().await?;
+        let containers = self.containers().await?;
         let checks = records.iter().map(|record| {
             let container = containers
                 .get(&self.names(record.sandbox_id).container_id)
@@ -161,11 +205,16 @@ impl Host {
             async move {
                 let running = container == Some(ContainerStatus::Running);
                 let answers = match (running, record.link) {
-                    (true, Some(link)) => {
-                        crate::agent::client::ping(SocketAddr::new(link.sandbox.into(), AGENT_PORT))
-                            .await
-                            .is_ok()
-                    }
+                    (true, Some(link)) => match self.gates.enter(record.sandbox_id) {
+                        Some(_permit) => crate::agent::client::ping(SocketAddr::new(
+                            link.sandbox.into(),
+                            AGENT_PORT,
+                        ))
+                        .await
+                        .is_ok(),
+                        // Being stopped: its agent is left alone; it answered until now.
+                        None => true,
+                    },
                     _ => false,
                 };
                 InventoryItem {

@@ -4,8 +4,8 @@
 //! # Layout of `<state_dir>`
 //! ```text
 //! host-id                         stable host id (created once)
-//! runc/                           runc --root (per hostd, so container ids only need to be
-//!                                 unique per host)
+//! runc/, runsc/                   runtime --root dirs (per hostd, so container ids only need
+//!                                 to be unique per host)
 //! templates/<name>/rootfs/        read-only lower dirs of the overlays
 //! agent/<fingerprint>/            agent bundle: `berth` + its shared libraries
 //! sandboxes/<id>/record.json      the local record (generation fence, results, address)
@@ -13,6 +13,7 @@
 //! sandboxes/<id>/rootfs/          the merged overlay (mounted while running)
 //! sandboxes/<id>/config.json      the OCI runtime spec; the sandbox dir is the OCI bundle
 //! sandboxes/<id>/console.log      the container's stdout and stderr
+//! sandboxes/<id>/snapshot/        runsc checkpoint image between a memory stop and a start
 //! tombstones/<id>.json            the record of a deleted (or never created) sandbox
 //! ```
 //!
@@ -36,6 +37,12 @@ pub const MAX_INTERFACE_NAME_LEN: usize = 15;
 
 /// Where `ip netns add` puts the namespace handles.
 pub const NETNS_DIR: &str = "/var/run/netns";
+
+/// The nftables table of one hostd (`inet berth_<tag>`), named from a hash of its host id.
+pub fn firewall_table(host: HostId) -> String {
+    let digest = hex::encode(Sha256::digest(host.as_uuid().as_bytes()));
+    format!("berth_{}", &digest[..NAME_TAG_HEX_LEN])
+}
 
 /// The paths under one hostd's state dir.
 #[derive(Debug, Clone)]
@@ -62,6 +69,11 @@ impl StateLayout {
     /// `<state_dir>/runc`: the `runc --root` of this hostd.
     pub fn runc_root(&self) -> PathBuf {
         self.root.join("runc")
+    }
+
+    /// `<state_dir>/runsc`: the `runsc --root` of this hostd.
+    pub fn runsc_root(&self) -> PathBuf {
+        self.root.join("runsc")
     }
 
     /// `<state_dir>/templates`.
@@ -132,6 +144,12 @@ impl SandboxPaths {
 
     pub fn console_log(&self) -> PathBuf {
         self.dir.join("console.log")
+    }
+
+    /// The memory snapshot of a stopped sandbox (runsc checkpoint image); present only between
+    /// a memory stop and the next start.
+    pub fn snapshot(&self) -> PathBuf {
+        self.dir.join("snapshot")
     }
 }
 

@@ -30,6 +30,8 @@ pub mod commands;
 pub mod error;
 pub mod exec;
 pub mod fence;
+pub mod firewall;
+pub mod gate;
 pub mod heartbeat;
 pub mod host;
 pub mod layout;
@@ -40,6 +42,7 @@ pub mod oci;
 pub mod overlay;
 pub mod record;
 pub mod runtime;
+pub mod sweep;
 pub mod template;
 pub mod tool;
 
@@ -59,13 +62,23 @@ pub use heartbeat::DEFAULT_HEARTBEAT_INTERVAL;
 use crate::host::Host;
 use crate::layout::StateLayout;
 use crate::runtime::runc::{Runc, RUNC};
-use crate::runtime::RuntimeDriver;
+use crate::runtime::runsc::{Runsc, RUNSC};
+use crate::runtime::{RuntimeDriver, Runtimes};
 
 /// The default address pool: sandboxes get /30s out of 10.200.0.0/16.
 pub const DEFAULT_ADDRESS_POOL: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 0);
 
 /// The default runtime.
 pub const DEFAULT_RUNTIME: &str = RUNC;
+
+/// The runtimes a host offers by default: runc, and runsc when it is installed.
+pub fn default_runtimes() -> Vec<String> {
+    let mut runtimes = vec![RUNC.to_owned()];
+    if Runsc::available() {
+        runtimes.push(RUNSC.to_owned());
+    }
+    runtimes
+}
 
 /// Where the host's memory size is read from.
 const MEMINFO: &str = "/proc/meminfo";
@@ -91,8 +104,12 @@ pub struct HostdConfig {
     /// The `berth` binary containing `berth agent`, copied into every sandbox. Default: the
     /// running executable.
     pub agent_binary: PathBuf,
-    /// The OCI runtime: `runc` ([`DEFAULT_RUNTIME`]).
-    pub runtime: String,
+    /// The OCI runtimes this host offers (`runc`, `runsc`); default [`default_runtimes`].
+    /// Each template names the runtime its sandboxes need.
+    pub runtimes: Vec<String>,
+    /// Where expensive templates (`python`) are built once for every hostd of the machine.
+    /// Default [`template::DEFAULT_TEMPLATE_CACHE`].
+    pub template_cache: PathBuf,
 }
 
 impl HostdConfig {
@@ -114,7 +131,8 @@ impl HostdConfig {
             address_pool: DEFAULT_ADDRESS_POOL,
             agent_binary: std::env::current_exe()
                 .unwrap_or_else(|_| PathBuf::from("/proc/self/exe")),
-            runtime: DEFAULT_RUNTIME.to_owned(),
+            runtimes: default_runtimes(),
+            template_cache: PathBuf::from(template::DEFAULT_TEMPLATE_CACHE),
         }
     }
 }
@@ -137,21 +155,28 @@ async fn run_as(
     config: HostdConfig,
     shutdown: CancellationToken,
 ) -> Result<(), HostdError> {
-    let runtime: Arc<dyn RuntimeDriver> = match config.runtime.as_str() {
-        RUNC => Arc::new(Runc::new(StateLayout::new(&config.state_dir).runc_root())?),
-        other => {
-            return Err(HostdError::UnsupportedRuntime {
-                name: other.to_owned(),
-            })
-        }
-    };
+    let layout = StateLayout::new(&config.state_dir);
+    let mut drivers: Vec<Arc<dyn RuntimeDriver>> = Vec::new();
+    for name in &config.runtimes {
+        drivers.push(match name.as_str() {
+            RUNC => Arc::new(Runc::new(layout.runc_root())?),
+            RUNSC => Arc::new(Runsc::new(layout.runsc_root(), true)?),
+            other => {
+                return Err(HostdError::UnsupportedRuntime {
+                    name: other.to_owned(),
+                    offered: format!("{RUNC}, {RUNSC}"),
+                })
+            }
+        });
+    }
+    let runtimes = Runtimes::new(drivers);
     let nats = async_nats::connect(config.nats_url.as_str())
         .await
         .map_err(HostdError::nats("connect"))?;
     let js = async_nats::jetstream::new(nats.clone());
     ensure_streams(&js, &config.subjects).await?;
 
-    let host = Arc::new(Host::open(host_id, &config, runtime)?);
+    let host = Arc::new(Host::open(host_id, &config, runtimes)?);
     host.adopt().await?;
     tracing::info!(%host_id, name = %config.name, state_dir = %config.state_dir.display(), "hostd started");
 
@@ -292,7 +317,7 @@ mod tests {
     fn defaults_fill_everything_but_the_arguments() {
         let c = HostdConfig::new("nats://x", Subjects::default(), "/tmp/s", "h");
         assert_eq!(c.heartbeat_interval, DEFAULT_HEARTBEAT_INTERVAL);
-        assert_eq!(c.runtime, "runc");
+        assert_eq!(c.runtimes[0], "runc");
         assert!(c.capacity.vcpus >= 1);
     }
 }

@@ -32,9 +32,9 @@ use crate::layout::SandboxPaths;
 use crate::metrics::{self, CommandOutcome};
 use crate::oci::{self, ContainerConfig};
 use crate::record::{write_json_atomic, Phase, SandboxRecord, StoredResult};
-use crate::runtime::runc::console_tail;
-use crate::runtime::{ContainerStatus, RunRequest};
-use crate::{netns, overlay};
+use crate::runtime::cli::console_tail;
+use crate::runtime::{ContainerStatus, RunRequest, RuntimeDriver};
+use crate::{netns, overlay, template, DEFAULT_RUNTIME};
 
 /// How long a started container's agent has to answer its first ping.
 pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -45,6 +45,19 @@ const AGENT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// While waiting for the agent, ask the runtime whether the container still runs every this
 /// many pings (so a crashed boot fails fast with its console output).
 const STATUS_CHECK_EVERY: u32 = 5;
+
+/// How long a memory stop waits for the sandbox's agent calls in flight to finish before it
+/// checkpoints anyway (a connection still open then makes the checkpoint fail, and the stop
+/// falls back to disk only).
+pub const CHECKPOINT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The runtime a command's template runs in; [`DEFAULT_RUNTIME`] for an unknown template
+/// (whose create fails at the template step anyway).
+fn runtime_name(cmd: &Command) -> &'static str {
+    template::lookup(&cmd.spec.template)
+        .map(|t| t.runtime)
+        .unwrap_or(DEFAULT_RUNTIME)
+}
 
 /// What to do with a command message after [`Host::apply`].
 #[derive(Debug)]
@@ -72,7 +85,7 @@ impl Host {
         );
         let started = Instant::now();
         let applied = self.apply_inner(cmd).instrument(span).await;
-        metrics::runtime_operation(self.runtime.name(), operation(cmd.kind), started.elapsed());
+        metrics::runtime_operation(runtime_name(cmd), operation(cmd.kind), started.elapsed());
         match &applied {
             Applied::Respond { outcome, .. } => metrics::command(cmd.kind, *outcome),
             Applied::Retry { .. } => metrics::command(cmd.kind, CommandOutcome::Retried),
@@ -175,7 +188,7 @@ impl Host {
                 SandboxRecord::new(
                     cmd.sandbox_id,
                     cmd.spec.clone(),
-                    self.runtime.name(),
+                    runtime_name(cmd),
                     cmd.generation,
                 ),
                 true,
@@ -221,6 +234,8 @@ impl Host {
         let id = record.sandbox_id;
         let names = self.names(id);
         let paths = self.layout.sandbox(id);
+        let runtime = self.runtime_of(record)?;
+        self.gates.open(id);
         let lower = self.templates.ensure(&record.spec.template).await?;
         let bundle = self.bundles.ensure().await?;
 
@@ -247,13 +262,14 @@ impl Host {
         self.store.unbury(id)?;
 
         if fresh || !names.netns_path().exists() {
-            let names = names.clone();
-            cleanup.push(
-                "network",
-                move || async move { netns::teardown(&names).await },
-            );
+            let (names, firewall) = (names.clone(), self.firewall.clone());
+            cleanup.push("network", move || async move {
+                firewall.remove(&link).await?;
+                netns::teardown(&names).await
+            });
         }
-        netns::ensure(&names, &link).await?;
+        netns::ensure(&names, &link, &netns::owner_alias(self.host_id, id)).await?;
+        self.firewall.admit(&link).await?;
 
         let rootfs = paths.rootfs();
         if fresh || !overlay::is_mounted(&rootfs)? {
@@ -266,41 +282,67 @@ impl Host {
         let (upper, work, merged) = (paths.upper(), paths.work(), rootfs.clone());
         blocking(move || overlay::mount_overlay(&lower, &upper, &work, &merged)).await?;
 
-        let spec = oci::build_spec(&ContainerConfig {
-            rootfs: &rootfs,
-            hostname: &names.container_id,
-            netns_path: names.netns_path(),
-            agent: &bundle,
-            resources: record.spec.resources,
-            cgroups_path: &names.cgroup,
-        })?;
-        write_json_atomic(&paths.oci_config(), &spec)?;
+        let write_spec = || -> Result<(), HostdError> {
+            let spec = oci::build_spec(&ContainerConfig {
+                rootfs: &rootfs,
+                hostname: &names.container_id,
+                netns_path: names.netns_path(),
+                agent: &bundle,
+                resources: record.spec.resources,
+                cgroups_path: &names.cgroup,
+            })?;
+            write_json_atomic(&paths.oci_config(), &spec)
+        };
+        // A memory snapshot restores against the spec it was taken with.
+        let snapshot = paths.snapshot();
+        let restorable = runtime.memory_snapshot() && snapshot.is_dir();
+        if !(restorable && paths.oci_config().is_file()) {
+            write_spec()?;
+        }
 
         let container_id = names.container_id.clone();
-        let status = self.runtime.status(&container_id).await?;
+        let status = runtime.status(&container_id).await?;
         if fresh || status != Some(ContainerStatus::Running) {
-            let (runtime, container_id) = (self.runtime.clone(), container_id.clone());
+            let (runtime, container_id) = (runtime.clone(), container_id.clone());
             cleanup.push("container", move || async move {
                 runtime.destroy(&container_id).await
             });
         }
         if status != Some(ContainerStatus::Running) {
-            if status.is_some() {
-                self.runtime.destroy(&container_id).await?;
-            }
             let console_log = paths.console_log();
             std::fs::File::create(&console_log)
                 .map_err(HostdError::io(format!("create {}", console_log.display())))?;
-            self.runtime
-                .run(RunRequest {
-                    container_id: &container_id,
-                    bundle: paths.dir(),
-                    console_log: &console_log,
-                })
-                .await?;
+            let request = RunRequest {
+                container_id: &container_id,
+                bundle: paths.dir(),
+                console_log: &console_log,
+            };
+            let mut restored = false;
+            if restorable {
+                let started = Instant::now();
+                match runtime.restore(request, &snapshot).await {
+                    Ok(()) => {
+                        restored = true;
+                        tracing::info!(elapsed = ?started.elapsed(), "memory snapshot restored");
+                    }
+                    Err(error) => {
+                        tracing::warn!(error = %error.report(), "restore failed; booting from disk");
+                        runtime.destroy(&container_id).await?;
+                        write_spec()?;
+                    }
+                }
+            }
+            if !restored {
+                if status.is_some() {
+                    runtime.destroy(&container_id).await?;
+                }
+                runtime.run(request).await?;
+            }
+            // The image is spent: a later start must not resume stale memory over a newer disk.
+            remove_dir_if_present(&snapshot).await?;
         }
         let address = SocketAddr::new(link.sandbox.into(), AGENT_PORT);
-        self.wait_for_agent(address, &container_id, paths.console_log())
+        self.wait_for_agent(&*runtime, address, &container_id, paths.console_log())
             .await?;
         Ok(link.sandbox)
     }
@@ -308,6 +350,7 @@ impl Host {
     /// Pings until the agent answers, the container dies, or [`AGENT_READY_TIMEOUT`] passes.
     async fn wait_for_agent(
         &self,
+        runtime: &dyn RuntimeDriver,
         address: SocketAddr,
         container_id: &str,
         console_log: PathBuf,
@@ -320,7 +363,7 @@ impl Host {
             }
             polls += 1;
             if polls.is_multiple_of(STATUS_CHECK_EVERY)
-                && self.runtime.status(container_id).await? != Some(ContainerStatus::Running)
+                && runtime.status(container_id).await? != Some(ContainerStatus::Running)
             {
                 return Err(HostdError::ContainerExited {
                     container_id: container_id.to_owned(),
@@ -337,8 +380,10 @@ impl Host {
         }
     }
 
-    /// Stop, disk only: destroy the container, unmount the overlay; keep the upper dir, the
-    /// network and the address. Stopping a stopped sandbox succeeds.
+    /// Stop: on a runtime with memory snapshots, drain the agent's connections and checkpoint
+    /// (falling back to disk only when the checkpoint fails); then destroy the container and
+    /// unmount the overlay; keep the upper dir, the network and the address. Stopping a
+    /// stopped sandbox succeeds and reports how it was kept.
     async fn stop(&self, live: Option<SandboxRecord>) -> (Option<SandboxRecord>, ResultOutcome) {
         let Some(mut record) = live else {
             return (
@@ -348,20 +393,52 @@ impl Host {
                 },
             );
         };
-        let names = self.names(record.sandbox_id);
-        let rootfs = self.layout.sandbox(record.sandbox_id).rootfs();
+        let id = record.sandbox_id;
+        let names = self.names(id);
+        let paths = self.layout.sandbox(id);
         let done = async {
-            self.runtime.destroy(&names.container_id).await?;
-            unmount(rootfs).await
+            let runtime = self.runtime_of(&record)?;
+            let status = runtime.status(&names.container_id).await?;
+            let snapshot = paths.snapshot();
+            let mut mode = if snapshot.is_dir() {
+                StopMode::Memory
+            } else {
+                StopMode::Disk
+            };
+            if runtime.memory_snapshot() && status == Some(ContainerStatus::Running) {
+                if !self
+                    .gates
+                    .close_and_drain(id, CHECKPOINT_DRAIN_TIMEOUT)
+                    .await
+                {
+                    tracing::warn!(waited = ?CHECKPOINT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
+                }
+                let started = Instant::now();
+                mode = match runtime.checkpoint(&names.container_id, &snapshot).await {
+                    Ok(()) => {
+                        tracing::info!(elapsed = ?started.elapsed(), "memory snapshot taken");
+                        StopMode::Memory
+                    }
+                    Err(error) => {
+                        tracing::warn!(error = %error.report(), "checkpoint failed; stopping with disk only");
+                        remove_dir_if_present(&snapshot).await?;
+                        StopMode::Disk
+                    }
+                };
+            }
+            runtime.destroy(&names.container_id).await?;
+            unmount(paths.rootfs()).await?;
+            Ok::<_, HostdError>(mode)
         }
         .await;
+        self.gates.open(id);
         match done {
-            Ok(()) => {
+            Ok(mode) => {
                 record.phase = Phase::Stopped;
-                tracing::info!("sandbox stopped (disk kept)");
+                tracing::info!(last_stop = mode.as_str(), "sandbox stopped");
                 let outcome = ResultOutcome::Succeeded {
                     address: None,
-                    last_stop: Some(StopMode::Disk),
+                    last_stop: Some(mode),
                 };
                 (Some(record), outcome)
             }
@@ -385,13 +462,19 @@ impl Host {
         let id = cmd.sandbox_id;
         let names = self.names(id);
         let paths = self.layout.sandbox(id);
-        self.runtime.destroy(&names.container_id).await?;
+        // Whatever runtime holds it (a record-less delete does not know which).
+        for runtime in self.runtimes.all() {
+            runtime.destroy(&names.container_id).await?;
+        }
         unmount(paths.rootfs()).await?;
+        if let Some(link) = record.as_ref().and_then(|r| r.link) {
+            self.firewall.remove(&link).await?;
+        }
         netns::teardown(&names).await?;
         self.allocator.release(id);
         remove_sandbox_dir(&paths).await?;
         let mut tombstone = record.unwrap_or_else(|| {
-            SandboxRecord::new(id, cmd.spec.clone(), self.runtime.name(), cmd.generation)
+            SandboxRecord::new(id, cmd.spec.clone(), runtime_name(cmd), cmd.generation)
         });
         tombstone.phase = Phase::Deleted;
         tombstone.link = None;
@@ -426,6 +509,16 @@ where
             context: "blocking task".into(),
             source: std::io::Error::other(e),
         })?
+}
+
+/// Removes a directory tree; succeeds when it is already gone.
+async fn remove_dir_if_present(dir: &std::path::Path) -> Result<(), HostdError> {
+    match tokio::fs::remove_dir_all(dir).await {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(HostdError::io(format!("remove {}", dir.display()))(e))
+        }
+        _ => Ok(()),
+    }
 }
 
 async fn unmount(path: PathBuf) -> Result<(), HostdError> {

@@ -6,11 +6,14 @@
 //! [`ensure`] converges: whatever part exists is kept, a half-made veth is rebuilt, addresses
 //! and routes are `replace`d. [`teardown`] removes what exists and succeeds on what does not.
 //!
-//! No NAT or forwarding is set up: the host reaches the agent over the link; sandbox egress
-//! beyond the host is out of scope here.
+//! Both the host-side veth and the namespace's `lo` carry the alias `berth:<host>:<sandbox>`
+//! ([`owner_alias`]), so a sweep can tell this hostd's leftovers from another's (see `sweep`).
+//! Isolation and egress are nftables' business (see `firewall`).
 
 use std::collections::BTreeSet;
 use std::path::Path;
+
+use berth_schemas::{HostId, SandboxId};
 
 use crate::address::{parse_ip_addr_output, AddressPool, LinkAddresses, Slot, LINK_PREFIX_LEN};
 use crate::error::HostdError;
@@ -27,10 +30,33 @@ pub struct Built {
     pub veth: bool,
 }
 
-/// Makes the sandbox's namespace, veth pair, addresses and route exist.
+/// The alias marking a sandbox's interfaces as this host's: `berth:<host>:<sandbox>`.
+pub fn owner_alias(host: HostId, sandbox: SandboxId) -> String {
+    format!("berth:{host}:{sandbox}")
+}
+
+/// The (host, sandbox) of an [`owner_alias`] found in `ip -o link show` output for one link.
+pub fn parse_owner_alias(line: &str) -> Option<(HostId, SandboxId)> {
+    let alias = line
+        .split('\\')
+        .map(str::trim)
+        .find_map(|part| part.strip_prefix("alias "))?;
+    let mut parts = alias.trim().splitn(3, ':');
+    (parts.next()? == "berth").then_some(())?;
+    let host = parts.next()?.parse().ok()?;
+    let sandbox = parts.next()?.parse().ok()?;
+    Some((host, sandbox))
+}
+
+/// Makes the sandbox's namespace, veth pair, addresses and route exist, marked with
+/// `alias` ([`owner_alias`]).
 ///
 /// Errors: [`HostdError::Tool`] from `ip`.
-pub async fn ensure(names: &SandboxNames, link: &LinkAddresses) -> Result<Built, HostdError> {
+pub async fn ensure(
+    names: &SandboxNames,
+    link: &LinkAddresses,
+    alias: &str,
+) -> Result<Built, HostdError> {
     let mut built = Built::default();
     if !names.netns_path().exists() {
         tool::run("ip", &["netns", "add", &names.netns]).await?;
@@ -66,7 +92,9 @@ pub async fn ensure(names: &SandboxNames, link: &LinkAddresses) -> Result<Built,
     let host_cidr = format!("{}/{LINK_PREFIX_LEN}", link.host);
     let guest_cidr = format!("{}/{LINK_PREFIX_LEN}", link.sandbox);
     let gateway = link.host.to_string();
-    let steps: [&[&str]; 6] = [
+    let steps: [&[&str]; 8] = [
+        &["-n", ns, "link", "set", "lo", "alias", alias],
+        &["link", "set", host_if, "alias", alias],
         &["addr", "replace", &host_cidr, "dev", host_if],
         &["link", "set", host_if, "up"],
         &["-n", ns, "link", "set", "lo", "up"],
@@ -127,4 +155,21 @@ pub async fn foreign_slots(pool: AddressPool) -> Result<BTreeSet<Slot>, HostdErr
 /// Whether an interface of that name exists in the root network namespace.
 pub fn host_link_exists(name: &str) -> bool {
     Path::new("/sys/class/net").join(name).exists()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_owner_alias_round_trips_through_ip_link_output() {
+        let (host, sandbox) = (HostId::new(), SandboxId::new());
+        let line = format!(
+            "7: bv0123456789@if2: <BROADCAST> mtu 1500 qdisc noqueue\\    link/ether 02:00:00:00:00:01 brd ff:ff:ff:ff:ff:ff link-netns berth-0123456789\\    alias {}",
+            owner_alias(host, sandbox)
+        );
+        assert_eq!(parse_owner_alias(&line), Some((host, sandbox)));
+        assert_eq!(parse_owner_alias("1: lo: <LOOPBACK> mtu 65536"), None);
+        assert_eq!(parse_owner_alias("1: x\\    alias someone:else:here"), None);
+    }
 }

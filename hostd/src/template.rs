@@ -1,25 +1,115 @@
-//! Templates: the read-only root filesystems sandboxes are overlaid on.
+//! Templates: the read-only root filesystems sandboxes are overlaid on, and the runtime each
+//! template's sandboxes run in.
 //!
-//! One template exists, [`BASE_TEMPLATE`]: a busybox userland built from the host's static
-//! busybox (`/bin/busybox`, Debian's `busybox-static`).
+//! The registry ([`TEMPLATES`]) mirrors the `templates` table (migrations 0001 and 0006): a
+//! command names only its template, and hostd looks the runtime up here, so the wire format
+//! needed no change to select a runtime.
+//!
+//! - `base`: a busybox userland from the host's static busybox (`/bin/busybox`, Debian's
+//!   `busybox-static`), on runc.
+//! - `base-gvisor`: the same userland on runsc (gVisor): a stop keeps memory.
+//! - `python`: Debian minimal with python3, built once with `debootstrap` from the mirror apt
+//!   uses, into a machine-wide cache dir shared by every hostd (`berth template build python`
+//!   builds it ahead of time), on runsc.
 //!
 //! # Guarantees
 //! A template is built in a temporary dir and renamed into place, so a crash never leaves half
-//! a template where a sandbox could use it. Concurrent builds are serialized.
+//! a template where a sandbox could use it. Concurrent builds are serialized within a process,
+//! and cached builds across processes by a lock file.
 
 use std::fs;
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use tokio::sync::Mutex;
 
 use crate::error::HostdError;
+use crate::runtime::runc::RUNC;
+use crate::runtime::runsc::RUNSC;
 
 /// The name of the busybox template.
 pub const BASE_TEMPLATE: &str = "base";
 
-/// Every template this build can make.
-pub const KNOWN_TEMPLATES: &[&str] = &[BASE_TEMPLATE];
+/// The busybox template on gVisor.
+pub const BASE_GVISOR_TEMPLATE: &str = "base-gvisor";
+
+/// The Debian + python3 template.
+pub const PYTHON_TEMPLATE: &str = "python";
+
+/// Where expensive templates are cached for every hostd of the machine.
+pub const DEFAULT_TEMPLATE_CACHE: &str = "/var/cache/berth/templates";
+
+/// How long a debootstrap build may take.
+pub const DEBOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// The mirror used when apt's sources name none.
+pub const FALLBACK_DEBIAN_MIRROR: &str = "http://deb.debian.org/debian";
+
+/// The suite used when `/etc/os-release` names none.
+pub const FALLBACK_DEBIAN_SUITE: &str = "bookworm";
+
+/// How a template's root filesystem is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The host's static busybox and its applet links; built per hostd in milliseconds.
+    Busybox,
+    /// `debootstrap --variant=minbase --include=<packages>`; built once per machine into the
+    /// cache dir.
+    Debootstrap { packages: &'static [&'static str] },
+}
+
+/// One template this build can make.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TemplateDef {
+    pub name: &'static str,
+    /// The runtime its sandboxes run in (`runc`, `runsc`).
+    pub runtime: &'static str,
+    pub description: &'static str,
+    pub source: Source,
+}
+
+/// Every template this build can make; the `templates` table lists the same names and
+/// runtimes.
+pub const TEMPLATES: &[TemplateDef] = &[
+    TemplateDef {
+        name: BASE_TEMPLATE,
+        runtime: RUNC,
+        description: "BusyBox userland (busybox-static) on runc",
+        source: Source::Busybox,
+    },
+    TemplateDef {
+        name: BASE_GVISOR_TEMPLATE,
+        runtime: RUNSC,
+        description: "BusyBox userland on gVisor (runsc): stop keeps memory and processes",
+        source: Source::Busybox,
+    },
+    TemplateDef {
+        name: PYTHON_TEMPLATE,
+        runtime: RUNSC,
+        description: "Debian minimal with python3 on gVisor (runsc): stop keeps memory",
+        source: Source::Debootstrap {
+            packages: &["python3"],
+        },
+    },
+];
+
+/// The template called `name`.
+///
+/// Errors: [`HostdError::UnknownTemplate`] listing the known ones.
+pub fn lookup(name: &str) -> Result<&'static TemplateDef, HostdError> {
+    TEMPLATES
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| HostdError::UnknownTemplate {
+            name: name.to_owned(),
+            known: TEMPLATES
+                .iter()
+                .map(|t| t.name)
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
 
 /// The host's static busybox, copied into the base template.
 pub const HOST_BUSYBOX: &str = "/bin/busybox";
@@ -39,18 +129,21 @@ const BASE_PASSWD: &str =
     "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n";
 const BASE_GROUP: &str = "root:x:0:\nnobody:x:65534:\n";
 
-/// The templates of one hostd, under `<state_dir>/templates`.
+/// The templates of one hostd: busybox ones under `<state_dir>/templates`, debootstrapped
+/// ones in the machine-wide cache.
 #[derive(Debug)]
 pub struct Templates {
     dir: PathBuf,
+    cache: PathBuf,
     busybox: PathBuf,
     build: Mutex<()>,
 }
 
 impl Templates {
-    pub fn new(dir: PathBuf) -> Self {
+    pub fn new(dir: PathBuf, cache: PathBuf) -> Self {
         Self {
             dir,
+            cache,
             busybox: PathBuf::from(HOST_BUSYBOX),
             build: Mutex::new(()),
         }
@@ -61,14 +154,12 @@ impl Templates {
     /// Errors: [`HostdError::UnknownTemplate`]; [`HostdError::Io`] / [`HostdError::Tool`] when
     /// the build fails.
     pub async fn ensure(&self, name: &str) -> Result<PathBuf, HostdError> {
-        if !KNOWN_TEMPLATES.contains(&name) {
-            return Err(HostdError::UnknownTemplate {
-                name: name.to_owned(),
-                known: KNOWN_TEMPLATES.join(", "),
-            });
-        }
-        let final_dir = self.dir.join(name);
-        let rootfs = final_dir.join("rootfs");
+        let def = lookup(name)?;
+        let parent = match def.source {
+            Source::Busybox => &self.dir,
+            Source::Debootstrap { .. } => &self.cache,
+        };
+        let rootfs = parent.join(def.name).join("rootfs");
         if rootfs.is_dir() {
             return Ok(rootfs);
         }
@@ -77,26 +168,185 @@ impl Templates {
             return Ok(rootfs);
         }
         let started = std::time::Instant::now();
-        let (templates, busybox) = (self.dir.clone(), self.busybox.clone());
-        let name = name.to_owned();
-        tokio::task::spawn_blocking(move || build_into_place(&templates, &name, &busybox))
-            .await
-            .map_err(|e| HostdError::Io {
-                context: "template build task".into(),
-                source: std::io::Error::other(e),
-            })??;
-        tracing::info!(template = BASE_TEMPLATE, elapsed = ?started.elapsed(), "template built");
+        match def.source {
+            Source::Busybox => {
+                let (templates, busybox) = (self.dir.clone(), self.busybox.clone());
+                let name = def.name;
+                tokio::task::spawn_blocking(move || {
+                    build_into_place(&templates, name, |rootfs| build_base(rootfs, &busybox))
+                })
+                .await
+                .map_err(|e| HostdError::Io {
+                    context: "template build task".into(),
+                    source: std::io::Error::other(e),
+                })??;
+            }
+            Source::Debootstrap { packages } => {
+                build_debootstrap(&self.cache, def.name, packages, &DebianSource::detect()).await?
+            }
+        }
+        tracing::info!(template = def.name, elapsed = ?started.elapsed(), "template built");
         Ok(rootfs)
     }
 }
 
+/// Where debootstrap fetches packages from: the mirror and suite apt uses on this machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DebianSource {
+    pub mirror: String,
+    pub suite: String,
+}
+
+impl DebianSource {
+    /// The first Debian mirror in apt's sources (deb822 `*.sources` or one-line
+    /// `sources.list`), and the suite of `/etc/os-release`; fallbacks otherwise.
+    pub fn detect() -> Self {
+        let mut texts = Vec::new();
+        if let Ok(entries) = fs::read_dir("/etc/apt/sources.list.d") {
+            let mut paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+            paths.sort();
+            for path in paths {
+                if path
+                    .extension()
+                    .is_some_and(|e| e == "sources" || e == "list")
+                {
+                    texts.extend(fs::read_to_string(&path).ok());
+                }
+            }
+        }
+        texts.extend(fs::read_to_string("/etc/apt/sources.list").ok());
+        let mirror = texts
+            .iter()
+            .find_map(|t| apt_mirror(t))
+            .unwrap_or_else(|| FALLBACK_DEBIAN_MIRROR.to_owned());
+        let suite = fs::read_to_string("/etc/os-release")
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find_map(|l| l.strip_prefix("VERSION_CODENAME="))
+                    .map(|v| v.trim_matches('"').to_owned())
+            })
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| FALLBACK_DEBIAN_SUITE.to_owned());
+        Self { mirror, suite }
+    }
+}
+
+/// The first plain Debian archive URI of an apt sources text (either format), skipping the
+/// security archive.
+pub fn apt_mirror(text: &str) -> Option<String> {
+    let candidates = text.lines().filter_map(|line| {
+        let line = line.trim();
+        if let Some(uris) = line.strip_prefix("URIs:") {
+            return uris.split_whitespace().next().map(str::to_owned);
+        }
+        let rest = line.strip_prefix("deb ")?;
+        rest.split_whitespace()
+            .find(|w| w.contains("://"))
+            .map(str::to_owned)
+    });
+    candidates
+        .filter(|uri| !uri.contains("security"))
+        .map(|uri| uri.trim_end_matches('/').to_owned())
+        .next()
+}
+
+/// Builds a debootstrap template into `<cache>/<name>` (under a lock file, so two processes
+/// don't build it twice).
+async fn build_debootstrap(
+    cache: &Path,
+    name: &'static str,
+    packages: &'static [&'static str],
+    source: &DebianSource,
+) -> Result<(), HostdError> {
+    fs::create_dir_all(cache).map_err(HostdError::io(format!("create {}", cache.display())))?;
+    let lock_path = cache.join(format!(".{name}.lock"));
+    let lock = fs::File::create(&lock_path)
+        .map_err(HostdError::io(format!("create {}", lock_path.display())))?;
+    let lock = tokio::task::spawn_blocking(move || {
+        nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| HostdError::io("lock the template cache")(e.into()))
+    })
+    .await
+    .map_err(|e| HostdError::Io {
+        context: "template lock task".into(),
+        source: std::io::Error::other(e),
+    })??;
+    if cache.join(name).join("rootfs").is_dir() {
+        drop(lock);
+        return Ok(());
+    }
+    let tmp = cache.join(format!(".{name}.tmp-{}", uuid::Uuid::new_v4().simple()));
+    let rootfs = tmp.join("rootfs");
+    fs::create_dir_all(&tmp).map_err(HostdError::io(format!("create {}", tmp.display())))?;
+    tracing::info!(template = name, mirror = %source.mirror, suite = %source.suite, "debootstrap started");
+    let include = format!("--include={}", packages.join(","));
+    let args = [
+        "--variant=minbase",
+        include.as_str(),
+        source.suite.as_str(),
+        &rootfs.to_string_lossy(),
+        source.mirror.as_str(),
+    ]
+    .map(str::to_owned);
+    let log_path = tmp.join("debootstrap.log");
+    let built = async {
+        let log = fs::File::create(&log_path)
+            .map_err(HostdError::io(format!("create {}", log_path.display())))?;
+        let log_err = log.try_clone().map_err(HostdError::io("duplicate log"))?;
+        let status = tokio::process::Command::new("debootstrap")
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .kill_on_drop(true)
+            .status();
+        let status = tokio::time::timeout(DEBOOTSTRAP_TIMEOUT, status)
+            .await
+            .map_err(|_| HostdError::Io {
+                context: format!("debootstrap timed out after {DEBOOTSTRAP_TIMEOUT:?}"),
+                source: std::io::ErrorKind::TimedOut.into(),
+            })?
+            .map_err(HostdError::io(
+                "spawn debootstrap (apt-get install debootstrap)",
+            ))?;
+        if !status.success() {
+            let text = fs::read_to_string(&log_path).unwrap_or_default();
+            let tail = &text[text.len().saturating_sub(2048)..];
+            return Err(HostdError::Tool {
+                program: "debootstrap".into(),
+                args: args.join(" "),
+                status: status.to_string(),
+                stderr: tail.trim().to_owned(),
+            });
+        }
+        // Package caches are not part of the template.
+        let _ = fs::remove_dir_all(rootfs.join("var/cache/apt/archives"));
+        let _ = fs::create_dir_all(rootfs.join("var/cache/apt/archives/partial"));
+        fs::rename(&tmp, cache.join(name)).map_err(HostdError::io(format!(
+            "rename {} into place",
+            tmp.display()
+        )))
+    }
+    .await;
+    if built.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    drop(lock);
+    built
+}
+
 /// Builds template `name` in `<templates>/.<name>.tmp-<uuid>` and renames it to
 /// `<templates>/<name>`.
-fn build_into_place(templates: &Path, name: &str, busybox: &Path) -> Result<(), HostdError> {
+fn build_into_place(
+    templates: &Path,
+    name: &str,
+    build: impl FnOnce(&Path) -> Result<(), HostdError>,
+) -> Result<(), HostdError> {
     fs::create_dir_all(templates)
         .map_err(HostdError::io(format!("create {}", templates.display())))?;
     let tmp = templates.join(format!(".{name}.tmp-{}", uuid::Uuid::new_v4().simple()));
-    let result = build_base(&tmp.join("rootfs"), busybox).and_then(|()| {
+    let result = build(&tmp.join("rootfs")).and_then(|()| {
         fs::rename(&tmp, templates.join(name)).map_err(HostdError::io(format!(
             "rename {} into place",
             tmp.display()
@@ -163,13 +413,39 @@ mod tests {
         assert_eq!(applets(list).collect::<Vec<_>>(), ["[", "ash", "sh"]);
     }
 
+    #[test]
+    fn the_mirror_is_read_from_either_apt_sources_format() {
+        let deb822 = "Types: deb\n# http://snapshot.example/archive\nURIs: http://deb.example.org/debian\nSuites: bookworm\n\nTypes: deb\nURIs: http://deb.example.org/debian-security\n";
+        assert_eq!(
+            apt_mirror(deb822).as_deref(),
+            Some("http://deb.example.org/debian")
+        );
+        let one_line = "deb http://security.example.org/debian-security bookworm-security main\ndeb [arch=amd64] http://ftp.example.org/debian/ bookworm main\n";
+        assert_eq!(
+            apt_mirror(one_line).as_deref(),
+            Some("http://ftp.example.org/debian")
+        );
+        assert_eq!(apt_mirror("# nothing\n"), None);
+    }
+
+    #[test]
+    fn every_template_names_a_runtime_this_build_has() {
+        for t in TEMPLATES {
+            assert!([RUNC, RUNSC].contains(&t.runtime), "{t:?}");
+        }
+        assert_eq!(lookup(BASE_TEMPLATE).unwrap().runtime, RUNC);
+    }
+
     #[tokio::test]
     async fn an_unknown_template_is_refused_with_the_known_ones() {
-        let t = Templates::new(std::env::temp_dir().join("berth-template-never-built"));
+        let t = Templates::new(
+            std::env::temp_dir().join("berth-template-never-built"),
+            std::env::temp_dir().join("berth-template-cache-never-built"),
+        );
         match t.ensure("ubuntu").await.unwrap_err() {
             HostdError::UnknownTemplate { name, known } => {
                 assert_eq!(name, "ubuntu");
-                assert_eq!(known, "base");
+                assert_eq!(known, "base, base-gvisor, python");
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -182,7 +458,7 @@ mod tests {
             return;
         }
         let dir = std::env::temp_dir().join(format!("berth-template-{}", uuid::Uuid::new_v4()));
-        let rootfs = Templates::new(dir.clone())
+        let rootfs = Templates::new(dir.clone(), dir.join("cache"))
             .ensure(BASE_TEMPLATE)
             .await
             .unwrap();

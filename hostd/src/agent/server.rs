@@ -31,6 +31,11 @@ const READER_GRACE: Duration = Duration::from_millis(500);
 /// How long a client may take to send its request line.
 const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long the agent waits for the client to close after the answer was sent. The client
+/// closes first, so the connection's TIME_WAIT lands on the host side: gVisor refuses to
+/// checkpoint a sandbox holding a TCP endpoint in TIME_WAIT (for a minute after each call).
+const CLIENT_CLOSE_WAIT: Duration = Duration::from_secs(5);
+
 /// Offset added to a signal number to form the exit code of a killed process (shell convention).
 const SIGNAL_EXIT_BASE: i32 = 128;
 
@@ -38,8 +43,14 @@ const SIGNAL_EXIT_BASE: i32 = 128;
 ///
 /// Errors: the accept error.
 pub fn serve(listener: TcpListener) -> std::io::Result<()> {
+    use std::io::ErrorKind::{ConnectionAborted, Interrupted};
     loop {
-        let (stream, _) = listener.accept()?;
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            // Transient: a signal (a gVisor restore), or a client that gave up.
+            Err(e) if matches!(e.kind(), Interrupted | ConnectionAborted) => continue,
+            Err(e) => return Err(e),
+        };
         thread::spawn(move || {
             if let Err(e) = handle(stream) {
                 eprintln!("berth agent: connection: {e}");
@@ -65,7 +76,23 @@ fn handle(stream: TcpStream) -> std::io::Result<()> {
     let mut out = serde_json::to_vec(&response).map_err(std::io::Error::other)?;
     out.push(b'\n');
     (&stream).write_all(&out)?;
-    (&stream).flush()
+    (&stream).flush()?;
+    await_client_close(&stream)
+}
+
+/// Reads (and drops) until the client closes its side or [`CLIENT_CLOSE_WAIT`] passes.
+fn await_client_close(stream: &TcpStream) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(CLIENT_CLOSE_WAIT))?;
+    let mut sink = [0u8; 512];
+    loop {
+        match (&*stream).read(&mut sink) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // Timed out or reset: close from this side after all.
+            Err(_) => return Ok(()),
+        }
+    }
 }
 
 /// Runs `argv`, capturing output, killing the process group at `timeout_ms` (clamped to
@@ -146,6 +173,8 @@ fn spawn_reader<R: Read + Send + 'static>(pipe: Option<R>) -> Reader {
             let mut buf = [0u8; 16 * 1024];
             loop {
                 match pipe.read(&mut buf) {
+                    // A restored gVisor sandbox interrupts blocked reads once.
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
                         let room = MAX_CAPTURED_OUTPUT.saturating_sub(kept.len());

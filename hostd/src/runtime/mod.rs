@@ -1,13 +1,19 @@
-//! Runtime drivers: the OCI runtime behind a small trait, so `runsc` (gVisor, with checkpoint
-//! and restore) can join `runc` without touching the lifecycle code.
+//! Runtime drivers: the OCI runtimes behind one small trait — `runc` (namespaces and cgroups)
+//! and `runsc` (gVisor, whose checkpoint/restore keeps a sandbox's memory across a stop).
 //!
 //! Every method is idempotent where it can be: destroying an absent container succeeds;
 //! `status` of an absent container is `None`.
+//!
+//! A host offers every runtime it finds (see [`Runtimes`]); each template names the runtime
+//! its sandboxes use, and a sandbox's record remembers it.
 
+pub mod cli;
 pub mod runc;
+pub mod runsc;
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use serde::Deserialize;
@@ -37,10 +43,11 @@ pub struct RunRequest<'a> {
 
 /// An OCI runtime.
 pub trait RuntimeDriver: Send + Sync + 'static {
-    /// The runtime's name as reported in heartbeats and metrics labels (`runc`).
+    /// The runtime's name as reported in heartbeats and metrics labels (`runc`, `runsc`).
     fn name(&self) -> &'static str;
 
-    /// Whether a stop can keep memory (checkpoint/restore).
+    /// Whether a stop can keep memory ([`RuntimeDriver::checkpoint`] and
+    /// [`RuntimeDriver::restore`] work).
     fn memory_snapshot(&self) -> bool;
 
     /// Creates and starts the container detached; returns once its process runs.
@@ -54,9 +61,89 @@ pub trait RuntimeDriver: Send + Sync + 'static {
         container_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<ContainerStatus>, HostdError>>;
 
+    /// The host pid of the container's init (runc) or sandbox process (runsc), when it runs.
+    fn pid<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<Option<i64>, HostdError>>;
+
     /// Every container this driver's root holds, by id.
     fn list(&self) -> BoxFuture<'_, Result<HashMap<String, ContainerStatus>, HostdError>>;
 
     /// Kills and deletes the container; succeeds when it does not exist.
     fn destroy<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>>;
+
+    /// Saves the running container's memory and process state into `image_dir` and stops it
+    /// (the container then no longer runs; [`RuntimeDriver::destroy`] removes its remains).
+    ///
+    /// Errors: [`HostdError::SnapshotUnsupported`] for a runtime without snapshots; the
+    /// runtime's error otherwise (the container may be gone after a failed checkpoint).
+    fn checkpoint<'a>(
+        &'a self,
+        container_id: &'a str,
+        image_dir: &'a Path,
+    ) -> BoxFuture<'a, Result<(), HostdError>> {
+        let _ = (container_id, image_dir);
+        Box::pin(async move {
+            Err(HostdError::SnapshotUnsupported {
+                runtime: self.name(),
+            })
+        })
+    }
+
+    /// Creates the container from `req` and restores the state saved by
+    /// [`RuntimeDriver::checkpoint`] in `image_dir`, detached: its processes continue.
+    ///
+    /// Errors: as [`RuntimeDriver::checkpoint`].
+    fn restore<'a>(
+        &'a self,
+        req: RunRequest<'a>,
+        image_dir: &'a Path,
+    ) -> BoxFuture<'a, Result<(), HostdError>> {
+        let _ = (req, image_dir);
+        Box::pin(async move {
+            Err(HostdError::SnapshotUnsupported {
+                runtime: self.name(),
+            })
+        })
+    }
+}
+
+/// The runtimes one host offers, by name.
+#[derive(Clone, Default)]
+pub struct Runtimes {
+    drivers: Vec<Arc<dyn RuntimeDriver>>,
+}
+
+impl Runtimes {
+    pub fn new(drivers: Vec<Arc<dyn RuntimeDriver>>) -> Self {
+        Self { drivers }
+    }
+
+    /// The driver called `name`.
+    ///
+    /// Errors: [`HostdError::UnsupportedRuntime`] naming the runtimes this host has.
+    pub fn get(&self, name: &str) -> Result<Arc<dyn RuntimeDriver>, HostdError> {
+        self.drivers
+            .iter()
+            .find(|d| d.name() == name)
+            .cloned()
+            .ok_or_else(|| HostdError::UnsupportedRuntime {
+                name: name.to_owned(),
+                offered: self.names().join(", "),
+            })
+    }
+
+    /// Every driver, in the order given.
+    pub fn all(&self) -> &[Arc<dyn RuntimeDriver>] {
+        &self.drivers
+    }
+
+    /// The names of the drivers.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.drivers.iter().map(|d| d.name()).collect()
+    }
+}
+
+impl std::fmt::Debug for Runtimes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
 }

@@ -1,0 +1,208 @@
+//! The command line both OCI runtimes share: `<binary> --root <dir> [global flags] run
+//! --detach --bundle …`, `state`, `list --format json`, `delete --force`.
+//!
+//! Source: runc 1.1 and runsc (gVisor) command lines, which agree on these subcommands. A
+//! detached `run` hands the container its stdio, so stdout/stderr go to a file, never to pipes
+//! (a pipe would stay open for the container's life).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Instant;
+
+use serde::Deserialize;
+
+use super::ContainerStatus;
+use crate::error::HostdError;
+use crate::metrics;
+use crate::tool;
+
+/// How much of the console log a failed `run` quotes.
+pub const CONSOLE_TAIL_BYTES: usize = 2048;
+
+/// One OCI runtime binary with its state root and global flags.
+#[derive(Debug, Clone)]
+pub struct OciCli {
+    /// The runtime's name (metrics label).
+    pub name: &'static str,
+    /// The binary, looked up on `PATH`.
+    pub binary: &'static str,
+    /// `--root`: one per hostd and runtime.
+    pub root: PathBuf,
+    /// Flags placed after `--root` on every invocation (`--platform=ptrace`).
+    pub global: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct StateJson {
+    status: ContainerStatus,
+    #[serde(default)]
+    pid: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct ListEntry {
+    id: String,
+    status: ContainerStatus,
+}
+
+impl OciCli {
+    /// A runtime keeping its state in `root` (created if missing).
+    ///
+    /// Errors: [`HostdError::Io`].
+    pub fn new(
+        name: &'static str,
+        binary: &'static str,
+        root: PathBuf,
+        global: Vec<String>,
+    ) -> Result<Self, HostdError> {
+        std::fs::create_dir_all(&root)
+            .map_err(HostdError::io(format!("create {}", root.display())))?;
+        Ok(Self {
+            name,
+            binary,
+            root,
+            global,
+        })
+    }
+
+    /// `--root <root> <global…>`.
+    pub fn base_args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--root".to_owned(),
+            self.root.to_string_lossy().into_owned(),
+        ];
+        args.extend(self.global.iter().cloned());
+        args
+    }
+
+    /// Runs `<binary> <base args> <args>` and returns its output.
+    pub async fn call(&self, args: &[&str]) -> Result<tool::ToolOutput, HostdError> {
+        let base = self.base_args();
+        let mut full: Vec<&str> = base.iter().map(String::as_str).collect();
+        full.extend_from_slice(args);
+        tool::run(self.binary, &full).await
+    }
+
+    /// Runs a detached command (`run --detach`, `restore --detach`) whose stdout and stderr
+    /// go to `console_log`. `wrapper` is prepended to the argv (a program and its arguments
+    /// that end by exec'ing the rest), or empty.
+    ///
+    /// Errors: [`HostdError::Tool`] with the console log's tail; [`HostdError::Io`].
+    pub async fn detached(
+        &self,
+        wrapper: &[&str],
+        args: &[&str],
+        console_log: &Path,
+        what: &str,
+    ) -> Result<(), HostdError> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(console_log)
+            .map_err(HostdError::io(format!("open {}", console_log.display())))?;
+        let log_err = log
+            .try_clone()
+            .map_err(HostdError::io("duplicate console log handle"))?;
+        let mut argv: Vec<String> = wrapper.iter().map(|s| s.to_string()).collect();
+        argv.push(self.binary.to_owned());
+        argv.extend(self.base_args());
+        argv.extend(args.iter().map(|s| s.to_string()));
+        let status = tokio::process::Command::new(&argv[0])
+            .args(&argv[1..])
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            .kill_on_drop(true)
+            .status();
+        let status = tokio::time::timeout(tool::TOOL_TIMEOUT, status)
+            .await
+            .map_err(|_| HostdError::Io {
+                context: format!("{} {what} timed out", self.binary),
+                source: std::io::ErrorKind::TimedOut.into(),
+            })?
+            .map_err(HostdError::io(format!("spawn {} {what}", self.binary)))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(HostdError::Tool {
+                program: self.binary.to_owned(),
+                args: argv[1..].join(" "),
+                status: status.to_string(),
+                stderr: console_tail(console_log),
+            })
+        }
+    }
+
+    /// The container's status and init pid; `None` when it does not exist.
+    pub async fn state(
+        &self,
+        container_id: &str,
+    ) -> Result<Option<(ContainerStatus, Option<i64>)>, HostdError> {
+        self.timed("state", async {
+            match self.call(&["state", container_id]).await {
+                Ok(out) => serde_json::from_str::<StateJson>(&out.stdout)
+                    .map(|s| Some((s.status, s.pid.filter(|p| *p > 0))))
+                    .map_err(|e| HostdError::Io {
+                        context: format!("parse {} state of {container_id}", self.binary),
+                        source: std::io::Error::other(e),
+                    }),
+                Err(HostdError::Tool { stderr, .. }) if stderr.contains("does not exist") => {
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            }
+        })
+        .await
+    }
+
+    /// Every container of the root.
+    pub async fn list(&self) -> Result<HashMap<String, ContainerStatus>, HostdError> {
+        self.timed("list", async {
+            let out = self.call(&["list", "--format", "json"]).await?;
+            // Both print `null` for an empty root.
+            let entries: Option<Vec<ListEntry>> =
+                serde_json::from_str(&out.stdout).map_err(|e| HostdError::Io {
+                    context: format!("parse {} list", self.binary),
+                    source: std::io::Error::other(e),
+                })?;
+            Ok(entries
+                .unwrap_or_default()
+                .into_iter()
+                .map(|e| (e.id, e.status))
+                .collect())
+        })
+        .await
+    }
+
+    /// `delete --force`; succeeds when the container does not exist.
+    pub async fn destroy(&self, container_id: &str) -> Result<(), HostdError> {
+        self.timed("delete", async {
+            match self.call(&["delete", "--force", container_id]).await {
+                Ok(_) => Ok(()),
+                Err(HostdError::Tool { stderr, .. }) if stderr.contains("does not exist") => Ok(()),
+                Err(e) => Err(e),
+            }
+        })
+        .await
+    }
+
+    /// Times `fut` as `operation` in the runtime metrics.
+    pub async fn timed<T>(
+        &self,
+        operation: &'static str,
+        fut: impl std::future::Future<Output = Result<T, HostdError>>,
+    ) -> Result<T, HostdError> {
+        let started = Instant::now();
+        let out = fut.await;
+        metrics::runtime_operation(self.name, operation, started.elapsed());
+        out
+    }
+}
+
+/// The last [`CONSOLE_TAIL_BYTES`] of a console log, trimmed, for error messages.
+pub fn console_tail(path: &Path) -> String {
+    let bytes = std::fs::read(path).unwrap_or_default();
+    let start = bytes.len().saturating_sub(CONSOLE_TAIL_BYTES);
+    String::from_utf8_lossy(&bytes[start..]).trim().to_owned()
+}

@@ -1,0 +1,183 @@
+//! The `runsc` (gVisor) driver: `runsc --root <state_dir>/runsc --platform=ptrace …`, with
+//! memory snapshots (`checkpoint` / `restore`).
+//!
+//! # Networking
+//! The sandbox uses gVisor's own network stack (`--network=sandbox`, the default) inside the
+//! sandbox's pre-made network namespace (the OCI spec's namespace path): runsc takes over the
+//! namespace's `eth0` (and removes its addresses, which `netns::ensure` puts back before the
+//! next start). Debian's runsc (release 20221219) decides it runs in the *root* network
+//! namespace when `/proc/sys/net/core/rmem_default` is visible, and refuses ("cannot run with
+//! network enabled in root network namespace"); Linux 6.x shows that file in every namespace.
+//! So `run` and `restore` are started inside a private mount namespace of their own
+//! (`unshare --mount`) where `/proc/sys/net` is covered by an empty tmpfs: the check then
+//! sees a non-root namespace, which is true. Nothing else of the host changes.
+//!
+//! # Checkpoint
+//! gVisor refuses to save a connected TCP endpoint (TIME_WAIT included): the agent closes
+//! its connections passively (see `agent::server`) and hostd quiesces a sandbox's agent
+//! traffic before a checkpoint. A checkpoint that fails anyway leaves the container dead; the
+//! caller then falls back to a disk-only stop.
+//!
+//! Platform: `ptrace` (KVM is not available everywhere; `systrap` is newer than this runsc).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+
+use super::cli::OciCli;
+use super::{ContainerStatus, RunRequest, RuntimeDriver};
+use crate::error::HostdError;
+
+/// The runtime's name.
+pub const RUNSC: &str = "runsc";
+
+/// The runsc binary, looked up on `PATH`.
+const RUNSC_BINARY: &str = "runsc";
+
+/// The gVisor platform: works without KVM.
+pub const RUNSC_PLATFORM: &str = "--platform=ptrace";
+
+/// The mount namespace wrapper of `run` and `restore` (see the module docs): a shell that
+/// covers `/proc/sys/net` with an empty tmpfs in a private mount namespace, then execs the
+/// runtime command given as its arguments.
+const NETNS_CHECK_WRAPPER: &[&str] = &[
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    "mount -t tmpfs -o size=4k,mode=0555 berth-hide-sysctl-net /proc/sys/net && exec \"$@\"",
+    "berth-runsc",
+];
+
+/// The runsc driver.
+#[derive(Debug, Clone)]
+pub struct Runsc {
+    cli: OciCli,
+    hide_proc_sys_net: bool,
+}
+
+impl Runsc {
+    /// A driver keeping its state in `root` (created if missing). `hide_proc_sys_net` turns on
+    /// the workaround of the module docs.
+    ///
+    /// Errors: [`HostdError::Io`].
+    pub fn new(root: PathBuf, hide_proc_sys_net: bool) -> Result<Self, HostdError> {
+        Ok(Self {
+            cli: OciCli::new(RUNSC, RUNSC_BINARY, root, vec![RUNSC_PLATFORM.to_owned()])?,
+            hide_proc_sys_net,
+        })
+    }
+
+    /// Whether the runsc binary is on `PATH`.
+    pub fn available() -> bool {
+        std::env::var_os("PATH").is_some_and(|paths| {
+            std::env::split_paths(&paths).any(|dir| dir.join(RUNSC_BINARY).is_file())
+        })
+    }
+
+    fn wrapper(&self) -> &'static [&'static str] {
+        if self.hide_proc_sys_net {
+            NETNS_CHECK_WRAPPER
+        } else {
+            &[]
+        }
+    }
+}
+
+impl RuntimeDriver for Runsc {
+    fn name(&self) -> &'static str {
+        RUNSC
+    }
+
+    fn memory_snapshot(&self) -> bool {
+        true
+    }
+
+    fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {
+        let bundle = req.bundle.to_string_lossy().into_owned();
+        async move {
+            let args = ["run", "--detach", "--bundle", &bundle, req.container_id];
+            let run = self
+                .cli
+                .detached(self.wrapper(), &args, req.console_log, "run");
+            self.cli.timed("run", run).await
+        }
+        .boxed()
+    }
+
+    fn status<'a>(
+        &'a self,
+        container_id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ContainerStatus>, HostdError>> {
+        async move { Ok(self.cli.state(container_id).await?.map(|(s, _)| s)) }.boxed()
+    }
+
+    fn pid<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<Option<i64>, HostdError>> {
+        async move { Ok(self.cli.state(container_id).await?.and_then(|(_, p)| p)) }.boxed()
+    }
+
+    fn list(&self) -> BoxFuture<'_, Result<HashMap<String, ContainerStatus>, HostdError>> {
+        self.cli.list().boxed()
+    }
+
+    fn destroy<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
+        self.cli.destroy(container_id).boxed()
+    }
+
+    fn checkpoint<'a>(
+        &'a self,
+        container_id: &'a str,
+        image_dir: &'a Path,
+    ) -> BoxFuture<'a, Result<(), HostdError>> {
+        async move {
+            fresh_dir(image_dir)?;
+            let image = image_dir.to_string_lossy().into_owned();
+            let args = ["checkpoint", "--image-path", &image, container_id];
+            let checkpoint = self.cli.call(&args);
+            self.cli.timed("checkpoint", checkpoint).await.map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn restore<'a>(
+        &'a self,
+        req: RunRequest<'a>,
+        image_dir: &'a Path,
+    ) -> BoxFuture<'a, Result<(), HostdError>> {
+        let bundle = req.bundle.to_string_lossy().into_owned();
+        let image = image_dir.to_string_lossy().into_owned();
+        async move {
+            // The checkpointed container's remains hold the id until deleted.
+            self.cli.destroy(req.container_id).await?;
+            let args = [
+                "restore",
+                "--detach",
+                "--image-path",
+                &image,
+                "--bundle",
+                &bundle,
+                req.container_id,
+            ];
+            let restore = self
+                .cli
+                .detached(self.wrapper(), &args, req.console_log, "restore");
+            self.cli.timed("restore", restore).await
+        }
+        .boxed()
+    }
+}
+
+/// Makes `dir` an empty directory.
+fn fresh_dir(dir: &Path) -> Result<(), HostdError> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(HostdError::io(format!("remove {}", dir.display()))(e))
+        }
+        _ => {}
+    }
+    std::fs::create_dir_all(dir).map_err(HostdError::io(format!("create {}", dir.display())))
+}

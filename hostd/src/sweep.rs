@@ -1,0 +1,140 @@
+//! The start-up sweep: removes what a previous run of this hostd left behind that no live
+//! record accounts for — overlay mounts under its state dir, network namespaces and veths
+//! marked as its own (`netns::owner_alias`), and stale nftables elements (the firewall table
+//! is rebuilt from the records). Containers are swept by `Host::adopt`.
+//!
+//! # Guarantees
+//! Only this hostd's objects are touched: a mount must lie under its own sandboxes dir; a
+//! namespace or veth must carry an alias naming its host id. Objects of other hostd on the
+//! same machine, and unmarked ones, are left alone.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use berth_schemas::SandboxId;
+
+use crate::error::HostdError;
+use crate::host::Host;
+use crate::layout::{SandboxNames, NETNS_DIR};
+use crate::netns::{self, parse_owner_alias};
+use crate::overlay;
+use crate::tool;
+
+/// What one sweep removed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Swept {
+    pub mounts: usize,
+    pub netns: usize,
+    pub veths: usize,
+}
+
+/// Sweeps strays (see the module docs), then rebuilds the firewall table. A failure to
+/// remove one object is logged and the sweep goes on.
+///
+/// Errors: [`HostdError`] when the mount table, the namespaces or the links can't be listed,
+/// or the firewall can't be installed.
+pub async fn sweep(host: &Host) -> Result<Swept, HostdError> {
+    let records = host.snapshot();
+    let live: HashSet<SandboxId> = records.iter().map(|r| r.sandbox_id).collect();
+    let mut swept = Swept::default();
+
+    // Overlay mounts of sandboxes without a record (rootfs dirs below our sandboxes dir).
+    let sandboxes_dir = host.layout.sandboxes_dir();
+    let table = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(HostdError::io("read /proc/self/mountinfo"))?;
+    for point in overlay::mount_points(&table).collect::<Vec<_>>() {
+        if let Some(id) = stray_rootfs(&sandboxes_dir, &point, &live) {
+            tracing::warn!(sandbox_id = %id, mount = %point.display(), "unmounting a stray overlay");
+            match tokio::task::spawn_blocking(move || overlay::unmount(&point)).await {
+                Ok(Ok(())) => swept.mounts += 1,
+                Ok(Err(e)) => tracing::warn!(error = %e.report(), "stray overlay not unmounted"),
+                Err(e) => tracing::warn!(error = %e, "unmount task failed"),
+            }
+        }
+    }
+
+    // Namespaces marked as ours (the alias on their `lo`).
+    let mut strays: HashSet<SandboxId> = HashSet::new();
+    if let Ok(entries) = std::fs::read_dir(NETNS_DIR) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("berth-") {
+                continue;
+            }
+            let Ok(out) = tool::run("ip", &["-n", &name, "-o", "link", "show", "lo"]).await else {
+                continue;
+            };
+            if let Some((owner, sandbox)) = parse_owner_alias(&out.stdout) {
+                let names = host.names(sandbox);
+                if owner == host.host_id && !live.contains(&sandbox) && names.netns == name {
+                    strays.insert(sandbox);
+                }
+            }
+        }
+    }
+    // Host-side veths marked as ours.
+    let links = tool::run("ip", &["-o", "link", "show"]).await?;
+    for line in links.stdout.lines() {
+        if let Some((owner, sandbox)) = parse_owner_alias(line) {
+            if owner == host.host_id && !live.contains(&sandbox) {
+                strays.insert(sandbox);
+            }
+        }
+    }
+    for sandbox in strays {
+        let names: SandboxNames = host.names(sandbox);
+        let had_veth = netns::host_link_exists(&names.veth_host);
+        let had_netns = names.netns_path().exists();
+        tracing::warn!(sandbox_id = %sandbox, netns = %names.netns, veth = %names.veth_host, "removing a stray network");
+        match netns::teardown(&names).await {
+            Ok(()) => {
+                swept.veths += usize::from(had_veth);
+                swept.netns += usize::from(had_netns);
+            }
+            Err(e) => {
+                tracing::warn!(sandbox_id = %sandbox, error = %e.report(), "stray network not removed")
+            }
+        }
+    }
+
+    let links: Vec<_> = records.iter().filter_map(|r| r.link).collect();
+    host.firewall.install(&links).await?;
+    Ok(swept)
+}
+
+/// The sandbox whose rootfs `point` is, when it lies directly in `sandboxes_dir` as
+/// `<id>/rootfs` and `id` is not live.
+fn stray_rootfs(
+    sandboxes_dir: &Path,
+    point: &Path,
+    live: &HashSet<SandboxId>,
+) -> Option<SandboxId> {
+    let rest = point.strip_prefix(sandboxes_dir).ok()?;
+    let mut parts = rest.components();
+    let id: SandboxId = parts.next()?.as_os_str().to_str()?.parse().ok()?;
+    let leaf = parts.next()?;
+    (leaf.as_os_str() == "rootfs" && parts.next().is_none() && !live.contains(&id)).then_some(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_rootfs_mounts_of_unknown_sandboxes_under_our_dir_are_strays() {
+        let dir = Path::new("/state/sandboxes");
+        let (known, unknown) = (SandboxId::new(), SandboxId::new());
+        let live = HashSet::from([known]);
+        let at = |id: SandboxId, leaf: &str| dir.join(id.to_string()).join(leaf);
+        assert_eq!(
+            stray_rootfs(dir, &at(unknown, "rootfs"), &live),
+            Some(unknown)
+        );
+        assert_eq!(stray_rootfs(dir, &at(known, "rootfs"), &live), None);
+        assert_eq!(stray_rootfs(dir, &at(unknown, "upper"), &live), None);
+        let elsewhere = Path::new("/other/sandboxes")
+            .join(unknown.to_string())
+            .join("rootfs");
+        assert_eq!(stray_rootfs(dir, &elsewhere, &live), None);
+    }
+}
