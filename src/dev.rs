@@ -123,7 +123,10 @@ fn as_postgres_user(program: &Path) -> Command {
     }
 }
 
-async fn start_private_postgres(state_dir: &Path) -> anyhow::Result<(String, PrivateService)> {
+async fn start_private_postgres(
+    state_dir: &Path,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<(String, PrivateService)> {
     let bin = postgres_bin_dir()?;
     let data = state_dir.join("postgres");
     let data = std::path::absolute(&data)?;
@@ -183,8 +186,13 @@ async fn start_private_postgres(state_dir: &Path) -> anyhow::Result<(String, Pri
                     state_dir.display()
                 );
             }
-            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(_) => {}
         }
+        if shutdown.is_cancelled() {
+            service.stop().await;
+            bail!("interrupted while Postgres was starting");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     info!(%port, "private Postgres running");
     Ok((url, service))
@@ -216,7 +224,10 @@ async fn chown_postgres(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn start_private_nats(state_dir: &Path) -> anyhow::Result<(String, PrivateService)> {
+async fn start_private_nats(
+    state_dir: &Path,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<(String, PrivateService)> {
     let port = free_port()?;
     let dir = std::path::absolute(state_dir.join("nats"))?;
     std::fs::create_dir_all(&dir)?;
@@ -236,21 +247,23 @@ async fn start_private_nats(state_dir: &Path) -> anyhow::Result<(String, Private
     let url = format!("nats://127.0.0.1:{port}");
     let deadline = tokio::time::Instant::now() + SERVICE_START_TIMEOUT;
     loop {
-        match async_nats::connect(&url).await {
-            Ok(c) => {
-                let js = async_nats::jetstream::new(c);
-                if js.query_account().await.is_ok() {
-                    break;
-                }
-            }
-            Err(e) if tokio::time::Instant::now() > deadline => {
-                service.stop().await;
-                bail!(
-                    "private nats-server did not start (see {}/nats.log): {e}",
-                    state_dir.display()
-                );
-            }
-            Err(_) => {}
+        let error = match async_nats::connect(&url).await {
+            Ok(c) => match c.flush().await {
+                Ok(()) => break,
+                Err(e) => e.to_string(),
+            },
+            Err(e) => e.to_string(),
+        };
+        if tokio::time::Instant::now() > deadline {
+            service.stop().await;
+            bail!(
+                "private nats-server did not start (see {}/nats.log): {error}",
+                state_dir.display()
+            );
+        }
+        if shutdown.is_cancelled() {
+            service.stop().await;
+            bail!("interrupted while nats-server was starting");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -321,7 +334,7 @@ async fn run_stack(
     let database_url = match &args.database_url {
         Some(url) => url.clone(),
         None => {
-            let (url, svc) = start_private_postgres(state_dir).await?;
+            let (url, svc) = start_private_postgres(state_dir, &shutdown).await?;
             services.push(svc);
             url
         }
@@ -329,7 +342,7 @@ async fn run_stack(
     let nats_url = match &args.nats_url {
         Some(url) => url.clone(),
         None => {
-            let (url, svc) = start_private_nats(state_dir).await?;
+            let (url, svc) = start_private_nats(state_dir, &shutdown).await?;
             services.push(svc);
             url
         }
@@ -404,6 +417,16 @@ async fn run_stack(
 
     let key = dev_api_key(&db, state_dir).await?;
     wait_for_hosts(&db, args.hosts, &shutdown, &mut tasks).await?;
+    // What clients and `berth bench` need to find this stack.
+    std::fs::write(
+        state_dir.join("stack.env"),
+        format!(
+            "BERTH_API=http://{api_addr}\nDATABASE_URL={database_url}\nNATS_URL={nats_url}\n\
+             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\n",
+            args.subject_prefix,
+            state_dir.join("hosts").display()
+        ),
+    )?;
     println!("api: http://{api_addr}");
     println!("api key: {key}");
     println!("ready: {} hosts", args.hosts);

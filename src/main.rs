@@ -1,6 +1,7 @@
 //! `berth`: the one binary. Parses flags and calls each component's `run`; nothing else lives
 //! here but `berth dev` (see [`dev`]).
 
+mod bench;
 mod dev;
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -51,16 +52,25 @@ enum Cmd {
     Scheduler {
         #[command(flatten)]
         conn: Conn,
+        /// Serve Prometheus metrics (`GET /metrics`) on this address; unset: not served.
+        #[arg(long, env = "BERTH_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
     },
     /// Apply host results to sandbox rows.
     Reconciler {
         #[command(flatten)]
         conn: Conn,
+        /// Serve Prometheus metrics (`GET /metrics`) on this address; unset: not served.
+        #[arg(long, env = "BERTH_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
     },
     /// Run the host daemon.
     Hostd {
         #[command(flatten)]
         nats: NatsArgs,
+        /// Serve Prometheus metrics (`GET /metrics`) on this address; unset: not served.
+        #[arg(long, env = "BERTH_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
         /// Everything this host owns lives below this directory.
         #[arg(
             long,
@@ -74,6 +84,12 @@ enum Cmd {
         /// Base of the /16 sandbox addresses are taken from.
         #[arg(long, env = "BERTH_ADDRESS_POOL", default_value = "10.200.0.0")]
         address_pool: Ipv4Addr,
+        /// vCPUs offered to sandboxes (default: the machine's CPUs).
+        #[arg(long, env = "BERTH_HOST_VCPUS")]
+        vcpus: Option<u32>,
+        /// Memory offered to sandboxes, in MiB (default: the machine's memory).
+        #[arg(long, env = "BERTH_HOST_MEMORY_MIB")]
+        memory_mib: Option<u32>,
     },
     /// The in-sandbox agent (runs as PID 1 inside each sandbox).
     Agent {
@@ -82,6 +98,8 @@ enum Cmd {
     },
     /// API, scheduler, reconciler and N hostd in one process.
     Dev(dev::DevArgs),
+    /// Measure lifecycle latency and throughput of a running stack against raw floors.
+    Bench(bench::BenchArgs),
     /// Apply database migrations.
     Migrate {
         #[arg(long, env = "DATABASE_URL")]
@@ -100,6 +118,22 @@ enum Cmd {
 enum AdminCmd {
     /// Create an org and print its first API key (shown once).
     CreateOrg { name: String },
+    /// Create an operator key for the `/v1/hosts` routes and print it (shown once).
+    CreateAdminKey,
+    /// Set an org's quotas; an omitted limit becomes unlimited.
+    SetQuota {
+        /// The org's name.
+        org: String,
+        /// Most capacity-holding (provisioning, starting, running, stopping) sandboxes.
+        #[arg(long)]
+        max_running: Option<i32>,
+        /// Most vCPUs across them.
+        #[arg(long)]
+        max_vcpus: Option<i32>,
+        /// Most memory across them, in MiB.
+        #[arg(long)]
+        max_memory_mib: Option<i64>,
+    },
 }
 
 #[derive(Args, Clone)]
@@ -182,6 +216,23 @@ fn redact(url: &str) -> String {
     }
 }
 
+/// Installs the metrics recorder and, when `addr` is set, serves `/metrics` on it until
+/// `shutdown`. Binding happens here, so a taken address fails the command at once.
+async fn serve_metrics(
+    addr: Option<SocketAddr>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    berth_api::metrics::handle();
+    let Some(addr) = addr else {
+        return Ok(());
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("bind the metrics address {addr}"))?;
+    tokio::spawn(berth_api::metrics::serve_on(listener, shutdown.clone()));
+    Ok(())
+}
+
 fn subjects(prefix: &str) -> anyhow::Result<Subjects> {
     Ok(Subjects::new(prefix)?)
 }
@@ -201,26 +252,33 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             };
             berth_api::run(state, shutdown_on_signal()).await?;
         }
-        Cmd::Scheduler { conn } => {
+        Cmd::Scheduler { conn, metrics_addr } => {
+            let shutdown = shutdown_on_signal();
+            serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = connect_nats(&conn.nats.nats_url).await?;
             let config = berth_scheduler::SchedulerConfig {
                 subjects: subjects(&conn.nats.subject_prefix)?,
             };
-            berth_scheduler::run(config, db, nats, shutdown_on_signal()).await?;
+            berth_scheduler::run(config, db, nats, shutdown).await?;
         }
-        Cmd::Reconciler { conn } => {
+        Cmd::Reconciler { conn, metrics_addr } => {
+            let shutdown = shutdown_on_signal();
+            serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = connect_nats(&conn.nats.nats_url).await?;
             let config =
                 berth_reconciler::ReconcilerConfig::new(subjects(&conn.nats.subject_prefix)?);
-            berth_reconciler::run(config, db, nats, shutdown_on_signal()).await?;
+            berth_reconciler::run(config, db, nats, shutdown).await?;
         }
         Cmd::Hostd {
             nats,
+            metrics_addr,
             state_dir,
             name,
             address_pool,
+            vcpus,
+            memory_mib,
         } => {
             let name = name.unwrap_or_else(dev::hostname);
             let mut config = berth_hostd::HostdConfig::new(
@@ -230,10 +288,19 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 name,
             );
             config.address_pool = address_pool;
-            berth_hostd::run(config, shutdown_on_signal()).await?;
+            if let Some(v) = vcpus {
+                config.capacity.vcpus = v;
+            }
+            if let Some(m) = memory_mib {
+                config.capacity.memory_mib = m;
+            }
+            let shutdown = shutdown_on_signal();
+            serve_metrics(metrics_addr, &shutdown).await?;
+            berth_hostd::run(config, shutdown).await?;
         }
         Cmd::Agent { .. } => unreachable!("handled before the runtime starts"),
         Cmd::Dev(args) => dev::run(args).await?,
+        Cmd::Bench(args) => bench::run(args).await?,
         Cmd::Migrate { database_url } => {
             let db = connect_db(&database_url).await?;
             berth_schemas::db::MIGRATOR.run(&db).await?;
@@ -241,13 +308,35 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
         }
         Cmd::Admin {
             database_url,
-            command: AdminCmd::CreateOrg { name },
+            command,
         } => {
             let db = connect_db(&database_url).await?;
             berth_schemas::db::MIGRATOR.run(&db).await?;
-            let (org, key) = berth_api::auth::create_org(&db, &name).await?;
-            eprintln!("created org {name} ({org}); the key is shown only now");
-            println!("{key}");
+            match command {
+                AdminCmd::CreateOrg { name } => {
+                    let (org, key) = berth_api::auth::create_org(&db, &name).await?;
+                    eprintln!("created org {name} ({org}); the key is shown only now");
+                    println!("{key}");
+                }
+                AdminCmd::CreateAdminKey => {
+                    let key = berth_api::auth::create_admin_key(&db).await?;
+                    eprintln!("created an operator key; it is shown only now");
+                    println!("{key}");
+                }
+                AdminCmd::SetQuota {
+                    org,
+                    max_running,
+                    max_vcpus,
+                    max_memory_mib,
+                } => {
+                    if !berth_api::quota::set(&db, &org, max_running, max_vcpus, max_memory_mib)
+                        .await?
+                    {
+                        anyhow::bail!("no org named {org:?}");
+                    }
+                    eprintln!("quotas of {org} set");
+                }
+            }
         }
     }
     Ok(())

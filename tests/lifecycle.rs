@@ -360,17 +360,7 @@ async fn a_delete_published_while_its_host_is_down_is_applied_when_it_returns(db
     .await;
     assert_eq!(stack.state_of(&id).await, "stopping");
 
-    let mut host = std::mem::replace(
-        &mut stack.hosts[0],
-        common::HostProcess {
-            state_dir: Default::default(),
-            child: None,
-            host_id: HostId::new(),
-            address_pool: std::net::Ipv4Addr::UNSPECIFIED,
-        },
-    );
-    stack.spawn_host(&mut host).await;
-    stack.hosts[0] = host;
+    stack.restart_host(0).await;
     stack.wait_state(&id, "deleted").await;
     eventually("nothing is left", || async {
         stack.leftovers(&id).is_empty()

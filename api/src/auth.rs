@@ -98,34 +98,90 @@ async fn create_key_in(
     Ok(key)
 }
 
-/// Resolves a key to its caller; `None` for an unknown or revoked key.
-pub async fn authenticate(db: &PgPool, key: &str) -> Result<Option<Caller>, sqlx::Error> {
-    let row =
-        sqlx::query("SELECT id, org_id FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL")
-            .bind(hash(key))
-            .fetch_optional(db)
-            .await?;
-    Ok(row.map(|r| Caller {
+/// Who a key belongs to.
+#[derive(Debug, Clone, Copy)]
+pub struct Principal {
+    pub key_id: ApiKeyId,
+    /// The org of an org key; `None` for an operator (admin) key.
+    pub org_id: Option<OrgId>,
+    pub is_admin: bool,
+}
+
+/// Resolves a key; `None` for an unknown or revoked key.
+pub async fn authenticate(db: &PgPool, key: &str) -> Result<Option<Principal>, sqlx::Error> {
+    let row = sqlx::query(
+        "SELECT id, org_id, is_admin FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL",
+    )
+    .bind(hash(key))
+    .fetch_optional(db)
+    .await?;
+    Ok(row.map(|r| Principal {
         key_id: r.get("id"),
         org_id: r.get("org_id"),
+        is_admin: r.get("is_admin"),
     }))
+}
+
+/// Creates an operator key (no org; only the `/v1/hosts` routes accept it). Shown once.
+pub async fn create_admin_key(db: &PgPool) -> Result<String, sqlx::Error> {
+    let key = generate_key();
+    sqlx::query(
+        "INSERT INTO api_keys (id, org_id, key_hash, prefix, is_admin) VALUES ($1, NULL, $2, $3, true)",
+    )
+    .bind(ApiKeyId::new())
+    .bind(hash(&key))
+    .bind(&key[..SHOWN_PREFIX_LEN])
+    .execute(db)
+    .await?;
+    Ok(key)
+}
+
+async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiError> {
+    let key = parts
+        .headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|k| k.starts_with(KEY_PREFIX))
+        .ok_or(ApiError::Unauthorized)?;
+    authenticate(&state.db, key)
+        .await?
+        .ok_or(ApiError::Unauthorized)
 }
 
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let key = parts
-            .headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|k| k.starts_with(KEY_PREFIX))
-            .ok_or(ApiError::Unauthorized)?;
-        authenticate(&state.db, key)
-            .await?
-            .ok_or(ApiError::Unauthorized)
+        let p = principal(parts, state).await?;
+        let org_id = p.org_id.ok_or_else(|| {
+            ApiError::Forbidden("an operator key manages hosts, not sandboxes".into())
+        })?;
+        Ok(Caller {
+            org_id,
+            key_id: p.key_id,
+        })
+    }
+}
+
+/// An operator: the caller of the `/v1/hosts` routes (an admin key).
+#[derive(Debug, Clone, Copy)]
+pub struct Admin {
+    pub key_id: ApiKeyId,
+}
+
+impl FromRequestParts<AppState> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let p = principal(parts, state).await?;
+        if !p.is_admin {
+            return Err(ApiError::Forbidden(
+                "this route needs an operator key".into(),
+            ));
+        }
+        Ok(Admin { key_id: p.key_id })
     }
 }
 

@@ -14,6 +14,12 @@ pub enum ApiError {
     /// 401 `unauthorized`: no bearer key, or one that matches no live key.
     #[error("missing or invalid API key")]
     Unauthorized,
+    /// 403 `forbidden`: the key is valid but may not use this route.
+    #[error("{0}")]
+    Forbidden(String),
+    /// 429 `quota_exceeded`: the org's quota `limit` (e.g. `max_running`) would be passed.
+    #[error("org quota {limit} = {value} reached")]
+    QuotaExceeded { limit: &'static str, value: i64 },
     /// 404 `not_found`: no such resource in the caller's org (another org's looks the same).
     #[error("{0} not found")]
     NotFound(String),
@@ -38,6 +44,9 @@ pub enum ApiError {
         state: SandboxState,
         message: String,
     },
+    /// 409 `conflict` for a host operator action; carries the host's state.
+    #[error("{message}")]
+    HostConflict { state: String, message: String },
     /// 503 `host_unavailable`: the sandbox's host did not answer.
     #[error("host unavailable: {0}")]
     HostUnavailable(String),
@@ -55,13 +64,17 @@ impl ApiError {
         match self {
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
+            ApiError::QuotaExceeded { .. } => (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded"),
             ApiError::InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
             ApiError::UnknownTemplate(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unknown_template"),
             ApiError::IdempotencyKeyReused(_) => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
             ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
-            ApiError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
+            ApiError::Conflict { .. } | ApiError::HostConflict { .. } => {
+                (StatusCode::CONFLICT, "conflict")
+            }
             ApiError::HostUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),
             ApiError::Agent(_) => (StatusCode::BAD_GATEWAY, "agent_error"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
@@ -95,6 +108,11 @@ impl IntoResponse for ApiError {
                 field: Some(field), ..
             } => body["field"] = json!(field),
             ApiError::Conflict { state, .. } => body["state"] = json!(state),
+            ApiError::HostConflict { state, .. } => body["state"] = json!(state),
+            ApiError::QuotaExceeded { limit, value } => {
+                body["limit"] = json!(limit);
+                body["value"] = json!(value);
+            }
             _ => {}
         }
         (status, Json(json!({ "error": body }))).into_response()

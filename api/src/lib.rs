@@ -9,13 +9,21 @@
 
 pub mod auth;
 pub mod error;
+pub mod event_relay;
+pub mod event_stream;
+pub mod events;
 pub mod exec;
+pub mod hosts;
 pub mod idempotency;
 pub mod metrics;
 pub mod model;
 pub mod openapi;
+pub mod quota;
 pub mod relay;
 pub mod sandboxes;
+pub mod webhook_delivery;
+pub mod webhook_signature;
+pub mod webhooks;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -43,6 +51,12 @@ pub struct ApiConfig {
     pub heartbeat_freshness: Duration,
     /// How far placement reserves beyond hosts' physical capacity.
     pub overcommit: berth_scheduler::placement::Overcommit,
+    /// The relay publishes at most this many in-flight creates/starts per host.
+    pub max_concurrent_starts: i64,
+    /// Timing of `GET /v1/events`.
+    pub events: event_stream::EventStreamConfig,
+    /// Timing and limits of webhook delivery.
+    pub webhooks: webhook_delivery::WebhookConfig,
 }
 
 impl ApiConfig {
@@ -53,6 +67,9 @@ impl ApiConfig {
             subjects,
             heartbeat_freshness: berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS,
             overcommit: Default::default(),
+            max_concurrent_starts: relay::DEFAULT_MAX_CONCURRENT_STARTS,
+            events: Default::default(),
+            webhooks: Default::default(),
         }
     }
 }
@@ -97,6 +114,17 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/exec", post(exec::exec))
         .route("/v1/sandboxes/{id}/events", get(sandboxes::events))
         .route("/v1/templates", get(sandboxes::templates))
+        .route("/v1/events", get(event_stream::stream))
+        .route("/v1/webhooks", post(webhooks::create).get(webhooks::list))
+        .route(
+            "/v1/webhooks/{id}",
+            get(webhooks::get).delete(webhooks::delete),
+        )
+        .route("/v1/webhooks/{id}/deliveries", get(webhooks::deliveries))
+        .route("/v1/hosts", get(hosts::list))
+        .route("/v1/hosts/{id}/drain", post(hosts::drain))
+        .route("/v1/hosts/{id}/cordon", post(hosts::cordon))
+        .route("/v1/hosts/{id}/uncordon", post(hosts::uncordon))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(render_metrics))
@@ -107,7 +135,8 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Serves the API and runs the outbox relay until `shutdown` fires.
+/// Serves the API and runs the outbox relay and the webhook delivery worker until `shutdown`
+/// fires.
 ///
 /// Errors: [`ApiRunError::Bind`] when the address is taken, [`ApiRunError::Serve`] on a
 /// server failure.
@@ -130,15 +159,27 @@ pub async fn serve(
         state.db.clone(),
         state.nats.clone(),
         state.subjects.clone(),
+        state.config.max_concurrent_starts,
         shutdown.clone(),
     ));
-    let app = router(state);
+    event_stream::describe_metrics();
+    let webhooks = tokio::spawn(webhook_delivery::run(
+        state.db.clone(),
+        state.config.webhooks.clone(),
+        shutdown.clone(),
+    ));
+    // Long-lived responses (the SSE stream) end on shutdown, or graceful shutdown would wait
+    // for them forever.
+    let app = router(state).layer(axum::Extension(event_stream::StreamShutdown(
+        shutdown.clone(),
+    )));
     let served = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .await
         .map_err(ApiRunError::Serve);
     shutdown.cancel();
     let _ = relay.await;
+    let _ = webhooks.await;
     served
 }
 

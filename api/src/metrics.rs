@@ -51,3 +51,58 @@ pub async fn track(req: Request, next: Next) -> Response {
         .record(started.elapsed().as_secs_f64());
     response
 }
+
+/// Errors of [`serve`].
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsServeError {
+    #[error("bind the metrics address {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("serve metrics: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Serves `GET /metrics` (Prometheus text format, from this process's recorder, see
+/// [`handle`]) on `addr` until `shutdown` fires: the metrics endpoint of the scheduler,
+/// reconciler and hostd processes (the API serves `/metrics` on its own port).
+///
+/// Errors: [`MetricsServeError::Bind`] when the address is taken.
+pub async fn serve(
+    addr: std::net::SocketAddr,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<(), MetricsServeError> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| MetricsServeError::Bind { addr, source })?;
+    serve_on(listener, shutdown).await
+}
+
+/// [`serve`] on a listener the caller bound.
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<(), MetricsServeError> {
+    let prometheus = handle();
+    tracing::info!(addr = ?listener.local_addr().ok(), "metrics listening");
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let prometheus = prometheus.clone();
+            async move {
+                (
+                    [(axum::http::header::CONTENT_TYPE, CONTENT_TYPE)],
+                    prometheus.render(),
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+        .map_err(MetricsServeError::Serve)
+}
+
+/// The Prometheus text exposition format's content type.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4";

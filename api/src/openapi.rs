@@ -5,7 +5,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::{exec, model, sandboxes};
+use crate::{exec, hosts, model, sandboxes};
 
 /// The API description, with the lifecycle table.
 const DESCRIPTION: &str = r#"Berth: create isolated Linux sandboxes, run code in them, stop, start and delete them.
@@ -51,6 +51,10 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
         sandboxes::events,
         sandboxes::templates,
         exec::exec,
+        hosts::list,
+        hosts::drain,
+        hosts::cordon,
+        hosts::uncordon,
     ),
     components(schemas(
         model::CreateSandbox,
@@ -60,11 +64,32 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
         model::ExecOutput,
         model::Event,
         model::Template,
+        hosts::Host,
         berth_schemas::SandboxState,
     )),
     modifiers(&BearerAuth)
 )]
 struct ApiDoc;
+
+/// The event stream and webhook routes.
+#[derive(OpenApi)]
+#[openapi(
+    paths(
+        crate::event_stream::stream,
+        crate::webhooks::create,
+        crate::webhooks::list,
+        crate::webhooks::get,
+        crate::webhooks::delete,
+        crate::webhooks::deliveries,
+    ),
+    components(schemas(
+        crate::webhooks::CreateWebhook,
+        crate::webhooks::Webhook,
+        crate::webhooks::Delivery,
+        crate::webhooks::Attempt,
+    ))
+)]
+struct EventsDoc;
 
 struct BearerAuth;
 
@@ -81,7 +106,8 @@ impl Modify for BearerAuth {
 /// The document.
 pub fn document() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
-    doc.info.description = Some(DESCRIPTION.to_owned());
+    doc.merge(EventsDoc::openapi());
+    doc.info.description = Some(format!("{DESCRIPTION}{}", crate::webhooks::DOC));
     doc
 }
 

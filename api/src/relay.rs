@@ -1,4 +1,5 @@
-//! The outbox relay: publishes committed commands to `{p}.cmd.<host>` on JetStream.
+//! The outbox relay: publishes committed commands to `{p}.cmd.<host>` on JetStream, then
+//! committed events (see [`crate::event_relay`]).
 //!
 //! # Guarantees
 //! - At least once: a command is marked `published_at` only after JetStream acked it; a crash
@@ -23,6 +24,8 @@ use tracing::{debug, info, warn};
 pub const POLL_INTERVAL: Duration = Duration::from_secs(1);
 /// Commands claimed per batch.
 pub const BATCH_SIZE: i64 = 128;
+/// At most this many creates and starts in flight per host; more wait in the outbox.
+pub const DEFAULT_MAX_CONCURRENT_STARTS: i64 = 8;
 /// Wait after a failed batch before trying again.
 pub const RETRY_DELAY: Duration = Duration::from_millis(500);
 
@@ -44,6 +47,7 @@ pub async fn run(
     db: PgPool,
     nats: async_nats::Client,
     subjects: Subjects,
+    max_concurrent_starts: i64,
     shutdown: CancellationToken,
 ) {
     let js = jetstream::new(nats);
@@ -68,7 +72,7 @@ pub async fn run(
     };
     info!("outbox relay running");
     loop {
-        let delay = match drain(&db, &js, &subjects).await {
+        let delay = match drain(&db, &js, &subjects, max_concurrent_starts).await {
             Ok(n) => {
                 if n > 0 {
                     debug!(published = n, "outbox drained");
@@ -83,6 +87,9 @@ pub async fn run(
         if let Err(error) = record_backlog(&db).await {
             debug!(%error, "outbox gauges not updated");
         }
+        // Events after commands, with the same ack-then-mark guarantee.
+        let delay = delay
+            .min(crate::event_relay::round(&db, &js, &subjects, POLL_INTERVAL, RETRY_DELAY).await);
         tokio::select! {
             _ = shutdown.cancelled() => return,
             n = listener.recv() => {
@@ -108,18 +115,42 @@ pub async fn drain(
     db: &PgPool,
     js: &jetstream::Context,
     subjects: &Subjects,
+    max_concurrent_starts: i64,
 ) -> Result<usize, RelayError> {
     let mut total = 0;
     loop {
         let mut tx = db.begin().await?;
-        let rows = sqlx::query(
-            "SELECT id, host_id, kind, payload FROM commands
-              WHERE published_at IS NULL
-              ORDER BY created_at
-              LIMIT $1
-              FOR UPDATE SKIP LOCKED",
+        // Creates and starts beyond a host's cap of in-flight boots wait in the outbox (queued,
+        // not refused). Other kinds pass; the generation fence keeps a stop or delete that
+        // overtakes a queued start correct (the host refuses the older start).
+        let eligible: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "WITH in_flight AS (
+                 SELECT host_id, count(*) AS n FROM commands
+                  WHERE published_at IS NOT NULL AND completed_at IS NULL
+                    AND kind IN ('sandbox.create', 'sandbox.start')
+                  GROUP BY host_id),
+             queued AS (
+                 SELECT id, host_id, kind, created_at,
+                        row_number() OVER (PARTITION BY host_id,
+                            kind IN ('sandbox.create', 'sandbox.start') ORDER BY created_at) AS rn
+                   FROM commands WHERE published_at IS NULL)
+             SELECT q.id FROM queued q LEFT JOIN in_flight f ON f.host_id = q.host_id
+              WHERE q.kind NOT IN ('sandbox.create', 'sandbox.start')
+                 OR q.rn + COALESCE(f.n, 0) <= $2
+              ORDER BY q.created_at
+              LIMIT $1",
         )
         .bind(BATCH_SIZE)
+        .bind(max_concurrent_starts)
+        .fetch_all(&mut *tx)
+        .await?;
+        let rows = sqlx::query(
+            "SELECT id, host_id, kind, payload FROM commands
+              WHERE id = ANY($1) AND published_at IS NULL
+              ORDER BY created_at
+              FOR UPDATE SKIP LOCKED",
+        )
+        .bind(&eligible)
         .fetch_all(&mut *tx)
         .await?;
         if rows.is_empty() {

@@ -56,6 +56,7 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
     responses(
         (status = 202, description = "Accepted; the sandbox is `provisioning`", body = Sandbox),
         (status = 400, description = "`invalid_request`: malformed JSON or a size out of range (the field is named)"),
+        (status = 429, description = "`quota_exceeded`: the org's quota (`limit` names it) would be passed"),
         (status = 422, description = "`unknown_template`, or `idempotency_key_reused`: the Idempotency-Key was used for a different request"),
         (status = 401, description = "`unauthorized`"),
         (status = 503, description = "`no_capacity`: no ready host has the headroom; nothing was written"),
@@ -88,6 +89,7 @@ pub async fn create(
     if known.is_none() {
         return Err(ApiError::UnknownTemplate(req.template));
     }
+    crate::quota::check(&mut tx, caller.org_id, req.resources).await?;
     let Some(host) = placement::place(
         &mut tx,
         req.resources,
@@ -339,7 +341,16 @@ pub(crate) async fn lifecycle(
         .ok_or_else(|| ApiError::Internal(format!("sandbox {id} has no host")))?;
     let mut holds_capacity = snap.holds_capacity;
     if kind == CommandKind::Start && !holds_capacity {
-        if !placement::reserve(&mut tx, host, snap.resources, app.config.overcommit).await? {
+        crate::quota::check(&mut tx, caller.org_id, snap.resources).await?;
+        let admitted = placement::reserve(
+            &mut tx,
+            host,
+            snap.resources,
+            app.config.overcommit,
+            placement::Admit::ResidentSandbox,
+        )
+        .await?;
+        if !admitted {
             return Err(ApiError::NoCapacity {
                 vcpus: snap.resources.vcpus,
                 memory_mib: snap.resources.memory_mib,

@@ -29,10 +29,10 @@ use crate::host::Host;
 use crate::lifecycle::Applied;
 
 /// How long JetStream waits for an ack before redelivering a command.
-pub const ACK_WAIT: Duration = Duration::from_secs(60);
+pub const ACK_WAIT: Duration = Duration::from_secs(15);
 
 /// How often a command still being worked on extends its ack deadline.
-pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(20);
+pub const PROGRESS_INTERVAL: Duration = Duration::from_secs(5);
 
 /// How long a nak'd command (delete that must be retried, result not published) waits.
 pub const RETRY_DELAY: Duration = Duration::from_secs(5);
@@ -69,6 +69,14 @@ pub async fn consume(
     let result_subject = subjects.result(host.host_id);
     let mut chains: HashMap<SandboxId, JoinHandle<()>> = HashMap::new();
 
+    // A previous run of this host may have died holding commands it never acked. Recreating
+    // the durable consumer redelivers them now instead of after their ack wait: the stream is a
+    // work queue, so everything still in it is unacked, and applying is idempotent (command id
+    // and generation fence). One hostd owns a host id, so nothing else consumes here.
+    match stream.delete_consumer(&name).await {
+        Ok(_) => tracing::debug!(consumer = %name, "recreating the host consumer"),
+        Err(e) => tracing::debug!(error = %e, "no previous host consumer to recreate"),
+    }
     'resubscribe: while !shutdown.is_cancelled() {
         let messages = async {
             let consumer: PullConsumer = stream

@@ -5,6 +5,7 @@
 //!   replica consumes; the JetStream consumer is shared, so each result is applied once).
 //! - [`lease`]: leader election on Postgres with a term.
 //! - [`pass`]: the leader's pass.
+//! - [`gauges`]: fleet gauges and end-to-end command latency for Prometheus.
 //!
 //! # Guarantees
 //! - A result changes a row only when its generation equals the row's current generation and
@@ -16,6 +17,7 @@
 //!   row's `holds_capacity` flag flips with it).
 //! - Only the lease holder's pass can commit (see [`lease`]).
 
+pub mod gauges;
 pub mod lease;
 pub mod pass;
 pub mod results;
@@ -49,6 +51,8 @@ pub struct ReconcilerConfig {
     pub subjects: Subjects,
     pub pass: pass::PassConfig,
     pub lease_ttl: Duration,
+    /// How often the fleet gauges ([`gauges`]) are recomputed.
+    pub gauge_interval: Duration,
 }
 
 impl ReconcilerConfig {
@@ -58,11 +62,12 @@ impl ReconcilerConfig {
             subjects,
             pass: pass::PassConfig::default(),
             lease_ttl: DEFAULT_LEASE_TTL,
+            gauge_interval: gauges::DEFAULT_INTERVAL,
         }
     }
 }
 
-/// Runs the result consumer and the leader loop until `shutdown` fires.
+/// Runs the result consumer, the leader loop and the fleet gauges until `shutdown` fires.
 ///
 /// Errors: [`ReconcilerError::JetStream`] when the result stream or consumer cannot be set up.
 pub async fn run(
@@ -71,17 +76,27 @@ pub async fn run(
     nats: async_nats::Client,
     shutdown: CancellationToken,
 ) -> Result<(), ReconcilerError> {
-    let leader = tokio::spawn(lead(config.clone(), db.clone(), shutdown.clone()));
+    let fleet = tokio::spawn(gauges::run(
+        db.clone(),
+        config.gauge_interval,
+        shutdown.clone(),
+    ));
+    let leader = tokio::spawn(lead(
+        config.clone(),
+        db.clone(),
+        Uuid::now_v7(),
+        shutdown.clone(),
+    ));
     let consumed = results::consume(&config.subjects, &db, nats, shutdown.clone()).await;
     shutdown.cancel();
     let _ = leader.await;
+    let _ = fleet.await;
     consumed
 }
 
-/// The leader loop: renew (or try to take) the lease every third of its TTL, and run a pass
-/// every `pass.interval` while holding it.
-pub async fn lead(config: ReconcilerConfig, db: PgPool, shutdown: CancellationToken) {
-    let holder = Uuid::now_v7();
+/// The leader loop of candidate `holder`: renew (or try to take) the lease every third of its
+/// TTL, and run a pass every `pass.interval` while holding it. Gives the lease up on shutdown.
+pub async fn lead(config: ReconcilerConfig, db: PgPool, holder: Uuid, shutdown: CancellationToken) {
     let tick = (config.lease_ttl / 3).min(config.pass.interval);
     let mut last_pass: Option<tokio::time::Instant> = None;
     let mut held: Option<lease::Lease> = None;

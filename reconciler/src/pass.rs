@@ -16,9 +16,12 @@
 
 use std::time::{Duration, Instant};
 
-use berth_schemas::db::{write_transition, SandboxSnapshot, Transition, SNAPSHOT_COLUMNS};
+use berth_schemas::db::{
+    insert_command_on, write_transition, SandboxSnapshot, Transition, SNAPSHOT_COLUMNS,
+};
 use berth_schemas::state::{on_request, Decision, Request};
-use berth_schemas::{CommandKind, Reason, SandboxState};
+use berth_schemas::wire::{Command, Resources, SandboxSpec};
+use berth_schemas::{CommandId, CommandKind, Generation, OrgId, Reason, SandboxState};
 use sqlx::{PgPool, Postgres, Row, Transaction};
 use tracing::{info, warn};
 
@@ -82,6 +85,8 @@ pub enum Action {
     AutoStop,
     AutoDelete,
     TombstonePurge,
+    OrphanDestroyed,
+    OrphanStopped,
 }
 
 impl Action {
@@ -94,6 +99,8 @@ impl Action {
             Action::AutoStop => "auto_stop",
             Action::AutoDelete => "auto_delete",
             Action::TombstonePurge => "tombstone_purge",
+            Action::OrphanDestroyed => "orphan_destroyed",
+            Action::OrphanStopped => "orphan_stopped",
         }
     }
 }
@@ -210,6 +217,9 @@ async fn run_actions(
     report.actions.push((Action::AutoDelete, n));
     let n = purge(db, config, lease).await?;
     report.actions.push((Action::TombstonePurge, n));
+    let (destroyed, stopped) = reconcile_inventory(db, config, lease).await?;
+    report.actions.push((Action::OrphanDestroyed, destroyed));
+    report.actions.push((Action::OrphanStopped, stopped));
     Ok(())
 }
 
@@ -497,6 +507,96 @@ async fn purge(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, P
     .await?;
     tx.commit().await?;
     Ok(purged.len() as u64)
+}
+
+/// Guarantee 5 from the hosts' side: a container a host reports running that no row wants
+/// there — no row at all (purged), a deleted row, a row placed on another host, or a row that
+/// is `stopped`/`failed-start` — gets a command: destroyed, or stopped when the row is the
+/// host's own stopped or failed sandbox (its disk stays). Only once the host's heartbeat is
+/// [`PassConfig::inventory_grace`] newer than the row's last change, and only when no command
+/// for that sandbox on that host is still open. Returns (destroyed, stopped).
+async fn reconcile_inventory(
+    db: &PgPool,
+    config: &PassConfig,
+    lease: &Lease,
+) -> Result<(u64, u64), PassError> {
+    let mut tx = fenced(db, lease).await?;
+    let rows = sqlx::query(
+        "SELECT h.id AS host_id, (i->>'sandbox_id')::uuid AS sandbox_id,
+                (i->>'generation')::int8 AS item_generation,
+                s.id IS NOT NULL AS known, s.state, s.generation, s.org_id, s.template,
+                s.vcpus, s.memory_mib, s.host_id = h.id AS same_host
+           FROM hosts h
+          CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
+           LEFT JOIN sandboxes s ON s.id = (i->>'sandbox_id')::uuid
+          WHERE h.state <> 'lost' AND i->>'status' IN ('running', 'unhealthy')
+            AND (s.id IS NULL OR s.host_id IS DISTINCT FROM h.id
+                 OR s.state IN ('stopped', 'failed-start', 'deleted'))
+            AND (s.id IS NULL OR h.last_seen > s.updated_at + make_interval(secs => $1))
+            AND NOT EXISTS (SELECT 1 FROM commands c
+                             WHERE c.sandbox_id = (i->>'sandbox_id')::uuid
+                               AND c.host_id = h.id AND c.completed_at IS NULL)
+          LIMIT $2",
+    )
+    .bind(secs(config.inventory_grace))
+    .bind(config.batch)
+    .fetch_all(&mut *tx)
+    .await?;
+    let (mut destroyed, mut stopped) = (0, 0);
+    for row in &rows {
+        let host: berth_schemas::HostId = row.try_get("host_id")?;
+        let sandbox: berth_schemas::SandboxId = row.try_get("sandbox_id")?;
+        let known: bool = row.try_get("known")?;
+        let state: Option<String> = row.try_get("state")?;
+        let same_host: Option<bool> = row.try_get("same_host")?;
+        let item_generation: i64 = row
+            .try_get::<Option<i64>, _>("item_generation")?
+            .unwrap_or(0);
+        let row_generation: i64 = row.try_get::<Option<i64>, _>("generation")?.unwrap_or(0);
+        let keep_disk = known
+            && same_host == Some(true)
+            && matches!(state.as_deref(), Some("stopped") | Some("failed-start"));
+        let kind = if keep_disk {
+            CommandKind::Stop
+        } else {
+            CommandKind::Delete
+        };
+        // A purged row leaves no spec; a destroy needs none.
+        let spec = if known {
+            SandboxSpec {
+                org_id: row.try_get("org_id")?,
+                template: row.try_get("template")?,
+                resources: Resources {
+                    vcpus: u32::try_from(row.try_get::<i32, _>("vcpus")?).unwrap_or(0),
+                    memory_mib: u32::try_from(row.try_get::<i32, _>("memory_mib")?).unwrap_or(0),
+                },
+            }
+        } else {
+            SandboxSpec {
+                org_id: OrgId(uuid::Uuid::nil()),
+                template: String::new(),
+                resources: Resources::default(),
+            }
+        };
+        let command = Command {
+            id: CommandId::new(),
+            sandbox_id: sandbox,
+            generation: Generation(item_generation.max(row_generation)),
+            kind,
+            spec,
+        };
+        insert_command_on(&mut tx, host, &command).await?;
+        warn!(sandbox_id = %sandbox, host_id = %host, command = %kind, state = ?state,
+            "container no row wants there; compensating");
+        metrics::counter!("berth_compensations_total", "kind" => kind.as_str()).increment(1);
+        if keep_disk {
+            stopped += 1;
+        } else {
+            destroyed += 1;
+        }
+    }
+    tx.commit().await?;
+    Ok((destroyed, stopped))
 }
 
 /// Guarantee 4 as a metric: `berth_capacity_drift_vcpus` and `berth_capacity_drift_memory_mib`

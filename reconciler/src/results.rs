@@ -82,6 +82,9 @@ pub async fn consume(
                     .record(started.elapsed().as_secs_f64());
                 metrics::counter!("berth_results_total", "kind" => result.kind.as_str(), "applied" => applied.label())
                     .increment(1);
+                if let Applied::Transitioned { .. } = applied {
+                    crate::gauges::observe_command_latency(db, &result).await;
+                }
                 if let Err(error) = msg.ack().await {
                     warn!(%error, "result ack failed; it will be redelivered and ignored");
                 }
@@ -192,6 +195,13 @@ pub async fn apply(db: &PgPool, result: &CommandResult) -> Result<Applied, sqlx:
     .bind(outcome_label)
     .execute(&mut *tx)
     .await?;
+    if matches!(result.kind, CommandKind::Create | CommandKind::Start) {
+        // A boot finished: the relay may publish a start it held back for this host's cap.
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(berth_schemas::db::OUTBOX_CHANNEL)
+            .execute(&mut *tx)
+            .await?;
+    }
 
     let Some(row) = sqlx::query(
         "SELECT org_id, template, state, generation, deleted_at IS NOT NULL AS deleting,

@@ -128,7 +128,17 @@ fn clamp_u32(v: i64) -> u32 {
     u32::try_from(v.max(0)).unwrap_or(u32::MAX)
 }
 
-/// Reserves `need` on `host` if it still fits and the host is `ready`. The `UPDATE` takes the
+/// Which host states accept a reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// A sandbox placed for the first time: only `ready` hosts.
+    NewSandbox,
+    /// A sandbox whose disk lives on the host (a start): `ready`, `draining` or `cordoned`;
+    /// never `lost`.
+    ResidentSandbox,
+}
+
+/// Reserves `need` on `host` if it still fits and the host admits it (see [`Admit`]). The `UPDATE` takes the
 /// host row's lock until the caller's transaction ends and re-checks headroom under it, so two
 /// concurrent reservations can never overcommit. Returns whether the reservation was made.
 pub async fn reserve(
@@ -136,12 +146,17 @@ pub async fn reserve(
     host: HostId,
     need: Resources,
     overcommit: Overcommit,
+    admit: Admit,
 ) -> Result<bool, sqlx::Error> {
+    let states: &[&str] = match admit {
+        Admit::NewSandbox => &["ready"],
+        Admit::ResidentSandbox => &["ready", "draining", "cordoned"],
+    };
     let updated = sqlx::query(
         "UPDATE hosts
             SET reserved_vcpus = reserved_vcpus + $2,
                 reserved_memory_mib = reserved_memory_mib + $3
-          WHERE id = $1 AND state = 'ready'
+          WHERE id = $1 AND state = ANY($6)
             AND reserved_vcpus + $2 <= floor(capacity_vcpus * $4)
             AND reserved_memory_mib + $3 <= floor(capacity_memory_mib * $5)",
     )
@@ -150,6 +165,7 @@ pub async fn reserve(
     .bind(i64::from(need.memory_mib))
     .bind(overcommit.cpu)
     .bind(overcommit.memory)
+    .bind(states)
     .execute(conn)
     .await?;
     Ok(updated.rows_affected() == 1)
@@ -187,7 +203,7 @@ pub async fn place(
 ) -> Result<Option<HostId>, sqlx::Error> {
     let ranked = rank(&candidates(conn, freshness, overcommit).await?, need);
     for host in ranked {
-        if reserve(conn, host, need, overcommit).await? {
+        if reserve(conn, host, need, overcommit, Admit::NewSandbox).await? {
             return Ok(Some(host));
         }
     }

@@ -78,6 +78,14 @@ uuid_id!(
     EventId
 );
 uuid_id!(
+    /// A webhook: an org's HTTP endpoint that receives its events.
+    WebhookId
+);
+uuid_id!(
+    /// One event queued for one webhook (its attempts are logged under it).
+    DeliveryId
+);
+uuid_id!(
     /// An API key row (the key itself is stored only as a SHA-256 hash).
     ApiKeyId
 );

@@ -1,5 +1,6 @@
 //! Berth's contract crate: the types every component agrees on.
 //!
+//! - [`cloudevents`]: the external event format (CloudEvents 1.0, structured JSON).
 //! - [`ids`]: ID newtypes (`SandboxId`, `HostId`, …) and the fencing [`ids::Generation`].
 //! - [`state`]: the lifecycle state machine, pure.
 //! - [`wire`]: NATS messages (postcard in a versioned envelope, pinned by golden bytes).
@@ -8,6 +9,7 @@
 //!
 //! The pure core (everything but `db`) has no tokio and no I/O.
 
+pub mod cloudevents;
 pub mod ids;
 pub mod state;
 pub mod subjects;
@@ -16,7 +18,9 @@ pub mod wire;
 #[cfg(feature = "db")]
 pub mod db;
 
-pub use ids::{ApiKeyId, CommandId, EventId, Generation, HostId, OrgId, SandboxId};
+pub use ids::{
+    ApiKeyId, CommandId, DeliveryId, EventId, Generation, HostId, OrgId, SandboxId, WebhookId,
+};
 pub use state::{CommandKind, Reason, SandboxState};
 pub use subjects::Subjects;
 

@@ -4,6 +4,9 @@
 //! - `{P}_CMD` on `{p}.cmd.>`: commands, work-queue retention (a command is removed once its
 //!   host acks it), deduplicated by `Nats-Msg-Id` = command id within [`DUPLICATE_WINDOW`].
 //! - `{P}_RESULT` on `{p}.result.>`: results, work-queue retention, acked by the reconciler.
+//! - `{P}_EVENTS` on `{p}.events.>`: lifecycle events as CloudEvents JSON, limits retention
+//!   (kept for [`EVENTS_MAX_AGE`] whoever reads them), so any consumer can replay from any
+//!   point; deduplicated by `Nats-Msg-Id` = event id within [`DUPLICATE_WINDOW`].
 
 use std::time::Duration;
 
@@ -15,7 +18,24 @@ use crate::subjects::Subjects;
 /// The relay re-publishes only commands it could not mark published, within seconds.
 pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 
-/// Creates the command and result streams if they do not exist.
+/// How long the event stream keeps an event (limits retention): consumers can replay this far
+/// back. The `events` table stays the durable record; this bounds the stream's disk.
+pub const EVENTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The event stream's definition.
+pub fn events_stream_config(subjects: &Subjects) -> stream::Config {
+    stream::Config {
+        name: subjects.events_stream(),
+        subjects: vec![subjects.events_all()],
+        retention: stream::RetentionPolicy::Limits,
+        storage: stream::StorageType::File,
+        max_age: EVENTS_MAX_AGE,
+        duplicate_window: DUPLICATE_WINDOW,
+        ..Default::default()
+    }
+}
+
+/// Creates the command, result and event streams if they do not exist.
 ///
 /// Errors: the JetStream error when a stream cannot be created or looked up.
 pub async fn ensure_streams(
@@ -36,11 +56,14 @@ pub async fn ensure_streams(
         })
         .await?;
     }
+    js.get_or_create_stream(events_stream_config(subjects))
+        .await?;
     Ok(())
 }
 
-/// Deletes both streams (tests clean up with this).
+/// Deletes every stream of `subjects` (tests clean up with this).
 pub async fn delete_streams(js: &jetstream::Context, subjects: &Subjects) {
     let _ = js.delete_stream(subjects.cmd_stream()).await;
     let _ = js.delete_stream(subjects.result_stream()).await;
+    let _ = js.delete_stream(subjects.events_stream()).await;
 }

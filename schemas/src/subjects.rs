@@ -1,7 +1,7 @@
 //! NATS subject and JetStream stream names, all under a configurable prefix `{p}` (default
 //! `berth`) so tests can isolate themselves on one shared server.
 
-use crate::ids::HostId;
+use crate::ids::{HostId, OrgId, SandboxId, WebhookId};
 
 /// The default subject prefix.
 pub const DEFAULT_PREFIX: &str = "berth";
@@ -70,9 +70,34 @@ impl Subjects {
         format!("{}.hb.*", self.prefix)
     }
 
+    /// `{p}.agent.<host>`: agent request/reply (exec with env/cwd/stdin, files) to one host.
+    pub fn agent(&self, host: HostId) -> String {
+        format!("{}.agent.{host}", self.prefix)
+    }
+
     /// `{p}.exec.<host>`: exec request/reply to one host.
     pub fn exec(&self, host: HostId) -> String {
         format!("{}.exec.{host}", self.prefix)
+    }
+
+    /// `{p}.events.sandbox.<org>.<sandbox>`: one sandbox's lifecycle events (CloudEvents JSON).
+    pub fn sandbox_events(&self, org: OrgId, sandbox: SandboxId) -> String {
+        format!("{}.events.sandbox.{org}.{sandbox}", self.prefix)
+    }
+
+    /// `{p}.events.sandbox.<org>.>`: every sandbox event of one org (a consumer's filter).
+    pub fn org_sandbox_events(&self, org: OrgId) -> String {
+        format!("{}.events.sandbox.{org}.>", self.prefix)
+    }
+
+    /// `{p}.events.webhook.<org>.<webhook>`: events about one webhook (e.g. it was disabled).
+    pub fn webhook_events(&self, org: OrgId, webhook: WebhookId) -> String {
+        format!("{}.events.webhook.{org}.{webhook}", self.prefix)
+    }
+
+    /// `{p}.events.>`: the event stream's subjects.
+    pub fn events_all(&self) -> String {
+        format!("{}.events.>", self.prefix)
     }
 
     /// The JetStream stream holding commands (`{P}_CMD`, dots as `_`).
@@ -83,6 +108,11 @@ impl Subjects {
     /// The JetStream stream holding results (`{P}_RESULT`).
     pub fn result_stream(&self) -> String {
         format!("{}_RESULT", self.stream_stem())
+    }
+
+    /// The JetStream stream holding lifecycle events (`{P}_EVENTS`), replayable from any point.
+    pub fn events_stream(&self) -> String {
+        format!("{}_EVENTS", self.stream_stem())
     }
 
     /// The durable consumer name of one host on the command stream.
@@ -122,6 +152,13 @@ mod tests {
         assert_eq!(s.result_all(), "t1.run-7.result.>");
         assert_eq!(s.heartbeat_all(), "t1.run-7.hb.*");
         assert_eq!(s.cmd_stream(), "T1_RUN-7_CMD");
+        assert_eq!(s.events_stream(), "T1_RUN-7_EVENTS");
+        assert_eq!(
+            s.sandbox_events(OrgId(Uuid::nil()), SandboxId(Uuid::max())),
+            "t1.run-7.events.sandbox.00000000-0000-0000-0000-000000000000.\
+             ffffffff-ffff-ffff-ffff-ffffffffffff"
+        );
+        assert_eq!(s.events_all(), "t1.run-7.events.>");
     }
 
     #[test]

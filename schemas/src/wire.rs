@@ -212,6 +212,124 @@ pub enum ExecReply {
     Failed(ExecError),
 }
 
+/// A request for a sandbox's agent, sent through its host by NATS request/reply on
+/// `{p}.agent.<host_id>` (added after [`ExecRequest`], which stays as it was on
+/// `{p}.exec.<host_id>`). New operations are new [`AgentOp`] variants at the end.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentRequest {
+    pub sandbox_id: SandboxId,
+    pub op: AgentOp,
+}
+
+/// What to ask of the agent. Paths are absolute paths inside the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentOp {
+    /// Run a process (see [`ExecSpec`]); answered with [`AgentReply::Exec`].
+    Exec(ExecSpec),
+    /// Describe a path; answered with [`AgentReply::Stat`].
+    Stat { path: String },
+    /// Read at most `len` bytes of a file from `offset`; answered with [`AgentReply::Data`].
+    Read { path: String, offset: u64, len: u32 },
+    /// Write `data` at `offset`, creating the file (mode 0644) and its parent dirs; with
+    /// `truncate`, the file is first cut to `offset`. Answered with [`AgentReply::Written`].
+    Write {
+        path: String,
+        offset: u64,
+        data: Vec<u8>,
+        truncate: bool,
+    },
+    /// List a directory; answered with [`AgentReply::Listing`].
+    List { path: String },
+    /// Rename `from` to `to` (same filesystem, replacing `to`); answered with
+    /// [`AgentReply::Done`].
+    Rename { from: String, to: String },
+}
+
+/// A process to run in the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecSpec {
+    /// argv; `argv[0]` is looked up on the guest's `PATH`.
+    pub argv: Vec<String>,
+    /// Extra environment, set over the default `PATH` and `HOME`.
+    pub env: Vec<(String, String)>,
+    /// Working directory; `/` when `None`.
+    pub cwd: Option<String>,
+    /// Bytes written to the process's stdin, which is then closed.
+    pub stdin: Vec<u8>,
+    /// Kill the process group after this many milliseconds.
+    pub timeout_ms: u64,
+}
+
+/// What a file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// A path's metadata.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    pub kind: FileKind,
+    /// Bytes.
+    pub size: u64,
+    /// Permission bits (`0o644`).
+    pub mode: u32,
+    /// Last modification, seconds since the Unix epoch.
+    pub modified_unix: i64,
+}
+
+/// One directory entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    pub name: String,
+    pub stat: FileStat,
+}
+
+/// Why an agent request failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentFailure {
+    /// The host has no such sandbox.
+    NotFound,
+    /// The sandbox exists but does not run (or is being stopped).
+    NotRunning,
+    /// The path does not exist in the sandbox.
+    NoSuchPath,
+    /// The request exceeds a size limit (`limit` bytes or entries).
+    TooLarge { limit: u64 },
+    /// Anything else the agent or the host reported (spawn failed, not a directory, …).
+    Agent(String),
+}
+
+/// The reply to an [`AgentRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentReply {
+    /// The process ended (or was killed at its timeout, `timed_out`). `exit_code` is the exit
+    /// status, or 128 + signal number when killed by a signal. `oom_killed`: the sandbox's
+    /// memory cgroup killed a process during the exec (the host counted an OOM kill).
+    Exec {
+        exit_code: i32,
+        stdout: Vec<u8>,
+        stderr: Vec<u8>,
+        timed_out: bool,
+        oom_killed: bool,
+    },
+    Stat(FileStat),
+    /// `eof`: the file ends after `data`.
+    Data {
+        data: Vec<u8>,
+        eof: bool,
+    },
+    Written {
+        bytes: u64,
+    },
+    Listing(Vec<DirEntry>),
+    Done,
+    Failed(AgentFailure),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,6 +454,52 @@ mod tests {
         // i32 is zig-zag encoded: -1 → 1.
         assert_eq!(hex(&encode(&reply)), "010001016100".to_owned() + "01");
         assert_eq!(decode::<ExecReply>(&encode(&reply)).unwrap(), reply);
+    }
+
+    #[test]
+    fn agent_golden_bytes_v1() {
+        let req = AgentRequest {
+            sandbox_id: SandboxId(uuid(2)),
+            op: AgentOp::Exec(ExecSpec {
+                argv: vec!["cat".into()],
+                env: vec![("A".into(), "b".into())],
+                cwd: Some("/".into()),
+                stdin: b"x".to_vec(),
+                timeout_ms: 5,
+            }),
+        };
+        let bytes = encode(&req);
+        assert_eq!(
+            hex(&bytes),
+            format!(
+                "01{U2}000103{cat}0101{a}01{b}01012f017805",
+                cat = hex(b"cat"),
+                a = "41",
+                b = "62"
+            )
+        );
+        assert_eq!(decode::<AgentRequest>(&bytes).unwrap(), req);
+        let read = AgentRequest {
+            sandbox_id: SandboxId(uuid(2)),
+            op: AgentOp::Read {
+                path: "/f".into(),
+                offset: 1,
+                len: 2,
+            },
+        };
+        assert_eq!(hex(&encode(&read)), format!("01{U2}02022f660102"));
+        let reply = AgentReply::Exec {
+            exit_code: 137,
+            stdout: vec![],
+            stderr: vec![],
+            timed_out: false,
+            oom_killed: true,
+        };
+        // 137 zig-zags to 274 = varint 92 02.
+        assert_eq!(hex(&encode(&reply)), "01009202000000".to_owned() + "01");
+        let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
+        assert_eq!(hex(&encode(&failed)), "010603ac02");
+        assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub struct HostProcess {
     pub child: Option<Child>,
     pub host_id: HostId,
     pub address_pool: Ipv4Addr,
+    /// `--vcpus` / `--memory-mib` given to the process, if any.
+    pub capacity: (Option<u32>, Option<u32>),
 }
 
 impl HostProcess {
@@ -114,6 +116,17 @@ impl Stack {
         hosts: usize,
         pass: berth_reconciler::pass::PassConfig,
     ) -> Stack {
+        Self::start_configured(db, hosts, pass, |_| {}).await
+    }
+
+    /// Like [`Stack::start_with`], with `configure` adjusting the API's config (webhook and
+    /// event stream timing) before it starts.
+    pub async fn start_configured(
+        db: PgPool,
+        hosts: usize,
+        pass: berth_reconciler::pass::PassConfig,
+        configure: impl FnOnce(&mut berth_api::ApiConfig),
+    ) -> Stack {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_default_env()
@@ -161,7 +174,11 @@ impl Stack {
             db: db.clone(),
             nats: nats.clone(),
             subjects: subjects.clone(),
-            config: berth_api::ApiConfig::new(addr, subjects.clone()),
+            config: {
+                let mut config = berth_api::ApiConfig::new(addr, subjects.clone());
+                configure(&mut config);
+                config
+            },
             prometheus: berth_api::metrics::handle(),
         };
         {
@@ -193,6 +210,16 @@ impl Stack {
 
     /// Starts one more `berth hostd` and waits for its first heartbeat.
     pub async fn add_host(&mut self) -> usize {
+        self.add_host_with(&[]).await
+    }
+
+    /// Like [`Stack::add_host`], with extra `berth hostd` flags (e.g. `--metrics-addr`).
+    pub async fn add_host_with(&mut self, extra_args: &[String]) -> usize {
+        self.add_host_with((None, None)).await
+    }
+
+    /// Like [`Stack::add_host`], offering `(vcpus, memory_mib)` instead of the machine's size.
+    pub async fn add_host_with(&mut self, capacity: (Option<u32>, Option<u32>)) -> usize {
         let index = self.hosts.len();
         let state_dir = self.root.join(format!("host{index}"));
         std::fs::create_dir_all(&state_dir).unwrap();
@@ -203,23 +230,57 @@ impl Stack {
             child: None,
             host_id: HostId::new(),
             address_pool,
+            capacity,
         };
-        self.spawn_host(&mut host).await;
+        self.spawn_host_with(&mut host, extra_args).await;
         self.hosts.push(host);
         index
     }
 
+    /// Restarts the process of host `index` (after [`HostProcess::stop`]).
+    pub async fn restart_host(&mut self, index: usize) {
+        let mut host = std::mem::replace(
+            &mut self.hosts[index],
+            HostProcess {
+                state_dir: Default::default(),
+                child: None,
+                host_id: HostId::new(),
+                address_pool: Ipv4Addr::UNSPECIFIED,
+                capacity: (None, None),
+            },
+        );
+        self.spawn_host(&mut host).await;
+        self.hosts[index] = host;
+    }
+
     /// (Re)starts the hostd process of `host` and waits until its heartbeat is in `hosts`.
     pub async fn spawn_host(&self, host: &mut HostProcess) {
-        let log = std::fs::File::create(host.state_dir.with_extension("log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_berth"))
-            .arg("hostd")
+        self.spawn_host_with(host, &[]).await
+    }
+
+    /// Like [`Stack::spawn_host`], with extra `berth hostd` flags.
+    pub async fn spawn_host_with(&self, host: &mut HostProcess, extra_args: &[String]) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(host.state_dir.with_extension("log"))
+            .unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
+        command.arg("hostd");
+        if let Some(v) = host.capacity.0 {
+            command.arg("--vcpus").arg(v.to_string());
+        }
+        if let Some(m) = host.capacity.1 {
+            command.arg("--memory-mib").arg(m.to_string());
+        }
+        let child = command
             .arg("--state-dir")
             .arg(&host.state_dir)
             .arg("--address-pool")
             .arg(host.address_pool.to_string())
             .arg("--name")
             .arg(host.state_dir.file_name().unwrap())
+            .args(extra_args)
             .env("NATS_URL", nats_url())
             .env("BERTH_SUBJECT_PREFIX", self.subjects.prefix())
             .env(

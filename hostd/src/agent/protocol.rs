@@ -8,7 +8,18 @@
 //! → {"op":"exec","argv":["echo","hi"],"timeout_ms":1000}
 //! ← {"exit_code":0,"stdout":"aGkK","stderr":"","timed_out":false}
 //! ← {"error":"spawn nosuch: No such file or directory (os error 2)"}   (any request)
+//! → {"op":"exec","argv":["cat"],"timeout_ms":1000,"env":[["A","b"]],"cwd":"/tmp","stdin":"eA=="}
+//! → {"op":"stat","path":"/etc/hostname"}        ← {"stat":{"kind":"file","size":9,…}}
+//! → {"op":"read","path":"/f","offset":0,"len":65536}   ← {"data":"…","eof":true}
+//! → {"op":"write","path":"/f","offset":0,"data":"…","truncate":true}   ← {"written":3}
+//! → {"op":"list","path":"/"}                    ← {"entries":[{"name":"bin","stat":{…}},…]}
+//! → {"op":"rename","from":"/a","to":"/b"}       ← {"ok":true}
+//! ← {"error":"…","code":"not_found"}            (a missing path; `too_large` over a limit)
 //! ```
+//!
+//! Append-only: new operations are new `op`s; new exec fields are optional and omitted when
+//! empty, so a plain exec reads the same to an agent of an older bundle. The agent closes
+//! a connection only after the client did (see `server`).
 
 use serde::{Deserialize, Serialize};
 
@@ -27,14 +38,111 @@ pub const MAX_CAPTURED_OUTPUT: usize = 1024 * 1024;
 /// are clamped to it.
 pub const MAX_EXEC_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
 
+/// The most bytes one `read` returns or one `write` carries (base64 in a line of at most
+/// [`MAX_LINE_BYTES`]).
+pub const MAX_FILE_CHUNK: u64 = 1024 * 1024;
+
+/// The most bytes an exec's stdin may carry.
+pub const MAX_STDIN_BYTES: u64 = 1024 * 1024;
+
+/// The most entries a `list` returns.
+pub const MAX_DIR_ENTRIES: usize = 10_000;
+
+/// `code` of an [`ErrorReply`] for a path that does not exist.
+pub const CODE_NOT_FOUND: &str = "not_found";
+
+/// `code` of an [`ErrorReply`] for a request over a size limit.
+pub const CODE_TOO_LARGE: &str = "too_large";
+
 /// A request to the agent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// Liveness check.
     Ping,
-    /// Run `argv` (looked up on `PATH`), killing its process group after `timeout_ms`.
-    Exec { argv: Vec<String>, timeout_ms: u64 },
+    /// Run `argv` (looked up on `PATH`), killing its process group after `timeout_ms`, with
+    /// extra environment `env`, working directory `cwd` (default `/`) and `stdin` (default
+    /// empty).
+    Exec {
+        argv: Vec<String>,
+        timeout_ms: u64,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        env: Vec<(String, String)>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cwd: Option<String>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty", with = "base64_bytes")]
+        stdin: Vec<u8>,
+    },
+    /// Describe `path` (not following a final symlink).
+    Stat { path: String },
+    /// Read at most `len` (≤ [`MAX_FILE_CHUNK`]) bytes from `offset`.
+    Read { path: String, offset: u64, len: u64 },
+    /// Write `data` at `offset` (creating the file and its parent dirs; `truncate` cuts the
+    /// file to `offset` first).
+    Write {
+        path: String,
+        offset: u64,
+        #[serde(with = "base64_bytes")]
+        data: Vec<u8>,
+        truncate: bool,
+    },
+    /// List a directory (at most [`MAX_DIR_ENTRIES`] entries).
+    List { path: String },
+    /// Rename `from` to `to`.
+    Rename { from: String, to: String },
+}
+
+/// What a path is, as the agent reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// A path's metadata.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stat {
+    pub kind: Kind,
+    pub size: u64,
+    pub mode: u32,
+    /// Seconds since the Unix epoch.
+    pub modified: i64,
+}
+
+/// The answer to [`Request::Stat`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatReply {
+    pub stat: Stat,
+}
+
+/// The answer to [`Request::Read`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataReply {
+    #[serde(with = "base64_bytes")]
+    pub data: Vec<u8>,
+    pub eof: bool,
+}
+
+/// The answer to [`Request::Write`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WrittenReply {
+    pub written: u64,
+}
+
+/// One entry of a [`ListReply`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    pub name: String,
+    pub stat: Stat,
+}
+
+/// The answer to [`Request::List`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListReply {
+    pub entries: Vec<Entry>,
 }
 
 /// The answer to [`Request::Ping`].
@@ -60,6 +168,19 @@ pub struct ExecOutput {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorReply {
     pub error: String,
+    /// [`CODE_NOT_FOUND`], [`CODE_TOO_LARGE`], or absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+}
+
+impl ErrorReply {
+    /// An error without a code.
+    pub fn new(error: impl Into<String>) -> Self {
+        Self {
+            error: error.into(),
+            code: None,
+        }
+    }
 }
 
 /// Any answer. Untagged: the variants have disjoint required fields.
@@ -69,6 +190,10 @@ pub enum Response {
     Exec(ExecOutput),
     Ping(PingReply),
     Error(ErrorReply),
+    Stat(StatReply),
+    Data(DataReply),
+    Written(WrittenReply),
+    List(ListReply),
 }
 
 mod base64_bytes {
@@ -102,8 +227,16 @@ mod tests {
             exec,
             Request::Exec {
                 argv: vec!["echo".into(), "hi".into()],
-                timeout_ms: 5
+                timeout_ms: 5,
+                env: vec![],
+                cwd: None,
+                stdin: vec![],
             }
+        );
+        // A plain exec serializes as before the optional fields existed.
+        assert_eq!(
+            serde_json::to_string(&exec).unwrap(),
+            r#"{"op":"exec","argv":["echo","hi"],"timeout_ms":5}"#
         );
     }
 
@@ -121,7 +254,15 @@ mod tests {
             r#"{"exit_code":0,"stdout":"aGkK","stderr":"","timed_out":false}"#
         );
         assert_eq!(serde_json::from_str::<Response>(&line).unwrap(), out);
-        for other in [r#"{"ok":true}"#, r#"{"error":"x"}"#] {
+        for other in [
+            r#"{"ok":true}"#,
+            r#"{"error":"x"}"#,
+            r#"{"error":"x","code":"not_found"}"#,
+            r#"{"data":"aGkK","eof":true}"#,
+            r#"{"written":3}"#,
+            r#"{"entries":[{"name":"a","stat":{"kind":"dir","size":0,"mode":493,"modified":1}}]}"#,
+            r#"{"stat":{"kind":"file","size":1,"mode":420,"modified":2}}"#,
+        ] {
             let parsed: Response = serde_json::from_str(other).unwrap();
             assert_eq!(serde_json::to_string(&parsed).unwrap(), other);
         }

@@ -1,0 +1,85 @@
+//! Org quotas, checked inside the placement transaction: running (capacity-holding)
+//! sandboxes, their vCPUs and their memory. Sandboxes being deleted do not count.
+//!
+//! # Guarantees
+//! Concurrent creates of one org cannot overshoot: the check locks the org's row
+//! (`FOR UPDATE`) until the caller's transaction ends, so they serialize per org.
+
+use berth_schemas::wire::Resources;
+use berth_schemas::OrgId;
+use sqlx::{PgConnection, Row};
+
+use crate::error::ApiError;
+
+/// Checks that the org can hold `adding` more, locking its row for the rest of the caller's
+/// transaction.
+///
+/// Errors: [`ApiError::QuotaExceeded`] naming the limit (`max_running`, `max_vcpus`,
+/// `max_memory_mib`).
+pub async fn check(conn: &mut PgConnection, org: OrgId, adding: Resources) -> Result<(), ApiError> {
+    let limits = sqlx::query(
+        "SELECT max_running, max_vcpus, max_memory_mib FROM orgs WHERE id = $1 FOR UPDATE",
+    )
+    .bind(org)
+    .fetch_one(&mut *conn)
+    .await?;
+    let max_running: Option<i32> = limits.try_get("max_running")?;
+    let max_vcpus: Option<i32> = limits.try_get("max_vcpus")?;
+    let max_memory: Option<i64> = limits.try_get("max_memory_mib")?;
+    if max_running.is_none() && max_vcpus.is_none() && max_memory.is_none() {
+        return Ok(());
+    }
+    let used = sqlx::query(
+        "SELECT count(*) AS running, COALESCE(sum(vcpus), 0)::int8 AS vcpus,
+                COALESCE(sum(memory_mib), 0)::int8 AS memory
+           FROM sandboxes WHERE org_id = $1 AND holds_capacity AND deleted_at IS NULL",
+    )
+    .bind(org)
+    .fetch_one(&mut *conn)
+    .await?;
+    let checks = [
+        (
+            "max_running",
+            max_running.map(i64::from),
+            used.try_get::<i64, _>("running")? + 1,
+        ),
+        (
+            "max_vcpus",
+            max_vcpus.map(i64::from),
+            used.try_get::<i64, _>("vcpus")? + i64::from(adding.vcpus),
+        ),
+        (
+            "max_memory_mib",
+            max_memory,
+            used.try_get::<i64, _>("memory")? + i64::from(adding.memory_mib),
+        ),
+    ];
+    for (limit, max, wanted) in checks {
+        if let Some(max) = max {
+            if wanted > max {
+                return Err(ApiError::QuotaExceeded { limit, value: max });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sets an org's quotas (`None` = unlimited). Returns whether the org exists.
+pub async fn set(
+    db: &sqlx::PgPool,
+    org_name: &str,
+    max_running: Option<i32>,
+    max_vcpus: Option<i32>,
+    max_memory_mib: Option<i64>,
+) -> Result<bool, sqlx::Error> {
+    let updated = sqlx::query(
+        "UPDATE orgs SET max_running = $2, max_vcpus = $3, max_memory_mib = $4 WHERE name = $1",
+    )
+    .bind(org_name)
+    .bind(max_running)
+    .bind(max_vcpus)
+    .bind(max_memory_mib)
+    .execute(db)
+    .await?;
+    Ok(updated.rows_affected() == 1)
+}

@@ -1,0 +1,587 @@
+//! Webhook routes: register an endpoint for an org's events, list and delete endpoints, and
+//! read a webhook's delivery log. Delivery itself is [`crate::webhook_delivery`]; signing is
+//! [`crate::webhook_signature`].
+//!
+//! A new webhook receives events published after it was created (its cursor starts at the
+//! latest published event). Every query is scoped by the caller's org: another org's webhook
+//! is `404` (guarantee 7).
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine;
+use berth_schemas::cloudevents::normalize_type;
+use berth_schemas::{DeliveryId, EventId, WebhookId};
+use chrono::{DateTime, Utc};
+use rand::RngCore;
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
+use utoipa::ToSchema;
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::idempotency::Idempotency;
+use crate::sandboxes::json_error;
+use crate::AppState;
+
+/// The longest webhook URL, in bytes.
+pub const MAX_URL_LEN: usize = 2048;
+/// The shortest secret a client may choose, in bytes.
+pub const MIN_SECRET_LEN: usize = 16;
+/// The longest secret, in bytes.
+pub const MAX_SECRET_LEN: usize = 256;
+/// A webhook subscribes to at most this many event types.
+pub const MAX_EVENT_TYPES: usize = 32;
+/// An org has at most this many webhooks.
+pub const MAX_WEBHOOKS_PER_ORG: i64 = 32;
+/// Prefix of generated secrets.
+pub const SECRET_PREFIX: &str = "whsec_";
+/// Default and largest page of `GET /v1/webhooks/{id}/deliveries`.
+pub const DEFAULT_DELIVERY_PAGE: i64 = 50;
+pub const MAX_DELIVERY_PAGE: i64 = 500;
+
+/// `POST /v1/webhooks` body. Unknown fields are refused.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateWebhook {
+    /// `http://` or `https://` URL, at most 2048 bytes, without user info. Deliveries are
+    /// `POST`ed to it.
+    pub url: String,
+    /// HMAC-SHA256 key for `Berth-Signature`, 16 to 256 bytes. Omitted: one is generated and
+    /// returned once, in this response.
+    pub secret: Option<String>,
+    /// CloudEvent types to receive (`dev.berth.sandbox.running`, or the short
+    /// `sandbox.running`); omitted or empty: every type.
+    pub event_types: Option<Vec<String>>,
+}
+
+/// A webhook.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Webhook {
+    #[schema(value_type = String, format = Uuid)]
+    pub id: WebhookId,
+    pub url: String,
+    /// Empty: every type.
+    pub event_types: Vec<String>,
+    pub created_at: DateTime<Utc>,
+    /// Set when the webhook was disabled after a run of failed deliveries.
+    pub disabled_at: Option<DateTime<Utc>>,
+    pub disabled_reason: Option<String>,
+    /// Failed attempts since the last successful one.
+    pub consecutive_failures: i32,
+    /// The signing secret: only in the response to the create.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+const WEBHOOK_COLUMNS: &str =
+    "id, url, event_types, created_at, disabled_at, disabled_reason, consecutive_failures";
+
+impl Webhook {
+    fn from_row(row: &PgRow) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            id: row.try_get("id")?,
+            url: row.try_get("url")?,
+            event_types: row.try_get("event_types")?,
+            created_at: row.try_get("created_at")?,
+            disabled_at: row.try_get("disabled_at")?,
+            disabled_reason: row.try_get("disabled_reason")?,
+            consecutive_failures: row.try_get("consecutive_failures")?,
+            secret: None,
+        })
+    }
+}
+
+/// One event sent (or being sent) to one webhook, with its attempts.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Delivery {
+    #[schema(value_type = String, format = Uuid)]
+    pub id: DeliveryId,
+    #[schema(value_type = String, format = Uuid)]
+    pub event_id: EventId,
+    pub event_type: String,
+    /// `pending`, `succeeded`, or `abandoned` (the webhook was disabled or deleted first).
+    pub state: String,
+    /// When the next attempt is due (pending only).
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub completed_at: Option<DateTime<Utc>>,
+    /// Every attempt, first first.
+    pub attempts: Vec<Attempt>,
+}
+
+/// One HTTP attempt of a delivery.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Attempt {
+    /// 1 for the first.
+    pub attempt: i32,
+    pub at: DateTime<Utc>,
+    /// The receiver's status, when it answered.
+    pub status_code: Option<i32>,
+    /// Why it failed; `null` on success.
+    pub error: Option<String>,
+    pub duration_ms: i32,
+}
+
+/// A validated create.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidWebhook {
+    pub url: String,
+    /// `None`: generate one.
+    pub secret: Option<String>,
+    pub event_types: Vec<String>,
+}
+
+impl CreateWebhook {
+    /// Checks the URL (scheme, length, no user info), the secret's length and the types.
+    ///
+    /// Errors: [`ApiError::InvalidRequest`] naming the field.
+    pub fn validate(self) -> Result<ValidWebhook, ApiError> {
+        if self.url.len() > MAX_URL_LEN {
+            return Err(ApiError::invalid(
+                "url",
+                format!("url is at most {MAX_URL_LEN} bytes"),
+            ));
+        }
+        let url = reqwest::Url::parse(&self.url)
+            .map_err(|e| ApiError::invalid("url", format!("url is not a URL: {e}")))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(ApiError::invalid("url", "url must be http:// or https://"));
+        }
+        if url.host_str().is_none_or(str::is_empty) {
+            return Err(ApiError::invalid("url", "url needs a host"));
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(ApiError::invalid(
+                "url",
+                "url must not carry credentials; authenticate deliveries by their signature",
+            ));
+        }
+        if let Some(secret) = &self.secret {
+            if !(MIN_SECRET_LEN..=MAX_SECRET_LEN).contains(&secret.len()) {
+                return Err(ApiError::invalid(
+                    "secret",
+                    format!("secret must be {MIN_SECRET_LEN} to {MAX_SECRET_LEN} bytes"),
+                ));
+            }
+        }
+        let raw_types = self.event_types.unwrap_or_default();
+        if raw_types.len() > MAX_EVENT_TYPES {
+            return Err(ApiError::invalid(
+                "event_types",
+                format!("at most {MAX_EVENT_TYPES} event types"),
+            ));
+        }
+        let mut event_types = Vec::with_capacity(raw_types.len());
+        for t in &raw_types {
+            let full = normalize_type(t).ok_or_else(|| {
+                ApiError::invalid("event_types", format!("unknown event type {t:?}"))
+            })?;
+            if !event_types.contains(&full) {
+                event_types.push(full);
+            }
+        }
+        Ok(ValidWebhook {
+            url: url.to_string(),
+            secret: self.secret,
+            event_types,
+        })
+    }
+}
+
+/// A new random secret: `whsec_` and 43 URL-safe base64 characters (32 random bytes).
+pub fn generate_secret() -> String {
+    let mut bytes = [0u8; 32];
+    rand::rng().fill_bytes(&mut bytes);
+    format!(
+        "{SECRET_PREFIX}{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+    )
+}
+
+fn parse_id(raw: &str) -> Result<WebhookId, ApiError> {
+    raw.parse()
+        .map_err(|_| ApiError::NotFound(format!("webhook {raw}")))
+}
+
+/// `POST /v1/webhooks`
+#[utoipa::path(post, path = "/v1/webhooks", request_body = CreateWebhook,
+    responses(
+        (status = 201, description = "Created; the response carries the secret, shown only now", body = Webhook),
+        (status = 400, description = "`invalid_request`: a bad `url`, `secret` or `event_types` (the field is named), or the org has its maximum of webhooks"),
+        (status = 401, description = "`unauthorized`"),
+    ), security(("bearer" = [])))]
+pub async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let idem = Idempotency::from_headers(&headers, "POST", "/v1/webhooks", &body)?;
+    let Json(create) = Json::<CreateWebhook>::from_bytes(&body).map_err(json_error)?;
+    let valid = create.validate()?;
+    let mut tx = app.db.begin().await?;
+    if let Some(idem) = &idem {
+        if let Some(stored) = idem.replay(&mut tx, caller.org_id).await? {
+            return Ok(stored);
+        }
+    }
+    // Serialize creates of one org so the per-org limit holds.
+    sqlx::query("SELECT 1 FROM orgs WHERE id = $1 FOR UPDATE")
+        .bind(caller.org_id)
+        .execute(&mut *tx)
+        .await?;
+    let existing: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM webhooks WHERE org_id = $1 AND deleted_at IS NULL",
+    )
+    .bind(caller.org_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    if existing >= MAX_WEBHOOKS_PER_ORG {
+        return Err(ApiError::invalid(
+            "url",
+            format!("an org has at most {MAX_WEBHOOKS_PER_ORG} webhooks; delete one first"),
+        ));
+    }
+    let cursor = crate::events::latest_seq(&mut tx).await?;
+    let secret = valid.secret.unwrap_or_else(generate_secret);
+    let row = sqlx::query(&format!(
+        "INSERT INTO webhooks (id, org_id, url, secret, event_types, cursor_seq)
+         VALUES ($1, $2, $3, $4, $5, $6)
+         RETURNING {WEBHOOK_COLUMNS}"
+    ))
+    .bind(WebhookId::new())
+    .bind(caller.org_id)
+    .bind(&valid.url)
+    .bind(&secret)
+    .bind(&valid.event_types)
+    .bind(cursor)
+    .fetch_one(&mut *tx)
+    .await?;
+    let mut webhook = Webhook::from_row(&row)?;
+    webhook.secret = Some(secret);
+    let body = serde_json::to_value(&webhook).map_err(|e| ApiError::Internal(e.to_string()))?;
+    if let Some(idem) = &idem {
+        if !idem
+            .store(&mut tx, caller.org_id, StatusCode::CREATED, &body)
+            .await?
+        {
+            // Another request with this key committed first: answer what it answered.
+            tx.rollback().await?;
+            let mut conn = app.db.acquire().await?;
+            return match idem.replay(&mut conn, caller.org_id).await? {
+                Some(stored) => Ok(stored),
+                None => Err(ApiError::Internal("idempotency row vanished".into())),
+            };
+        }
+    }
+    tx.commit().await?;
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+/// `GET /v1/webhooks`: the org's webhooks, oldest first (secrets are never returned).
+#[utoipa::path(get, path = "/v1/webhooks", responses((status = 200, body = [Webhook])),
+    security(("bearer" = [])))]
+pub async fn list(
+    State(app): State<AppState>,
+    caller: Caller,
+) -> Result<Json<Vec<Webhook>>, ApiError> {
+    let rows = sqlx::query(&format!(
+        "SELECT {WEBHOOK_COLUMNS} FROM webhooks
+          WHERE org_id = $1 AND deleted_at IS NULL ORDER BY id"
+    ))
+    .bind(caller.org_id)
+    .fetch_all(&app.db)
+    .await?;
+    Ok(Json(
+        rows.iter()
+            .map(Webhook::from_row)
+            .collect::<Result<_, _>>()?,
+    ))
+}
+
+async fn fetch(
+    conn: &mut PgConnection,
+    caller: &Caller,
+    id: WebhookId,
+) -> Result<Webhook, ApiError> {
+    let row = sqlx::query(&format!(
+        "SELECT {WEBHOOK_COLUMNS} FROM webhooks
+          WHERE id = $1 AND org_id = $2 AND deleted_at IS NULL"
+    ))
+    .bind(id)
+    .bind(caller.org_id)
+    .fetch_optional(conn)
+    .await?
+    .ok_or_else(|| ApiError::NotFound(format!("webhook {id}")))?;
+    Ok(Webhook::from_row(&row)?)
+}
+
+/// `GET /v1/webhooks/{id}`
+#[utoipa::path(get, path = "/v1/webhooks/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = Webhook), (status = 404, description = "`not_found`")),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<Webhook>, ApiError> {
+    let mut conn = app.db.acquire().await?;
+    Ok(Json(fetch(&mut conn, &caller, parse_id(&id)?).await?))
+}
+
+/// `DELETE /v1/webhooks/{id}`: stops deliveries; pending ones are abandoned.
+#[utoipa::path(delete, path = "/v1/webhooks/{id}", params(("id" = String, Path)),
+    responses((status = 204, description = "Deleted"), (status = 404, description = "`not_found`")),
+    security(("bearer" = [])))]
+pub async fn delete(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_id(&id)?;
+    let mut tx = app.db.begin().await?;
+    let deleted = sqlx::query(
+        "UPDATE webhooks SET deleted_at = now()
+          WHERE id = $1 AND org_id = $2 AND deleted_at IS NULL",
+    )
+    .bind(id)
+    .bind(caller.org_id)
+    .execute(&mut *tx)
+    .await?;
+    if deleted.rows_affected() == 0 {
+        return Err(ApiError::NotFound(format!("webhook {id}")));
+    }
+    sqlx::query(
+        "UPDATE webhook_deliveries SET state = 'abandoned', completed_at = now()
+          WHERE webhook_id = $1 AND state = 'pending'",
+    )
+    .bind(id)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Query of the delivery log.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct DeliveriesQuery {
+    /// 1 to 500; default 50.
+    pub limit: Option<i64>,
+}
+
+/// `GET /v1/webhooks/{id}/deliveries`: the delivery log, newest event first, each delivery
+/// with its attempts.
+#[utoipa::path(get, path = "/v1/webhooks/{id}/deliveries",
+    params(("id" = String, Path), DeliveriesQuery),
+    responses((status = 200, body = [Delivery]), (status = 404, description = "`not_found`")),
+    security(("bearer" = [])))]
+pub async fn deliveries(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(query): Query<DeliveriesQuery>,
+) -> Result<Json<Vec<Delivery>>, ApiError> {
+    let limit = query.limit.unwrap_or(DEFAULT_DELIVERY_PAGE);
+    if !(1..=MAX_DELIVERY_PAGE).contains(&limit) {
+        return Err(ApiError::invalid(
+            "limit",
+            format!("limit must be between 1 and {MAX_DELIVERY_PAGE}"),
+        ));
+    }
+    let mut conn = app.db.acquire().await?;
+    let webhook = fetch(&mut conn, &caller, parse_id(&id)?).await?;
+    let rows = sqlx::query(
+        "SELECT id, event_id, event_type, state, next_attempt_at, created_at, completed_at
+           FROM webhook_deliveries WHERE webhook_id = $1
+          ORDER BY event_seq DESC LIMIT $2",
+    )
+    .bind(webhook.id)
+    .bind(limit)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut out = rows
+        .iter()
+        .map(|r| {
+            let state: String = r.try_get("state")?;
+            Ok(Delivery {
+                id: r.try_get("id")?,
+                event_id: r.try_get("event_id")?,
+                event_type: r.try_get("event_type")?,
+                next_attempt_at: if state == "pending" {
+                    r.try_get("next_attempt_at")?
+                } else {
+                    None
+                },
+                state,
+                created_at: r.try_get("created_at")?,
+                completed_at: r.try_get("completed_at")?,
+                attempts: Vec::new(),
+            })
+        })
+        .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    let ids: Vec<uuid::Uuid> = out.iter().map(|d| d.id.as_uuid()).collect();
+    let attempts = sqlx::query(
+        "SELECT delivery_id, attempt, at, status_code, error, duration_ms
+           FROM webhook_attempts WHERE delivery_id = ANY($1)
+          ORDER BY delivery_id, attempt",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?;
+    for a in &attempts {
+        let delivery: DeliveryId = a.try_get("delivery_id")?;
+        if let Some(d) = out.iter_mut().find(|d| d.id == delivery) {
+            d.attempts.push(Attempt {
+                attempt: a.try_get("attempt")?,
+                at: a.try_get("at")?,
+                status_code: a.try_get("status_code")?,
+                error: a.try_get("error")?,
+                duration_ms: a.try_get("duration_ms")?,
+            });
+        }
+    }
+    Ok(Json(out))
+}
+
+/// What the OpenAPI description says about webhooks and the event stream.
+pub const DOC: &str = r#"
+## Events
+
+Every state change of a sandbox is an event, published as a CloudEvents 1.0 JSON document
+(structured mode): `id` (the event id: the same everywhere, deduplicate by it), `source`
+(`/berth/orgs/<org_id>`), `type` (`dev.berth.sandbox.<state>`), `subject`
+(`sandboxes/<sandbox_id>`), `time`, and `data` `{sandbox_id, org_id, from, to, reason,
+generation, command_id, message}`. Three ways to receive them:
+
+- `GET /v1/events`: Server-Sent Events, the backlog then live; each message has `id:` = the
+  event id and `data:` = the CloudEvent. Reconnect with `Last-Event-ID` to resume after the
+  last event seen, with no gap and no repeat. Filters: `sandbox_id`, `type` (comma-separated).
+- NATS JetStream: stream `{P}_EVENTS`, subjects `{p}.events.sandbox.<org_id>.<sandbox_id>`,
+  replayable from any point, `Nats-Msg-Id` = event id.
+- Webhooks (below).
+
+## Webhooks
+
+`POST /v1/webhooks` `{url, secret, event_types}` registers an endpoint. Each event is `POST`ed
+to it as `application/cloudevents+json`, at least once, in order, one at a time, with headers:
+
+| header | value |
+|---|---|
+| `Berth-Signature` | `t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>.<raw body>")>` |
+| `Berth-Event-Id` | the CloudEvent `id`: deduplicate by it |
+| `Berth-Delivery-Id` | the delivery (the same on every attempt) |
+| `Berth-Delivery-Attempt` | 1, 2, … |
+
+Verify: recompute the HMAC over the timestamp, a `.`, and the raw body bytes; compare in
+constant time; refuse timestamps older than five minutes. Answer 2xx to acknowledge; anything
+else (or no answer within the attempt timeout, 10 s by default; redirects are not followed) is retried with exponential
+backoff (by default 5 s doubling to 1 h, with jitter). After a run of failed attempts (20 by
+default) the webhook is
+disabled (`disabled_at`, `disabled_reason`), its pending deliveries are abandoned, and a
+`dev.berth.webhook.disabled` CloudEvent is published on `{p}.events.webhook.<org_id>.<id>`.
+`GET /v1/webhooks/{id}/deliveries` shows every delivery with each attempt.
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn create(url: &str) -> CreateWebhook {
+        CreateWebhook {
+            url: url.to_owned(),
+            secret: None,
+            event_types: None,
+        }
+    }
+
+    fn field_of(e: ApiError) -> Option<String> {
+        match e {
+            ApiError::InvalidRequest { field, .. } => field,
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn http_and_https_urls_are_accepted() {
+        for url in ["http://127.0.0.1:9000/hook", "https://example.com/a?b=c"] {
+            assert!(create(url).validate().is_ok(), "{url}");
+        }
+    }
+
+    #[test]
+    fn other_schemes_long_urls_and_credentials_are_refused() {
+        let long = format!("https://example.com/{}", "a".repeat(MAX_URL_LEN));
+        for url in [
+            "ftp://example.com/x",
+            "file:///etc/passwd",
+            "not a url",
+            "https://user:pw@example.com/",
+            long.as_str(),
+        ] {
+            assert_eq!(
+                field_of(create(url).validate().unwrap_err()).as_deref(),
+                Some("url"),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
+    fn secrets_and_types_are_checked_and_types_normalized() {
+        let mut c = create("http://127.0.0.1/");
+        c.secret = Some("short".into());
+        assert_eq!(
+            field_of(c.validate().unwrap_err()).as_deref(),
+            Some("secret")
+        );
+        let mut c = create("http://127.0.0.1/");
+        c.event_types = Some(vec!["sandbox.running".into(), "bogus".into()]);
+        assert_eq!(
+            field_of(c.validate().unwrap_err()).as_deref(),
+            Some("event_types")
+        );
+        let mut c = create("http://127.0.0.1/");
+        c.event_types = Some(vec![
+            "sandbox.running".into(),
+            "dev.berth.sandbox.running".into(),
+        ]);
+        assert_eq!(
+            c.validate().unwrap().event_types,
+            ["dev.berth.sandbox.running"]
+        );
+    }
+
+    #[test]
+    fn the_openapi_document_lists_the_routes_and_names_the_signature_headers() {
+        let doc = crate::openapi::document();
+        for path in [
+            "/v1/events",
+            "/v1/webhooks",
+            "/v1/webhooks/{id}",
+            "/v1/webhooks/{id}/deliveries",
+        ] {
+            assert!(doc.paths.paths.contains_key(path), "{path}");
+        }
+        let description = doc.info.description.unwrap();
+        for header in [
+            crate::webhook_signature::SIGNATURE_HEADER,
+            crate::webhook_signature::EVENT_ID_HEADER,
+            crate::webhook_signature::DELIVERY_ID_HEADER,
+            crate::webhook_signature::ATTEMPT_HEADER,
+        ] {
+            assert!(description.contains(header), "{header}");
+        }
+    }
+
+    #[test]
+    fn generated_secrets_are_long_random_and_prefixed() {
+        let (a, b) = (generate_secret(), generate_secret());
+        assert!(a.starts_with(SECRET_PREFIX) && a.len() == SECRET_PREFIX.len() + 43);
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,124 @@
+//! Fleet gauges and command latency, for Prometheus. Labels are bounded: sandbox and host
+//! states, command kinds, outcomes, and host ids (hosts are few and long-lived); never
+//! sandbox ids.
+//!
+//! - `berth_sandboxes{state}`: sandbox rows by state (every written state, zeros included).
+//! - `berth_orgs`: orgs.
+//! - `berth_hosts{state}`: hosts by state (`ready`, `draining`, `cordoned`, `lost`).
+//! - `berth_host_heartbeat_age_seconds{host}`: seconds since each host's last heartbeat, on
+//!   the database clock.
+//! - `berth_command_latency_seconds{kind,outcome}`: from a command's commit in the outbox to
+//!   the apply of its result (create→running, stop→stopped, start→running,
+//!   delete→deleted), observed once per command, when its result moves the row.
+//!
+//! Every reconciler replica computes the fleet gauges (cheap counts every
+//! [`DEFAULT_INTERVAL`]); they read the same rows, so dashboards take `max` across replicas.
+
+use std::time::Duration;
+
+use berth_schemas::wire::{CommandResult, ResultOutcome};
+use berth_schemas::SandboxState;
+use sqlx::{PgPool, Row};
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+/// How often the fleet gauges are recomputed.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(15);
+/// Every host state (the `hosts.state` CHECK constraint).
+pub const HOST_STATES: [&str; 4] = ["ready", "draining", "cordoned", "lost"];
+
+/// Recomputes the fleet gauges every `interval` until `shutdown` fires.
+pub async fn run(db: PgPool, interval: Duration, shutdown: CancellationToken) {
+    describe_metrics();
+    loop {
+        if let Err(error) = record_fleet(&db).await {
+            debug!(%error, "fleet gauges not updated");
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
+fn describe_metrics() {
+    metrics::describe_gauge!("berth_sandboxes", "Sandbox rows by state.");
+    metrics::describe_gauge!("berth_orgs", "Orgs.");
+    metrics::describe_gauge!("berth_hosts", "Hosts by state.");
+    metrics::describe_gauge!(
+        "berth_host_heartbeat_age_seconds",
+        metrics::Unit::Seconds,
+        "Seconds since each host's last heartbeat (database clock)."
+    );
+    metrics::describe_histogram!(
+        "berth_command_latency_seconds",
+        metrics::Unit::Seconds,
+        "From a command's commit to the apply of its result, by kind and outcome."
+    );
+}
+
+/// Sets `berth_sandboxes`, `berth_orgs`, `berth_hosts` and `berth_host_heartbeat_age_seconds`
+/// from the current rows.
+pub async fn record_fleet(db: &PgPool) -> Result<(), sqlx::Error> {
+    let by_state: Vec<(String, i64)> =
+        sqlx::query_as("SELECT state, count(*) FROM sandboxes GROUP BY state")
+            .fetch_all(db)
+            .await?;
+    for state in SandboxState::ALL.into_iter().filter(|s| s.is_written()) {
+        let n = by_state
+            .iter()
+            .find(|(s, _)| s == state.as_str())
+            .map_or(0, |(_, n)| *n);
+        metrics::gauge!("berth_sandboxes", "state" => state.as_str()).set(n as f64);
+    }
+    let orgs: i64 = sqlx::query_scalar("SELECT count(*) FROM orgs")
+        .fetch_one(db)
+        .await?;
+    metrics::gauge!("berth_orgs").set(orgs as f64);
+    let hosts = sqlx::query(
+        "SELECT id::text AS id, state,
+                GREATEST(EXTRACT(EPOCH FROM now() - last_seen), 0)::float8 AS age
+           FROM hosts",
+    )
+    .fetch_all(db)
+    .await?;
+    for state in HOST_STATES {
+        let n = hosts
+            .iter()
+            .filter(|h| h.get::<String, _>("state") == state)
+            .count();
+        metrics::gauge!("berth_hosts", "state" => state).set(n as f64);
+    }
+    for host in &hosts {
+        metrics::gauge!("berth_host_heartbeat_age_seconds", "host" => host.get::<String, _>("id"))
+            .set(host.get::<f64, _>("age"));
+    }
+    Ok(())
+}
+
+/// Observes `berth_command_latency_seconds{kind,outcome}` for the command `result` answers:
+/// its outbox commit to its completion (set by the result's apply). Call once, after the
+/// result moved the row.
+pub async fn observe_command_latency(db: &PgPool, result: &CommandResult) {
+    let outcome = match result.outcome {
+        ResultOutcome::Succeeded { .. } => "succeeded",
+        ResultOutcome::Failed { .. } => "failed",
+        ResultOutcome::RefusedStale { .. } => return,
+    };
+    let latency: Result<Option<f64>, _> = sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM completed_at - created_at)::float8
+           FROM commands WHERE id = $1 AND completed_at IS NOT NULL",
+    )
+    .bind(result.command_id)
+    .fetch_optional(db)
+    .await;
+    match latency {
+        Ok(Some(seconds)) => {
+            metrics::histogram!("berth_command_latency_seconds",
+                "kind" => result.kind.as_str(), "outcome" => outcome)
+            .record(seconds.max(0.0));
+        }
+        Ok(None) => {}
+        Err(error) => debug!(%error, command_id = %result.command_id, "command latency not read"),
+    }
+}

@@ -1,0 +1,418 @@
+//! `berth bench`: lifecycle latency and throughput of a running stack, measured against floors
+//! taken in the same run (a raw `runc run`, a raw Postgres commit, a raw JetStream publish with
+//! ack), printed as one markdown table.
+//!
+//! Latencies are observed from the client: a request is sent, then the sandbox is polled every
+//! [`POLL_INTERVAL`] until it reaches the target state, so each figure carries up to one poll
+//! interval of observation error.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde_json::{json, Value};
+
+/// How often a sandbox is polled while waiting for a state.
+const POLL_INTERVAL: Duration = Duration::from_millis(2);
+/// How long one transition may take before the bench gives up.
+const TRANSITION_TIMEOUT: Duration = Duration::from_secs(120);
+/// Raw floor samples per kind.
+const FLOOR_SAMPLES: usize = 20;
+/// Postgres and JetStream floor samples (cheap, so more).
+const CHEAP_FLOOR_SAMPLES: usize = 200;
+
+/// Flags of `berth bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The state dir of a `berth dev` stack (for its `api-key` and `stack.env`).
+    #[arg(long, env = "BERTH_STATE_DIR", default_value = ".berth")]
+    state_dir: PathBuf,
+    /// API base URL; default from `<state dir>/stack.env`.
+    #[arg(long, env = "BERTH_API")]
+    api: Option<String>,
+    /// API key; default from `<state dir>/api-key`.
+    #[arg(long, env = "BERTH_API_KEY")]
+    key: Option<String>,
+    /// Sandboxes to take through the whole lifecycle, one after another.
+    #[arg(long, default_value_t = 20)]
+    sandboxes: usize,
+    /// Sandboxes created at once in the throughput phase.
+    #[arg(long, default_value_t = 16)]
+    burst: usize,
+    #[arg(long, default_value = "base")]
+    template: String,
+    /// Postgres for the commit floor; default from `stack.env`.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// NATS for the publish floor; default from `stack.env`.
+    #[arg(long, env = "NATS_URL")]
+    nats_url: Option<String>,
+}
+
+fn stack_env(state_dir: &Path) -> Vec<(String, String)> {
+    std::fs::read_to_string(state_dir.join("stack.env"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+        .collect()
+}
+
+/// Latency samples of one operation, in seconds.
+#[derive(Default)]
+struct Samples(Vec<f64>);
+
+impl Samples {
+    fn push(&mut self, d: Duration) {
+        self.0.push(d.as_secs_f64());
+    }
+
+    fn quantile(&self, q: f64) -> Option<f64> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        let idx = ((v.len() - 1) as f64 * q).round() as usize;
+        Some(v[idx])
+    }
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map(|s| format!("{:.1}", s * 1000.0))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+struct Client {
+    http: reqwest::Client,
+    api: String,
+    key: String,
+}
+
+impl Client {
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<(u16, Value)> {
+        let mut req = self
+            .http
+            .request(method, format!("{}{path}", self.api))
+            .bearer_auth(&self.key);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await?;
+        let status = resp.status().as_u16();
+        let value = resp.json().await.unwrap_or(Value::Null);
+        Ok((status, value))
+    }
+
+    async fn wait(&self, id: &str, state: &str) -> anyhow::Result<()> {
+        let deadline = Instant::now() + TRANSITION_TIMEOUT;
+        loop {
+            let (_, s) = self
+                .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
+                .await?;
+            if s["state"] == state {
+                return Ok(());
+            }
+            if s["state"] == "failed-start" {
+                bail!("sandbox {id} failed: {}", s["state_reason"]);
+            }
+            if Instant::now() > deadline {
+                bail!("sandbox {id} never reached {state}: {s}");
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+
+    /// Sends `method path` (expecting 2xx) and waits for `state`; returns the elapsed time.
+    async fn transition(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+        id: Option<&str>,
+        state: &str,
+    ) -> anyhow::Result<(Duration, String)> {
+        let started = Instant::now();
+        let (status, resp) = self.send(method, path, body).await?;
+        if !(200..300).contains(&status) {
+            bail!("{path}: {status} {resp}");
+        }
+        let id = id
+            .map(str::to_owned)
+            .unwrap_or_else(|| resp["id"].as_str().unwrap_or_default().to_owned());
+        self.wait(&id, state).await?;
+        Ok((started.elapsed(), id))
+    }
+}
+
+/// Runs the bench and prints the table.
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let env = stack_env(&args.state_dir);
+    let lookup = |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+    let api = args
+        .api
+        .clone()
+        .or_else(|| lookup("BERTH_API"))
+        .unwrap_or_else(|| "http://127.0.0.1:8080".into());
+    let key = match &args.key {
+        Some(k) => k.clone(),
+        None => std::fs::read_to_string(args.state_dir.join("api-key"))
+            .context("no --key and no <state dir>/api-key")?
+            .trim()
+            .to_owned(),
+    };
+    let client = Client {
+        http: reqwest::Client::new(),
+        api,
+        key,
+    };
+    let sandbox = json!({"template": args.template, "vcpus": 1, "memory_mib": 128});
+
+    let mut create = Samples::default();
+    let mut exec = Samples::default();
+    let mut stop = Samples::default();
+    let mut start = Samples::default();
+    let mut delete = Samples::default();
+    for _ in 0..args.sandboxes {
+        let (d, id) = client
+            .transition(
+                reqwest::Method::POST,
+                "/v1/sandboxes",
+                Some(sandbox.clone()),
+                None,
+                "running",
+            )
+            .await?;
+        create.push(d);
+        let t = Instant::now();
+        let (status, out) = client
+            .send(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["echo", "hi"]})),
+            )
+            .await?;
+        if status != 200 || out["stdout"] != "hi\n" {
+            bail!("exec failed: {status} {out}");
+        }
+        exec.push(t.elapsed());
+        stop.push(
+            client
+                .transition(
+                    reqwest::Method::POST,
+                    &format!("/v1/sandboxes/{id}/stop"),
+                    None,
+                    Some(&id),
+                    "stopped",
+                )
+                .await?
+                .0,
+        );
+        start.push(
+            client
+                .transition(
+                    reqwest::Method::POST,
+                    &format!("/v1/sandboxes/{id}/start"),
+                    None,
+                    Some(&id),
+                    "running",
+                )
+                .await?
+                .0,
+        );
+        delete.push(
+            client
+                .transition(
+                    reqwest::Method::DELETE,
+                    &format!("/v1/sandboxes/{id}"),
+                    None,
+                    Some(&id),
+                    "deleted",
+                )
+                .await?
+                .0,
+        );
+    }
+
+    // Throughput: a burst of creates, then deletes, all in flight at once.
+    let burst_started = Instant::now();
+    let created = futures::future::try_join_all((0..args.burst).map(|_| {
+        client.transition(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(sandbox.clone()),
+            None,
+            "running",
+        )
+    }))
+    .await?;
+    let paths: Vec<(String, &str)> = created
+        .iter()
+        .map(|(_, id)| (format!("/v1/sandboxes/{id}"), id.as_str()))
+        .collect();
+    futures::future::try_join_all(paths.iter().map(|(path, id)| {
+        client.transition(reqwest::Method::DELETE, path, None, Some(id), "deleted")
+    }))
+    .await?;
+    let burst_elapsed = burst_started.elapsed();
+    let throughput = (2 * args.burst) as f64 / burst_elapsed.as_secs_f64();
+
+    let runc_floor = runc_floor().await.unwrap_or_else(|e| {
+        eprintln!("runc floor not measured: {e:#}");
+        Samples::default()
+    });
+    let db_url = args.database_url.clone().or_else(|| lookup("DATABASE_URL"));
+    let pg_floor = match db_url {
+        Some(url) => pg_floor(&url).await.unwrap_or_else(|e| {
+            eprintln!("Postgres floor not measured: {e:#}");
+            Samples::default()
+        }),
+        None => Samples::default(),
+    };
+    let nats_url = args.nats_url.clone().or_else(|| lookup("NATS_URL"));
+    let js_floor = match nats_url {
+        Some(url) => js_floor(&url).await.unwrap_or_else(|e| {
+            eprintln!("JetStream floor not measured: {e:#}");
+            Samples::default()
+        }),
+        None => Samples::default(),
+    };
+
+    println!("| operation | n | p50 ms | p95 ms | p99 ms | floor | floor p50 ms | overhead p50 ms | ratio p50 |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let row = |name: &str, s: &Samples, floor_name: &str, floor: &Samples| {
+        let (p50, f50) = (s.quantile(0.5), floor.quantile(0.5));
+        let overhead = p50.zip(f50).map(|(a, b)| a - b);
+        let ratio = p50
+            .zip(f50)
+            .map(|(a, b)| format!("{:.1}x", a / b))
+            .unwrap_or_else(|| "n/a".into());
+        println!(
+            "| {name} | {} | {} | {} | {} | {floor_name} | {} | {} | {ratio} |",
+            s.0.len(),
+            ms(p50),
+            ms(s.quantile(0.95)),
+            ms(s.quantile(0.99)),
+            ms(f50),
+            ms(overhead)
+        );
+    };
+    row("create→running", &create, "runc run", &runc_floor);
+    row("exec round trip", &exec, "—", &Samples::default());
+    row("stop→stopped", &stop, "—", &Samples::default());
+    row("start→running", &start, "runc run", &runc_floor);
+    row("delete→deleted", &delete, "—", &Samples::default());
+    row(
+        "raw runc run (busybox true)",
+        &runc_floor,
+        "—",
+        &Samples::default(),
+    );
+    row("raw Postgres commit", &pg_floor, "—", &Samples::default());
+    row(
+        "raw JetStream publish+ack",
+        &js_floor,
+        "—",
+        &Samples::default(),
+    );
+    println!();
+    println!(
+        "throughput: {} creates + {} deletes in flight at once took {:.2} s: {:.1} lifecycle commands/s",
+        args.burst, args.burst, burst_elapsed.as_secs_f64(), throughput
+    );
+    Ok(())
+}
+
+/// Raw `runc run` of a busybox container that runs `true`: the runtime's own cost.
+async fn runc_floor() -> anyhow::Result<Samples> {
+    let dir = PathBuf::from(format!("/var/tmp/berth-bench-{}", std::process::id()));
+    let rootfs = dir.join("rootfs");
+    std::fs::create_dir_all(rootfs.join("bin"))?;
+    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
+        .context("copy /bin/busybox (busybox-static)")?;
+    std::os::unix::fs::symlink("busybox", rootfs.join("bin/true")).ok();
+    let spec = tokio::process::Command::new("runc")
+        .arg("spec")
+        .current_dir(&dir)
+        .status()
+        .await?;
+    if !spec.success() {
+        bail!("runc spec failed");
+    }
+    let config_path = dir.join("config.json");
+    let mut config: Value = serde_json::from_slice(&std::fs::read(&config_path)?)?;
+    config["process"]["terminal"] = json!(false);
+    config["process"]["args"] = json!(["/bin/true"]);
+    std::fs::write(&config_path, serde_json::to_vec(&config)?)?;
+    let root = dir.join("runc-root");
+    let mut samples = Samples::default();
+    for i in 0..FLOOR_SAMPLES {
+        let t = Instant::now();
+        let status = tokio::process::Command::new("runc")
+            .arg("--root")
+            .arg(&root)
+            .args(["run", "--bundle"])
+            .arg(&dir)
+            .arg(format!("floor{i}"))
+            .stdin(std::process::Stdio::null())
+            .status()
+            .await?;
+        samples.push(t.elapsed());
+        if !status.success() {
+            bail!("runc run failed");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(samples)
+}
+
+/// A raw single-row insert and commit.
+async fn pg_floor(url: &str) -> anyhow::Result<Samples> {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(url).await?;
+    sqlx::query("CREATE TEMP TABLE bench_floor (id bigint, at timestamptz)")
+        .execute(&mut conn)
+        .await?;
+    let mut samples = Samples::default();
+    for i in 0..CHEAP_FLOOR_SAMPLES {
+        let t = Instant::now();
+        let mut tx = conn.begin().await?;
+        sqlx::query("INSERT INTO bench_floor VALUES ($1, now())")
+            .bind(i as i64)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        samples.push(t.elapsed());
+    }
+    Ok(samples)
+}
+
+/// A raw JetStream publish awaiting its ack, on a file-backed stream of its own.
+async fn js_floor(url: &str) -> anyhow::Result<Samples> {
+    let client = async_nats::connect(url).await?;
+    let js = async_nats::jetstream::new(client);
+    let tag = uuid::Uuid::now_v7().simple().to_string();
+    let name = format!("BENCH_FLOOR_{tag}");
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("bench.floor.{tag}")],
+        storage: async_nats::jetstream::stream::StorageType::File,
+        ..Default::default()
+    })
+    .await?;
+    let mut samples = Samples::default();
+    for _ in 0..CHEAP_FLOOR_SAMPLES {
+        let t = Instant::now();
+        js.publish(format!("bench.floor.{tag}"), "x".into())
+            .await?
+            .await?;
+        samples.push(t.elapsed());
+    }
+    let _ = js.delete_stream(&name).await;
+    Ok(samples)
+}
