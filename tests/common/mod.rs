@@ -210,16 +210,20 @@ impl Stack {
 
     /// Starts one more `berth hostd` and waits for its first heartbeat.
     pub async fn add_host(&mut self) -> usize {
-        self.add_host_with(&[]).await
-    }
-
-    /// Like [`Stack::add_host`], with extra `berth hostd` flags (e.g. `--metrics-addr`).
-    pub async fn add_host_with(&mut self, extra_args: &[String]) -> usize {
         self.add_host_with((None, None)).await
     }
 
     /// Like [`Stack::add_host`], offering `(vcpus, memory_mib)` instead of the machine's size.
     pub async fn add_host_with(&mut self, capacity: (Option<u32>, Option<u32>)) -> usize {
+        self.add_host_with_args(capacity, &[]).await
+    }
+
+    /// Like [`Stack::add_host_with`], with extra `berth hostd` flags (e.g. `--metrics-addr`).
+    pub async fn add_host_with_args(
+        &mut self,
+        capacity: (Option<u32>, Option<u32>),
+        extra_args: &[String],
+    ) -> usize {
         let index = self.hosts.len();
         let state_dir = self.root.join(format!("host{index}"));
         std::fs::create_dir_all(&state_dir).unwrap();
