@@ -436,3 +436,46 @@ async fn operators_drain_cordon_and_uncordon_hosts_and_org_keys_cannot(db: PgPoo
     }
     stack.teardown().await;
 }
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn creates_beyond_a_hosts_start_cap_wait_in_the_outbox_and_all_run(db: PgPool) {
+    let stack = Stack::start_configured(db, 1, PassConfig::default(), |c| {
+        c.max_concurrent_starts = 1;
+    })
+    .await;
+    let body = json!({"template": "base", "vcpus": 1, "memory_mib": 128});
+    let created =
+        join_all((0..4).map(|_| stack.call(Method::POST, "/v1/sandboxes", Some(body.clone()))))
+            .await;
+    let ids: Vec<String> = created
+        .iter()
+        .map(|(s, b)| {
+            assert_eq!(*s, 202, "queued, not refused: {b}");
+            b["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    for id in &ids {
+        stack.wait_state(id, "running").await;
+    }
+    // With a cap of one, each create was published only after the previous one completed.
+    let times: Vec<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT published_at, completed_at FROM commands WHERE kind = 'sandbox.create' ORDER BY published_at",
+    )
+    .fetch_all(&stack.db)
+    .await
+    .unwrap();
+    assert_eq!(times.len(), 4);
+    for pair in times.windows(2) {
+        assert!(
+            pair[1].0 >= pair[0].1,
+            "a create was published while another was in flight: {pair:?}"
+        );
+    }
+    for id in &ids {
+        stack.delete(id).await;
+    }
+    for id in &ids {
+        stack.wait_state(id, "deleted").await;
+    }
+    stack.teardown().await;
+}
