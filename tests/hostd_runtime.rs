@@ -14,8 +14,9 @@ use async_nats::jetstream::{self, consumer::pull, AckKind};
 use berth_hostd::layout::SandboxNames;
 use berth_hostd::HostdConfig;
 use berth_schemas::wire::{
-    self, Command, CommandResult, ExecError, ExecReply, ExecRequest, GuestStatus, Heartbeat,
-    ResultOutcome, SandboxSpec, StopMode,
+    self, AgentFailure, AgentOp, AgentReply, AgentRequest, Command, CommandResult, ExecError,
+    ExecReply, ExecRequest, ExecSpec, FileKind, GuestStatus, Heartbeat, ResultOutcome, SandboxSpec,
+    StopMode,
 };
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
 use futures::StreamExt;
@@ -232,6 +233,23 @@ impl Harness {
         )
         .await
         .context("exec request timed out")??;
+        Ok(wire::decode(&reply.payload)?)
+    }
+
+    async fn agent(&self, sandbox: SandboxId, op: AgentOp) -> anyhow::Result<AgentReply> {
+        let request = AgentRequest {
+            sandbox_id: sandbox,
+            op,
+        };
+        let reply = tokio::time::timeout(
+            EXEC_REQUEST_TIMEOUT,
+            self.nats.request(
+                self.subjects.agent(self.host_id),
+                wire::encode(&request).into(),
+            ),
+        )
+        .await
+        .context("agent request timed out")??;
         Ok(wire::decode(&reply.payload)?)
     }
 
@@ -921,5 +939,247 @@ async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
         !runsc.contains(&sandbox.to_string()),
         "a runsc container remains: {runsc}"
     );
+    Ok(())
+}
+
+fn exec_spec(argv: &[&str], timeout_ms: u64) -> ExecSpec {
+    ExecSpec {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        env: vec![],
+        cwd: None,
+        stdin: vec![],
+        timeout_ms,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sandboxes_cannot_reach_each_other_or_the_host_but_hostd_reaches_both(
+) -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(isolation(h))).await
+}
+
+async fn isolation(h: &mut Harness) -> anyhow::Result<()> {
+    let (a, b) = (SandboxId::new(), SandboxId::new());
+    let addr_a = succeeded_address(&h.send(&h.command(a, 1, CommandKind::Create)).await?)?;
+    let addr_b = succeeded_address(&h.send(&h.command(b, 1, CommandKind::Create)).await?)?;
+    // A listener of the host, on every address (the sandbox's gateway included).
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await?;
+    let port = listener.local_addr()?.port().to_string();
+    let gateway_a = {
+        let ip: std::net::Ipv4Addr = addr_a.parse()?;
+        std::net::Ipv4Addr::from(u32::from(ip) - 1).to_string()
+    };
+    let nc = |target: &str, port: &str| {
+        format!("nc -w 2 {target} {port} </dev/null >/dev/null 2>&1; echo $?")
+    };
+
+    // The control: a sandbox reaches its own agent.
+    let (_, own, _) = finished(
+        &h.exec(a, &["sh", "-c", &nc(&addr_a, "18047")], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(
+        own.trim() == "0",
+        "a sandbox can't reach its own agent: {own}"
+    );
+    // Neither sandbox reaches the other's agent; A does not reach the host's listener.
+    let (_, a_to_b, _) = finished(
+        &h.exec(a, &["sh", "-c", &nc(&addr_b, "18047")], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(a_to_b.trim() != "0", "sandbox A reached sandbox B");
+    let (_, b_to_a, _) = finished(
+        &h.exec(b, &["sh", "-c", &nc(&addr_a, "18047")], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(b_to_a.trim() != "0", "sandbox B reached sandbox A");
+    let (_, to_host, _) = finished(
+        &h.exec(a, &["sh", "-c", &nc(&gateway_a, &port)], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(
+        to_host.trim() != "0",
+        "sandbox A opened a connection to the host"
+    );
+    // hostd reaches both agents.
+    for sandbox in [a, b] {
+        let (code, out, _) = finished(&h.exec(sandbox, &["echo", "up"], EXEC_TIMEOUT_MS).await?)?;
+        ensure!(code == 0 && out == "up\n");
+    }
+    // The rules live in this hostd's own table, one set element per sandbox.
+    let table = berth_hostd::layout::firewall_table(h.host_id);
+    let rules = run("nft", &["list", "table", "inet", &table]).await?;
+    for addr in [&addr_a, &addr_b] {
+        let network = {
+            let ip: std::net::Ipv4Addr = addr.parse()?;
+            std::net::Ipv4Addr::from(u32::from(ip) & !3).to_string()
+        };
+        ensure!(
+            rules.contains(&format!("{network}/30")),
+            "{network} missing: {rules}"
+        );
+    }
+
+    // Delete removes the sandbox's element.
+    let deleted = h.send(&h.command(a, 2, CommandKind::Delete)).await?;
+    ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
+    let rules = run("nft", &["list", "table", "inet", &table]).await?;
+    let network_a = {
+        let ip: std::net::Ipv4Addr = addr_a.parse()?;
+        std::net::Ipv4Addr::from(u32::from(ip) & !3).to_string()
+    };
+    ensure!(
+        !rules.contains(&format!("{network_a}/30")),
+        "element of A remains: {rules}"
+    );
+    let deleted = h.send(&h.command(b, 2, CommandKind::Delete)).await?;
+    ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
+    drop(listener);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_requests_run_with_env_cwd_stdin_move_files_and_report_an_oom_kill(
+) -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(agent_requests(h))).await
+}
+
+async fn agent_requests(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    succeeded_address(&h.send(&h.command(sandbox, 1, CommandKind::Create)).await?)?;
+
+    // Exec with env, cwd and stdin.
+    let mut spec = exec_spec(&["sh", "-c", "echo $GREETING; pwd; cat"], EXEC_TIMEOUT_MS);
+    spec.env = vec![("GREETING".into(), "hi".into())];
+    spec.cwd = Some("/tmp".into());
+    spec.stdin = b"from stdin".to_vec();
+    match h.agent(sandbox, AgentOp::Exec(spec)).await? {
+        AgentReply::Exec {
+            exit_code: 0,
+            stdout,
+            oom_killed: false,
+            ..
+        } => ensure!(stdout == b"hi\n/tmp\nfrom stdin", "{stdout:?}"),
+        other => bail!("exec: {other:?}"),
+    }
+
+    // Files: write in two chunks, read back, stat, list, rename; a missing path is named.
+    let write = |offset: u64, data: &[u8], truncate: bool| AgentOp::Write {
+        path: "/root/dir/f.part".into(),
+        offset,
+        data: data.to_vec(),
+        truncate,
+    };
+    ensure!(h.agent(sandbox, write(0, b"hello ", true)).await? == AgentReply::Written { bytes: 6 });
+    ensure!(h.agent(sandbox, write(6, b"world", false)).await? == AgentReply::Written { bytes: 5 });
+    let renamed = h
+        .agent(
+            sandbox,
+            AgentOp::Rename {
+                from: "/root/dir/f.part".into(),
+                to: "/root/dir/f".into(),
+            },
+        )
+        .await?;
+    ensure!(renamed == AgentReply::Done, "{renamed:?}");
+    let read = h
+        .agent(
+            sandbox,
+            AgentOp::Read {
+                path: "/root/dir/f".into(),
+                offset: 0,
+                len: 1 << 20,
+            },
+        )
+        .await?;
+    ensure!(
+        read == AgentReply::Data {
+            data: b"hello world".to_vec(),
+            eof: true
+        },
+        "{read:?}"
+    );
+    match h
+        .agent(
+            sandbox,
+            AgentOp::List {
+                path: "/root/dir".into(),
+            },
+        )
+        .await?
+    {
+        AgentReply::Listing(entries) => ensure!(
+            entries.len() == 1
+                && entries[0].name == "f"
+                && entries[0].stat.kind == FileKind::File
+                && entries[0].stat.size == 11,
+            "{entries:?}"
+        ),
+        other => bail!("list: {other:?}"),
+    }
+    let missing = h
+        .agent(
+            sandbox,
+            AgentOp::Stat {
+                path: "/nope".into(),
+            },
+        )
+        .await?;
+    ensure!(
+        missing == AgentReply::Failed(AgentFailure::NoSuchPath),
+        "{missing:?}"
+    );
+
+    // A memory hog is killed by the sandbox's memory limit (256 MiB), and the exec says so.
+    let hog = exec_spec(
+        &["dd", "if=/dev/zero", "of=/dev/null", "bs=400M", "count=1"],
+        30_000,
+    );
+    match h.agent(sandbox, AgentOp::Exec(hog)).await? {
+        AgentReply::Exec {
+            exit_code,
+            oom_killed,
+            ..
+        } => ensure!(
+            exit_code == 137 && oom_killed,
+            "memory hog: exit {exit_code}, oom_killed {oom_killed}"
+        ),
+        other => bail!("memory hog: {other:?}"),
+    }
+    // The sandbox survives it.
+    let (code, _, _) = finished(&h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?)?;
+    ensure!(code == 0);
+    // An exec past its timeout is killed.
+    match h
+        .agent(sandbox, AgentOp::Exec(exec_spec(&["sleep", "30"], 300)))
+        .await?
+    {
+        AgentReply::Exec {
+            timed_out: true,
+            exit_code: 137,
+            oom_killed: false,
+            ..
+        } => {}
+        other => bail!("timeout: {other:?}"),
+    }
+
+    // Unknown sandboxes and relative paths are refused.
+    let unknown = h
+        .agent(SandboxId::new(), AgentOp::Stat { path: "/".into() })
+        .await?;
+    ensure!(
+        unknown == AgentReply::Failed(AgentFailure::NotFound),
+        "{unknown:?}"
+    );
+    let relative = h
+        .agent(sandbox, AgentOp::Stat { path: "etc".into() })
+        .await?;
+    ensure!(
+        matches!(relative, AgentReply::Failed(AgentFailure::Agent(_))),
+        "{relative:?}"
+    );
+
+    let deleted = h.send(&h.command(sandbox, 2, CommandKind::Delete)).await?;
+    ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
     Ok(())
 }

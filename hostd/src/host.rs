@@ -180,6 +180,18 @@ impl Host {
         Ok((address, permit))
     }
 
+    /// The OOM kills counted in the sandbox's memory cgroup, when it runs and the count can be
+    /// read.
+    pub async fn oom_kills(&self, sandbox: SandboxId) -> Option<u64> {
+        let record = self.live(sandbox)?;
+        let runtime = self.runtime_of(&record).ok()?;
+        let pid = runtime
+            .pid(&self.names(sandbox).container_id)
+            .await
+            .ok()??;
+        crate::cgroup::oom_kills(pid).ok()?
+    }
+
     /// Every container of every runtime this host offers, by id.
     ///
     /// Errors: [`HostdError`] from a runtime's `list`.

@@ -24,7 +24,9 @@
 
 pub mod address;
 pub mod agent;
+pub mod agent_ops;
 pub mod bundle;
+pub mod cgroup;
 pub mod cleanup;
 pub mod commands;
 pub mod error;
@@ -199,10 +201,20 @@ async fn run_as(
         config.subjects.clone(),
         stop.clone(),
     ));
+    let agent_ops = tokio::spawn(agent_ops::serve(
+        host.clone(),
+        nats.clone(),
+        config.subjects.clone(),
+        stop.clone(),
+    ));
     let consumed = commands::consume(host, js, config.subjects.clone(), stop.clone()).await;
     stop.cancel();
     let exec = exec.await.map_err(|e| HostdError::Io {
         context: "exec task".into(),
+        source: std::io::Error::other(e),
+    })?;
+    let agent_ops = agent_ops.await.map_err(|e| HostdError::Io {
+        context: "agent request task".into(),
         source: std::io::Error::other(e),
     })?;
     let _ = heartbeats.await;
@@ -210,7 +222,7 @@ async fn run_as(
         tracing::debug!(error = %e, "flush at shutdown failed");
     }
     tracing::info!(%host_id, "hostd stopped");
-    consumed.and(exec)
+    consumed.and(exec).and(agent_ops)
 }
 
 /// The host's stable id: read from `<state_dir>/host-id`, or created there once.

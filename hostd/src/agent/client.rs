@@ -82,14 +82,35 @@ pub async fn exec(
     argv: Vec<String>,
     timeout_ms: u64,
 ) -> Result<ExecResult, HostdError> {
+    exec_with(address, argv, Vec::new(), None, Vec::new(), timeout_ms).await
+}
+
+/// Runs `argv` in the sandbox with extra environment, a working directory and stdin.
+///
+/// Errors: as [`exec`].
+pub async fn exec_with(
+    address: SocketAddr,
+    argv: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: Option<String>,
+    stdin: Vec<u8>,
+    timeout_ms: u64,
+) -> Result<ExecResult, HostdError> {
     let timeout_ms = timeout_ms.min(MAX_EXEC_TIMEOUT_MS);
     let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
-    match call(address, &Request::Exec { argv, timeout_ms }, wait).await? {
+    let request = Request::Exec {
+        argv,
+        timeout_ms,
+        env,
+        cwd,
+        stdin,
+    };
+    match call(address, &request, wait).await? {
         Response::Exec(out) => Ok(ExecResult::Finished(out)),
         Response::Error(e) => Ok(ExecResult::Refused(e.error)),
-        Response::Ping(_) => Err(HostdError::Agent {
+        other => Err(HostdError::Agent {
             address,
-            reason: "ping answer to an exec".into(),
+            reason: format!("unexpected answer to an exec: {other:?}"),
         }),
     }
 }

@@ -16,8 +16,9 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 use super::protocol::{
-    ErrorReply, ExecOutput, PingReply, Request, Response, MAX_CAPTURED_OUTPUT, MAX_EXEC_TIMEOUT_MS,
-    MAX_LINE_BYTES,
+    DataReply, Entry, ErrorReply, ExecOutput, Kind, ListReply, PingReply, Request, Response, Stat,
+    StatReply, WrittenReply, CODE_NOT_FOUND, CODE_TOO_LARGE, MAX_CAPTURED_OUTPUT, MAX_DIR_ENTRIES,
+    MAX_EXEC_TIMEOUT_MS, MAX_FILE_CHUNK, MAX_LINE_BYTES, MAX_STDIN_BYTES,
 };
 use crate::oci::GUEST_PATH;
 
@@ -64,14 +65,8 @@ fn handle(stream: TcpStream) -> std::io::Result<()> {
     let mut line = String::new();
     BufReader::new((&stream).take(MAX_LINE_BYTES)).read_line(&mut line)?;
     let response = match serde_json::from_str::<Request>(&line) {
-        Ok(Request::Ping) => Response::Ping(PingReply { ok: true }),
-        Ok(Request::Exec { argv, timeout_ms }) => match exec(&argv, timeout_ms) {
-            Ok(out) => Response::Exec(out),
-            Err(error) => Response::Error(ErrorReply { error }),
-        },
-        Err(e) => Response::Error(ErrorReply {
-            error: format!("bad request: {e}"),
-        }),
+        Ok(request) => answer(request),
+        Err(e) => Response::Error(ErrorReply::new(format!("bad request: {e}"))),
     };
     let mut out = serde_json::to_vec(&response).map_err(std::io::Error::other)?;
     out.push(b'\n');
@@ -95,25 +90,213 @@ fn await_client_close(stream: &TcpStream) -> std::io::Result<()> {
     }
 }
 
-/// Runs `argv`, capturing output, killing the process group at `timeout_ms` (clamped to
+/// Carries out one request.
+fn answer(request: Request) -> Response {
+    let result = match request {
+        Request::Ping => Ok(Response::Ping(PingReply { ok: true })),
+        Request::Exec {
+            argv,
+            timeout_ms,
+            env,
+            cwd,
+            stdin,
+        } => {
+            let input = ExecInput {
+                argv: &argv,
+                env: &env,
+                cwd: cwd.as_deref(),
+                stdin: &stdin,
+            };
+            exec_with(input, timeout_ms)
+                .map(Response::Exec)
+                .map_err(ErrorReply::new)
+        }
+        Request::Stat { path } => stat(&path).map(|stat| Response::Stat(StatReply { stat })),
+        Request::Read { path, offset, len } => read(&path, offset, len).map(Response::Data),
+        Request::Write {
+            path,
+            offset,
+            data,
+            truncate,
+        } => write(&path, offset, &data, truncate)
+            .map(|written| Response::Written(WrittenReply { written })),
+        Request::List { path } => list(&path).map(|entries| Response::List(ListReply { entries })),
+        Request::Rename { from, to } => std::fs::rename(&from, &to)
+            .map(|()| Response::Ping(PingReply { ok: true }))
+            .map_err(|e| io_error(&format!("rename {from} to {to}"), e)),
+    };
+    result.unwrap_or_else(Response::Error)
+}
+
+/// An [`ErrorReply`] for an I/O error, coded `not_found` when the path does not exist.
+fn io_error(what: &str, e: std::io::Error) -> ErrorReply {
+    ErrorReply {
+        error: format!("{what}: {e}"),
+        code: (e.kind() == std::io::ErrorKind::NotFound).then(|| CODE_NOT_FOUND.to_owned()),
+    }
+}
+
+fn too_large(what: &str, limit: u64) -> ErrorReply {
+    ErrorReply {
+        error: format!("{what} exceeds {limit}"),
+        code: Some(CODE_TOO_LARGE.to_owned()),
+    }
+}
+
+fn stat_of(meta: &std::fs::Metadata) -> Stat {
+    use std::os::unix::fs::MetadataExt;
+    let ft = meta.file_type();
+    let kind = if ft.is_file() {
+        Kind::File
+    } else if ft.is_dir() {
+        Kind::Dir
+    } else if ft.is_symlink() {
+        Kind::Symlink
+    } else {
+        Kind::Other
+    };
+    Stat {
+        kind,
+        size: meta.len(),
+        mode: meta.mode() & 0o7777,
+        modified: meta.mtime(),
+    }
+}
+
+/// Metadata of `path`, following symlinks (a link to a dir lists as a dir).
+fn stat(path: &str) -> Result<Stat, ErrorReply> {
+    std::fs::metadata(path)
+        .map(|m| stat_of(&m))
+        .map_err(|e| io_error(&format!("stat {path}"), e))
+}
+
+fn read(path: &str, offset: u64, len: u64) -> Result<DataReply, ErrorReply> {
+    use std::io::{Seek, SeekFrom};
+    if len > MAX_FILE_CHUNK {
+        return Err(too_large("read length", MAX_FILE_CHUNK));
+    }
+    let mut file = std::fs::File::open(path).map_err(|e| io_error(&format!("open {path}"), e))?;
+    file.seek(SeekFrom::Start(offset))
+        .map_err(|e| io_error(&format!("seek {path}"), e))?;
+    let mut data = Vec::with_capacity(len as usize);
+    (&mut file)
+        .take(len)
+        .read_to_end(&mut data)
+        .map_err(|e| io_error(&format!("read {path}"), e))?;
+    let size = file
+        .metadata()
+        .map_err(|e| io_error(&format!("stat {path}"), e))?
+        .len();
+    let eof = offset + data.len() as u64 >= size;
+    Ok(DataReply { data, eof })
+}
+
+fn write(path: &str, offset: u64, data: &[u8], truncate: bool) -> Result<u64, ErrorReply> {
+    use std::io::{Seek, SeekFrom};
+    if data.len() as u64 > MAX_FILE_CHUNK {
+        return Err(too_large("write length", MAX_FILE_CHUNK));
+    }
+    if let Some(parent) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| io_error(&format!("create {}", parent.display()), e))?;
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| io_error(&format!("open {path}"), e))?;
+    if truncate {
+        file.set_len(offset)
+            .map_err(|e| io_error(&format!("truncate {path}"), e))?;
+    }
+    file.seek(SeekFrom::Start(offset))
+        .map_err(|e| io_error(&format!("seek {path}"), e))?;
+    file.write_all(data)
+        .map_err(|e| io_error(&format!("write {path}"), e))?;
+    Ok(data.len() as u64)
+}
+
+fn list(path: &str) -> Result<Vec<Entry>, ErrorReply> {
+    let mut entries = Vec::new();
+    for entry in std::fs::read_dir(path).map_err(|e| io_error(&format!("list {path}"), e))? {
+        let entry = entry.map_err(|e| io_error(&format!("list {path}"), e))?;
+        if entries.len() == MAX_DIR_ENTRIES {
+            return Err(too_large("directory entries", MAX_DIR_ENTRIES as u64));
+        }
+        // Entries that vanish while listing are skipped.
+        let Ok(meta) = entry.metadata() else { continue };
+        entries.push(Entry {
+            name: entry.file_name().to_string_lossy().into_owned(),
+            stat: stat_of(&meta),
+        });
+    }
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(entries)
+}
+
+/// What an exec runs with.
+#[derive(Debug, Clone, Copy)]
+pub struct ExecInput<'a> {
+    pub argv: &'a [String],
+    /// Set over the default `PATH` and `HOME`.
+    pub env: &'a [(String, String)],
+    /// Working directory; `/` when `None`.
+    pub cwd: Option<&'a str>,
+    /// Written to the process's stdin, which is then closed (`/dev/null` when empty).
+    pub stdin: &'a [u8],
+}
+
+/// Runs `argv` with the default environment, in `/`, with no stdin; see [`exec_with`].
+///
+/// Errors: as [`exec_with`].
+pub fn exec(argv: &[String], timeout_ms: u64) -> Result<ExecOutput, String> {
+    let input = ExecInput {
+        argv,
+        env: &[],
+        cwd: None,
+        stdin: &[],
+    };
+    exec_with(input, timeout_ms)
+}
+
+/// Runs a process, capturing output, killing the process group at `timeout_ms` (clamped to
 /// [`MAX_EXEC_TIMEOUT_MS`]). When the process exits but a background descendant keeps its
 /// output pipes open, the answer waits for them until the timeout (plus a short grace).
 ///
-/// Errors: a message when `argv` is empty or the process cannot be spawned.
-pub fn exec(argv: &[String], timeout_ms: u64) -> Result<ExecOutput, String> {
-    let (program, args) = argv.split_first().ok_or("empty argv")?;
-    let mut child = Command::new(program)
+/// Errors: a message when `argv` is empty, stdin is over [`MAX_STDIN_BYTES`], or the process
+/// cannot be spawned.
+pub fn exec_with(input: ExecInput<'_>, timeout_ms: u64) -> Result<ExecOutput, String> {
+    let (program, args) = input.argv.split_first().ok_or("empty argv")?;
+    if input.stdin.len() as u64 > MAX_STDIN_BYTES {
+        return Err(format!("stdin exceeds {MAX_STDIN_BYTES} bytes"));
+    }
+    let mut command = Command::new(program);
+    command
         .args(args)
         .env_clear()
         .env("PATH", GUEST_PATH)
         .env("HOME", "/root")
-        .current_dir("/")
-        .stdin(Stdio::null())
+        .envs(input.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .current_dir(input.cwd.unwrap_or("/"))
+        .stdin(if input.stdin.is_empty() {
+            Stdio::null()
+        } else {
+            Stdio::piped()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .process_group(0)
+        .process_group(0);
+    let mut child = command
         .spawn()
         .map_err(|e| format!("spawn {program}: {e}"))?;
+    if let Some(mut pipe) = child.stdin.take() {
+        let data = input.stdin.to_vec();
+        // A process that never reads its stdin must not block the exec.
+        thread::spawn(move || {
+            let _ = pipe.write_all(&data);
+        });
+    }
     let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(MAX_EXEC_TIMEOUT_MS));
     let stdout = spawn_reader(child.stdout.take());
     let stderr = spawn_reader(child.stderr.take());
@@ -233,6 +416,47 @@ mod tests {
         let out = exec(&argv(&["sh", "-c", "head -c 3000000 /dev/zero"]), 10_000).unwrap();
         assert_eq!(out.stdout.len(), MAX_CAPTURED_OUTPUT);
         assert_eq!(out.exit_code, 0);
+    }
+
+    #[test]
+    fn exec_passes_env_cwd_and_stdin() {
+        let env = [("GREETING".to_owned(), "hi".to_owned())];
+        let input = ExecInput {
+            argv: &argv(&["sh", "-c", "echo $GREETING; pwd; cat"]),
+            env: &env,
+            cwd: Some("/tmp"),
+            stdin: b"from stdin",
+        };
+        let out = exec_with(input, 5_000).unwrap();
+        assert_eq!(out.stdout, b"hi\n/tmp\nfrom stdin");
+        assert_eq!(out.exit_code, 0);
+    }
+
+    #[test]
+    fn files_are_written_read_in_chunks_listed_and_renamed() {
+        let dir = std::env::temp_dir().join(format!("berth-agent-files-{}", std::process::id()));
+        let path = dir.join("sub/f").to_string_lossy().into_owned();
+        assert_eq!(write(&path, 0, b"hello ", true).unwrap(), 6);
+        assert_eq!(write(&path, 6, b"world", false).unwrap(), 5);
+        let first = read(&path, 0, 6).unwrap();
+        assert_eq!((first.data.as_slice(), first.eof), (&b"hello "[..], false));
+        let rest = read(&path, 6, 100).unwrap();
+        assert_eq!((rest.data.as_slice(), rest.eof), (&b"world"[..], true));
+        assert_eq!(stat(&path).unwrap().size, 11);
+        let listed = list(&dir.join("sub").to_string_lossy()).unwrap();
+        assert_eq!(listed.len(), 1);
+        assert_eq!(listed[0].name, "f");
+        assert_eq!(listed[0].stat.kind, Kind::File);
+        let missing = stat(&dir.join("nope").to_string_lossy()).unwrap_err();
+        assert_eq!(missing.code.as_deref(), Some(CODE_NOT_FOUND));
+        assert_eq!(
+            read(&path, 0, MAX_FILE_CHUNK + 1)
+                .unwrap_err()
+                .code
+                .as_deref(),
+            Some(CODE_TOO_LARGE)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
