@@ -10,7 +10,7 @@ use berth_reconciler::pass::PassConfig;
 use berth_schemas::db::insert_command;
 use berth_schemas::wire::{Command, SandboxSpec};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxId};
-use common::Stack;
+use common::{eventually, Stack};
 use sqlx::PgPool;
 
 /// A pass every 100 ms; command timeouts as given; hosts are never judged lost here.
@@ -20,22 +20,6 @@ fn fast_pass(create: Duration, start: Duration) -> PassConfig {
         create_timeout: create,
         start_timeout: start,
         ..PassConfig::default()
-    }
-}
-
-/// Polls `check` until it holds; panics with `what` after the settle timeout.
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + common::SETTLE_TIMEOUT;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never happened: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -8,28 +8,13 @@ use std::time::Duration;
 use berth_reconciler::lease;
 use berth_reconciler::pass::{self, Action, PassConfig};
 use berth_reconciler::ReconcilerConfig;
-use common::Stack;
+use common::{eventually, Stack};
 use futures::future::join_all;
 use reqwest::Method;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
-
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + common::SETTLE_TIMEOUT;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never happened: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 async fn host_of(stack: &Stack, id: &str) -> Uuid {
     sqlx::query_scalar("SELECT host_id FROM sandboxes WHERE id = $1::uuid")
@@ -477,5 +462,96 @@ async fn creates_beyond_a_hosts_start_cap_wait_in_the_outbox_and_all_run(db: PgP
     for id in &ids {
         stack.wait_state(id, "deleted").await;
     }
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn idle_sandboxes_auto_stop_and_stopped_ones_auto_delete(db: PgPool) {
+    let config = PassConfig {
+        interval: Duration::from_millis(100),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db, 1, config).await;
+    let body = json!({"template": "base", "auto_stop_minutes": 1, "auto_delete_minutes": 1});
+    let (status, created) = stack.call(Method::POST, "/v1/sandboxes", Some(body)).await;
+    assert_eq!(status, 202, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    assert_eq!(
+        stack.state_of(&id).await,
+        "running",
+        "fresh activity keeps it running"
+    );
+
+    // A minute and a half without activity.
+    sqlx::query(
+        "UPDATE sandboxes SET last_activity_at = now() - interval '90 seconds' WHERE id = $1::uuid",
+    )
+    .bind(&id)
+    .execute(&stack.db)
+    .await
+    .unwrap();
+    stack.wait_state(&id, "stopped").await;
+    // Stopped for a minute and a half.
+    sqlx::query(
+        "UPDATE sandboxes SET updated_at = now() - interval '90 seconds' WHERE id = $1::uuid",
+    )
+    .bind(&id)
+    .execute(&stack.db)
+    .await
+    .unwrap();
+    stack.wait_state(&id, "deleted").await;
+    let reasons: Vec<(String, String)> = sqlx::query_as(
+        "SELECT to_state, reason FROM events WHERE sandbox_id = $1::uuid ORDER BY id",
+    )
+    .bind(&id)
+    .fetch_all(&stack.db)
+    .await
+    .unwrap();
+    let reasons: Vec<(&str, &str)> = reasons
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            ("provisioning", "user_request"),
+            ("running", "host_report"),
+            ("stopping", "auto_stop"),
+            ("stopped", "host_report"),
+            ("stopping", "auto_delete"),
+            ("deleted", "host_report"),
+        ]
+    );
+    assert!(stack.leftovers(&id).is_empty());
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_running_sandbox_whose_guest_dies_becomes_failed_start_and_can_start_again(db: PgPool) {
+    let config = PassConfig {
+        interval: Duration::from_millis(100),
+        inventory_grace: Duration::from_millis(500),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db, 1, config).await;
+    let id = stack.create().await;
+    stack.wait_state(&id, "running").await;
+    let (_, out) = stack.exec(&id, &["sh", "-c", "echo kept > /root/f"]).await;
+    assert_eq!(out["exit_code"], 0);
+    // Kill the agent that serves this very exec: the guest stops answering.
+    let _ = stack.exec(&id, &["sh", "-c", "kill -9 $PPID"]).await;
+    let failed = stack.wait_state(&id, "failed-start").await;
+    assert!(
+        failed["state_reason"].as_str().unwrap().contains("guest"),
+        "{failed}"
+    );
+    stack.assert_no_capacity_drift().await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    let (_, out) = stack.exec(&id, &["cat", "/root/f"]).await;
+    assert_eq!(out["stdout"], "kept\n", "its disk survived");
+    assert_eq!(stack.delete(&id).await.0, 202);
+    stack.wait_state(&id, "deleted").await;
     stack.teardown().await;
 }

@@ -22,6 +22,22 @@ pub fn nats_url() -> String {
 /// How long a test waits for a sandbox to settle.
 pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Polls `check` until it holds; panics naming `what` after [`SETTLE_TIMEOUT`].
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never happened: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A `berth hostd` child process.
 pub struct HostProcess {
     pub state_dir: PathBuf,
