@@ -10,8 +10,11 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use berth_schemas::wire::{self, ExecError, ExecReply, ExecRequest};
-use berth_schemas::SandboxState;
+use berth_schemas::wire::{
+    self, AgentFailure, AgentOp, AgentReply, AgentRequest, ExecError, ExecReply, ExecRequest,
+    ExecSpec,
+};
+use berth_schemas::{HostId, SandboxId, SandboxState};
 use tracing::instrument;
 
 use crate::auth::Caller;
@@ -29,6 +32,8 @@ pub const MAX_EXEC_TIMEOUT_MS: u64 = 600_000;
 pub const EXEC_REPLY_GRACE: Duration = Duration::from_secs(5);
 /// The most argv entries an exec may carry.
 pub const MAX_ARGV: usize = 4096;
+/// The most bytes an exec's `stdin` may carry (the agent's limit).
+pub const MAX_STDIN_BYTES: usize = 1024 * 1024;
 
 /// `POST /v1/sandboxes/{id}/exec`
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", params(("id" = String, Path)),
@@ -86,32 +91,27 @@ pub async fn exec(
         .await?;
 
     let started = std::time::Instant::now();
-    let request = ExecRequest {
-        sandbox_id: sandbox.id,
+    if let Some(cwd) = &body.cwd {
+        if !cwd.starts_with('/') {
+            return Err(ApiError::invalid("cwd", "cwd must be an absolute path"));
+        }
+    }
+    let stdin = body.stdin.unwrap_or_default().into_bytes();
+    if stdin.len() > MAX_STDIN_BYTES {
+        return Err(ApiError::invalid(
+            "stdin",
+            format!("stdin must be at most {MAX_STDIN_BYTES} bytes"),
+        ));
+    }
+    let spec = ExecSpec {
         argv: body.cmd,
+        env: body.env.unwrap_or_default().into_iter().collect(),
+        cwd: body.cwd,
+        stdin,
         timeout_ms,
     };
     let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
-    let reply = app
-        .nats
-        .send_request(
-            app.subjects.exec(host),
-            async_nats::Request::new()
-                .payload(wire::encode(&request).into())
-                .timeout(Some(wait)),
-        )
-        .await
-        .map_err(|e| match e.kind() {
-            async_nats::RequestErrorKind::NoResponders => {
-                ApiError::HostUnavailable(format!("host {host} has no exec responder"))
-            }
-            async_nats::RequestErrorKind::TimedOut => {
-                ApiError::HostUnavailable(format!("host {host} did not answer in {wait:?}"))
-            }
-            _ => ApiError::HostUnavailable(e.to_string()),
-        })?;
-    let reply: ExecReply = wire::decode(&reply.payload)
-        .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
+    let (reply, oom_killed) = run(&app, host, sandbox.id, spec, wait).await?;
     let outcome = match &reply {
         ExecReply::Finished { .. } => "finished",
         ExecReply::Failed(_) => "failed",
@@ -130,6 +130,7 @@ pub async fn exec(
                 stdout: String::from_utf8_lossy(&stdout).into_owned(),
                 stderr: String::from_utf8_lossy(&stderr).into_owned(),
                 timed_out,
+                oom_killed,
             })
             .map_err(|e| ApiError::Internal(e.to_string()))?;
             if let Some(idem) = &idem {
@@ -143,4 +144,90 @@ pub async fn exec(
         ExecReply::Failed(ExecError::NotFound | ExecError::NotRunning) => Err(not_running()),
         ExecReply::Failed(ExecError::Agent(message)) => Err(ApiError::Agent(message)),
     }
+}
+
+/// Runs an exec through the host's agent subject (`{p}.agent.<host>`), which also reports OOM
+/// kills; a host without that subject (an older hostd) gets a plain exec on `{p}.exec.<host>`
+/// when the request needs nothing more. Returns the reply and whether an OOM kill happened.
+///
+/// Errors: [`ApiError::HostUnavailable`], [`ApiError::Internal`] for an undecodable reply.
+async fn run(
+    app: &AppState,
+    host: HostId,
+    sandbox: SandboxId,
+    spec: ExecSpec,
+    wait: Duration,
+) -> Result<(ExecReply, bool), ApiError> {
+    let request = AgentRequest {
+        sandbox_id: sandbox,
+        op: AgentOp::Exec(spec.clone()),
+    };
+    let sent = app
+        .nats
+        .send_request(
+            app.subjects.agent(host),
+            async_nats::Request::new()
+                .payload(wire::encode(&request).into())
+                .timeout(Some(wait)),
+        )
+        .await;
+    let plain = spec.env.is_empty() && spec.cwd.is_none() && spec.stdin.is_empty();
+    let reply = match sent {
+        Ok(reply) => reply,
+        Err(e) if plain && e.kind() == async_nats::RequestErrorKind::NoResponders => {
+            let request = ExecRequest {
+                sandbox_id: sandbox,
+                argv: spec.argv,
+                timeout_ms: spec.timeout_ms,
+            };
+            let reply = app
+                .nats
+                .send_request(
+                    app.subjects.exec(host),
+                    async_nats::Request::new()
+                        .payload(wire::encode(&request).into())
+                        .timeout(Some(wait)),
+                )
+                .await
+                .map_err(|e| crate::files::host_unavailable(host, wait, e))?;
+            let reply: ExecReply = wire::decode(&reply.payload)
+                .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
+            return Ok((reply, false));
+        }
+        Err(e) => return Err(crate::files::host_unavailable(host, wait, e)),
+    };
+    let reply: AgentReply = wire::decode(&reply.payload)
+        .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
+    Ok(match reply {
+        AgentReply::Exec {
+            exit_code,
+            stdout,
+            stderr,
+            timed_out,
+            oom_killed,
+        } => (
+            ExecReply::Finished {
+                exit_code,
+                stdout,
+                stderr,
+                timed_out,
+            },
+            oom_killed,
+        ),
+        AgentReply::Failed(AgentFailure::NotFound) => {
+            (ExecReply::Failed(ExecError::NotFound), false)
+        }
+        AgentReply::Failed(AgentFailure::NotRunning) => {
+            (ExecReply::Failed(ExecError::NotRunning), false)
+        }
+        AgentReply::Failed(other) => (
+            ExecReply::Failed(ExecError::Agent(format!("{other:?}"))),
+            false,
+        ),
+        other => {
+            return Err(ApiError::Internal(format!(
+                "unexpected exec reply from {host}: {other:?}"
+            )))
+        }
+    })
 }

@@ -13,6 +13,7 @@ pub mod event_relay;
 pub mod event_stream;
 pub mod events;
 pub mod exec;
+pub mod files;
 pub mod hosts;
 pub mod idempotency;
 pub mod metrics;
@@ -112,6 +113,14 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/start", post(sandboxes::start))
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec))
+        .route(
+            "/v1/sandboxes/{id}/files",
+            get(files::get)
+                .put(files::put)
+                .layer(axum::extract::DefaultBodyLimit::max(
+                    files::MAX_FILE_BYTES as usize,
+                )),
+        )
         .route("/v1/sandboxes/{id}/events", get(sandboxes::events))
         .route("/v1/templates", get(sandboxes::templates))
         .route("/v1/events", get(event_stream::stream))

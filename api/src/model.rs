@@ -225,6 +225,15 @@ pub struct ExecBody {
     pub cmd: Vec<String>,
     /// Kill the process after this many milliseconds; default 30000, at most 600000.
     pub timeout_ms: Option<u64>,
+    /// Extra environment variables, set over the default `PATH` and `HOME`.
+    #[serde(default)]
+    pub env: Option<std::collections::BTreeMap<String, String>>,
+    /// Working directory (absolute); default `/`.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Text written to the process's stdin, which is then closed (at most 1 MiB).
+    #[serde(default)]
+    pub stdin: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/exec` response. Output is decoded as UTF-8, invalid bytes replaced.
@@ -236,6 +245,9 @@ pub struct ExecOutput {
     pub stderr: String,
     /// Whether the process was killed at `timeout_ms`.
     pub timed_out: bool,
+    /// Whether the sandbox's memory limit killed a process during the exec (exit code 137).
+    #[serde(default)]
+    pub oom_killed: bool,
 }
 
 /// A lifecycle event.

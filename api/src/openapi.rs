@@ -5,7 +5,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::{exec, hosts, model, sandboxes};
+use crate::{exec, files, hosts, model, sandboxes};
 
 /// The API description, with the lifecycle table.
 const DESCRIPTION: &str = r#"Berth: create isolated Linux sandboxes, run code in them, stop, start and delete them.
@@ -91,6 +91,14 @@ struct ApiDoc;
 )]
 struct EventsDoc;
 
+/// The file routes.
+#[derive(OpenApi)]
+#[openapi(
+    paths(files::get, files::put),
+    components(schemas(files::DirectoryListing, files::FileEntry, files::FileWritten))
+)]
+struct FilesDoc;
+
 struct BearerAuth;
 
 impl Modify for BearerAuth {
@@ -107,6 +115,7 @@ impl Modify for BearerAuth {
 pub fn document() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
     doc.merge(EventsDoc::openapi());
+    doc.merge(FilesDoc::openapi());
     doc.info.description = Some(format!("{DESCRIPTION}{}", crate::webhooks::DOC));
     doc
 }

@@ -1,0 +1,313 @@
+//! End-to-end: files and exec options through the API, the gVisor memory stop through the API,
+//! templates as the API lists them, and a hostd killed with `kill -9` while its sandboxes run.
+//! Real Postgres, NATS, runc/runsc and `berth hostd` processes (see `common`).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{eventually, Stack};
+use reqwest::Method;
+use serde_json::json;
+use sqlx::PgPool;
+
+/// Bytes of the file of the round trip: 1 MiB and a bit, so it spans several NATS messages.
+const ROUND_TRIP_BYTES: usize = (1 << 20) + 12_345;
+
+/// Deterministic, incompressible-looking bytes.
+fn pattern(len: usize) -> Vec<u8> {
+    let mut x: u32 = 0x9e37_79b9;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+fn files_url(stack: &Stack, id: &str, path: &str) -> String {
+    stack.url(&format!("/v1/sandboxes/{id}/files?path={path}"))
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_one_mib_file_round_trips_through_the_api_and_exec_takes_env_cwd_and_stdin(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let id = stack.create().await;
+    stack.wait_state(&id, "running").await;
+
+    let data = pattern(ROUND_TRIP_BYTES);
+    let put = stack
+        .http
+        .put(files_url(&stack, &id, "/root/data/blob.bin"))
+        .bearer_auth(&stack.key)
+        .body(data.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    let written: serde_json::Value = put.json().await.unwrap();
+    assert_eq!(written["size"], ROUND_TRIP_BYTES as u64, "{written}");
+
+    let got = stack
+        .http
+        .get(files_url(&stack, &id, "/root/data/blob.bin"))
+        .bearer_auth(&stack.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(got.status(), 200);
+    assert_eq!(got.headers()["content-type"], "application/octet-stream");
+    let back = got.bytes().await.unwrap();
+    assert_eq!(back.len(), data.len());
+    assert!(back.as_ref() == data.as_slice(), "the bytes differ");
+    // The sandbox sees the same file.
+    let (_, out) = stack.exec(&id, &["wc", "-c", "/root/data/blob.bin"]).await;
+    assert!(
+        out["stdout"]
+            .as_str()
+            .unwrap()
+            .starts_with(&ROUND_TRIP_BYTES.to_string()),
+        "{out}"
+    );
+
+    // A directory reads as a JSON listing, without the upload's temporary file.
+    let (status, listing) = stack
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files?path=/root/data"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{listing}");
+    let entries = listing["entries"].as_array().unwrap();
+    assert_eq!(entries.len(), 1, "{listing}");
+    assert_eq!(entries[0]["name"], "blob.bin");
+    assert_eq!(entries[0]["type"], "file");
+    assert_eq!(entries[0]["size"], ROUND_TRIP_BYTES as u64);
+
+    // Missing paths are 404, relative ones 400.
+    let (status, body) = stack
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files?path=/nope"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = stack
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files?path=etc"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+
+    // Exec with env, cwd and stdin.
+    let (status, out) = stack
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({
+                "cmd": ["sh", "-c", "echo $GREETING; pwd; cat"],
+                "env": {"GREETING": "hello"},
+                "cwd": "/root/data",
+                "stdin": "piped in",
+            })),
+        )
+        .await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["stdout"], "hello\n/root/data\npiped in");
+    assert_eq!(out["oom_killed"], false);
+
+    // A memory hog is killed, and the exec says so.
+    let (status, out) = stack
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({"cmd": ["dd", "if=/dev/zero", "of=/dev/null", "bs=400M", "count=1"]})),
+        )
+        .await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["exit_code"], 137, "{out}");
+    assert_eq!(out["oom_killed"], true, "{out}");
+
+    // Files of a stopped sandbox are a conflict.
+    stack.request(&id, "stop").await;
+    stack.wait_state(&id, "stopped").await;
+    let (status, body) = stack
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files?path=/"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 409, "{body}");
+    stack.delete(&id).await;
+    stack.wait_state(&id, "deleted").await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_gvisor_sandbox_stopped_through_the_api_keeps_its_processes(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    // The API lists the templates hostd knows, with the runtimes hostd uses for them.
+    let (_, templates) = stack.call(Method::GET, "/v1/templates", None).await;
+    for t in berth_hostd::template::TEMPLATES {
+        let row = templates
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == t.name)
+            .unwrap_or_else(|| panic!("{} is not in {templates}", t.name));
+        assert_eq!(row["runtime"], t.runtime, "{row}");
+    }
+    let host_runtimes: Vec<String> = sqlx::query_scalar("SELECT unnest(runtimes) FROM hosts")
+        .fetch_all(&stack.db)
+        .await
+        .unwrap();
+    assert!(
+        host_runtimes.contains(&"runsc".to_owned()),
+        "{host_runtimes:?}"
+    );
+
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "base-gvisor", "vcpus": 1, "memory_mib": 256})),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    let (_, out) = stack
+        .exec(
+            &id,
+            &[
+                "sh",
+                "-c",
+                "sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.1; done' </dev/null >/dev/null 2>&1 & echo $!",
+            ],
+        )
+        .await;
+    let pid = out["stdout"].as_str().unwrap().trim().to_owned();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    stack.request(&id, "stop").await;
+    let stopped = stack.wait_state(&id, "stopped").await;
+    assert_eq!(stopped["last_stop"], "memory", "{stopped}");
+    stack.request(&id, "start").await;
+    stack.wait_state(&id, "running").await;
+    let (_, out) = stack.exec(&id, &["kill", "-0", &pid]).await;
+    assert_eq!(out["exit_code"], 0, "the counter was not kept: {out}");
+    let before: u64 = stack.exec(&id, &["cat", "/root/count"]).await.1["stdout"]
+        .as_str()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let after: u64 = stack.exec(&id, &["cat", "/root/count"]).await.1["stdout"]
+        .as_str()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(after > before, "not counting: {before} → {after}");
+
+    stack.delete(&id).await;
+    stack.wait_state(&id, "deleted").await;
+    assert_eq!(stack.leftovers(&id), Vec::<String>::new());
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_hostd_killed_with_three_sandboxes_running_leaves_no_orphan_and_rows_converge(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db, 1).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(stack.create().await);
+    }
+    for id in &ids {
+        stack.wait_state(id, "running").await;
+        let (_, out) = stack
+            .exec(id, &["sh", "-c", "echo kept > /root/note"])
+            .await;
+        assert_eq!(out["exit_code"], 0, "{out}");
+    }
+
+    // kill -9: no shutdown path runs. While it is down, one sandbox is deleted and one stopped.
+    stack.hosts[0].stop(true).await;
+    let (status, body) = stack.delete(&ids[0]).await;
+    assert_eq!(status, 202, "{body}");
+    let (status, body) = stack.request(&ids[1], "stop").await;
+    assert_eq!(status, 202, "{body}");
+    // A stray this hostd made and no record accounts for: an overlay mount of a sandbox dir.
+    let stray = stack.hosts[0]
+        .state_dir
+        .join("sandboxes")
+        .join(berth_schemas::SandboxId::new().to_string());
+    for dir in ["rootfs", "lower"] {
+        std::fs::create_dir_all(stray.join(dir)).unwrap();
+    }
+    nix::mount::mount(
+        Some("tmpfs"),
+        &stray.join("rootfs"),
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=1m"),
+    )
+    .unwrap();
+
+    stack.restart_host(0).await;
+    stack.wait_state(&ids[0], "deleted").await;
+    let stopped = stack.wait_state(&ids[1], "stopped").await;
+    assert_eq!(stopped["last_stop"], "disk");
+    let running = stack.wait_state(&ids[2], "running").await;
+    assert!(running["address"].is_string());
+
+    // No orphan: the deleted sandbox left nothing, the stray mount is gone, one container runs.
+    assert_eq!(stack.leftovers(&ids[0]), Vec::<String>::new());
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    assert!(
+        !mounts.contains(&stray.to_string_lossy().into_owned()),
+        "the stray mount survived the restart"
+    );
+    let runc = std::process::Command::new("runc")
+        .arg("--root")
+        .arg(stack.hosts[0].runc_root())
+        .args(["list", "-q"])
+        .output()
+        .unwrap();
+    let containers: Vec<String> = String::from_utf8_lossy(&runc.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(containers, [ids[2].clone()], "containers after the restart");
+    let (_, out) = stack.exec(&ids[2], &["cat", "/root/note"]).await;
+    assert_eq!(out["stdout"], "kept\n");
+
+    // The stopped one starts again with its disk.
+    stack.request(&ids[1], "start").await;
+    stack.wait_state(&ids[1], "running").await;
+    let (_, out) = stack.exec(&ids[1], &["cat", "/root/note"]).await;
+    assert_eq!(out["stdout"], "kept\n");
+    eventually("capacity settles", || async {
+        berth_reconciler::pass::capacity_drift(&stack.db)
+            .await
+            .unwrap()
+            == (0, 0)
+    })
+    .await;
+    for id in &ids[1..] {
+        stack.delete(id).await;
+        stack.wait_state(id, "deleted").await;
+        assert_eq!(stack.leftovers(id), Vec::<String>::new());
+    }
+    stack.teardown().await;
+}
