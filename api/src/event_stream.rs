@@ -148,9 +148,7 @@ pub async fn stream(
     };
     drop(conn);
     let (tx, rx) = mpsc::channel(BUFFER);
-    let stop = shutdown
-        .map(|Extension(s)| s.0)
-        .unwrap_or_else(CancellationToken::new);
+    let stop = shutdown.map(|Extension(s)| s.0).unwrap_or_default();
     tokio::spawn(follow(app, caller, filter, start, tx, stop));
     let events = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|event| (Ok(event), rx))

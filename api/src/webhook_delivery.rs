@@ -224,7 +224,7 @@ async fn fan_out(db: &PgPool, batch: i64) -> Result<usize, sqlx::Error> {
         let webhook: WebhookId = hook.try_get("id")?;
         let types: Vec<String> = hook.try_get("event_types")?;
         let records = published_after(
-            &mut *tx,
+            &mut tx,
             hook.try_get("org_id")?,
             hook.try_get("cursor_seq")?,
             &EventFilter::default(),
