@@ -105,12 +105,29 @@ enum Cmd {
         #[arg(long, env = "DATABASE_URL")]
         database_url: String,
     },
+    /// Templates built once per machine (`python`: debootstrap from apt's mirror).
+    Template {
+        #[command(subcommand)]
+        command: TemplateCmd,
+    },
     /// Administrative tasks.
     Admin {
         #[arg(long, env = "DATABASE_URL")]
         database_url: String,
         #[command(subcommand)]
         command: AdminCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum TemplateCmd {
+    /// Build a template into the machine-wide cache every hostd reads (idempotent).
+    Build {
+        /// The template (`python`).
+        name: String,
+        /// The cache dir (hostd's `template_cache`).
+        #[arg(long, default_value = berth_hostd::template::DEFAULT_TEMPLATE_CACHE)]
+        cache_dir: PathBuf,
     },
 }
 
@@ -301,6 +318,14 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
         Cmd::Agent { .. } => unreachable!("handled before the runtime starts"),
         Cmd::Dev(args) => dev::run(args).await?,
         Cmd::Bench(args) => bench::run(args).await?,
+        Cmd::Template {
+            command: TemplateCmd::Build { name, cache_dir },
+        } => {
+            let rootfs = berth_hostd::template::build_cached(&name, &cache_dir)
+                .await
+                .map_err(|e| anyhow::anyhow!(e.report()))?;
+            println!("template {name}: {}", rootfs.display());
+        }
         Cmd::Migrate { database_url } => {
             let db = connect_db(&database_url).await?;
             berth_schemas::db::MIGRATOR.run(&db).await?;

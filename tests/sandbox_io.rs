@@ -311,3 +311,59 @@ async fn a_hostd_killed_with_three_sandboxes_running_leaves_no_orphan_and_rows_c
     }
     stack.teardown().await;
 }
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_python_sandbox_runs_python3_and_keeps_its_interpreter_across_a_stop(db: PgPool) {
+    // Built once per machine (debootstrap from apt's mirror); a no-op when cached.
+    let cache = std::path::Path::new(berth_hostd::template::DEFAULT_TEMPLATE_CACHE);
+    berth_hostd::template::build_cached("python", cache)
+        .await
+        .expect("build the python template");
+    let stack = Stack::start(db, 1).await;
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "python", "vcpus": 1, "memory_mib": 512})),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    let (status, out) = stack
+        .exec(&id, &["python3", "-c", "print(sum(range(10)))"])
+        .await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["stdout"], "45\n", "{out}");
+
+    // A python process holding state in memory survives a stop/start.
+    let (_, out) = stack
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(json!({
+                "cmd": ["sh", "-c", "python3 -c \"import time\nx = 0\nwhile True:\n    x += 1\n    open('/root/x', 'w').write(str(x))\n    time.sleep(0.1)\n\" </dev/null >/dev/null 2>&1 & echo $!"],
+            })),
+        )
+        .await;
+    let pid = out["stdout"].as_str().unwrap().trim().to_owned();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    stack.request(&id, "stop").await;
+    let stopped = stack.wait_state(&id, "stopped").await;
+    assert_eq!(stopped["last_stop"], "memory", "{stopped}");
+    stack.request(&id, "start").await;
+    stack.wait_state(&id, "running").await;
+    // Debian minbase has no kill binary; the shell's builtin does.
+    let (_, out) = stack
+        .exec(&id, &["sh", "-c", &format!("kill -0 {pid}")])
+        .await;
+    assert_eq!(
+        out["exit_code"], 0,
+        "the python process was not kept: {out}"
+    );
+
+    stack.delete(&id).await;
+    stack.wait_state(&id, "deleted").await;
+    assert_eq!(stack.leftovers(&id), Vec::<String>::new());
+    stack.teardown().await;
+}

@@ -220,6 +220,9 @@ async fn run(
         AgentReply::Failed(AgentFailure::NotRunning) => {
             (ExecReply::Failed(ExecError::NotRunning), false)
         }
+        AgentReply::Failed(AgentFailure::Agent(message)) => {
+            (ExecReply::Failed(ExecError::Agent(message)), false)
+        }
         AgentReply::Failed(other) => (
             ExecReply::Failed(ExecError::Agent(format!("{other:?}"))),
             false,

@@ -190,6 +190,31 @@ impl Templates {
     }
 }
 
+/// Builds template `name` into `cache` if it is built once per machine (`python`), for
+/// `berth template build`; returns its root filesystem. Busybox templates are built by each
+/// hostd on first use and need no build ahead of time.
+///
+/// Errors: [`HostdError::UnknownTemplate`] (also for a per-hostd template); build errors as
+/// [`Templates::ensure`].
+pub async fn build_cached(name: &str, cache: &Path) -> Result<PathBuf, HostdError> {
+    let def = lookup(name)?;
+    if def.source == Source::Busybox {
+        return Err(HostdError::UnknownTemplate {
+            name: name.to_owned(),
+            known: TEMPLATES
+                .iter()
+                .filter(|t| t.source != Source::Busybox)
+                .map(|t| t.name)
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    }
+    // The per-hostd dir is never used for a cached template.
+    Templates::new(cache.join(".unused"), cache.to_path_buf())
+        .ensure(name)
+        .await
+}
+
 /// Where debootstrap fetches packages from: the mirror and suite apt uses on this machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DebianSource {
