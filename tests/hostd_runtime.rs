@@ -1183,3 +1183,81 @@ async fn agent_requests(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_whose_agent_dies_is_reported_unhealthy() -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(agent_dies(h))).await
+}
+
+async fn agent_dies(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    succeeded_address(&h.send(&h.command(sandbox, 1, CommandKind::Create)).await?)?;
+    h.heartbeat_with(sandbox, GuestStatus::Running).await?;
+    // The exec's parent is the agent's server process: kill it.
+    let reply = h
+        .exec(sandbox, &["sh", "-c", "kill -9 $PPID"], EXEC_TIMEOUT_MS)
+        .await?;
+    ensure!(
+        matches!(reply, ExecReply::Failed(ExecError::Agent(_))),
+        "the exec outlived its agent: {reply:?}"
+    );
+    h.heartbeat_with(sandbox, GuestStatus::Unhealthy).await?;
+    // A start brings it back.
+    succeeded_address(&h.send(&h.command(sandbox, 2, CommandKind::Start)).await?)?;
+    h.heartbeat_with(sandbox, GuestStatus::Running).await?;
+    let deleted = h.send(&h.command(sandbox, 3, CommandKind::Delete)).await?;
+    ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_hostd_sweeps_its_stray_network_and_keeps_other_hosts_objects(
+) -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(sweep_strays(h))).await
+}
+
+async fn sweep_strays(h: &mut Harness) -> anyhow::Result<()> {
+    h.stop_hostd().await?;
+    let pool = berth_hostd::address::AddressPool::new(h.config.address_pool);
+    // Ours: marked with this host's id, no record.
+    let ours = SandboxId::new();
+    let ours_names = h.names(ours);
+    h.sandboxes.lock().expect("not poisoned").push(ours);
+    berth_hostd::netns::ensure(
+        &ours_names,
+        &pool.link(berth_hostd::address::Slot(7)),
+        &berth_hostd::netns::owner_alias(h.host_id, ours),
+    )
+    .await?;
+    // Another host's: the same shape, another host id. It must survive.
+    let other_host = HostId::new();
+    let theirs = SandboxId::new();
+    let their_names = SandboxNames::derive(other_host, theirs);
+    berth_hostd::netns::ensure(
+        &their_names,
+        &pool.link(berth_hostd::address::Slot(8)),
+        &berth_hostd::netns::owner_alias(other_host, theirs),
+    )
+    .await?;
+    h.start_hostd();
+    // The first heartbeat follows the sweep.
+    let deadline = tokio::time::Instant::now() + HEARTBEAT_TIMEOUT;
+    tokio::time::timeout_at(deadline, h.heartbeats.next())
+        .await
+        .context("no heartbeat after the restart")?;
+    let netns = run("ip", &["netns", "list"]).await?;
+    let links = run("ip", &["-o", "link"]).await?;
+    let theirs_kept = netns.contains(&their_names.netns) && links.contains(&their_names.veth_host);
+    let _ = run("ip", &["link", "del", &their_names.veth_host]).await;
+    let _ = run("ip", &["netns", "del", &their_names.netns]).await;
+    ensure!(
+        !netns.contains(&ours_names.netns),
+        "our stray netns survived"
+    );
+    ensure!(
+        !links.contains(&ours_names.veth_host),
+        "our stray veth survived"
+    );
+    ensure!(theirs_kept, "another host's network was swept");
+    Ok(())
+}
