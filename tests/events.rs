@@ -98,8 +98,31 @@ async fn read_stream(
 #[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
 async fn lifecycle_events_are_on_the_event_stream_as_cloudevents_with_stable_ids(db: PgPool) {
     let stack = Stack::start(db, 1).await;
+    let mut commands = stack
+        .nats
+        .subscribe(stack.subjects.cmd_all())
+        .await
+        .unwrap();
     let id = stack.create().await;
     stack.wait_state(&id, "running").await;
+
+    // Commands carry W3C trace context whose trace id is the command id.
+    let create = tokio::time::timeout(EVENT_TIMEOUT, commands.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let create_id: uuid::Uuid = sqlx::query_scalar(
+        "SELECT id FROM commands WHERE sandbox_id = $1::uuid AND kind = 'sandbox.create'",
+    )
+    .bind(&id)
+    .fetch_one(&stack.db)
+    .await
+    .unwrap();
+    let traceparent = create.headers.as_ref().unwrap().get("traceparent").unwrap();
+    let trace = berth_schemas::trace::TraceParent::parse(traceparent.as_str()).unwrap();
+    assert_eq!(trace.trace_id_hex(), create_id.simple().to_string());
+    drop(commands);
+
     assert_eq!(stack.request(&id, "stop").await.0, 202);
     stack.wait_state(&id, "stopped").await;
     assert_eq!(stack.delete(&id).await.0, 202);

@@ -6,6 +6,8 @@
 //!   between the ack and the mark re-publishes it, and JetStream drops the duplicate by
 //!   `Nats-Msg-Id` (= command id) within its duplicate window.
 //! - Several relays may run: rows are claimed with `FOR UPDATE SKIP LOCKED`.
+//! - Each command message carries a W3C `traceparent` header whose trace id is the command id
+//!   ([`berth_schemas::trace`]), published inside a `command.publish` span.
 //! - Woken by `LISTEN berth_outbox` (a trigger notifies on insert), with a polling fallback of
 //!   [`POLL_INTERVAL`] in case a notification is lost while the listener reconnects.
 
@@ -14,11 +16,12 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_nats::HeaderMap;
 use berth_schemas::db::OUTBOX_CHANNEL;
-use berth_schemas::{CommandId, HostId, Subjects};
+use berth_schemas::trace::{TraceParent, TRACEPARENT};
+use berth_schemas::{CommandId, HostId, SandboxId, Subjects};
 use sqlx::postgres::PgListener;
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, info_span, warn, Instrument};
 
 /// The polling fallback when no notification arrives.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(1);
@@ -145,7 +148,7 @@ pub async fn drain(
         .fetch_all(&mut *tx)
         .await?;
         let rows = sqlx::query(
-            "SELECT id, host_id, kind, payload FROM commands
+            "SELECT id, sandbox_id, host_id, kind, payload FROM commands
               WHERE id = ANY($1) AND published_at IS NULL
               ORDER BY created_at
               FOR UPDATE SKIP LOCKED",
@@ -166,8 +169,15 @@ pub async fn drain(
             let payload: Vec<u8> = row.get("payload");
             let mut headers = HeaderMap::new();
             headers.insert(async_nats::header::NATS_MESSAGE_ID, id.to_string().as_str());
+            // Trace context for hostd and the reconciler: the trace id is the command id.
+            let trace = TraceParent::for_command(id, rand::random());
+            headers.insert(TRACEPARENT, trace.to_header().as_str());
+            let sandbox: SandboxId = row.get("sandbox_id");
+            let span = info_span!("command.publish", command_id = %id, sandbox_id = %sandbox,
+                host_id = %host, kind = %kind, trace_id = %trace.trace_id_hex());
             match js
                 .publish_with_headers(subjects.cmd(host), headers, payload.into())
+                .instrument(span)
                 .await
             {
                 Ok(ack) => pending.push((id, kind, ack)),
