@@ -293,7 +293,11 @@ async fn time_out_commands(
         "SELECT c.kind AS command_kind, {cols}
            FROM commands c JOIN sandboxes s ON s.id = c.sandbox_id
           WHERE c.completed_at IS NULL
-            AND c.kind IN ('sandbox.create', 'sandbox.start', 'sandbox.stop')
+            -- Only a command its sandbox still waits on: a compensation queued at the
+            -- current generation of a failed-start sandbox is not, and must not fail it again.
+            AND (c.kind, s.state) IN (('sandbox.create', 'provisioning'),
+                                      ('sandbox.start', 'starting'),
+                                      ('sandbox.stop', 'stopping'))
             AND c.generation = s.generation AND s.deleted_at IS NULL
             AND c.created_at < now() - make_interval(secs => CASE c.kind
                     WHEN 'sandbox.create' THEN $1

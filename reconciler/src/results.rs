@@ -246,9 +246,21 @@ pub async fn apply(db: &PgPool, result: &CommandResult) -> Result<Applied, sqlx:
         // The first terminal result for a generation wins. A success that contradicts it
         // (the row already failed this boot) is undone on the host, never applied.
         if let Some(kind) = compensation_for(state, result.kind, outcome) {
-            compensate(&mut tx, result, &row, generation, kind).await?;
-            tx.commit().await?;
-            return Ok(Applied::Compensated);
+            // Once per generation: a redelivered late success finds its compensation queued.
+            let queued: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM commands
+                                 WHERE sandbox_id = $1 AND generation = $2 AND kind = $3)",
+            )
+            .bind(result.sandbox_id)
+            .bind(generation)
+            .bind(kind.as_str())
+            .fetch_one(&mut *tx)
+            .await?;
+            if !queued {
+                compensate(&mut tx, result, &row, generation, kind).await?;
+                tx.commit().await?;
+                return Ok(Applied::Compensated);
+            }
         }
         tx.commit().await?;
         return Ok(Applied::Duplicate);

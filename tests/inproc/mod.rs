@@ -1,0 +1,349 @@
+//! An in-process control plane for tests that need no hostd: the real API router (driven
+//! request by request with `tower::ServiceExt::oneshot`), host rows written through the real
+//! heartbeat apply, and host results synthesized from the commands the API wrote to the
+//! outbox.
+//!
+//! Everything here runs against the real Postgres (the test's fresh database) and, where a
+//! part needs it, the real NATS.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, Method, Request};
+use berth_schemas::wire::{
+    self, Command, CommandResult, Heartbeat, Resources, ResultOutcome, RuntimeInfo,
+};
+use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
+use serde_json::Value;
+use sqlx::{PgPool, Row};
+use tower::ServiceExt;
+
+/// NATS the tests use.
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// Twelve random hex characters: a subject prefix, an org name.
+pub fn unique() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
+}
+
+/// A subject prefix no other test uses (`t<12 hex>`).
+pub fn unique_subjects() -> Subjects {
+    Subjects::new(&format!("t{}", unique())).expect("a hex prefix is valid")
+}
+
+/// Placement and starts only consider hosts heard from within this window; long, so a host
+/// registered at the start of a test stays placeable for all of it.
+pub const TEST_HEARTBEAT_FRESHNESS: Duration = Duration::from_secs(3600);
+
+/// Registers (or refreshes) a `ready` host through the scheduler's real heartbeat apply.
+pub async fn heartbeat(db: &PgPool, host: HostId, capacity: Resources) {
+    berth_scheduler::heartbeat::apply(
+        db,
+        &Heartbeat {
+            host_id: host,
+            name: format!("test-{host}"),
+            seq: 1,
+            capacity,
+            used: Resources::default(),
+            runtimes: vec![RuntimeInfo {
+                name: "runc".into(),
+                memory_snapshot: false,
+            }],
+            inventory: Vec::new(),
+        },
+    )
+    .await
+    .expect("heartbeat apply");
+}
+
+/// An org and its API key.
+#[derive(Debug, Clone)]
+pub struct Org {
+    pub id: OrgId,
+    pub key: String,
+}
+
+/// Creates an org with a unique name through the API's own org creation.
+pub async fn org(db: &PgPool) -> Org {
+    let (id, key) = berth_api::auth::create_org(db, &format!("org-{}", unique()))
+        .await
+        .expect("create org");
+    Org { id, key }
+}
+
+/// The API's real router over the test database.
+#[derive(Clone)]
+pub struct Api {
+    router: axum::Router,
+}
+
+/// One HTTP answer: status and JSON body (`Value::Null` when the body is empty).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reply {
+    pub status: u16,
+    pub body: Value,
+}
+
+impl Reply {
+    /// `error.code` of an error body.
+    pub fn code(&self) -> &str {
+        self.body["error"]["code"].as_str().unwrap_or("")
+    }
+}
+
+impl Api {
+    /// The router with a real NATS client (used only by exec) and a long heartbeat freshness.
+    pub fn new(db: PgPool, nats: async_nats::Client, subjects: Subjects) -> Self {
+        let addr = "127.0.0.1:0".parse().expect("a socket address");
+        let mut config = berth_api::ApiConfig::new(addr, subjects.clone());
+        config.heartbeat_freshness = TEST_HEARTBEAT_FRESHNESS;
+        let state = berth_api::AppState {
+            db,
+            nats,
+            subjects,
+            config,
+            prometheus: berth_api::metrics::handle(),
+        };
+        Self {
+            router: berth_api::router(state),
+        }
+    }
+
+    /// Sends one request as the holder of `key`, with an `Idempotency-Key` when given.
+    pub async fn call(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        idempotency_key: Option<&str>,
+        body: Option<&str>,
+    ) -> Reply {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::AUTHORIZATION, format!("Bearer {key}"));
+        if let Some(k) = idempotency_key {
+            req = req.header("idempotency-key", k);
+        }
+        let req = match body {
+            Some(b) => req
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(b.to_owned())),
+            None => req.body(Body::empty()),
+        }
+        .expect("a well-formed request");
+        let resp = self
+            .router
+            .clone()
+            .oneshot(req)
+            .await
+            .expect("the router is infallible");
+        let status = resp.status().as_u16();
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .expect("read the response body");
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
+        };
+        Reply { status, body }
+    }
+
+    /// `POST /v1/sandboxes` with `body`; panics unless it is accepted. Returns the sandbox id.
+    pub async fn create(&self, key: &str, body: &str) -> SandboxId {
+        let reply = self
+            .call(key, Method::POST, "/v1/sandboxes", None, Some(body))
+            .await;
+        assert_eq!(reply.status, 202, "create: {}", reply.body);
+        reply.body["id"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .expect("the created sandbox's id")
+    }
+
+    /// `POST /v1/sandboxes/{id}/{verb}` (or `DELETE` for `delete`), without an idempotency key.
+    pub async fn lifecycle(&self, key: &str, id: SandboxId, verb: &str) -> Reply {
+        if verb == "delete" {
+            self.call(
+                key,
+                Method::DELETE,
+                &format!("/v1/sandboxes/{id}"),
+                None,
+                None,
+            )
+            .await
+        } else {
+            self.call(
+                key,
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/{verb}"),
+                None,
+                None,
+            )
+            .await
+        }
+    }
+}
+
+/// A command as the outbox holds it, its payload decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxCommand {
+    pub id: CommandId,
+    pub sandbox_id: SandboxId,
+    pub host_id: HostId,
+    pub kind: CommandKind,
+    pub generation: Generation,
+    pub completed: bool,
+    pub published: bool,
+    /// The decoded payload.
+    pub command: Command,
+}
+
+/// Reads commands matching `filter` (a condition on the alias `c`), oldest first; checks that
+/// every payload decodes to the command its columns describe.
+pub async fn commands_where(db: &PgPool, filter: &str, bind: uuid::Uuid) -> Vec<OutboxCommand> {
+    let rows = sqlx::query(&format!(
+        "SELECT c.id, c.sandbox_id, c.host_id, c.kind, c.generation, c.payload,
+                c.completed_at IS NOT NULL AS completed, c.published_at IS NOT NULL AS published
+           FROM commands c
+          WHERE {filter}
+          ORDER BY c.created_at, c.id"
+    ))
+    .bind(bind)
+    .fetch_all(db)
+    .await
+    .expect("read commands");
+    rows.iter()
+        .map(|r| {
+            let payload: Vec<u8> = r.get("payload");
+            let command: Command = wire::decode(&payload).expect("a command payload decodes");
+            let kind: String = r.get("kind");
+            assert_eq!(command.kind.as_str(), kind, "payload kind = column kind");
+            assert_eq!(
+                command.id,
+                r.get::<CommandId, _>("id"),
+                "payload id = row id"
+            );
+            assert_eq!(command.sandbox_id, r.get::<SandboxId, _>("sandbox_id"));
+            assert_eq!(command.generation, r.get::<Generation, _>("generation"));
+            OutboxCommand {
+                id: command.id,
+                sandbox_id: command.sandbox_id,
+                host_id: r.get("host_id"),
+                kind: command.kind,
+                generation: command.generation,
+                completed: r.get("completed"),
+                published: r.get("published"),
+                command,
+            }
+        })
+        .collect()
+}
+
+/// Every command of one sandbox, oldest first.
+pub async fn commands_of(db: &PgPool, sandbox: SandboxId) -> Vec<OutboxCommand> {
+    commands_where(db, "c.sandbox_id = $1", sandbox.as_uuid()).await
+}
+
+/// What a host would report for `command`.
+pub fn result_for(command: &OutboxCommand, outcome: ResultOutcome) -> CommandResult {
+    CommandResult {
+        command_id: command.id,
+        sandbox_id: command.sandbox_id,
+        host_id: command.host_id,
+        generation: command.generation,
+        kind: command.kind,
+        outcome,
+    }
+}
+
+/// A success as hostd reports it (an address when the sandbox runs).
+pub fn succeeded(kind: CommandKind) -> ResultOutcome {
+    ResultOutcome::Succeeded {
+        address: matches!(kind, CommandKind::Create | CommandKind::Start)
+            .then(|| "10.99.0.2".to_owned()),
+        last_stop: (kind == CommandKind::Stop).then_some(wire::StopMode::Disk),
+    }
+}
+
+/// A runtime failure.
+pub fn failed() -> ResultOutcome {
+    ResultOutcome::Failed {
+        reason: "runtime failed (synthesized by the test)".into(),
+    }
+}
+
+/// One sandbox row as the lifecycle guarantees look at it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowView {
+    pub state: String,
+    pub generation: i64,
+    pub holds_capacity: bool,
+    pub deleting: bool,
+}
+
+/// Reads one sandbox row.
+pub async fn row(db: &PgPool, id: SandboxId) -> RowView {
+    let r = sqlx::query(
+        "SELECT state, generation, holds_capacity, deleted_at IS NOT NULL AS deleting
+           FROM sandboxes WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_one(db)
+    .await
+    .expect("read the sandbox row");
+    RowView {
+        state: r.get("state"),
+        generation: r.get("generation"),
+        holds_capacity: r.get("holds_capacity"),
+        deleting: r.get("deleting"),
+    }
+}
+
+/// `(reserved_vcpus, reserved_memory_mib)` of one host.
+pub async fn reserved(db: &PgPool, host: HostId) -> (i64, i64) {
+    sqlx::query_as("SELECT reserved_vcpus::int8, reserved_memory_mib FROM hosts WHERE id = $1")
+        .bind(host)
+        .fetch_one(db)
+        .await
+        .expect("read the host's reservation")
+}
+
+/// The `to_state` of every event of one sandbox, in commit order.
+pub async fn event_states(db: &PgPool, id: SandboxId) -> Vec<String> {
+    sqlx::query_scalar("SELECT to_state FROM events WHERE sandbox_id = $1 ORDER BY at, id")
+        .bind(id)
+        .fetch_all(db)
+        .await
+        .expect("read events")
+}
+
+/// A pass configuration whose command timeouts fire at once, and nothing else ever does.
+pub fn eager_timeouts() -> berth_reconciler::pass::PassConfig {
+    berth_reconciler::pass::PassConfig {
+        create_timeout: Duration::ZERO,
+        start_timeout: Duration::ZERO,
+        stop_timeout: Duration::ZERO,
+        // The test's heartbeats carry no inventory; never judge a guest by it.
+        inventory_grace: Duration::from_secs(365 * 24 * 3600),
+        ..Default::default()
+    }
+}
+
+/// Takes the reconciler lease for the whole test.
+pub async fn lease(db: &PgPool) -> berth_reconciler::lease::Lease {
+    berth_reconciler::lease::acquire(
+        db,
+        berth_reconciler::LEASE_NAME,
+        uuid::Uuid::now_v7(),
+        Duration::from_secs(3600),
+    )
+    .await
+    .expect("acquire the lease")
+    .expect("nobody else holds the lease in a fresh database")
+}
