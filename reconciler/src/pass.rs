@@ -492,6 +492,9 @@ async fn purge(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, P
         "DELETE FROM sandboxes WHERE id IN (
              SELECT id FROM sandboxes
               WHERE state = 'deleted' AND updated_at < now() - make_interval(secs => $1)
+                -- Keep a tombstone until its events are out: purging cascades to them.
+                AND NOT EXISTS (SELECT 1 FROM events e
+                                 WHERE e.sandbox_id = sandboxes.id AND e.published_at IS NULL)
               LIMIT $2 FOR UPDATE SKIP LOCKED)
          RETURNING id",
     )
