@@ -342,6 +342,8 @@ impl Harness {
             let _ = run("ip", &["link", "del", &names.veth_host]).await;
             let _ = run("ip", &["netns", "del", &names.netns]).await;
         }
+        let table = berth_hostd::layout::firewall_table(self.host_id);
+        let _ = run("nft", &["delete", "table", "inet", &table]).await;
         let _ = self.js.delete_stream(self.subjects.cmd_stream()).await;
         let _ = self.js.delete_stream(self.subjects.result_stream()).await;
         let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();

@@ -192,6 +192,25 @@ impl Host {
         crate::cgroup::oom_kills(pid).ok()?
     }
 
+    /// Admits a sandbox's link into the firewall table; when that fails (the table went
+    /// missing, say), reinstalls the table from the live records plus `link`.
+    ///
+    /// Errors: [`HostdError::Nft`] from the reinstall.
+    pub async fn admit_to_firewall(
+        &self,
+        link: &crate::address::LinkAddresses,
+    ) -> Result<(), HostdError> {
+        let Err(first) = self.firewall.admit(link).await else {
+            return Ok(());
+        };
+        tracing::warn!(error = %first.report(), "firewall admit failed; reinstalling the table");
+        let mut links: Vec<_> = self.snapshot().iter().filter_map(|r| r.link).collect();
+        if !links.contains(link) {
+            links.push(*link);
+        }
+        self.firewall.install(&links).await
+    }
+
     /// Every container of every runtime this host offers, by id.
     ///
     /// Errors: [`HostdError`] from a runtime's `list`.

@@ -207,6 +207,7 @@ async fn run_as(
         config.subjects.clone(),
         stop.clone(),
     ));
+    let holder = host.clone();
     let consumed = commands::consume(host, js, config.subjects.clone(), stop.clone()).await;
     stop.cancel();
     let exec = exec.await.map_err(|e| HostdError::Io {
@@ -220,6 +221,13 @@ async fn run_as(
     let _ = heartbeats.await;
     if let Err(e) = nats.flush().await {
         tracing::debug!(error = %e, "flush at shutdown failed");
+    }
+    // Sandboxes outlive hostd and keep their table; a hostd holding none leaves no table
+    // behind (the next start installs it again).
+    if holder.snapshot().is_empty() {
+        if let Err(e) = holder.firewall.uninstall().await {
+            tracing::warn!(error = %e.report(), "firewall table not removed");
+        }
     }
     tracing::info!(%host_id, "hostd stopped");
     consumed.and(exec).and(agent_ops)

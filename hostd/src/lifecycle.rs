@@ -269,7 +269,7 @@ impl Host {
             });
         }
         netns::ensure(&names, &link, &netns::owner_alias(self.host_id, id)).await?;
-        self.firewall.admit(&link).await?;
+        self.admit_to_firewall(&link).await?;
 
         let rootfs = paths.rootfs();
         if fresh || !overlay::is_mounted(&rootfs)? {

@@ -515,6 +515,12 @@ impl Stack {
         for host in &mut self.hosts {
             host.thaw_if_frozen();
             host.stop(false).await;
+            // A hostd that still held sandboxes kept its nftables table.
+            let table = berth_hostd::layout::firewall_table(host.host_id);
+            let _ = std::process::Command::new("nft")
+                .args(["delete", "table", "inet", &table])
+                .stderr(Stdio::null())
+                .status();
         }
         self.shutdown.cancel();
         for task in self.tasks.drain(..) {
