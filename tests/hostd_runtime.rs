@@ -1365,3 +1365,66 @@ async fn egress(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_hog_on_gvisor_takes_its_sandbox_down_and_the_exec_says_oom() -> anyhow::Result<()>
+{
+    with_harness(|h| Box::pin(gvisor_oom(h))).await
+}
+
+/// On gVisor the guest's processes live inside one host process (the Sentry), so the memory
+/// cgroup's OOM kill takes the whole sandbox down; the exec says so, the heartbeat says the
+/// sandbox is unhealthy, and a start boots it again from its disk.
+async fn gvisor_oom(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    let create = h.command_with_template(sandbox, 1, CommandKind::Create, "base-gvisor");
+    succeeded_address(&h.send(&create).await?)?;
+    let (code, _, _) = finished(
+        &h.exec(
+            sandbox,
+            &["sh", "-c", "echo kept > /root/note"],
+            EXEC_TIMEOUT_MS,
+        )
+        .await?,
+    )?;
+    ensure!(code == 0);
+    let hog = exec_spec(
+        &["dd", "if=/dev/zero", "of=/dev/null", "bs=400M", "count=1"],
+        8_000,
+    );
+    let started = std::time::Instant::now();
+    match h.agent(sandbox, AgentOp::Exec(hog)).await? {
+        AgentReply::Exec {
+            exit_code: 137,
+            oom_killed: true,
+            ..
+        } => {}
+        other => bail!("memory hog on gVisor: {other:?}"),
+    }
+    ensure!(
+        started.elapsed() < Duration::from_secs(6),
+        "the OOM was noticed only after {:?}",
+        started.elapsed()
+    );
+    h.heartbeat_with(sandbox, GuestStatus::Unhealthy).await?;
+    // An exec now fails fast instead of waiting out its timeout.
+    let started = std::time::Instant::now();
+    let reply = h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?;
+    ensure!(
+        matches!(reply, ExecReply::Failed(ExecError::Agent(_))),
+        "{reply:?}"
+    );
+    ensure!(started.elapsed() < Duration::from_secs(6));
+    let restarted = h
+        .send(&h.command_with_template(sandbox, 2, CommandKind::Start, "base-gvisor"))
+        .await?;
+    succeeded_address(&restarted)?;
+    let (_, note, _) = finished(
+        &h.exec(sandbox, &["cat", "/root/note"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(note == "kept\n", "{note:?}");
+    let deleted = h.send(&h.command(sandbox, 3, CommandKind::Delete)).await?;
+    ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
+    Ok(())
+}

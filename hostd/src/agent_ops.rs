@@ -29,6 +29,14 @@ use crate::host::Host;
 /// How long one file operation may take at the agent.
 pub const FILE_OP_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How often a running exec checks that its sandbox still runs. A gVisor sandbox killed whole
+/// (by its memory limit, say) resets no connection, so the agent's silence alone would only
+/// end at the exec's timeout.
+pub const EXEC_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The exit code reported for an exec whose sandbox its memory limit killed (128 + SIGKILL).
+const OOM_EXIT_CODE: i32 = 137;
+
 /// Serves agent requests until `shutdown`, each in its own task.
 ///
 /// Errors: [`HostdError::Nats`] when the subscription cannot be made.
@@ -88,6 +96,9 @@ pub async fn run(host: &Host, request: AgentRequest) -> AgentReply {
         Err(ExecError::NotFound) => return AgentReply::Failed(AgentFailure::NotFound),
         Err(_) => return AgentReply::Failed(AgentFailure::NotRunning),
     };
+    if host.runtimes.simulated() {
+        return crate::runtime::sim::agent(&request.op);
+    }
     if let Some(path) = relative_path(&request.op) {
         return AgentReply::Failed(AgentFailure::Agent(format!(
             "path {path:?} is not absolute"
@@ -139,26 +150,48 @@ fn relative_path(op: &AgentOp) -> Option<&str> {
     paths.into_iter().find(|p| !p.starts_with('/'))
 }
 
-/// Runs an exec, counting the sandbox's OOM kills before and after it.
+/// Runs an exec, counting the sandbox's OOM kills before and after it, and watching that the
+/// sandbox still runs.
 async fn exec(
     host: &Host,
     sandbox: berth_schemas::SandboxId,
     address: SocketAddr,
     spec: ExecSpec,
 ) -> AgentReply {
-    let before = host.oom_kills(sandbox).await;
-    let result = client::exec_with(
+    let counter = host.oom_counter(sandbox).await;
+    let count = || counter.as_deref().and_then(crate::cgroup::read_oom_kills);
+    let before = count();
+    let call = client::exec_with(
         address,
         spec.argv,
         spec.env,
         spec.cwd,
         spec.stdin,
         spec.timeout_ms,
-    )
-    .await;
+    );
+    let result = tokio::select! {
+        result = call => result,
+        () = host.stopped_running(sandbox, EXEC_LIVENESS_INTERVAL) => {
+            let oom_killed = matches!((before, count()), (Some(b), Some(a)) if a > b);
+            tracing::warn!(oom_killed, "the sandbox stopped during an exec");
+            return if oom_killed {
+                AgentReply::Exec {
+                    exit_code: OOM_EXIT_CODE,
+                    stdout: Vec::new(),
+                    stderr: b"the sandbox was killed by its memory limit\n".to_vec(),
+                    timed_out: false,
+                    oom_killed,
+                }
+            } else {
+                AgentReply::Failed(AgentFailure::Agent(
+                    "the sandbox stopped during the exec".into(),
+                ))
+            };
+        }
+    };
     match result {
         Ok(ExecResult::Finished(out)) => {
-            let after = host.oom_kills(sandbox).await;
+            let after = count();
             let oom_killed = matches!((before, after), (Some(b), Some(a)) if a > b);
             tracing::debug!(
                 exit_code = out.exit_code,

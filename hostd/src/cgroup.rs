@@ -17,15 +17,21 @@ const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 ///
 /// Errors: none today; reserved for a cgroup that exists but can't be read.
 pub fn oom_kills(pid: i64) -> Result<Option<u64>, HostdError> {
-    let Ok(table) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
-        return Ok(None);
-    };
-    let Some(counter) = oom_counter_file(&table) else {
-        return Ok(None);
-    };
-    Ok(std::fs::read_to_string(&counter)
+    Ok(oom_counter_of(pid).and_then(|file| read_oom_kills(&file)))
+}
+
+/// The file counting OOM kills in the memory cgroup of process `pid`, if it can be found.
+/// Keep it to read the count again after the process is gone (a gVisor sandbox killed whole).
+pub fn oom_counter_of(pid: i64) -> Option<PathBuf> {
+    let table = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    oom_counter_file(&table)
+}
+
+/// The `oom_kill` count in `file` (from [`oom_counter_of`]); `None` when it is gone.
+pub fn read_oom_kills(file: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(file)
         .ok()
-        .and_then(|text| parse_oom_kill(&text)))
+        .and_then(|text| parse_oom_kill(&text))
 }
 
 /// The file holding the `oom_kill` counter for a `/proc/<pid>/cgroup` table: the v1 memory

@@ -183,13 +183,37 @@ impl Host {
     /// The OOM kills counted in the sandbox's memory cgroup, when it runs and the count can be
     /// read.
     pub async fn oom_kills(&self, sandbox: SandboxId) -> Option<u64> {
+        crate::cgroup::read_oom_kills(&self.oom_counter(sandbox).await?)
+    }
+
+    /// The file counting OOM kills in the sandbox's memory cgroup, when it runs.
+    pub async fn oom_counter(&self, sandbox: SandboxId) -> Option<std::path::PathBuf> {
         let record = self.live(sandbox)?;
         let runtime = self.runtime_of(&record).ok()?;
         let pid = runtime
             .pid(&self.names(sandbox).container_id)
             .await
             .ok()??;
-        crate::cgroup::oom_kills(pid).ok()?
+        crate::cgroup::oom_counter_of(pid)
+    }
+
+    /// Resolves once the sandbox's container no longer runs (polled every `interval`); never
+    /// while it runs.
+    pub async fn stopped_running(&self, sandbox: SandboxId, interval: std::time::Duration) {
+        let Some(record) = self.live(sandbox) else {
+            return;
+        };
+        let Ok(runtime) = self.runtime_of(&record) else {
+            return;
+        };
+        let container_id = self.names(sandbox).container_id;
+        loop {
+            tokio::time::sleep(interval).await;
+            match runtime.status(&container_id).await {
+                Ok(Some(ContainerStatus::Running)) | Err(_) => {}
+                Ok(_) => return,
+            }
+        }
     }
 
     /// Admits a sandbox's link into the firewall table; when that fails (the table went

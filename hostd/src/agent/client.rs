@@ -12,6 +12,11 @@ use crate::error::HostdError;
 /// How long a ping (connect, request, answer) may take.
 pub const PING_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long connecting to an agent may take. A live agent answers in milliseconds; a dead
+/// gVisor sandbox answers nothing (no reset), which would otherwise hold a call until its
+/// whole timeout.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Extra time an exec answer may take beyond the command's own timeout (spawn, output
 /// transfer, the agent's reader grace).
 pub const EXEC_REPLY_GRACE: Duration = Duration::from_secs(5);
@@ -26,8 +31,9 @@ pub async fn call(
 ) -> Result<Response, HostdError> {
     let agent_err = |reason: String| HostdError::Agent { address, reason };
     let exchange = async {
-        let mut stream = TcpStream::connect(address)
+        let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
             .await
+            .map_err(|_| agent_err(format!("connect: no answer within {CONNECT_TIMEOUT:?}")))?
             .map_err(|e| agent_err(format!("connect: {e}")))?;
         let mut line = serde_json::to_vec(request).map_err(|e| agent_err(e.to_string()))?;
         line.push(b'\n');
