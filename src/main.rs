@@ -90,6 +90,14 @@ enum Cmd {
         /// Memory offered to sandboxes, in MiB (default: the machine's memory).
         #[arg(long, env = "BERTH_HOST_MEMORY_MIB")]
         memory_mib: Option<u32>,
+        /// Runtimes to offer instead of the defaults (runc, and runsc when installed). `sim`
+        /// is for control-plane load tests only: no containers, and it replaces every
+        /// template's runtime.
+        #[arg(long = "runtime", env = "BERTH_HOSTD_RUNTIMES", value_delimiter = ',')]
+        runtimes: Vec<String>,
+        /// How long a `sim` container takes to "boot", in milliseconds.
+        #[arg(long, env = "BERTH_SIM_BOOT_MS", default_value_t = 0)]
+        sim_boot_ms: u64,
     },
     /// The in-sandbox agent (runs as PID 1 inside each sandbox).
     Agent {
@@ -296,6 +304,8 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             address_pool,
             vcpus,
             memory_mib,
+            runtimes,
+            sim_boot_ms,
         } => {
             let name = name.unwrap_or_else(dev::hostname);
             let mut config = berth_hostd::HostdConfig::new(
@@ -311,6 +321,10 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             if let Some(m) = memory_mib {
                 config.capacity.memory_mib = m;
             }
+            if !runtimes.is_empty() {
+                config.runtimes = runtimes;
+            }
+            config.sim_boot = std::time::Duration::from_millis(sim_boot_ms);
             let shutdown = shutdown_on_signal();
             serve_metrics(metrics_addr, &shutdown).await?;
             berth_hostd::run(config, shutdown).await?;

@@ -71,6 +71,9 @@ pub async fn run(host: &Host, request: ExecRequest) -> ExecReply {
         Ok(a) => a,
         Err(e) => return ExecReply::Failed(e),
     };
+    if host.runtimes.simulated() {
+        return crate::runtime::sim::exec(&request);
+    }
     match client::exec(address, request.argv, request.timeout_ms).await {
         Ok(ExecResult::Finished(out)) => {
             tracing::debug!(

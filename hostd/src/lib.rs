@@ -65,6 +65,7 @@ use crate::host::Host;
 use crate::layout::StateLayout;
 use crate::runtime::runc::{Runc, RUNC};
 use crate::runtime::runsc::{Runsc, RUNSC};
+use crate::runtime::sim::{Sim, SIM};
 use crate::runtime::{RuntimeDriver, Runtimes};
 
 /// The default address pool: sandboxes get /30s out of 10.200.0.0/16.
@@ -112,6 +113,9 @@ pub struct HostdConfig {
     /// Where expensive templates (`python`) are built once for every hostd of the machine.
     /// Default [`template::DEFAULT_TEMPLATE_CACHE`].
     pub template_cache: PathBuf,
+    /// How long a `sim` runtime's container takes to "boot" (only read when `runtimes`
+    /// holds `sim`); default [`runtime::sim::DEFAULT_SIM_BOOT`].
+    pub sim_boot: Duration,
 }
 
 impl HostdConfig {
@@ -135,6 +139,7 @@ impl HostdConfig {
                 .unwrap_or_else(|_| PathBuf::from("/proc/self/exe")),
             runtimes: default_runtimes(),
             template_cache: PathBuf::from(template::DEFAULT_TEMPLATE_CACHE),
+            sim_boot: runtime::sim::DEFAULT_SIM_BOOT,
         }
     }
 }
@@ -159,14 +164,18 @@ async fn run_as(
 ) -> Result<(), HostdError> {
     let layout = StateLayout::new(&config.state_dir);
     let mut drivers: Vec<Arc<dyn RuntimeDriver>> = Vec::new();
+    // `sim` is chosen explicitly and then is the only runtime (control-plane load tests).
+    let sim_only = config.runtimes.iter().any(|r| r == SIM);
     for name in &config.runtimes {
         drivers.push(match name.as_str() {
+            SIM => Arc::new(Sim::new(config.sim_boot)),
+            _ if sim_only => continue,
             RUNC => Arc::new(Runc::new(layout.runc_root())?),
             RUNSC => Arc::new(Runsc::new(layout.runsc_root(), true)?),
             other => {
                 return Err(HostdError::UnsupportedRuntime {
                     name: other.to_owned(),
-                    offered: format!("{RUNC}, {RUNSC}"),
+                    offered: format!("{RUNC}, {RUNSC}, {SIM}"),
                 })
             }
         });
@@ -179,7 +188,10 @@ async fn run_as(
     ensure_streams(&js, &config.subjects).await?;
 
     let host = Arc::new(Host::open(host_id, &config, runtimes)?);
-    host.adopt().await?;
+    // A sim host has nothing on the machine to adopt or sweep.
+    if !host.runtimes.simulated() {
+        host.adopt().await?;
+    }
     tracing::info!(%host_id, name = %config.name, state_dir = %config.state_dir.display(), "hostd started");
 
     // Stop the siblings when one part fails for good.

@@ -236,6 +236,9 @@ impl Host {
         let paths = self.layout.sandbox(id);
         let runtime = self.runtime_of(record)?;
         self.gates.open(id);
+        if runtime.simulated() {
+            return crate::runtime::sim::bring_up(self, record, &*runtime).await;
+        }
         let lower = self.templates.ensure(&record.spec.template).await?;
         let bundle = self.bundles.ensure().await?;
 
@@ -459,6 +462,14 @@ impl Host {
         cmd: &Command,
         record: Option<SandboxRecord>,
     ) -> Result<(Option<SandboxRecord>, ResultOutcome), HostdError> {
+        if self.runtimes.simulated() {
+            let tombstone = crate::runtime::sim::delete(self, cmd, record).await?;
+            let outcome = ResultOutcome::Succeeded {
+                address: None,
+                last_stop: None,
+            };
+            return Ok((Some(tombstone), outcome));
+        }
         let id = cmd.sandbox_id;
         let names = self.names(id);
         let paths = self.layout.sandbox(id);

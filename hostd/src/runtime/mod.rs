@@ -10,6 +10,7 @@
 pub mod cli;
 pub mod runc;
 pub mod runsc;
+pub mod sim;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -49,6 +50,12 @@ pub trait RuntimeDriver: Send + Sync + 'static {
     /// Whether a stop can keep memory ([`RuntimeDriver::checkpoint`] and
     /// [`RuntimeDriver::restore`] work).
     fn memory_snapshot(&self) -> bool;
+
+    /// Whether this is the `sim` runtime (control-plane load only; see [`sim`]), whose
+    /// sandboxes have no netns, overlay or agent.
+    fn simulated(&self) -> bool {
+        false
+    }
 
     /// Creates and starts the container detached; returns once its process runs.
     ///
@@ -121,6 +128,10 @@ impl Runtimes {
     ///
     /// Errors: [`HostdError::UnsupportedRuntime`] naming the runtimes this host has.
     pub fn get(&self, name: &str) -> Result<Arc<dyn RuntimeDriver>, HostdError> {
+        // A sim host runs every template in sim (selected explicitly; see [`sim`]).
+        if let Some(sim) = self.drivers.iter().find(|d| d.simulated()) {
+            return Ok(sim.clone());
+        }
         self.drivers
             .iter()
             .find(|d| d.name() == name)
@@ -134,6 +145,11 @@ impl Runtimes {
     /// Every driver, in the order given.
     pub fn all(&self) -> &[Arc<dyn RuntimeDriver>] {
         &self.drivers
+    }
+
+    /// Whether this host runs the `sim` runtime (see [`sim`]).
+    pub fn simulated(&self) -> bool {
+        self.drivers.iter().any(|d| d.simulated())
     }
 
     /// The names of the drivers.
