@@ -137,6 +137,25 @@ enum TemplateCmd {
         #[arg(long, default_value = berth_hostd::template::DEFAULT_TEMPLATE_CACHE)]
         cache_dir: PathBuf,
     },
+    /// Import a root filesystem tarball (`.tar` or `.tar.gz`) as a template into this
+    /// machine's cache, and register it in the database when one is given. Run it on every
+    /// host machine that should offer the template.
+    Import {
+        /// The template's name (a-z, 0-9, '-').
+        name: String,
+        /// The tarball of the root filesystem.
+        tarball: PathBuf,
+        /// The runtime its sandboxes run in: `runc` or `runsc`.
+        #[arg(long, default_value = "runc")]
+        runtime: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        #[arg(long, default_value = berth_hostd::template::DEFAULT_TEMPLATE_CACHE)]
+        cache_dir: PathBuf,
+        /// Postgres to register the template in (unset: import on this machine only).
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -339,6 +358,40 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 .await
                 .map_err(|e| anyhow::anyhow!(e.report()))?;
             println!("template {name}: {}", rootfs.display());
+        }
+        Cmd::Template {
+            command:
+                TemplateCmd::Import {
+                    name,
+                    tarball,
+                    runtime,
+                    description,
+                    cache_dir,
+                    database_url,
+                },
+        } => {
+            let rootfs = {
+                let (name, runtime, description) =
+                    (name.clone(), runtime.clone(), description.clone());
+                tokio::task::spawn_blocking(move || {
+                    berth_hostd::template::import_rootfs(
+                        &name,
+                        &tarball,
+                        &runtime,
+                        &description,
+                        &cache_dir,
+                    )
+                })
+                .await?
+                .map_err(|e| anyhow::anyhow!(e.report()))?
+            };
+            println!("template {name}: {}", rootfs.display());
+            if let Some(url) = database_url {
+                let db = connect_db(&url).await?;
+                berth_schemas::db::MIGRATOR.run(&db).await?;
+                berth_api::templates::register(&db, &name, &description, &runtime).await?;
+                println!("template {name} registered ({runtime})");
+            }
         }
         Cmd::Migrate { database_url } => {
             let db = connect_db(&database_url).await?;

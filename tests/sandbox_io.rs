@@ -367,3 +367,57 @@ async fn a_python_sandbox_runs_python3_and_keeps_its_interpreter_across_a_stop(d
     assert_eq!(stack.leftovers(&id), Vec::<String>::new());
     stack.teardown().await;
 }
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_template_imported_from_a_rootfs_tarball_runs_sandboxes(db: PgPool) {
+    // A root filesystem: the host's static busybox, a shell link and a marker file.
+    let work = std::env::temp_dir().join(format!("berth-import-{}", uuid::Uuid::new_v4()));
+    let rootfs = work.join("rootfs");
+    for dir in ["bin", "etc", "proc", "sys", "dev", "tmp", "root"] {
+        std::fs::create_dir_all(rootfs.join(dir)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).unwrap();
+    for applet in ["sh", "cat"] {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(rootfs.join("etc/imported"), "from a tarball\n").unwrap();
+    let tarball = work.join("rootfs.tar.gz");
+    let status = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(&rootfs)
+        .arg("-czf")
+        .arg(&tarball)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(status.success());
+
+    let name = format!(
+        "imported-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let cache = std::path::Path::new(berth_hostd::template::DEFAULT_TEMPLATE_CACHE);
+    berth_hostd::template::import_rootfs(&name, &tarball, "runc", "test import", cache).unwrap();
+    let stack = Stack::start(db, 1).await;
+    berth_api::templates::register(&stack.db, &name, "test import", "runc")
+        .await
+        .unwrap();
+
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": name, "vcpus": 1, "memory_mib": 128})),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    let (_, out) = stack.exec(&id, &["cat", "/etc/imported"]).await;
+    assert_eq!(out["stdout"], "from a tarball\n", "{out}");
+    stack.delete(&id).await;
+    stack.wait_state(&id, "deleted").await;
+    stack.teardown().await;
+    let _ = std::fs::remove_dir_all(cache.join(&name));
+    let _ = std::fs::remove_dir_all(&work);
+}

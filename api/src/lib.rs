@@ -22,6 +22,7 @@ pub mod openapi;
 pub mod quota;
 pub mod relay;
 pub mod sandboxes;
+pub mod templates;
 pub mod webhook_delivery;
 pub mod webhook_signature;
 pub mod webhooks;

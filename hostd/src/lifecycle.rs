@@ -53,9 +53,9 @@ pub const CHECKPOINT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The runtime a command's template runs in; [`DEFAULT_RUNTIME`] for an unknown template
 /// (whose create fails at the template step anyway).
-fn runtime_name(cmd: &Command) -> &'static str {
-    template::lookup(&cmd.spec.template)
-        .map(|t| t.runtime)
+fn runtime_name(templates: &template::Templates, cmd: &Command) -> &'static str {
+    templates
+        .runtime_of(&cmd.spec.template)
         .unwrap_or(DEFAULT_RUNTIME)
 }
 
@@ -85,7 +85,11 @@ impl Host {
         );
         let started = Instant::now();
         let applied = self.apply_inner(cmd).instrument(span).await;
-        metrics::runtime_operation(runtime_name(cmd), operation(cmd.kind), started.elapsed());
+        metrics::runtime_operation(
+            runtime_name(&self.templates, cmd),
+            operation(cmd.kind),
+            started.elapsed(),
+        );
         match &applied {
             Applied::Respond { outcome, .. } => metrics::command(cmd.kind, *outcome),
             Applied::Retry { .. } => metrics::command(cmd.kind, CommandOutcome::Retried),
@@ -188,7 +192,7 @@ impl Host {
                 SandboxRecord::new(
                     cmd.sandbox_id,
                     cmd.spec.clone(),
-                    runtime_name(cmd),
+                    runtime_name(&self.templates, cmd),
                     cmd.generation,
                 ),
                 true,
@@ -485,7 +489,12 @@ impl Host {
         self.allocator.release(id);
         remove_sandbox_dir(&paths).await?;
         let mut tombstone = record.unwrap_or_else(|| {
-            SandboxRecord::new(id, cmd.spec.clone(), runtime_name(cmd), cmd.generation)
+            SandboxRecord::new(
+                id,
+                cmd.spec.clone(),
+                runtime_name(&self.templates, cmd),
+                cmd.generation,
+            )
         });
         tombstone.phase = Phase::Deleted;
         tombstone.link = None;

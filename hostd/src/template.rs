@@ -12,6 +12,11 @@
 //!   uses, into a machine-wide cache dir shared by every hostd (`berth template build python`
 //!   builds it ahead of time), on runsc.
 //!
+//! Beyond the registry, a template can be imported from a root filesystem tarball (`berth
+//! template import NAME FILE --runtime R`, see [`import_rootfs`]): it lands in the cache dir
+//! with a [`IMPORTED_META`] file naming its runtime, and every hostd of the machine finds it
+//! there.
+//!
 //! # Guarantees
 //! A template is built in a temporary dir and renamed into place, so a crash never leaves half
 //! a template where a sandbox could use it. Concurrent builds are serialized within a process,
@@ -22,6 +27,7 @@ use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
 use crate::error::HostdError;
@@ -111,6 +117,135 @@ pub fn lookup(name: &str) -> Result<&'static TemplateDef, HostdError> {
         })
 }
 
+/// The metadata file of an imported template, beside its `rootfs/` in the cache dir.
+pub const IMPORTED_META: &str = "template.json";
+
+/// The longest template name.
+pub const MAX_TEMPLATE_NAME_LEN: usize = 64;
+
+/// What [`IMPORTED_META`] holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImportedTemplate {
+    /// `runc` or `runsc`.
+    pub runtime: String,
+    pub description: String,
+}
+
+/// The runtime name of this build called `name` (`runc`, `runsc`).
+///
+/// Errors: [`HostdError::UnsupportedRuntime`].
+pub fn known_runtime(name: &str) -> Result<&'static str, HostdError> {
+    [RUNC, RUNSC]
+        .into_iter()
+        .find(|r| *r == name)
+        .ok_or_else(|| HostdError::UnsupportedRuntime {
+            name: name.to_owned(),
+            offered: format!("{RUNC}, {RUNSC}"),
+        })
+}
+
+/// The imported template `name` of `cache`, when there is one.
+fn read_imported(cache: &Path, name: &str) -> Option<ImportedTemplate> {
+    if valid_name(name).is_err() {
+        return None;
+    }
+    let dir = cache.join(name);
+    let meta: ImportedTemplate =
+        serde_json::from_slice(&fs::read(dir.join(IMPORTED_META)).ok()?).ok()?;
+    dir.join("rootfs").is_dir().then_some(meta)
+}
+
+/// Template names: lowercase ASCII letters, digits and `-`, starting with a letter or digit,
+/// at most [`MAX_TEMPLATE_NAME_LEN`].
+fn valid_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_TEMPLATE_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-');
+    ok.then_some(()).ok_or_else(|| {
+        format!(
+            "template names are 1 to {MAX_TEMPLATE_NAME_LEN} of a-z, 0-9 and '-', not starting with '-'"
+        )
+    })
+}
+
+/// Imports a root filesystem tarball (plain or gzip-compressed, detected by its first bytes)
+/// as template `name` with `runtime`, into `<cache>/<name>/` (unpacked aside, then renamed
+/// into place). Ownership, permissions and extended attributes are kept; entries that would
+/// land outside the root are refused (the `tar` crate's unpack rules).
+///
+/// Errors: [`HostdError::File`] for a bad name, a built-in or already imported name;
+/// [`HostdError::UnsupportedRuntime`]; [`HostdError::Io`] when the tarball can't be read or
+/// unpacked.
+pub fn import_rootfs(
+    name: &str,
+    tarball: &Path,
+    runtime: &str,
+    description: &str,
+    cache: &Path,
+) -> Result<PathBuf, HostdError> {
+    use std::io::{BufRead, BufReader};
+    let refuse = |reason: String| HostdError::File {
+        path: name.to_owned(),
+        reason,
+    };
+    valid_name(name).map_err(refuse)?;
+    let runtime = known_runtime(runtime)?;
+    if lookup(name).is_ok() {
+        return Err(refuse("is a built-in template".into()));
+    }
+    let final_dir = cache.join(name);
+    if final_dir.exists() {
+        return Err(refuse(format!(
+            "is already imported at {} (sandboxes may use it; remove it by hand first)",
+            final_dir.display()
+        )));
+    }
+    fs::create_dir_all(cache).map_err(HostdError::io(format!("create {}", cache.display())))?;
+    let tmp = cache.join(format!(".{name}.import-{}", uuid::Uuid::new_v4().simple()));
+    let rootfs = tmp.join("rootfs");
+    let unpacked = (|| {
+        fs::create_dir_all(&rootfs)
+            .map_err(HostdError::io(format!("create {}", rootfs.display())))?;
+        let file = fs::File::open(tarball)
+            .map_err(HostdError::io(format!("open {}", tarball.display())))?;
+        let mut reader = BufReader::new(file);
+        let gzip = reader
+            .fill_buf()
+            .map_err(HostdError::io(format!("read {}", tarball.display())))?
+            .starts_with(&[0x1f, 0x8b]);
+        let stream: Box<dyn std::io::Read> = if gzip {
+            Box::new(flate2::read::GzDecoder::new(reader))
+        } else {
+            Box::new(reader)
+        };
+        let mut archive = tar::Archive::new(stream);
+        archive.set_preserve_permissions(true);
+        archive.set_preserve_ownerships(true);
+        archive.set_unpack_xattrs(true);
+        archive
+            .unpack(&rootfs)
+            .map_err(HostdError::io(format!("unpack {}", tarball.display())))?;
+        let meta = ImportedTemplate {
+            runtime: runtime.to_owned(),
+            description: description.to_owned(),
+        };
+        crate::record::write_json_atomic(&tmp.join(IMPORTED_META), &meta)?;
+        fs::rename(&tmp, &final_dir).map_err(HostdError::io(format!(
+            "rename {} into place",
+            tmp.display()
+        )))
+    })();
+    if let Err(e) = unpacked {
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    Ok(final_dir.join("rootfs"))
+}
+
 /// The host's static busybox, copied into the base template.
 pub const HOST_BUSYBOX: &str = "/bin/busybox";
 
@@ -154,7 +289,15 @@ impl Templates {
     /// Errors: [`HostdError::UnknownTemplate`]; [`HostdError::Io`] / [`HostdError::Tool`] when
     /// the build fails.
     pub async fn ensure(&self, name: &str) -> Result<PathBuf, HostdError> {
-        let def = lookup(name)?;
+        let def = match lookup(name) {
+            Ok(def) => def,
+            Err(unknown) => {
+                return match read_imported(&self.cache, name) {
+                    Some(_) => Ok(self.cache.join(name).join("rootfs")),
+                    None => Err(unknown),
+                }
+            }
+        };
         let parent = match def.source {
             Source::Busybox => &self.dir,
             Source::Debootstrap { .. } => &self.cache,
@@ -213,6 +356,22 @@ pub async fn build_cached(name: &str, cache: &Path) -> Result<PathBuf, HostdErro
     Templates::new(cache.join(".unused"), cache.to_path_buf())
         .ensure(name)
         .await
+}
+
+impl Templates {
+    /// The runtime template `name` runs in: the registry's, else an imported template's.
+    ///
+    /// Errors: [`HostdError::UnknownTemplate`]; [`HostdError::UnsupportedRuntime`] for an
+    /// imported template naming a runtime this build lacks.
+    pub fn runtime_of(&self, name: &str) -> Result<&'static str, HostdError> {
+        match lookup(name) {
+            Ok(def) => Ok(def.runtime),
+            Err(unknown) => match read_imported(&self.cache, name) {
+                Some(meta) => known_runtime(&meta.runtime),
+                None => Err(unknown),
+            },
+        }
+    }
 }
 
 /// Where debootstrap fetches packages from: the mirror and suite apt uses on this machine.
@@ -451,6 +610,51 @@ mod tests {
             Some("http://ftp.example.org/debian")
         );
         assert_eq!(apt_mirror("# nothing\n"), None);
+    }
+
+    fn tarball_of(files: &[(&str, &[u8])]) -> Vec<u8> {
+        let mut builder = tar::Builder::new(Vec::new());
+        for (path, data) in files {
+            let mut header = tar::Header::new_gnu();
+            header.set_size(data.len() as u64);
+            header.set_mode(0o755);
+            header.set_uid(0);
+            header.set_gid(0);
+            header.set_mtime(0);
+            header.set_cksum();
+            builder.append_data(&mut header, path, *data).unwrap();
+        }
+        builder.into_inner().unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_imported_tarball_is_a_template_with_its_runtime() {
+        let dir = std::env::temp_dir().join(format!("berth-import-{}", uuid::Uuid::new_v4()));
+        fs::create_dir_all(&dir).unwrap();
+        let tarball = dir.join("rootfs.tar.gz");
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(
+            &mut gz,
+            &tarball_of(&[("etc/motd", b"hi\n"), ("bin/tool", b"#!/bin/sh\n")]),
+        )
+        .unwrap();
+        fs::write(&tarball, gz.finish().unwrap()).unwrap();
+        let cache = dir.join("cache");
+        let rootfs = import_rootfs("mine", &tarball, RUNSC, "mine", &cache).unwrap();
+        assert_eq!(fs::read(rootfs.join("etc/motd")).unwrap(), b"hi\n");
+
+        let templates = Templates::new(dir.join("own"), cache.clone());
+        assert_eq!(templates.runtime_of("mine").unwrap(), RUNSC);
+        assert_eq!(templates.ensure("mine").await.unwrap(), rootfs);
+        assert_eq!(templates.runtime_of(BASE_TEMPLATE).unwrap(), RUNC);
+        assert!(templates.runtime_of("other").is_err());
+
+        // Refused: the same name again, a built-in name, a bad name, an unknown runtime.
+        assert!(import_rootfs("mine", &tarball, RUNC, "", &cache).is_err());
+        assert!(import_rootfs(BASE_TEMPLATE, &tarball, RUNC, "", &cache).is_err());
+        assert!(import_rootfs("../x", &tarball, RUNC, "", &cache).is_err());
+        assert!(import_rootfs("fine", &tarball, "kata", "", &cache).is_err());
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
