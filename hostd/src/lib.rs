@@ -1,26 +1,33 @@
 //! `berth-hostd`: the host daemon. It owns everything sandbox-shaped on one machine: it
-//! consumes the host's commands from JetStream, runs sandboxes in an OCI runtime (runc) with
-//! an overlay root filesystem and a network namespace each, answers exec requests through the
+//! consumes the host's commands from JetStream, runs sandboxes in an OCI runtime (runc, or
+//! runsc = gVisor whose stop keeps memory) with an overlay root filesystem and a network
+//! namespace each, isolates them with nftables, answers exec and file requests through the
 //! in-sandbox agent, and publishes heartbeats.
 //!
 //! Entry points: [`run`] (the daemon), [`host_id`], [`ensure_streams`], [`agent::main`] (the
-//! in-sandbox agent, `berth agent`).
+//! in-sandbox agent, `berth agent`), [`template::build_cached`] and [`template::import_rootfs`]
+//! (`berth template build|import`).
 //!
 //! # Modules
 //! - [`commands`]: the JetStream consumer (ordering per sandbox, publish-then-ack).
-//! - [`lifecycle`] with [`fence`]: applying create/start/stop/delete at most once.
-//! - [`host`]: records, adoption after restart, observation for heartbeats.
-//! - [`runtime`]: the runtime driver trait and runc.
-//! - [`netns`], [`overlay`], [`template`], [`bundle`], [`oci`], [`address`]: the pieces.
-//! - [`exec`], [`heartbeat`]: the other two NATS interfaces.
+//! - [`lifecycle`] with [`fence`]: applying create/start/stop/delete at most once; memory
+//!   stops (checkpoint/restore) where the runtime can.
+//! - [`host`]: records, adoption after restart, observation for heartbeats; [`sweep`]: strays
+//!   a previous run left.
+//! - [`runtime`]: the runtime driver trait, runc and runsc.
+//! - [`netns`], [`firewall`], [`overlay`], [`template`], [`bundle`], [`oci`], [`address`],
+//!   [`cgroup`], [`gate`]: the pieces.
+//! - [`exec`], [`agent_ops`], [`heartbeat`]: the other NATS interfaces.
 //!
 //! # Guarantees
-//! See DESIGN.md guarantees 2 (at most once per command id + generation) and 5 (no container
-//! that no record accounts for); each module's docs say how it keeps them.
+//! See DESIGN.md guarantees 2 (at most once per command id + generation), 5 (no container
+//! that no record accounts for) and 6 (a memory restore keeps processes and open files; a
+//! disk-only stop keeps files only); each module's docs say how it keeps them.
 //!
 //! # Assumptions
-//! hostd runs as root in the root network namespace with runc, iproute2 and a static busybox
-//! at `/bin/busybox`. Several hostd may share one machine if their state dirs differ.
+//! hostd runs as root in the root network namespace with runc (and runsc, optionally),
+//! iproute2, nftables, util-linux's `unshare` and a static busybox at `/bin/busybox`. Several
+//! hostd may share one machine if their state dirs and address pools differ.
 
 pub mod address;
 pub mod agent;
