@@ -1428,3 +1428,67 @@ async fn gvisor_oom(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_exec_delivers_output_while_the_process_runs() -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(streamed_exec(h))).await
+}
+
+async fn streamed_exec(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    succeeded_address(&h.send(&h.command(sandbox, 1, CommandKind::Create)).await?)?;
+    let inbox = h.nats.new_inbox();
+    let mut replies = h.nats.subscribe(inbox.clone()).await?;
+    let request = AgentRequest {
+        sandbox_id: sandbox,
+        op: AgentOp::ExecStream(exec_spec(
+            &["sh", "-c", "echo one; sleep 1; echo two >&2; exit 3"],
+            EXEC_TIMEOUT_MS,
+        )),
+    };
+    h.nats
+        .publish_with_reply(
+            h.subjects.agent(h.host_id),
+            inbox,
+            wire::encode(&request).into(),
+        )
+        .await?;
+    let started = std::time::Instant::now();
+    let mut chunks = Vec::new();
+    let (exit, last_at) = loop {
+        let message = tokio::time::timeout(EXEC_REQUEST_TIMEOUT, replies.next())
+            .await
+            .context("no streamed reply")?
+            .context("subscription ended")?;
+        match wire::decode::<AgentReply>(&message.payload)? {
+            AgentReply::Output { fd, data } => chunks.push((fd, data, started.elapsed())),
+            AgentReply::Exec {
+                exit_code,
+                stdout,
+                stderr,
+                ..
+            } => {
+                ensure!(stdout.is_empty() && stderr.is_empty(), "output came twice");
+                break (exit_code, started.elapsed());
+            }
+            other => bail!("streamed exec: {other:?}"),
+        }
+    };
+    ensure!(exit == 3, "exit {exit}");
+    let texts: Vec<(u8, &[u8])> = chunks
+        .iter()
+        .map(|(fd, d, _)| (*fd, d.as_slice()))
+        .collect();
+    ensure!(
+        texts == [(1, &b"one\n"[..]), (2, &b"two\n"[..])],
+        "{texts:?}"
+    );
+    ensure!(
+        last_at - chunks[0].2 >= Duration::from_millis(700),
+        "the first chunk came only at the end: {:?} vs {last_at:?}",
+        chunks[0].2
+    );
+    let deleted = h.send(&h.command(sandbox, 2, CommandKind::Delete)).await?;
+    ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
+    Ok(())
+}

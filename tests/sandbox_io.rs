@@ -421,3 +421,61 @@ async fn a_template_imported_from_a_rootfs_tarball_runs_sandboxes(db: PgPool) {
     let _ = std::fs::remove_dir_all(cache.join(&name));
     let _ = std::fs::remove_dir_all(&work);
 }
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_streamed_exec_sends_output_while_the_process_runs(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let id = stack.create().await;
+    stack.wait_state(&id, "running").await;
+    let started = std::time::Instant::now();
+    let mut response = stack
+        .http
+        .post(stack.url(&format!("/v1/sandboxes/{id}/exec/stream")))
+        .bearer_auth(&stack.key)
+        .json(&json!({"cmd": ["sh", "-c", "echo one; sleep 1; echo two >&2; exit 3"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "application/x-ndjson");
+    let mut text = String::new();
+    let mut first_line_at = None;
+    while let Some(chunk) = response.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+        if first_line_at.is_none() && text.contains('\n') {
+            first_line_at = Some(started.elapsed());
+        }
+    }
+    let ended_at = started.elapsed();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            json!({"stdout": "one\n"}),
+            json!({"stderr": "two\n"}),
+            json!({"exit_code": 3, "timed_out": false, "oom_killed": false}),
+        ]
+    );
+    assert!(
+        ended_at - first_line_at.unwrap() >= Duration::from_millis(700),
+        "the first line came only at the end ({first_line_at:?} of {ended_at:?})"
+    );
+
+    // A sandbox that is not running is refused before anything streams.
+    stack.request(&id, "stop").await;
+    stack.wait_state(&id, "stopped").await;
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/exec/stream"),
+            Some(json!({"cmd": ["true"]})),
+        )
+        .await;
+    assert_eq!(status, 409, "{body}");
+    stack.delete(&id).await;
+    stack.wait_state(&id, "deleted").await;
+    stack.teardown().await;
+}

@@ -20,7 +20,7 @@ use tracing::instrument;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency::Idempotency;
-use crate::model::{ExecBody, ExecOutput};
+use crate::model::{ExecBody, ExecOutput, Sandbox};
 use crate::sandboxes::{fetch, json_error, parse_id};
 use crate::AppState;
 
@@ -63,53 +63,11 @@ pub async fn exec(
         }
     }
     let Json(body) = Json::<ExecBody>::from_bytes(&raw).map_err(json_error)?;
-    if body.cmd.is_empty() || body.cmd.len() > MAX_ARGV {
-        return Err(ApiError::invalid(
-            "cmd",
-            format!("cmd must hold 1 to {MAX_ARGV} arguments"),
-        ));
-    }
-    let timeout_ms = body.timeout_ms.unwrap_or(DEFAULT_EXEC_TIMEOUT_MS);
-    if !(1..=MAX_EXEC_TIMEOUT_MS).contains(&timeout_ms) {
-        return Err(ApiError::invalid(
-            "timeout_ms",
-            format!("timeout_ms must be between 1 and {MAX_EXEC_TIMEOUT_MS}"),
-        ));
-    }
-    let sandbox = fetch(&app, &caller, parse_id(&id)?).await?;
-    let not_running = || ApiError::Conflict {
-        state: sandbox.state,
-        message: format!("exec needs a running sandbox; it is {}", sandbox.state),
-    };
-    if sandbox.state != SandboxState::Running || sandbox.deleted_at.is_some() {
-        return Err(not_running());
-    }
-    let host = sandbox.host_id.ok_or_else(not_running)?;
-    sqlx::query("UPDATE sandboxes SET last_activity_at = now() WHERE id = $1")
-        .bind(sandbox.id)
-        .execute(&app.db)
-        .await?;
-
+    let spec = exec_spec(body)?;
+    let timeout_ms = spec.timeout_ms;
+    let (sandbox, host) = running_host(&app, &caller, &id).await?;
+    let not_running = || not_running(&sandbox);
     let started = std::time::Instant::now();
-    if let Some(cwd) = &body.cwd {
-        if !cwd.starts_with('/') {
-            return Err(ApiError::invalid("cwd", "cwd must be an absolute path"));
-        }
-    }
-    let stdin = body.stdin.unwrap_or_default().into_bytes();
-    if stdin.len() > MAX_STDIN_BYTES {
-        return Err(ApiError::invalid(
-            "stdin",
-            format!("stdin must be at most {MAX_STDIN_BYTES} bytes"),
-        ));
-    }
-    let spec = ExecSpec {
-        argv: body.cmd,
-        env: body.env.unwrap_or_default().into_iter().collect(),
-        cwd: body.cwd,
-        stdin,
-        timeout_ms,
-    };
     let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
     let (reply, oom_killed) = run(&app, host, sandbox.id, spec, wait).await?;
     let outcome = match &reply {
@@ -144,6 +102,72 @@ pub async fn exec(
         ExecReply::Failed(ExecError::NotFound | ExecError::NotRunning) => Err(not_running()),
         ExecReply::Failed(ExecError::Agent(message)) => Err(ApiError::Agent(message)),
     }
+}
+
+/// Validates an exec body into what the agent runs.
+///
+/// Errors: [`ApiError::InvalidRequest`] naming the field.
+pub(crate) fn exec_spec(body: ExecBody) -> Result<ExecSpec, ApiError> {
+    if body.cmd.is_empty() || body.cmd.len() > MAX_ARGV {
+        return Err(ApiError::invalid(
+            "cmd",
+            format!("cmd must hold 1 to {MAX_ARGV} arguments"),
+        ));
+    }
+    let timeout_ms = body.timeout_ms.unwrap_or(DEFAULT_EXEC_TIMEOUT_MS);
+    if !(1..=MAX_EXEC_TIMEOUT_MS).contains(&timeout_ms) {
+        return Err(ApiError::invalid(
+            "timeout_ms",
+            format!("timeout_ms must be between 1 and {MAX_EXEC_TIMEOUT_MS}"),
+        ));
+    }
+    if let Some(cwd) = &body.cwd {
+        if !cwd.starts_with('/') {
+            return Err(ApiError::invalid("cwd", "cwd must be an absolute path"));
+        }
+    }
+    let stdin = body.stdin.unwrap_or_default().into_bytes();
+    if stdin.len() > MAX_STDIN_BYTES {
+        return Err(ApiError::invalid(
+            "stdin",
+            format!("stdin must be at most {MAX_STDIN_BYTES} bytes"),
+        ));
+    }
+    Ok(ExecSpec {
+        argv: body.cmd,
+        env: body.env.unwrap_or_default().into_iter().collect(),
+        cwd: body.cwd,
+        stdin,
+        timeout_ms,
+    })
+}
+
+/// 409 for a sandbox that does not run.
+pub(crate) fn not_running(sandbox: &Sandbox) -> ApiError {
+    ApiError::Conflict {
+        state: sandbox.state,
+        message: format!("exec needs a running sandbox; it is {}", sandbox.state),
+    }
+}
+
+/// The caller's sandbox `id` and its host, when it runs; marks it active.
+///
+/// Errors: [`ApiError::NotFound`]; [`ApiError::Conflict`] when it does not run.
+pub(crate) async fn running_host(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+) -> Result<(Sandbox, HostId), ApiError> {
+    let sandbox = fetch(app, caller, parse_id(id)?).await?;
+    if sandbox.state != SandboxState::Running || sandbox.deleted_at.is_some() {
+        return Err(not_running(&sandbox));
+    }
+    let host = sandbox.host_id.ok_or_else(|| not_running(&sandbox))?;
+    sqlx::query("UPDATE sandboxes SET last_activity_at = now() WHERE id = $1")
+        .bind(sandbox.id)
+        .execute(&app.db)
+        .await?;
+    Ok((sandbox, host))
 }
 
 /// Runs an exec through the host's agent subject (`{p}.agent.<host>`), which also reports OOM

@@ -13,6 +13,7 @@ pub mod event_relay;
 pub mod event_stream;
 pub mod events;
 pub mod exec;
+pub mod exec_stream;
 pub mod files;
 pub mod hosts;
 pub mod idempotency;
@@ -114,6 +115,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/start", post(sandboxes::start))
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec))
+        .route(
+            "/v1/sandboxes/{id}/exec/stream",
+            post(exec_stream::exec_stream),
+        )
         .route(
             "/v1/sandboxes/{id}/files",
             get(files::get)

@@ -91,10 +91,10 @@ struct ApiDoc;
 )]
 struct EventsDoc;
 
-/// The file routes.
+/// The file routes and the streamed exec.
 #[derive(OpenApi)]
 #[openapi(
-    paths(files::get, files::put),
+    paths(files::get, files::put, crate::exec_stream::exec_stream),
     components(schemas(files::DirectoryListing, files::FileEntry, files::FileWritten))
 )]
 struct FilesDoc;

@@ -1,6 +1,8 @@
 //! Agent operations through the host: core-NATS request/reply on `{p}.agent.<host_id>`
 //! ([`AgentRequest`] → [`AgentReply`]): exec with env, cwd and stdin (and OOM reporting), and
-//! files (stat, read, write, list, rename), each forwarded to the sandbox's agent.
+//! files (stat, read, write, list, rename), each forwarded to the sandbox's agent. A streamed
+//! exec ([`AgentOp::ExecStream`]) answers with several messages on the reply subject: its
+//! output as it arrives, then the exit; they are published in order from one connection.
 //!
 //! The API never reaches a sandbox address: it asks the host, which holds the sandbox's
 //! agent gate permit for the call's length (see `gate`).
@@ -79,13 +81,64 @@ async fn answer(host: Arc<Host>, nats: Client, message: async_nats::Message) {
                 host_id = %host.host_id,
                 sandbox_id = %request.sandbox_id,
             );
-            run(&host, request).instrument(span).await
+            let output = match request.op {
+                AgentOp::ExecStream(_) => Some(forward_output(nats.clone(), reply_to.clone())),
+                _ => None,
+            };
+            match output {
+                Some((sender, forwarder)) => {
+                    let reply = run_streamed(&host, request, sender).instrument(span).await;
+                    // Every chunk is out before the final message.
+                    let _ = forwarder.await;
+                    reply
+                }
+                None => run(&host, request).instrument(span).await,
+            }
         }
         Err(e) => AgentReply::Failed(AgentFailure::Agent(format!("malformed agent request: {e}"))),
     };
     if let Err(e) = nats.publish(reply_to, wire::encode(&reply).into()).await {
         tracing::warn!(error = %e, "agent reply not sent");
     }
+}
+
+/// Chunks of a streamed exec's output, as they come from the agent.
+type OutputSender = tokio::sync::mpsc::UnboundedSender<(u8, Vec<u8>)>;
+
+/// A channel whose chunks a task publishes, in order, as [`AgentReply::Output`] to
+/// `reply_to`; the task ends when every sender is dropped.
+fn forward_output(
+    nats: Client,
+    reply_to: async_nats::Subject,
+) -> (OutputSender, tokio::task::JoinHandle<()>) {
+    let (sender, mut chunks) = tokio::sync::mpsc::unbounded_channel::<(u8, Vec<u8>)>();
+    let task = tokio::spawn(async move {
+        while let Some((fd, data)) = chunks.recv().await {
+            let message = wire::encode(&AgentReply::Output { fd, data });
+            if let Err(e) = nats.publish(reply_to.clone(), message.into()).await {
+                tracing::warn!(error = %e, "streamed output not sent");
+            }
+        }
+    });
+    (sender, task)
+}
+
+/// Carries out a streamed exec: output goes to `output` as it arrives; the result is the
+/// final message.
+async fn run_streamed(host: &Host, request: AgentRequest, output: OutputSender) -> AgentReply {
+    let AgentOp::ExecStream(spec) = request.op else {
+        return run(host, request).await;
+    };
+    let sandbox = request.sandbox_id;
+    let (address, _permit) = match host.exec_target(sandbox) {
+        Ok(target) => target,
+        Err(ExecError::NotFound) => return AgentReply::Failed(AgentFailure::NotFound),
+        Err(_) => return AgentReply::Failed(AgentFailure::NotRunning),
+    };
+    if host.runtimes.simulated() {
+        return crate::runtime::sim::agent(&AgentOp::ExecStream(spec));
+    }
+    exec(host, sandbox, address, spec, Some(output)).await
 }
 
 /// Carries out one request against the sandbox's agent.
@@ -105,7 +158,13 @@ pub async fn run(host: &Host, request: AgentRequest) -> AgentReply {
         )));
     }
     let outcome = match request.op {
-        AgentOp::Exec(spec) => return exec(host, sandbox, address, spec).await,
+        AgentOp::Exec(spec) => return exec(host, sandbox, address, spec, None).await,
+        // Streamed through `run_streamed`; asked for here, its output has nowhere to go.
+        AgentOp::ExecStream(_) => {
+            return AgentReply::Failed(AgentFailure::Agent(
+                "a streamed exec needs the agent subject's streaming reply".into(),
+            ))
+        }
         AgentOp::Stat { path } => file_op(address, Request::Stat { path }).await,
         AgentOp::Read { path, offset, len } => {
             let len = u64::from(len).min(MAX_FILE_CHUNK);
@@ -140,7 +199,7 @@ pub async fn run(host: &Host, request: AgentRequest) -> AgentReply {
 /// The first path of `op` that is not absolute.
 fn relative_path(op: &AgentOp) -> Option<&str> {
     let paths: Vec<&str> = match op {
-        AgentOp::Exec(_) => vec![],
+        AgentOp::Exec(_) | AgentOp::ExecStream(_) => vec![],
         AgentOp::Stat { path }
         | AgentOp::Read { path, .. }
         | AgentOp::Write { path, .. }
@@ -151,24 +210,40 @@ fn relative_path(op: &AgentOp) -> Option<&str> {
 }
 
 /// Runs an exec, counting the sandbox's OOM kills before and after it, and watching that the
-/// sandbox still runs.
+/// sandbox still runs. With `output`, the agent streams the output there as it arrives.
 async fn exec(
     host: &Host,
     sandbox: berth_schemas::SandboxId,
     address: SocketAddr,
     spec: ExecSpec,
+    output: Option<OutputSender>,
 ) -> AgentReply {
     let counter = host.oom_counter(sandbox).await;
     let count = || counter.as_deref().and_then(crate::cgroup::read_oom_kills);
     let before = count();
-    let call = client::exec_with(
-        address,
-        spec.argv,
-        spec.env,
-        spec.cwd,
-        spec.stdin,
-        spec.timeout_ms,
-    );
+    let ExecSpec {
+        argv,
+        env,
+        cwd,
+        stdin,
+        timeout_ms,
+    } = spec;
+    let call: futures::future::BoxFuture<'_, Result<ExecResult, HostdError>> = match output {
+        Some(output) => Box::pin(client::exec_stream(
+            address,
+            argv,
+            env,
+            cwd,
+            stdin,
+            timeout_ms,
+            move |fd, data| {
+                let _ = output.send((fd, data));
+            },
+        )),
+        None => Box::pin(client::exec_with(
+            address, argv, env, cwd, stdin, timeout_ms,
+        )),
+    };
     let result = tokio::select! {
         result = call => result,
         () = host.stopped_running(sandbox, EXEC_LIVENESS_INTERVAL) => {

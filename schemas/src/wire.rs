@@ -243,6 +243,11 @@ pub enum AgentOp {
     /// Rename `from` to `to` (same filesystem, replacing `to`); answered with
     /// [`AgentReply::Done`].
     Rename { from: String, to: String },
+    /// Run a process and stream its output: the host publishes [`AgentReply::Output`]
+    /// messages to the request's reply subject as output arrives, then one final
+    /// [`AgentReply::Exec`] (without output) or [`AgentReply::Failed`]. The requester
+    /// subscribes to its reply subject before publishing.
+    ExecStream(ExecSpec),
 }
 
 /// A process to run in the sandbox.
@@ -328,6 +333,8 @@ pub enum AgentReply {
     Listing(Vec<DirEntry>),
     Done,
     Failed(AgentFailure),
+    /// A piece of a streamed exec's output: `fd` 1 is stdout, 2 is stderr.
+    Output { fd: u8, data: Vec<u8> },
 }
 
 #[cfg(test)]
@@ -497,6 +504,19 @@ mod tests {
         };
         // 137 zig-zags to 274 = varint 92 02.
         assert_eq!(hex(&encode(&reply)), "01009202000000".to_owned() + "01");
+        let output = AgentReply::Output {
+            fd: 2,
+            data: b"e".to_vec(),
+        };
+        assert_eq!(hex(&encode(&output)), "0107020165");
+        let stream = AgentOp::ExecStream(ExecSpec {
+            argv: vec![],
+            env: vec![],
+            cwd: None,
+            stdin: vec![],
+            timeout_ms: 1,
+        });
+        assert_eq!(hex(&encode(&stream)), "01060000000001");
         let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
         assert_eq!(hex(&encode(&failed)), "010603ac02");
         assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);

@@ -110,6 +110,7 @@ pub async fn exec_with(
         env,
         cwd,
         stdin,
+        stream: false,
     };
     match call(address, &request, wait).await? {
         Response::Exec(out) => Ok(ExecResult::Finished(out)),
@@ -119,6 +120,74 @@ pub async fn exec_with(
             reason: format!("unexpected answer to an exec: {other:?}"),
         }),
     }
+}
+
+/// Runs a process in the sandbox, handing its output to `on_output(fd, bytes)` as the agent
+/// streams it (fd 1 stdout, 2 stderr); the result carries no output.
+///
+/// Errors: as [`exec`].
+pub async fn exec_stream(
+    address: SocketAddr,
+    argv: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: Option<String>,
+    stdin: Vec<u8>,
+    timeout_ms: u64,
+    mut on_output: impl FnMut(u8, Vec<u8>),
+) -> Result<ExecResult, HostdError> {
+    let agent_err = |reason: String| HostdError::Agent { address, reason };
+    let timeout_ms = timeout_ms.min(MAX_EXEC_TIMEOUT_MS);
+    let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
+    let request = Request::Exec {
+        argv,
+        timeout_ms,
+        env,
+        cwd,
+        stdin,
+        stream: true,
+    };
+    let exchange = async {
+        let mut stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
+            .await
+            .map_err(|_| agent_err(format!("connect: no answer within {CONNECT_TIMEOUT:?}")))?
+            .map_err(|e| agent_err(format!("connect: {e}")))?;
+        let mut line = serde_json::to_vec(&request).map_err(|e| agent_err(e.to_string()))?;
+        line.push(b'\n');
+        stream
+            .write_all(&line)
+            .await
+            .map_err(|e| agent_err(format!("send: {e}")))?;
+        let mut reader = BufReader::new(stream);
+        loop {
+            let mut answer = String::new();
+            let read = (&mut reader)
+                .take(MAX_LINE_BYTES)
+                .read_line(&mut answer)
+                .await
+                .map_err(|e| agent_err(format!("receive: {e}")))?;
+            if read == 0 {
+                return Err(agent_err("the agent closed the stream early".into()));
+            }
+            match serde_json::from_str::<Response>(&answer)
+                .map_err(|e| agent_err(format!("bad answer {:?}: {e}", truncate(&answer))))?
+            {
+                Response::Output(chunk) => on_output(chunk.fd, chunk.data),
+                Response::Exec(out) => return Ok(ExecResult::Finished(out)),
+                Response::Error(e) => return Ok(ExecResult::Refused(e.error)),
+                other => {
+                    return Err(agent_err(format!(
+                        "unexpected answer to an exec: {other:?}"
+                    )))
+                }
+            }
+        }
+    };
+    tokio::time::timeout(wait, exchange)
+        .await
+        .map_err(|_| HostdError::AgentTimeout {
+            address,
+            waited: wait,
+        })?
 }
 
 fn truncate(s: &str) -> &str {

@@ -15,6 +15,8 @@
 //! → {"op":"list","path":"/"}                    ← {"entries":[{"name":"bin","stat":{…}},…]}
 //! → {"op":"rename","from":"/a","to":"/b"}       ← {"ok":true}
 //! ← {"error":"…","code":"not_found"}            (a missing path; `too_large` over a limit)
+//! → {"op":"exec","argv":["sh","-c","echo a"],"timeout_ms":1000,"stream":true}
+//! ← {"fd":1,"data":"YQo="}  …as output arrives…  ← {"exit_code":0,"stdout":"","stderr":"",…}
 //! ```
 //!
 //! Append-only: new operations are new `op`s; new exec fields are optional and omitted when
@@ -72,6 +74,10 @@ pub enum Request {
         cwd: Option<String>,
         #[serde(default, skip_serializing_if = "Vec::is_empty", with = "base64_bytes")]
         stdin: Vec<u8>,
+        /// Send output as [`OutputChunk`] lines while the process runs; the final
+        /// [`ExecOutput`] then carries no output.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        stream: bool,
     },
     /// Describe `path` (not following a final symlink).
     Stat { path: String },
@@ -139,6 +145,14 @@ pub struct Entry {
     pub stat: Stat,
 }
 
+/// A piece of a streamed exec's output: `fd` 1 is stdout, 2 is stderr.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutputChunk {
+    pub fd: u8,
+    #[serde(with = "base64_bytes")]
+    pub data: Vec<u8>,
+}
+
 /// The answer to [`Request::List`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ListReply {
@@ -194,6 +208,7 @@ pub enum Response {
     Data(DataReply),
     Written(WrittenReply),
     List(ListReply),
+    Output(OutputChunk),
 }
 
 mod base64_bytes {
@@ -231,6 +246,7 @@ mod tests {
                 env: vec![],
                 cwd: None,
                 stdin: vec![],
+                stream: false,
             }
         );
         // A plain exec serializes as before the optional fields existed.
@@ -260,6 +276,7 @@ mod tests {
             r#"{"error":"x","code":"not_found"}"#,
             r#"{"data":"aGkK","eof":true}"#,
             r#"{"written":3}"#,
+            r#"{"fd":2,"data":"aGkK"}"#,
             r#"{"entries":[{"name":"a","stat":{"kind":"dir","size":0,"mode":493,"modified":1}}]}"#,
             r#"{"stat":{"kind":"file","size":1,"mode":420,"modified":2}}"#,
         ] {

@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -16,9 +16,9 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 use super::protocol::{
-    DataReply, Entry, ErrorReply, ExecOutput, Kind, ListReply, PingReply, Request, Response, Stat,
-    StatReply, WrittenReply, CODE_NOT_FOUND, CODE_TOO_LARGE, MAX_CAPTURED_OUTPUT, MAX_DIR_ENTRIES,
-    MAX_EXEC_TIMEOUT_MS, MAX_FILE_CHUNK, MAX_LINE_BYTES, MAX_STDIN_BYTES,
+    DataReply, Entry, ErrorReply, ExecOutput, Kind, ListReply, OutputChunk, PingReply, Request,
+    Response, Stat, StatReply, WrittenReply, CODE_NOT_FOUND, CODE_TOO_LARGE, MAX_CAPTURED_OUTPUT,
+    MAX_DIR_ENTRIES, MAX_EXEC_TIMEOUT_MS, MAX_FILE_CHUNK, MAX_LINE_BYTES, MAX_STDIN_BYTES,
 };
 use crate::oci::GUEST_PATH;
 
@@ -64,15 +64,53 @@ fn handle(stream: TcpStream) -> std::io::Result<()> {
     stream.set_read_timeout(Some(REQUEST_READ_TIMEOUT))?;
     let mut line = String::new();
     BufReader::new((&stream).take(MAX_LINE_BYTES)).read_line(&mut line)?;
+    let writer = Arc::new(Mutex::new(stream.try_clone()?));
     let response = match serde_json::from_str::<Request>(&line) {
+        Ok(Request::Exec {
+            argv,
+            timeout_ms,
+            env,
+            cwd,
+            stdin,
+            stream: true,
+        }) => {
+            let lines = writer.clone();
+            let sink: Sink = Arc::new(move |fd, data: &[u8]| {
+                let chunk = Response::Output(OutputChunk {
+                    fd,
+                    data: data.to_vec(),
+                });
+                // A client that went away stops receiving; the process runs on to its end.
+                let _ = write_line(&lines, &chunk);
+            });
+            let input = ExecInput {
+                argv: &argv,
+                env: &env,
+                cwd: cwd.as_deref(),
+                stdin: &stdin,
+                sink: Some(&sink),
+            };
+            exec_with(input, timeout_ms)
+                .map(Response::Exec)
+                .unwrap_or_else(|e| Response::Error(ErrorReply::new(e)))
+        }
         Ok(request) => answer(request),
         Err(e) => Response::Error(ErrorReply::new(format!("bad request: {e}"))),
     };
-    let mut out = serde_json::to_vec(&response).map_err(std::io::Error::other)?;
-    out.push(b'\n');
-    (&stream).write_all(&out)?;
-    (&stream).flush()?;
+    write_line(&writer, &response)?;
     await_client_close(&stream)
+}
+
+/// Where a streamed exec's output goes: `(fd, bytes)` as they are read.
+pub type Sink = Arc<dyn Fn(u8, &[u8]) + Send + Sync>;
+
+/// Writes one response line (whole, under the lock, so streamed chunks never interleave).
+fn write_line(writer: &Mutex<TcpStream>, response: &Response) -> std::io::Result<()> {
+    let mut out = serde_json::to_vec(response).map_err(std::io::Error::other)?;
+    out.push(b'\n');
+    let stream = writer.lock().unwrap_or_else(|e| e.into_inner());
+    (&*stream).write_all(&out)?;
+    (&*stream).flush()
 }
 
 /// Reads (and drops) until the client closes its side or [`CLIENT_CLOSE_WAIT`] passes.
@@ -100,12 +138,14 @@ fn answer(request: Request) -> Response {
             env,
             cwd,
             stdin,
+            stream: _,
         } => {
             let input = ExecInput {
                 argv: &argv,
                 env: &env,
                 cwd: cwd.as_deref(),
                 stdin: &stdin,
+                sink: None,
             };
             exec_with(input, timeout_ms)
                 .map(Response::Exec)
@@ -236,7 +276,7 @@ fn list(path: &str) -> Result<Vec<Entry>, ErrorReply> {
 }
 
 /// What an exec runs with.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct ExecInput<'a> {
     pub argv: &'a [String],
     /// Set over the default `PATH` and `HOME`.
@@ -245,6 +285,9 @@ pub struct ExecInput<'a> {
     pub cwd: Option<&'a str>,
     /// Written to the process's stdin, which is then closed (`/dev/null` when empty).
     pub stdin: &'a [u8],
+    /// Where output goes as it is read; `None` captures it (up to [`MAX_CAPTURED_OUTPUT`]
+    /// per stream) into the [`ExecOutput`].
+    pub sink: Option<&'a Sink>,
 }
 
 /// Runs `argv` with the default environment, in `/`, with no stdin; see [`exec_with`].
@@ -256,6 +299,7 @@ pub fn exec(argv: &[String], timeout_ms: u64) -> Result<ExecOutput, String> {
         env: &[],
         cwd: None,
         stdin: &[],
+        sink: None,
     };
     exec_with(input, timeout_ms)
 }
@@ -298,8 +342,8 @@ pub fn exec_with(input: ExecInput<'_>, timeout_ms: u64) -> Result<ExecOutput, St
         });
     }
     let deadline = Instant::now() + Duration::from_millis(timeout_ms.min(MAX_EXEC_TIMEOUT_MS));
-    let stdout = spawn_reader(child.stdout.take());
-    let stderr = spawn_reader(child.stderr.take());
+    let stdout = spawn_reader(child.stdout.take(), 1, input.sink.cloned());
+    let stderr = spawn_reader(child.stderr.take(), 2, input.sink.cloned());
     let group = Pid::from_raw(child.id() as i32);
 
     let (status, timed_out) = wait_until(&mut child, deadline, group)?;
@@ -348,7 +392,9 @@ struct Reader {
     done: mpsc::Receiver<Vec<u8>>,
 }
 
-fn spawn_reader<R: Read + Send + 'static>(pipe: Option<R>) -> Reader {
+/// A thread reading one pipe (`fd` 1 or 2) to EOF: into `sink` when given, else keeping the
+/// first [`MAX_CAPTURED_OUTPUT`] bytes.
+fn spawn_reader<R: Read + Send + 'static>(pipe: Option<R>, fd: u8, sink: Option<Sink>) -> Reader {
     let (tx, done) = mpsc::channel();
     thread::spawn(move || {
         let mut kept = Vec::new();
@@ -359,10 +405,13 @@ fn spawn_reader<R: Read + Send + 'static>(pipe: Option<R>) -> Reader {
                     // A restored gVisor sandbox interrupts blocked reads once.
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Ok(0) | Err(_) => break,
-                    Ok(n) => {
-                        let room = MAX_CAPTURED_OUTPUT.saturating_sub(kept.len());
-                        kept.extend_from_slice(&buf[..n.min(room)]);
-                    }
+                    Ok(n) => match &sink {
+                        Some(sink) => sink(fd, &buf[..n]),
+                        None => {
+                            let room = MAX_CAPTURED_OUTPUT.saturating_sub(kept.len());
+                            kept.extend_from_slice(&buf[..n.min(room)]);
+                        }
+                    },
                 }
             }
         }
@@ -426,6 +475,7 @@ mod tests {
             env: &env,
             cwd: Some("/tmp"),
             stdin: b"from stdin",
+            sink: None,
         };
         let out = exec_with(input, 5_000).unwrap();
         assert_eq!(out.stdout, b"hi\n/tmp\nfrom stdin");

@@ -198,7 +198,7 @@ pub fn exec(request: &ExecRequest) -> ExecReply {
 /// sandbox has no filesystem.
 pub fn agent(op: &AgentOp) -> AgentReply {
     match op {
-        AgentOp::Exec(spec) => AgentReply::Exec {
+        AgentOp::Exec(spec) | AgentOp::ExecStream(spec) => AgentReply::Exec {
             exit_code: 0,
             stdout: echo(&spec.argv),
             stderr: SIM_EXEC_STDERR.as_bytes().to_vec(),
