@@ -13,6 +13,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
 
+mod scale;
+
 /// How often a sandbox is polled while waiting for a state.
 const POLL_INTERVAL: Duration = Duration::from_millis(2);
 /// How long one transition may take before the bench gives up.
@@ -48,6 +50,37 @@ pub struct BenchArgs {
     /// NATS for the publish floor; default from `stack.env`.
     #[arg(long, env = "NATS_URL")]
     nats_url: Option<String>,
+    /// `sim`: the scale mode — a private stack in this process with `--hosts` sim hosts and
+    /// `--sandboxes` sandboxes (see `bench/scale.rs`); unset: measure the running stack.
+    #[arg(long)]
+    runtime: Option<String>,
+    /// Scale mode: sim hosts to run in this process.
+    #[arg(long, default_value_t = 100)]
+    hosts: usize,
+    /// Scale mode: creates offered per second.
+    #[arg(long, default_value_t = 500.0)]
+    rate: f64,
+    /// Scale mode: requests in flight at most.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Scale mode: simulated boot time of a sandbox, in milliseconds.
+    #[arg(long, default_value_t = 10)]
+    sim_boot_ms: u64,
+    /// Scale mode: heartbeat interval of each sim host, in milliseconds (hostd's default).
+    #[arg(long, default_value_t = berth_hostd::DEFAULT_HEARTBEAT_INTERVAL.as_millis() as u64)]
+    heartbeat_ms: u64,
+    /// Scale mode: sandboxes taken through stop, start and delete for the throughput figure.
+    #[arg(long, default_value_t = 5000)]
+    lifecycle_sandboxes: usize,
+    /// Scale mode: reconciler passes to time.
+    #[arg(long, default_value_t = 5)]
+    passes: usize,
+    /// Scale mode: where the sim hosts keep their state (tmpfs, see `bench/scale.rs`).
+    #[arg(long, default_value = "/dev/shm/berth-bench-sim")]
+    sim_hosts_dir: PathBuf,
+    /// Scale mode: keep the bench database afterwards (to `EXPLAIN ANALYZE` at that size).
+    #[arg(long)]
+    keep_database: bool,
 }
 
 fn stack_env(state_dir: &Path) -> Vec<(String, String)> {
@@ -152,6 +185,28 @@ impl Client {
 
 /// Runs the bench and prints the table.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.runtime.as_deref() {
+        None => {}
+        Some(berth_hostd::runtime::sim::SIM) => {
+            return scale::run(scale::ScaleArgs {
+                hosts: args.hosts,
+                sandboxes: args.sandboxes,
+                rate: args.rate,
+                concurrency: args.concurrency,
+                sim_boot: Duration::from_millis(args.sim_boot_ms),
+                heartbeat_interval: Duration::from_millis(args.heartbeat_ms),
+                lifecycle_sandboxes: args.lifecycle_sandboxes,
+                passes: args.passes,
+                state_dir: args.state_dir,
+                sim_hosts_dir: args.sim_hosts_dir,
+                database_url: args.database_url,
+                nats_url: args.nats_url,
+                keep_database: args.keep_database,
+            })
+            .await
+        }
+        Some(other) => bail!("--runtime {other}: only `sim` (the scale mode) is supported"),
+    }
     let env = stack_env(&args.state_dir);
     let lookup = |k: &str| env.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
     let api = args

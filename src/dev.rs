@@ -61,13 +61,13 @@ pub fn hostname() -> String {
 }
 
 /// A child process started by `berth dev`; stopped by its PID on exit.
-struct PrivateService {
+pub(crate) struct PrivateService {
     name: &'static str,
     child: Child,
 }
 
 impl PrivateService {
-    async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         if let Some(pid) = self.child.id() {
             let pid = nix::unistd::Pid::from_raw(pid as i32);
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
@@ -123,7 +123,7 @@ fn as_postgres_user(program: &Path) -> Command {
     }
 }
 
-async fn start_private_postgres(
+pub(crate) async fn start_private_postgres(
     state_dir: &Path,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<(String, PrivateService)> {
@@ -224,7 +224,7 @@ async fn chown_postgres(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn start_private_nats(
+pub(crate) async fn start_private_nats(
     state_dir: &Path,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<(String, PrivateService)> {

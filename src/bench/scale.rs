@@ -1,0 +1,582 @@
+//! `berth bench --runtime sim`: the control plane at fleet size on one machine.
+//!
+//! Starts a private stack in this process — a fresh database (created here on `DATABASE_URL`,
+//! or on a private Postgres), NATS (`NATS_URL` or a private `nats-server`) with a subject
+//! prefix of its own, the API with its relay, the scheduler's heartbeat consumer, the
+//! reconciler's result consumer, and `--hosts` hostd on the `sim` runtime — then measures:
+//!
+//! - heartbeat ingest: heartbeats applied per second (the scheduler's
+//!   `berth_heartbeats_total{outcome="applied"}`), idle and while creating;
+//! - placement under load: `POST /v1/sandboxes` latency while creating `--sandboxes` at
+//!   `--rate` per second (the request commits row, placement, command and event);
+//! - the reconciler pass ([`berth_reconciler::pass::run_pass`] under the real lease) at that
+//!   size, `--passes` times, while heartbeats keep arriving;
+//! - `GET /v1/sandboxes` latency: a page of 50, a page filtered by state, the next page;
+//! - sustained lifecycle commands per second: stop, start and delete of
+//!   `--lifecycle-sandboxes` sandboxes, each phase as fast as the API accepts, timed until the
+//!   database shows every sandbox in the target state.
+//!
+//! The reconciler's periodic leader pass is not run, so the only passes are the measured ones.
+//! The sim hosts' state dirs live on tmpfs (`--sim-hosts-dir`): one disk shared by hundreds of
+//! simulated hosts would measure that disk's fsync rate, not the control plane.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use berth_schemas::wire::Resources;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use super::{ms, Client, Samples};
+use crate::dev::{start_private_nats, start_private_postgres, PrivateService};
+
+/// What every sim host offers: far more than the sandboxes placed on it need, so placement
+/// measures its query and not a capacity refusal.
+const SIM_HOST_CAPACITY: Resources = Resources {
+    vcpus: 4096,
+    memory_mib: 4 * 1024 * 1024,
+};
+/// How long the bench waits for every host's first heartbeat.
+const HOSTS_READY_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a phase may take to settle before the bench gives up.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(1800);
+/// How often the database is polled while a phase settles.
+const SETTLE_POLL: Duration = Duration::from_millis(100);
+/// The idle window over which heartbeat ingest is measured before any load.
+const IDLE_HEARTBEAT_WINDOW: Duration = Duration::from_secs(10);
+/// Samples of each `GET /v1/sandboxes` variant and of sim exec.
+const READ_SAMPLES: usize = 200;
+/// Lease name of the measured passes (the reconciler's own).
+const PASS_LEASE_TTL: Duration = Duration::from_secs(600);
+/// Sandbox size in the scale bench.
+const SANDBOX_VCPUS: u32 = 1;
+const SANDBOX_MEMORY_MIB: u32 = 128;
+
+/// Settings of one scale run (from `berth bench` flags).
+pub struct ScaleArgs {
+    pub hosts: usize,
+    pub sandboxes: usize,
+    pub rate: f64,
+    pub concurrency: usize,
+    pub sim_boot: Duration,
+    pub heartbeat_interval: Duration,
+    pub lifecycle_sandboxes: usize,
+    pub passes: usize,
+    pub state_dir: PathBuf,
+    pub sim_hosts_dir: PathBuf,
+    pub database_url: Option<String>,
+    pub nats_url: Option<String>,
+    pub keep_database: bool,
+}
+
+/// Runs the scale bench and prints its table.
+pub async fn run(args: ScaleArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.state_dir)?;
+    let state_dir = std::path::absolute(&args.state_dir)?;
+    let shutdown = crate::shutdown_on_signal();
+    let mut services: Vec<PrivateService> = Vec::new();
+    let result = run_stack(&args, &state_dir, &shutdown, &mut services).await;
+    for s in services.into_iter().rev() {
+        s.stop().await;
+    }
+    let _ = std::fs::remove_dir_all(&args.sim_hosts_dir);
+    result
+}
+
+/// `url` with its database name replaced by `name`.
+fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
+    let (base, _) = url.rsplit_once('/').context("a Postgres URL has a path")?;
+    Ok(format!("{base}/{name}"))
+}
+
+async fn run_stack(
+    args: &ScaleArgs,
+    state_dir: &std::path::Path,
+    shutdown: &CancellationToken,
+    services: &mut Vec<PrivateService>,
+) -> anyhow::Result<()> {
+    let server_url = match &args.database_url {
+        Some(url) => url.clone(),
+        None => {
+            let (url, svc) = start_private_postgres(state_dir, shutdown).await?;
+            services.push(svc);
+            url
+        }
+    };
+    let nats_url = match &args.nats_url {
+        Some(url) => url.clone(),
+        None => {
+            let (url, svc) = start_private_nats(state_dir, shutdown).await?;
+            services.push(svc);
+            url
+        }
+    };
+    let tag = format!("bench{}", std::process::id());
+    let admin = crate::connect_db(&server_url).await?;
+    sqlx::query(&format!("CREATE DATABASE {tag}"))
+        .execute(&admin)
+        .await
+        .context("create the bench database")?;
+    let database_url = with_database(&server_url, &tag)?;
+    let subjects = berth_schemas::Subjects::new(&tag)?;
+    let outcome = measure(args, &database_url, &nats_url, &subjects, shutdown).await;
+
+    let nats = crate::connect_nats(&nats_url).await?;
+    berth_schemas::streams::delete_streams(&async_nats::jetstream::new(nats), &subjects).await;
+    if args.keep_database {
+        eprintln!("kept the database: {database_url}");
+    } else if let Err(e) = sqlx::query(&format!("DROP DATABASE {tag} WITH (FORCE)"))
+        .execute(&admin)
+        .await
+    {
+        eprintln!("database {tag} not dropped: {e}");
+    }
+    outcome
+}
+
+/// Histograms printed after the table (mean per observation, summed over labels): where the
+/// time of each figure went.
+const PROFILE_HISTOGRAMS: &[&str] = &[
+    "berth_http_request_duration_seconds",
+    "berth_outbox_publish_duration_seconds",
+    "berth_result_apply_duration_seconds",
+    "berth_command_latency_seconds",
+    "berth_hostd_runtime_operation_duration_seconds",
+    "berth_reconciler_pass_duration_seconds",
+    "berth_event_publish_duration_seconds",
+];
+
+/// `(count, mean seconds)` of each histogram in [`PROFILE_HISTOGRAMS`] with observations.
+fn profile(prometheus: &metrics_exporter_prometheus::PrometheusHandle) -> Vec<(String, f64, f64)> {
+    let text = prometheus.render();
+    let total = |name: &str, suffix: &str| -> f64 {
+        text.lines()
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .and_then(|r| r.strip_prefix(suffix))
+                    .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    PROFILE_HISTOGRAMS
+        .iter()
+        .filter_map(|name| {
+            let count = total(name, "_count");
+            (count > 0.0).then(|| (name.to_string(), count, total(name, "_sum") / count))
+        })
+        .collect()
+}
+
+/// The scheduler's applied-heartbeat counter, read from the process's recorder.
+fn heartbeats_applied(prometheus: &metrics_exporter_prometheus::PrometheusHandle) -> f64 {
+    prometheus
+        .render()
+        .lines()
+        .find(|l| l.starts_with("berth_heartbeats_total{") && l.contains("outcome=\"applied\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+async fn count_in_state(db: &sqlx::PgPool, state: &str) -> anyhow::Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM sandboxes WHERE state = $1")
+            .bind(state)
+            .fetch_one(db)
+            .await?,
+    )
+}
+
+/// Waits until at least `n` sandboxes are in `state`; returns when that was seen.
+async fn settle(db: &sqlx::PgPool, state: &str, n: i64) -> anyhow::Result<Instant> {
+    let deadline = Instant::now() + SETTLE_TIMEOUT;
+    loop {
+        let have = count_in_state(db, state).await?;
+        if have >= n {
+            return Ok(Instant::now());
+        }
+        if Instant::now() > deadline {
+            bail!("only {have} of {n} sandboxes reached {state}");
+        }
+        tokio::time::sleep(SETTLE_POLL).await;
+    }
+}
+
+/// Sends one request per path with at most `concurrency` in flight, each at most `rate` per
+/// second after `started` (unlimited when `rate` is infinite); returns request latencies and
+/// the response bodies.
+async fn fire(
+    client: &Arc<Client>,
+    method: reqwest::Method,
+    paths: Vec<String>,
+    body: Option<serde_json::Value>,
+    rate: f64,
+    concurrency: usize,
+) -> anyhow::Result<(Samples, Vec<serde_json::Value>, usize)> {
+    let limit = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let started = tokio::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, path) in paths.into_iter().enumerate() {
+        if rate.is_finite() {
+            tokio::time::sleep_until(started + Duration::from_secs_f64(i as f64 / rate)).await;
+        }
+        let permit = limit.clone().acquire_owned().await?;
+        let (client, method, body) = (client.clone(), method.clone(), body.clone());
+        tasks.spawn(async move {
+            let t = Instant::now();
+            let sent = client.send(method, &path, body).await;
+            drop(permit);
+            (t.elapsed(), sent)
+        });
+    }
+    let mut latency = Samples::default();
+    let mut bodies = Vec::new();
+    let mut failed = 0;
+    while let Some(joined) = tasks.join_next().await {
+        let (d, sent) = joined?;
+        match sent {
+            Ok((status, body)) if (200..300).contains(&status) => {
+                latency.push(d);
+                bodies.push(body);
+            }
+            Ok((status, body)) => {
+                if failed < 3 {
+                    eprintln!("request failed: {status} {body}");
+                }
+                failed += 1;
+            }
+            Err(e) => {
+                if failed < 3 {
+                    eprintln!("request failed: {e:#}");
+                }
+                failed += 1;
+            }
+        }
+    }
+    Ok((latency, bodies, failed))
+}
+
+async fn measure(
+    args: &ScaleArgs,
+    database_url: &str,
+    nats_url: &str,
+    subjects: &berth_schemas::Subjects,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let prometheus = berth_api::metrics::handle();
+    // One pool per component, as when each runs as its own process.
+    let db = crate::connect_db(database_url).await?;
+    let scheduler_db = crate::connect_db(database_url).await?;
+    let reconciler_db = crate::connect_db(database_url).await?;
+    berth_schemas::db::MIGRATOR
+        .run(&db)
+        .await
+        .context("migrate")?;
+    let nats = crate::connect_nats(nats_url).await?;
+    let js = async_nats::jetstream::new(nats.clone());
+    berth_schemas::streams::ensure_streams(&js, subjects).await?;
+    let stop = shutdown.child_token();
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn({
+        let (db, nats, subjects, stop) = (
+            scheduler_db.clone(),
+            nats.clone(),
+            subjects.clone(),
+            stop.clone(),
+        );
+        async move {
+            berth_scheduler::run(
+                berth_scheduler::SchedulerConfig { subjects },
+                db,
+                nats,
+                stop,
+            )
+            .await
+            .context("scheduler")
+        }
+    });
+    tasks.spawn({
+        let (db, nats, subjects, stop) = (
+            reconciler_db.clone(),
+            nats.clone(),
+            subjects.clone(),
+            stop.clone(),
+        );
+        async move {
+            berth_reconciler::results::consume(&subjects, &db, nats, stop)
+                .await
+                .context("result consumer")
+        }
+    });
+    let setup_started = Instant::now();
+    for i in 0..args.hosts {
+        let mut config = berth_hostd::HostdConfig::new(
+            nats_url.to_owned(),
+            subjects.clone(),
+            args.sim_hosts_dir.join(i.to_string()),
+            format!("sim-{i}"),
+        );
+        config.runtimes = vec![berth_hostd::runtime::sim::SIM.to_owned()];
+        config.sim_boot = args.sim_boot;
+        config.capacity = SIM_HOST_CAPACITY;
+        config.heartbeat_interval = args.heartbeat_interval;
+        let stop = stop.clone();
+        tasks.spawn(async move { berth_hostd::run(config, stop).await.context("sim hostd") });
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let api_addr = listener.local_addr()?;
+    let state = berth_api::AppState {
+        db: db.clone(),
+        nats: nats.clone(),
+        subjects: subjects.clone(),
+        config: berth_api::ApiConfig::new(api_addr, subjects.clone()),
+        prometheus: prometheus.clone(),
+    };
+    tasks.spawn({
+        let stop = stop.clone();
+        async move { berth_api::serve(listener, state, stop).await.context("api") }
+    });
+    let (_, key) = berth_api::auth::create_org(&db, "bench").await?;
+    let client = Arc::new(Client {
+        http: reqwest::Client::new(),
+        api: format!("http://{api_addr}"),
+        key,
+    });
+
+    let outcome = async {
+        // Every host heard from.
+        let deadline = Instant::now() + HOSTS_READY_TIMEOUT;
+        loop {
+            let ready: i64 = sqlx::query_scalar("SELECT count(*) FROM hosts WHERE state = 'ready'")
+                .fetch_one(&db)
+                .await?;
+            if ready as usize >= args.hosts {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("only {ready} of {} sim hosts came up", args.hosts);
+            }
+            if let Some(Ok(Err(e))) = tasks.try_join_next() {
+                return Err(e);
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let setup = setup_started.elapsed();
+        eprintln!("{} sim hosts up in {:.1} s", args.hosts, setup.as_secs_f64());
+
+        // Heartbeat ingest, idle.
+        let hb0 = heartbeats_applied(&prometheus);
+        tokio::time::sleep(IDLE_HEARTBEAT_WINDOW).await;
+        let hb_idle = (heartbeats_applied(&prometheus) - hb0) / IDLE_HEARTBEAT_WINDOW.as_secs_f64();
+
+        // Creates at the controlled rate.
+        let hb0 = heartbeats_applied(&prometheus);
+        let create_started = Instant::now();
+        let body = json!({"template": "base", "vcpus": SANDBOX_VCPUS, "memory_mib": SANDBOX_MEMORY_MIB});
+        let (create_latency, created, create_failed) = fire(
+            &client,
+            reqwest::Method::POST,
+            vec!["/v1/sandboxes".to_owned(); args.sandboxes],
+            Some(body),
+            args.rate,
+            args.concurrency,
+        )
+        .await?;
+        let sent = create_started.elapsed();
+        let hb_load = (heartbeats_applied(&prometheus) - hb0) / sent.as_secs_f64();
+        let all_running = settle(&db, "running", created.len() as i64).await?;
+        let create_total = all_running - create_started;
+        eprintln!(
+            "{} creates sent in {:.1} s, all running after {:.1} s",
+            created.len(),
+            sent.as_secs_f64(),
+            create_total.as_secs_f64()
+        );
+        let ids: Vec<String> = created
+            .iter()
+            .filter_map(|b| b["id"].as_str().map(str::to_owned))
+            .collect();
+
+        // Let every host report its full inventory before the passes.
+        tokio::time::sleep(args.heartbeat_interval * 2).await;
+        let lease = berth_reconciler::lease::acquire(
+            &db,
+            berth_reconciler::LEASE_NAME,
+            uuid::Uuid::now_v7(),
+            PASS_LEASE_TTL,
+        )
+        .await?
+        .context("reconciler lease taken by someone else")?;
+        let pass_config = berth_reconciler::pass::PassConfig::default();
+        let mut pass = Samples::default();
+        let mut pass_actions = Vec::new();
+        for _ in 0..args.passes {
+            let t = Instant::now();
+            let report = berth_reconciler::pass::run_pass(&db, &pass_config, &lease).await?;
+            pass.push(t.elapsed());
+            pass_actions.push(
+                report
+                    .actions
+                    .iter()
+                    .filter(|(_, n)| *n > 0)
+                    .map(|(a, n)| format!("{}={n}", a.as_str()))
+                    .collect::<Vec<_>>()
+                    .join(","),
+            );
+        }
+        berth_reconciler::lease::release(&db, &lease).await?;
+
+        // Reads.
+        let mut list_page = Samples::default();
+        let mut list_filtered = Samples::default();
+        let mut list_next = Samples::default();
+        let (_, first) = client
+            .send(reqwest::Method::GET, "/v1/sandboxes?limit=50", None)
+            .await?;
+        let cursor = first["next_cursor"].as_str().unwrap_or_default().to_owned();
+        for _ in 0..READ_SAMPLES {
+            for (samples, path) in [
+                (&mut list_page, "/v1/sandboxes?limit=50".to_owned()),
+                (
+                    &mut list_filtered,
+                    "/v1/sandboxes?state=running&limit=50".to_owned(),
+                ),
+                (
+                    &mut list_next,
+                    format!("/v1/sandboxes?limit=50&cursor={cursor}"),
+                ),
+            ] {
+                let t = Instant::now();
+                let (status, page) = client.send(reqwest::Method::GET, &path, None).await?;
+                if status != 200 {
+                    bail!("{path}: {status} {page}");
+                }
+                samples.push(t.elapsed());
+            }
+        }
+        let mut exec = Samples::default();
+        for id in ids.iter().take(READ_SAMPLES) {
+            let t = Instant::now();
+            let (status, out) = client
+                .send(
+                    reqwest::Method::POST,
+                    &format!("/v1/sandboxes/{id}/exec"),
+                    Some(json!({"cmd": ["echo", "hi"]})),
+                )
+                .await?;
+            if status != 200 || out["stdout"] != "hi\n" {
+                bail!("sim exec failed: {status} {out}");
+            }
+            exec.push(t.elapsed());
+        }
+
+        // Sustained lifecycle commands: stop, start, delete of a slice, each phase unthrottled.
+        let slice: Vec<&String> = ids.iter().take(args.lifecycle_sandboxes).collect();
+        let mut phases = Vec::new();
+        for (name, method, suffix, state) in [
+            ("stop", reqwest::Method::POST, "/stop", "stopped"),
+            ("start", reqwest::Method::POST, "/start", "running"),
+            ("delete", reqwest::Method::DELETE, "", "deleted"),
+        ] {
+            let baseline = if state == "running" {
+                count_in_state(&db, "running").await?
+            } else {
+                0
+            };
+            let paths = slice
+                .iter()
+                .map(|id| format!("/v1/sandboxes/{id}{suffix}"))
+                .collect();
+            let t = Instant::now();
+            let (latency, accepted, failed) = fire(
+                &client,
+                method,
+                paths,
+                None,
+                f64::INFINITY,
+                args.concurrency,
+            )
+            .await?;
+            let done = settle(&db, state, baseline + accepted.len() as i64).await?;
+            let elapsed = done - t;
+            phases.push((name, latency, accepted.len(), failed, elapsed));
+        }
+        let lifecycle_total: Duration = phases.iter().map(|p| p.4).sum();
+        let lifecycle_commands: usize = phases.iter().map(|p| p.2).sum();
+
+        let total: i64 = sqlx::query_scalar("SELECT count(*) FROM sandboxes")
+            .fetch_one(&db)
+            .await?;
+        println!(
+            "sim scale: {} hosts, {} sandboxes created ({} failed) at {:.0}/s offered, {} in flight, sim boot {} ms, heartbeat every {} ms; {} sandbox rows at the end",
+            args.hosts,
+            created.len(),
+            create_failed,
+            args.rate,
+            args.concurrency,
+            args.sim_boot.as_millis(),
+            args.heartbeat_interval.as_millis(),
+            total
+        );
+        println!();
+        println!("| measure | n | p50 ms | p95 ms | p99 ms | max ms | rate /s |");
+        println!("|---|---|---|---|---|---|---|");
+        let row = |name: &str, s: &Samples, rate: Option<f64>| {
+            println!(
+                "| {name} | {} | {} | {} | {} | {} | {} |",
+                s.0.len(),
+                ms(s.quantile(0.5)),
+                ms(s.quantile(0.95)),
+                ms(s.quantile(0.99)),
+                ms(s.quantile(1.0)),
+                rate.map(|r| format!("{r:.0}")).unwrap_or_else(|| "—".into())
+            );
+        };
+        let none = Samples::default();
+        let expected = args.hosts as f64 / args.heartbeat_interval.as_secs_f64();
+        println!("| heartbeats applied, idle (sent: {expected:.0}/s) | — | — | — | — | — | {hb_idle:.0} |");
+        println!("| heartbeats applied, while creating | — | — | — | — | — | {hb_load:.0} |");
+        row(
+            "create request (placement tx) under load",
+            &create_latency,
+            Some(created.len() as f64 / create_total.as_secs_f64()),
+        );
+        row("reconciler pass (run_pass)", &pass, None);
+        row("GET /v1/sandboxes?limit=50", &list_page, None);
+        row("GET /v1/sandboxes?state=running&limit=50", &list_filtered, None);
+        row("GET /v1/sandboxes?limit=50&cursor=… (page 2)", &list_next, None);
+        row("exec round trip (sim echo)", &exec, None);
+        for (name, latency, accepted, failed, elapsed) in &phases {
+            row(
+                &format!("{name} ×{accepted} ({failed} refused): request, and all settled"),
+                latency,
+                Some(*accepted as f64 / elapsed.as_secs_f64()),
+            );
+        }
+        row(
+            "lifecycle commands sustained (stop+start+delete)",
+            &none,
+            Some(lifecycle_commands as f64 / lifecycle_total.as_secs_f64()),
+        );
+        println!();
+        println!("pass actions: {}", pass_actions.join(" | "));
+        println!();
+        println!("| profile (whole run) | observations | mean ms |");
+        println!("|---|---|---|");
+        for (name, count, mean) in profile(&prometheus) {
+            println!("| {name} | {count:.0} | {:.2} |", mean * 1000.0);
+        }
+        Ok(())
+    }
+    .await;
+    stop.cancel();
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok(Err(e)) = joined {
+            eprintln!("component stopped with an error: {e:#}");
+        }
+    }
+    outcome
+}
