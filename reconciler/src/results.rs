@@ -1,17 +1,26 @@
 //! The result consumer: one durable JetStream consumer (`reconciler`) on `{p}.result.>`; each
 //! result is applied in one transaction and acked after the commit.
 //!
+//! Results of different sandboxes are applied concurrently (at most [`APPLY_CONCURRENCY`] at
+//! once); those of one sandbox one at a time, in delivery order (each waits for the previous
+//! one of its sandbox). The row lock and the generation fence in [`apply`] keep concurrent
+//! applies correct; the order keeps them from ending as `Stale` needlessly.
+//!
 //! # Errors
 //! A database error naks the message with [`RETRY_DELAY`], so it is applied later; an
 //! undecodable message is terminated (it can never apply).
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, AckKind};
 use berth_schemas::db::{insert_command, insert_event, NewEvent};
 use berth_schemas::state::{on_result, Outcome, Reason, ResultDecision};
 use berth_schemas::wire::{self, Command, CommandResult, Resources, ResultOutcome, SandboxSpec};
-use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxState, Subjects};
+use berth_schemas::{
+    CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, SandboxState, Subjects,
+};
 use futures::StreamExt;
 use sqlx::{PgPool, Row};
 use tokio_util::sync::CancellationToken;
@@ -23,6 +32,9 @@ use crate::ReconcilerError;
 pub const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// How long JetStream waits for an ack before redelivering a result.
 pub const ACK_WAIT: Duration = Duration::from_secs(30);
+/// Results applied at once (each holds one database connection for its transaction). One at a
+/// time capped the control plane at about 200 results/s (`berth bench --runtime sim`).
+pub const APPLY_CONCURRENCY: usize = 8;
 
 /// Consumes results until `shutdown` fires.
 pub async fn consume(
@@ -55,16 +67,18 @@ pub async fn consume(
         .messages()
         .await
         .map_err(|e| ReconcilerError::JetStream(e.to_string()))?;
+    let limit = Arc::new(tokio::sync::Semaphore::new(APPLY_CONCURRENCY));
+    let mut chains: HashMap<SandboxId, tokio::task::JoinHandle<()>> = HashMap::new();
     loop {
         let msg = tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
+            _ = shutdown.cancelled() => break,
             msg = messages.next() => match msg {
                 Some(Ok(msg)) => msg,
                 Some(Err(error)) => {
                     warn!(%error, "result stream error; continuing");
                     continue;
                 }
-                None => return Ok(()),
+                None => break,
             },
         };
         let result: CommandResult = match wire::decode(&msg.payload) {
@@ -75,24 +89,50 @@ pub async fn consume(
                 continue;
             }
         };
-        let started = Instant::now();
-        match apply(db, &result).await {
-            Ok(applied) => {
-                metrics::histogram!("berth_result_apply_duration_seconds")
-                    .record(started.elapsed().as_secs_f64());
-                metrics::counter!("berth_results_total", "kind" => result.kind.as_str(), "applied" => applied.label())
-                    .increment(1);
-                if let Applied::Transitioned { .. } = applied {
-                    crate::gauges::observe_command_latency(db, &result).await;
+        chains.retain(|_, h| !h.is_finished());
+        let previous = chains.remove(&result.sandbox_id);
+        let permit = limit
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let (db, sandbox_id) = (db.clone(), result.sandbox_id);
+        chains.insert(
+            sandbox_id,
+            tokio::spawn(async move {
+                if let Some(previous) = previous {
+                    // A panicked predecessor is logged by the runtime; only order matters here.
+                    let _ = previous.await;
                 }
-                if let Err(error) = msg.ack().await {
-                    warn!(%error, "result ack failed; it will be redelivered and ignored");
-                }
+                handle(&db, msg, result).await;
+                drop(permit);
+            }),
+        );
+    }
+    // Let the applies in progress finish (each acks its message); the rest is redelivered.
+    futures::future::join_all(chains.into_values()).await;
+    Ok(())
+}
+
+/// Applies one result, then acks it (or naks it for a retry when the database failed).
+async fn handle(db: &PgPool, msg: jetstream::Message, result: CommandResult) {
+    let started = Instant::now();
+    match apply(db, &result).await {
+        Ok(applied) => {
+            metrics::histogram!("berth_result_apply_duration_seconds")
+                .record(started.elapsed().as_secs_f64());
+            metrics::counter!("berth_results_total", "kind" => result.kind.as_str(), "applied" => applied.label())
+                .increment(1);
+            if let Applied::Transitioned { .. } = applied {
+                crate::gauges::observe_command_latency(db, &result).await;
             }
-            Err(error) => {
-                warn!(%error, command_id = %result.command_id, "result apply failed; retrying");
-                let _ = msg.ack_with(AckKind::Nak(Some(RETRY_DELAY))).await;
+            if let Err(error) = msg.ack().await {
+                warn!(%error, "result ack failed; it will be redelivered and ignored");
             }
+        }
+        Err(error) => {
+            warn!(%error, command_id = %result.command_id, "result apply failed; retrying");
+            let _ = msg.ack_with(AckKind::Nak(Some(RETRY_DELAY))).await;
         }
     }
 }
