@@ -2,8 +2,13 @@
 //! sandboxes, their vCPUs and their memory. Sandboxes being deleted do not count.
 //!
 //! # Guarantees
-//! Concurrent creates of one org cannot overshoot: the check locks the org's row
-//! (`FOR UPDATE`) until the caller's transaction ends, so they serialize per org.
+//! Concurrent creates of an org with a quota cannot overshoot: the check locks the org's row
+//! (`FOR NO KEY UPDATE`) until the caller's transaction ends, so they serialize per org.
+//! That lock mode does not block the foreign-key checks of inserts that reference the org
+//! (events, sandboxes), which take `FOR KEY SHARE`; `FOR UPDATE` did, and serialized every
+//! result apply of the org behind its creates (`berth bench --runtime sim`).
+//! An org without any limit takes no lock at all, so its creates run in parallel; a quota
+//! set while such a create is in flight applies from the next request on.
 
 use berth_schemas::wire::Resources;
 use berth_schemas::OrgId;
@@ -17,8 +22,19 @@ use crate::error::ApiError;
 /// Errors: [`ApiError::QuotaExceeded`] naming the limit (`max_running`, `max_vcpus`,
 /// `max_memory_mib`).
 pub async fn check(conn: &mut PgConnection, org: OrgId, adding: Resources) -> Result<(), ApiError> {
+    let unlimited: bool = sqlx::query_scalar(
+        "SELECT max_running IS NULL AND max_vcpus IS NULL AND max_memory_mib IS NULL
+           FROM orgs WHERE id = $1",
+    )
+    .bind(org)
+    .fetch_one(&mut *conn)
+    .await?;
+    if unlimited {
+        return Ok(());
+    }
     let limits = sqlx::query(
-        "SELECT max_running, max_vcpus, max_memory_mib FROM orgs WHERE id = $1 FOR UPDATE",
+        "SELECT max_running, max_vcpus, max_memory_mib FROM orgs WHERE id = $1
+            FOR NO KEY UPDATE",
     )
     .bind(org)
     .fetch_one(&mut *conn)
@@ -26,9 +42,6 @@ pub async fn check(conn: &mut PgConnection, org: OrgId, adding: Resources) -> Re
     let max_running: Option<i32> = limits.try_get("max_running")?;
     let max_vcpus: Option<i32> = limits.try_get("max_vcpus")?;
     let max_memory: Option<i64> = limits.try_get("max_memory_mib")?;
-    if max_running.is_none() && max_vcpus.is_none() && max_memory.is_none() {
-        return Ok(());
-    }
     let used = sqlx::query(
         "SELECT count(*) AS running, COALESCE(sum(vcpus), 0)::int8 AS vcpus,
                 COALESCE(sum(memory_mib), 0)::int8 AS memory
