@@ -195,6 +195,12 @@ pub async fn release(
 /// Picks and reserves a host for `need` in the caller's transaction: ranks the fresh `ready`
 /// hosts and reserves on the first that still fits (another transaction may have taken the
 /// headroom meanwhile; then the next is tried). `None` when no host fits.
+///
+/// A host whose row another transaction holds right now (a concurrent placement on it, or its
+/// heartbeat) is passed over for the next in rank rather than waited for: concurrent creates
+/// all rank the same emptiest host first, and waiting on its row made them commit one at a
+/// time (`berth bench --runtime sim`). Only when every fitting host is busy does placement
+/// wait, in rank order.
 pub async fn place(
     conn: &mut PgConnection,
     need: Resources,
@@ -202,12 +208,30 @@ pub async fn place(
     overcommit: Overcommit,
 ) -> Result<Option<HostId>, sqlx::Error> {
     let ranked = rank(&candidates(conn, freshness, overcommit).await?, need);
+    for &host in &ranked {
+        if lock_if_free(conn, host).await?
+            && reserve(conn, host, need, overcommit, Admit::NewSandbox).await?
+        {
+            return Ok(Some(host));
+        }
+    }
     for host in ranked {
         if reserve(conn, host, need, overcommit, Admit::NewSandbox).await? {
             return Ok(Some(host));
         }
     }
     Ok(None)
+}
+
+/// Locks the host's row for the rest of the caller's transaction unless another transaction
+/// holds it; whether it is now locked.
+async fn lock_if_free(conn: &mut PgConnection, host: HostId) -> Result<bool, sqlx::Error> {
+    let locked: Option<HostId> =
+        sqlx::query_scalar("SELECT id FROM hosts WHERE id = $1 FOR NO KEY UPDATE SKIP LOCKED")
+            .bind(host)
+            .fetch_optional(conn)
+            .await?;
+    Ok(locked.is_some())
 }
 
 #[cfg(test)]
