@@ -812,8 +812,10 @@ async fn a_process_keeps_counting_across_stop_and_start_on_gvisor() -> anyhow::R
 
 /// The counter process of [`memory_stop`]: increments `/root/count` every 100 ms (gVisor keeps `/tmp` in memory), detached
 /// from the exec (its output goes nowhere), and prints its pid.
+/// It also appends each value to `/root/log` through a descriptor opened once at its start,
+/// so the log grows after a restore only if the open file survived it.
 const COUNTER: &str =
-    "sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.1; done' \
+    "sh -c 'exec 3>/root/log; i=0; while :; do i=$((i+1)); echo $i > /root/count; echo $i >&3; sleep 0.1; done' \
     </dev/null >/dev/null 2>&1 & echo $!";
 
 async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
@@ -899,6 +901,16 @@ async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(
         !h.sandbox_dir(sandbox).join("snapshot").exists(),
         "the spent image is removed"
+    );
+    // The descriptor opened before the stop still writes to the same file.
+    let (_, log, _) = finished(
+        &h.exec(sandbox, &["tail", "-n", "1", "/root/log"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    let logged: u64 = log.trim().parse().context("log after the start")?;
+    ensure!(
+        logged > at_stop,
+        "the open file did not survive: last logged {logged}, count at stop {at_stop}"
     );
 
     // A second stop/start cycle works the same way.
