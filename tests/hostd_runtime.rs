@@ -810,12 +810,12 @@ async fn a_process_keeps_counting_across_stop_and_start_on_gvisor() -> anyhow::R
     with_harness(|h| Box::pin(memory_stop(h))).await
 }
 
-/// The counter process of [`memory_stop`]: increments `/root/count` every 100 ms (gVisor keeps `/tmp` in memory), detached
+/// The counter process of [`memory_stop`]: increments `/root/count` every 100 ms, written then renamed so no reader sees it half-written (gVisor keeps `/tmp` in memory), detached
 /// from the exec (its output goes nowhere), and prints its pid.
 /// It also appends each value to `/root/log` through a descriptor opened once at its start,
 /// so the log grows after a restore only if the open file survived it.
 const COUNTER: &str =
-    "sh -c 'exec 3>/root/log; i=0; while :; do i=$((i+1)); echo $i > /root/count; echo $i >&3; sleep 0.1; done' \
+    "sh -c 'exec 3>/root/log; i=0; while :; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; echo $i >&3; sleep 0.1; done' \
     </dev/null >/dev/null 2>&1 & echo $!";
 
 async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
