@@ -189,7 +189,7 @@ async fn a_gvisor_sandbox_stopped_through_the_api_keeps_its_processes(db: PgPool
             &[
                 "sh",
                 "-c",
-                "sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/count; sleep 0.1; done' </dev/null >/dev/null 2>&1 & echo $!",
+                "sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; sleep 0.1; done' </dev/null >/dev/null 2>&1 & echo $!",
             ],
         )
         .await;
