@@ -53,6 +53,11 @@ const STATUS_CHECK_EVERY: u32 = 50;
 /// falls back to disk only).
 pub const CHECKPOINT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a memory stop waits after the agent calls drained, so the agent's side of the
+/// last connections finishes closing (gVisor refuses to save an endpoint in CLOSE_WAIT or
+/// LAST_ACK just as it does one in TIME_WAIT).
+pub const CHECKPOINT_SETTLE: Duration = Duration::from_millis(200);
+
 /// The runtime a command's template runs in; [`DEFAULT_RUNTIME`] for an unknown template
 /// (whose create fails at the template step anyway).
 fn runtime_name(templates: &template::Templates, cmd: &Command) -> &'static str {
@@ -422,6 +427,7 @@ impl Host {
                 {
                     tracing::warn!(waited = ?CHECKPOINT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
                 }
+                tokio::time::sleep(CHECKPOINT_SETTLE).await;
                 let started = Instant::now();
                 mode = match runtime.checkpoint(&names.container_id, &snapshot).await {
                     Ok(()) => {
