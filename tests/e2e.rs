@@ -286,3 +286,77 @@ async fn listing_is_paginated_newest_first_and_filters_by_state(db: PgPool) {
     );
     stack.teardown().await;
 }
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn exec_edge_cases_answer_at_once_with_a_clear_result(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let id = stack.create().await;
+    stack.wait_state(&id, "running").await;
+    let path = format!("/v1/sandboxes/{id}/exec");
+    let exec = |cmd: serde_json::Value| {
+        stack.call(
+            Method::POST,
+            &path,
+            Some(json!({ "cmd": cmd, "timeout_ms": 20_000 })),
+        )
+    };
+
+    // Output beyond one message is cut at the cap, not lost to a transport error.
+    let (status, out) = exec(json!([
+        "sh",
+        "-c",
+        "head -c 3000000 /dev/zero | tr '\\0' a"
+    ]))
+    .await;
+    assert_eq!(
+        status,
+        200,
+        "{}",
+        &out.to_string()[..200.min(out.to_string().len())]
+    );
+    let cap = berth_hostd::agent::protocol::MAX_CAPTURED_OUTPUT;
+    assert_eq!(out["stdout"].as_str().unwrap().len(), cap);
+    let (status, out) = exec(json!([
+        "sh",
+        "-c",
+        "head -c 700000 /dev/zero | tr '\\0' a; head -c 700000 /dev/zero | tr '\\0' b >&2"
+    ]))
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        out["stdout"].as_str().unwrap().len() + out["stderr"].as_str().unwrap().len(),
+        2 * cap
+    );
+
+    // A background child that keeps the pipes open neither swallows nor delays the output.
+    let (status, out) = exec(json!(["sh", "-c", "sleep 60 & echo started"])).await;
+    assert_eq!(
+        (status, out["stdout"].as_str(), out["timed_out"].as_bool()),
+        (200, Some("started\n"), Some(false)),
+        "{out}"
+    );
+
+    // A missing program is the user's mistake: exit 127, like a shell.
+    let (status, out) = exec(json!(["/nonexistent"])).await;
+    assert_eq!(
+        (status, out["exit_code"].as_i64()),
+        (200, Some(127)),
+        "{out}"
+    );
+
+    // Requests that cannot travel are refused up front, naming the field.
+    let big = "x".repeat(600 * 1024);
+    let (status, out) = exec(json!(["echo", big])).await;
+    assert_eq!(
+        (status, out["error"]["field"].as_str()),
+        (400, Some("cmd")),
+        "{}",
+        out["error"]
+    );
+    let (status, out) = exec(json!([""])).await;
+    assert_eq!((status, out["error"]["field"].as_str()), (400, Some("cmd")));
+
+    assert_eq!(stack.delete(&id).await.0, 202);
+    stack.wait_state(&id, "deleted").await;
+    stack.teardown().await;
+}

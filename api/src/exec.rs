@@ -32,8 +32,11 @@ pub const MAX_EXEC_TIMEOUT_MS: u64 = 600_000;
 pub const EXEC_REPLY_GRACE: Duration = Duration::from_secs(5);
 /// The most argv entries an exec may carry.
 pub const MAX_ARGV: usize = 4096;
-/// The most bytes an exec's `stdin` may carry (the agent's limit).
-pub const MAX_STDIN_BYTES: usize = 1024 * 1024;
+/// The most bytes an exec's `stdin` may carry.
+pub const MAX_STDIN_BYTES: usize = 256 * 1024;
+/// The most bytes `cmd`, `env`, `cwd` and `stdin` may carry together: the request travels to
+/// the host as one NATS message (1 MiB by default), with room to spare.
+pub const MAX_EXEC_REQUEST_BYTES: usize = 512 * 1024;
 
 /// `POST /v1/sandboxes/{id}/exec`
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", params(("id" = String, Path)),
@@ -133,9 +136,44 @@ pub(crate) fn exec_spec(body: ExecBody) -> Result<ExecSpec, ApiError> {
             format!("stdin must be at most {MAX_STDIN_BYTES} bytes"),
         ));
     }
+    let env: Vec<(String, String)> = body.env.unwrap_or_default().into_iter().collect();
+    if body.cmd.iter().any(|a| a.contains('\0')) {
+        return Err(ApiError::invalid(
+            "cmd",
+            "cmd arguments cannot contain NUL bytes",
+        ));
+    }
+    if body.cmd[0].is_empty() {
+        return Err(ApiError::invalid(
+            "cmd",
+            "cmd[0] names the program and cannot be empty",
+        ));
+    }
+    if env
+        .iter()
+        .any(|(k, v)| k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0'))
+    {
+        return Err(ApiError::invalid(
+            "env",
+            "env names are non-empty without '=' or NUL; values hold no NUL",
+        ));
+    }
+    let total = body.cmd.iter().map(String::len).sum::<usize>()
+        + env.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+        + body.cwd.as_ref().map_or(0, String::len)
+        + stdin.len();
+    if total > MAX_EXEC_REQUEST_BYTES {
+        return Err(ApiError::invalid(
+            "cmd",
+            format!(
+                "cmd, env, cwd and stdin together must be at most {MAX_EXEC_REQUEST_BYTES} bytes; \
+                 upload larger input with PUT /v1/sandboxes/{{id}}/files"
+            ),
+        ));
+    }
     Ok(ExecSpec {
         argv: body.cmd,
-        env: body.env.unwrap_or_default().into_iter().collect(),
+        env,
         cwd: body.cwd,
         stdin,
         timeout_ms,

@@ -222,7 +222,13 @@ mod tests {
             other => panic!("unexpected {other:?}"),
         }
         match exec(addr, vec!["/no/such".into()], 1_000).await.unwrap() {
-            ExecResult::Refused(reason) => assert!(reason.contains("/no/such")),
+            ExecResult::Finished(out) => {
+                assert_eq!(
+                    out.exit_code, 127,
+                    "a missing program exits like in a shell"
+                );
+                assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such"));
+            }
             other => panic!("unexpected {other:?}"),
         }
     }

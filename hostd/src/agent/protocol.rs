@@ -33,8 +33,10 @@ pub const AGENT_PORT: u16 = 18047;
 pub const MAX_LINE_BYTES: u64 = 4 * 1024 * 1024;
 
 /// How much of each of stdout and stderr an exec captures, in bytes; the rest is read and
-/// dropped so the process never blocks on a full pipe.
-pub const MAX_CAPTURED_OUTPUT: usize = 1024 * 1024;
+/// dropped so the process never blocks on a full pipe. Both together, with the reply's
+/// envelope, must fit one NATS message (1 MiB by default): 448 KiB each leaves 128 KiB.
+/// Larger output: the streaming exec, or write it to a file and download it.
+pub const MAX_CAPTURED_OUTPUT: usize = 448 * 1024;
 
 /// The longest exec timeout either side honours, in milliseconds (one day); longer requests
 /// are clamped to it.

@@ -25,8 +25,8 @@ use crate::oci::GUEST_PATH;
 /// How often an exec checks whether its process has exited.
 const EXIT_POLL_INTERVAL: Duration = Duration::from_millis(5);
 
-/// How long an exec waits for its output readers after the process was killed (a descendant
-/// that left the process group may hold the pipes open).
+/// How long an exec waits for its output readers after its process ended or was killed (a
+/// background descendant may hold the pipes open).
 const READER_GRACE: Duration = Duration::from_millis(500);
 
 /// How long a client may take to send its request line.
@@ -306,7 +306,8 @@ pub fn exec(argv: &[String], timeout_ms: u64) -> Result<ExecOutput, String> {
 
 /// Runs a process, capturing output, killing the process group at `timeout_ms` (clamped to
 /// [`MAX_EXEC_TIMEOUT_MS`]). When the process exits but a background descendant keeps its
-/// output pipes open, the answer waits for them until the timeout (plus a short grace).
+/// output pipes open, the answer comes [`READER_GRACE`] later with what was read by then; the
+/// descendant keeps running.
 ///
 /// Errors: a message when `argv` is empty, stdin is over [`MAX_STDIN_BYTES`], or the process
 /// cannot be spawned.
@@ -331,9 +332,12 @@ pub fn exec_with(input: ExecInput<'_>, timeout_ms: u64) -> Result<ExecOutput, St
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
-    let mut child = command
-        .spawn()
-        .map_err(|e| format!("spawn {program}: {e}"))?;
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        // A missing program or directory is the user's mistake, answered as a shell would
+        // (127 not found, 126 not executable), not as an agent failure.
+        Err(e) => return spawn_failure(program, input.cwd, &e),
+    };
     if let Some(mut pipe) = child.stdin.take() {
         let data = input.stdin.to_vec();
         // A process that never reads its stdin must not block the exec.
@@ -347,13 +351,10 @@ pub fn exec_with(input: ExecInput<'_>, timeout_ms: u64) -> Result<ExecOutput, St
     let group = Pid::from_raw(child.id() as i32);
 
     let (status, timed_out) = wait_until(&mut child, deadline, group)?;
-    // Readers finish when every holder of the pipes is gone. After a timeout the group was
-    // killed; give stragglers outside the group a short grace, then return what was read.
-    let reader_deadline = if timed_out {
-        Instant::now() + READER_GRACE
-    } else {
-        deadline.max(Instant::now()) + READER_GRACE
-    };
+    // Readers finish when every holder of the pipes is gone. A background descendant (`cmd &`)
+    // may hold them open long after the process ended, or outlive a timeout's kill by leaving
+    // the group: the answer comes a short grace after the process ended, with what was read.
+    let reader_deadline = Instant::now() + READER_GRACE;
     let stdout = stdout.collect(reader_deadline);
     let stderr = stderr.collect(reader_deadline);
     let exit_code = status
@@ -365,6 +366,45 @@ pub fn exec_with(input: ExecInput<'_>, timeout_ms: u64) -> Result<ExecOutput, St
         stdout,
         stderr,
         timed_out,
+    })
+}
+
+/// Exit code of a program that was not found (shell convention).
+const EXIT_NOT_FOUND: i32 = 127;
+/// Exit code of a program that could not be executed (shell convention).
+const EXIT_NOT_EXECUTABLE: i32 = 126;
+
+/// The answer for a process that could not be spawned: a shell-like exit code and message on
+/// stderr for the user's mistakes; an error for anything else.
+fn spawn_failure(
+    program: &str,
+    cwd: Option<&str>,
+    e: &std::io::Error,
+) -> Result<ExecOutput, String> {
+    let cwd_missing = cwd.is_some_and(|d| !std::path::Path::new(d).is_dir());
+    let (exit_code, message) = match e.kind() {
+        _ if cwd_missing => (
+            EXIT_NOT_EXECUTABLE,
+            format!(
+                "berth: cwd {}: no such directory\n",
+                cwd.unwrap_or_default()
+            ),
+        ),
+        std::io::ErrorKind::NotFound => (
+            EXIT_NOT_FOUND,
+            format!("berth: {program}: command not found\n"),
+        ),
+        std::io::ErrorKind::PermissionDenied => (
+            EXIT_NOT_EXECUTABLE,
+            format!("berth: {program}: permission denied\n"),
+        ),
+        _ => return Err(format!("spawn {program}: {e}")),
+    };
+    Ok(ExecOutput {
+        exit_code,
+        stdout: Vec::new(),
+        stderr: message.into_bytes(),
+        timed_out: false,
     })
 }
 
@@ -387,17 +427,20 @@ fn wait_until(
     }
 }
 
-/// A thread reading one pipe to EOF, keeping the first [`MAX_CAPTURED_OUTPUT`] bytes.
+/// A thread reading one pipe to EOF. What it read so far stays readable while the thread
+/// still blocks on a pipe that a background descendant holds open.
 struct Reader {
-    done: mpsc::Receiver<Vec<u8>>,
+    done: mpsc::Receiver<()>,
+    kept: Arc<Mutex<Vec<u8>>>,
 }
 
 /// A thread reading one pipe (`fd` 1 or 2) to EOF: into `sink` when given, else keeping the
 /// first [`MAX_CAPTURED_OUTPUT`] bytes.
 fn spawn_reader<R: Read + Send + 'static>(pipe: Option<R>, fd: u8, sink: Option<Sink>) -> Reader {
     let (tx, done) = mpsc::channel();
+    let kept = Arc::new(Mutex::new(Vec::new()));
+    let into = kept.clone();
     thread::spawn(move || {
-        let mut kept = Vec::new();
         if let Some(mut pipe) = pipe {
             let mut buf = [0u8; 16 * 1024];
             loop {
@@ -408,6 +451,7 @@ fn spawn_reader<R: Read + Send + 'static>(pipe: Option<R>, fd: u8, sink: Option<
                     Ok(n) => match &sink {
                         Some(sink) => sink(fd, &buf[..n]),
                         None => {
+                            let mut kept = into.lock().unwrap_or_else(|p| p.into_inner());
                             let room = MAX_CAPTURED_OUTPUT.saturating_sub(kept.len());
                             kept.extend_from_slice(&buf[..n.min(room)]);
                         }
@@ -415,17 +459,19 @@ fn spawn_reader<R: Read + Send + 'static>(pipe: Option<R>, fd: u8, sink: Option<
                 }
             }
         }
-        let _ = tx.send(kept);
+        let _ = tx.send(());
     });
-    Reader { done }
+    Reader { done, kept }
 }
 
 impl Reader {
-    /// The captured bytes, or nothing if the pipe is still open at `deadline` (the reader
-    /// thread is then left to finish on its own).
+    /// The captured bytes once the pipe closed, or what was read by `deadline` if it is still
+    /// open then (the reader thread is left to finish on its own).
     fn collect(self, deadline: Instant) -> Vec<u8> {
         let wait = deadline.saturating_duration_since(Instant::now());
-        self.done.recv_timeout(wait).unwrap_or_default()
+        let _ = self.done.recv_timeout(wait);
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::take(&mut *kept)
     }
 }
 
@@ -458,6 +504,26 @@ mod tests {
         assert_eq!(out.exit_code, 128 + 9);
         assert!(out.stdout.is_empty());
         assert!(started.elapsed() < Duration::from_secs(3));
+    }
+
+    #[test]
+    fn a_background_child_holding_the_pipes_neither_delays_nor_swallows_the_output() {
+        let started = Instant::now();
+        let out = exec(&argv(&["sh", "-c", "sleep 12 & echo started"]), 20_000).unwrap();
+        assert_eq!(out.stdout, b"started\n");
+        assert_eq!(out.exit_code, 0);
+        assert!(!out.timed_out);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "answered when the shell ended"
+        );
+    }
+
+    #[test]
+    fn a_missing_program_exits_127_like_a_shell() {
+        let out = exec(&argv(&["/nonexistent"]), 5_000).unwrap();
+        assert_eq!(out.exit_code, 127);
+        assert_eq!(out.stderr, b"berth: /nonexistent: command not found\n");
     }
 
     #[test]
@@ -510,10 +576,7 @@ mod tests {
     }
 
     #[test]
-    fn exec_of_a_missing_program_is_an_error() {
-        assert!(exec(&argv(&["/no/such/program"]), 1_000)
-            .unwrap_err()
-            .contains("spawn"));
+    fn exec_of_an_empty_argv_is_an_error() {
         assert!(exec(&[], 1_000).is_err());
     }
 }
