@@ -115,6 +115,18 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
             "invalid_request",
             Some("metadata"),
         ),
+        (
+            json!({"metadata": {"k": "a\u{0}b"}}),
+            400,
+            "invalid_request",
+            Some("metadata"),
+        ),
+        (
+            json!({"template": "ba\u{0}se"}),
+            400,
+            "invalid_request",
+            Some("template"),
+        ),
     ];
     for (body, status, code, field) in cases {
         let (got, resp) = stack
@@ -151,6 +163,40 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
         .await
         .unwrap();
     assert_eq!(unauthenticated.status(), 401);
+    let lowercase = stack
+        .http
+        .get(stack.url("/v1/sandboxes"))
+        .header("authorization", format!("bearer {}", stack.key))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        lowercase.status(),
+        200,
+        "the auth scheme is case-insensitive"
+    );
+    // axum's own rejections answer in the error shape too.
+    let (status, body) = stack.call(Method::PATCH, "/v1/sandboxes", None).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (405, Some("method_not_allowed")),
+        "{body}"
+    );
+    let doc: serde_json::Value = stack
+        .http
+        .get(stack.url("/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    for param in doc["paths"]["/v1/sandboxes"]["get"]["parameters"]
+        .as_array()
+        .unwrap()
+    {
+        assert_eq!(param["in"], "query", "{param}");
+    }
 
     let (status, body) = stack
         .call(

@@ -141,8 +141,10 @@ async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiErro
         .headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
+        // The scheme is case-insensitive (RFC 9110 §11.1).
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, key)| key.trim())
         .filter(|k| k.starts_with(KEY_PREFIX))
         .ok_or(ApiError::Unauthorized)?;
     authenticate(&state.db, key)

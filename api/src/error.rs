@@ -118,3 +118,44 @@ impl IntoResponse for ApiError {
         (status, Json(json!({ "error": body }))).into_response()
     }
 }
+
+/// Gives every error response the JSON error shape: axum's own rejections (405 method not
+/// allowed, 413 body too large, a query that does not parse) answer plain text or nothing.
+pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let response = next.run(req).await;
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return response;
+    }
+    let code = match status {
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+        s if s.is_client_error() => "invalid_request",
+        _ => "internal",
+    };
+    let (parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 64 * 1024)
+        .await
+        .unwrap_or_default();
+    let message = match String::from_utf8_lossy(&text).trim() {
+        "" => status.canonical_reason().unwrap_or("error").to_lowercase(),
+        t => t.to_owned(),
+    };
+    let mut fixed = (
+        status,
+        Json(json!({ "error": { "code": code, "message": message } })),
+    )
+        .into_response();
+    for (name, value) in parts.headers.iter() {
+        if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
+            fixed.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    fixed
+}

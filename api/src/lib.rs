@@ -145,6 +145,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(render_metrics))
         .route("/openapi.json", get(openapi_json))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn(error::json_errors))
         .layer(axum::middleware::from_fn(metrics::track))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)

@@ -78,7 +78,7 @@ impl CreateSandbox {
     /// Errors: [`ApiError::InvalidRequest`] naming the offending field.
     pub fn validate(self) -> Result<ValidCreate, ApiError> {
         let template = self.template.unwrap_or_else(|| DEFAULT_TEMPLATE.to_owned());
-        if template.is_empty() || template.len() > 64 {
+        if template.is_empty() || template.len() > 64 || template.contains('\0') {
             return Err(ApiError::invalid(
                 "template",
                 "template must be 1 to 64 characters",
@@ -114,6 +114,12 @@ impl CreateSandbox {
                     format!("metadata value of {k:?} must be a string"),
                 ));
             };
+            if k.contains('\0') || v.contains('\0') {
+                return Err(ApiError::invalid(
+                    "metadata",
+                    "metadata cannot contain NUL bytes",
+                ));
+            }
             if k.is_empty() || k.len() > MAX_METADATA_LEN || v.len() > MAX_METADATA_LEN {
                 return Err(ApiError::invalid(
                     "metadata",

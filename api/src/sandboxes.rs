@@ -222,6 +222,7 @@ pub async fn get(
 
 /// `GET /v1/sandboxes` query.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
     /// Only sandboxes in this state. Without it, tombstones (`deleted`) are left out.
