@@ -113,13 +113,61 @@ fn postgres_bin_dir() -> anyhow::Result<PathBuf> {
 }
 
 /// Runs `program` as the `postgres` user when we are root (Postgres refuses to run as root).
-fn as_postgres_user(program: &Path) -> Command {
+/// A command for a private service: when `berth dev` dies, even by SIGKILL, the kernel sends
+/// the service SIGTERM (`PR_SET_PDEATHSIG`), so no orphan holds its port or data dir.
+fn service_command(program: &Path) -> Command {
+    let mut c = Command::new(program);
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)
+                .map_err(std::io::Error::from)
+        });
+    }
+    c
+}
+
+/// Runs `program` as the `postgres` user when we are root (Postgres refuses to run as root).
+fn as_postgres_user(program: &Path) -> anyhow::Result<Command> {
+    let mut c = service_command(program);
+    // The postgres user may not be able to enter our working directory.
+    c.current_dir("/");
     if nix::unistd::geteuid().is_root() {
-        let mut c = Command::new("runuser");
-        c.arg("-u").arg("postgres").arg("--").arg(program);
-        c
-    } else {
-        Command::new(program)
+        let user = nix::unistd::User::from_name("postgres")?
+            .context("no postgres user (apt-get install postgresql)")?;
+        c.uid(user.uid.as_raw()).gid(user.gid.as_raw());
+    }
+    Ok(c)
+}
+
+/// Stops a private service left running by a `berth dev` that died without stopping it: the
+/// process named in `pid_file` (first line), if it still runs `expected` on `state_dir`.
+async fn stop_stale(pid_file: &Path, expected: &str, state_dir: &Path) {
+    let Some(pid) = std::fs::read_to_string(pid_file)
+        .ok()
+        .and_then(|s| s.lines().next().and_then(|l| l.trim().parse::<i32>().ok()))
+    else {
+        return;
+    };
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    if !cmdline.contains(expected) || !cmdline.contains(&*state_dir.to_string_lossy()) {
+        return;
+    }
+    warn!(
+        pid,
+        service = expected,
+        "stopping a private service a previous berth dev left running"
+    );
+    let pid = nix::unistd::Pid::from_raw(pid);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = tokio::time::Instant::now() + SERVICE_STOP_TIMEOUT;
+    while nix::sys::signal::kill(pid, None).is_ok() {
+        if tokio::time::Instant::now() > deadline {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -136,7 +184,7 @@ pub(crate) async fn start_private_postgres(
         if root {
             chown_postgres(&data).await?;
         }
-        let status = as_postgres_user(&bin.join("initdb"))
+        let status = as_postgres_user(&bin.join("initdb"))?
             .arg("-D")
             .arg(&data)
             .args(["-U", "postgres", "--auth=trust", "--encoding=UTF8"])
@@ -152,7 +200,8 @@ pub(crate) async fn start_private_postgres(
     }
     let port = free_port()?;
     let log = std::fs::File::create(state_dir.join("postgres.log"))?;
-    let child = as_postgres_user(&bin.join("postgres"))
+    stop_stale(&data.join("postmaster.pid"), "postgres", state_dir).await;
+    let child = as_postgres_user(&bin.join("postgres"))?
         .arg("-D")
         .arg(&data)
         .arg("-k")
@@ -232,7 +281,9 @@ pub(crate) async fn start_private_nats(
     let dir = std::path::absolute(state_dir.join("nats"))?;
     std::fs::create_dir_all(&dir)?;
     let log = std::fs::File::create(state_dir.join("nats.log"))?;
-    let child = Command::new("nats-server")
+    let pid_file = state_dir.join("nats.pid");
+    stop_stale(&pid_file, "nats-server", state_dir).await;
+    let child = service_command(Path::new("nats-server"))
         .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
         .arg(&dir)
         .stdout(log.try_clone()?)
@@ -240,6 +291,9 @@ pub(crate) async fn start_private_nats(
         .kill_on_drop(true)
         .spawn()
         .context("start nats-server (apt-get install nats-server)")?;
+    if let Some(pid) = child.id() {
+        std::fs::write(&pid_file, format!("{pid}\n"))?;
+    }
     let service = PrivateService {
         name: "nats",
         child,
