@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use berth_reconciler::lease;
-use berth_reconciler::pass::{self, Action, PassConfig};
+use berth_reconciler::pass::{self, PassConfig};
 use berth_reconciler::ReconcilerConfig;
 use common::{eventually, Stack};
 use futures::future::join_all;

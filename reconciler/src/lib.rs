@@ -98,14 +98,17 @@ pub async fn run(
 /// TTL, and run a pass every `pass.interval` while holding it. Gives the lease up on shutdown.
 pub async fn lead(config: ReconcilerConfig, db: PgPool, holder: Uuid, shutdown: CancellationToken) {
     let tick = (config.lease_ttl / 3).min(config.pass.interval);
-    let mut last_pass: Option<tokio::time::Instant> = None;
+    let mut last_pass = tokio::time::Instant::now();
     let mut held: Option<lease::Lease> = None;
     loop {
         match lease::acquire(&db, LEASE_NAME, holder, config.lease_ttl).await {
             Ok(Some(l)) => {
                 if held.map(|h| h.term) != Some(l.term) {
                     info!(term = l.term, %holder, "reconciler leadership taken");
-                    last_pass = None;
+                    // The first pass waits one interval: results hosts published while no
+                    // leader ran (a control-plane restart) are applied first, so commands that
+                    // did complete are not timed out.
+                    last_pass = tokio::time::Instant::now();
                 }
                 metrics::gauge!("berth_reconciler_leader_term").set(l.term as f64);
                 metrics::gauge!("berth_reconciler_is_leader").set(1.0);
@@ -124,9 +127,8 @@ pub async fn lead(config: ReconcilerConfig, db: PgPool, holder: Uuid, shutdown: 
             }
         }
         if let Some(l) = held {
-            let due = last_pass.is_none_or(|t| t.elapsed() >= config.pass.interval);
-            if due {
-                last_pass = Some(tokio::time::Instant::now());
+            if last_pass.elapsed() >= config.pass.interval {
+                last_pass = tokio::time::Instant::now();
                 match pass::run_pass(&db, &config.pass, &l).await {
                     Ok(report) if report.deposed => held = None,
                     Ok(_) => {}

@@ -6,13 +6,18 @@
 //! replaced a few seconds later. Scheduler replicas share the queue group [`QUEUE_GROUP`].
 
 use berth_schemas::wire::{self, Heartbeat};
-use berth_schemas::Subjects;
+use std::collections::HashMap;
+
+use berth_schemas::{HostId, Subjects};
 use futures::StreamExt;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::SchedulerError;
+
+/// The most heartbeats taken from the subscription at once.
+const MAX_BATCH: usize = 4096;
 
 /// The queue group heartbeat consumers share, so each heartbeat is applied once.
 pub const QUEUE_GROUP: &str = "berth-scheduler";
@@ -25,34 +30,50 @@ pub async fn consume(
     shutdown: CancellationToken,
 ) -> Result<(), SchedulerError> {
     let subject = subjects.heartbeat_all();
-    let mut sub = nats
+    let sub = nats
         .queue_subscribe(subject.clone(), QUEUE_GROUP.to_owned())
         .await
         .map_err(|source| SchedulerError::Subscribe { subject, source })?;
+    // Everything already waiting is taken at once and only each host's newest heartbeat is
+    // applied: a consumer that falls behind catches up instead of stamping old inventories
+    // with a fresh `last_seen` (which would make the reconciler act on stale observations).
+    let mut batches = sub.ready_chunks(MAX_BATCH);
     loop {
-        let msg = tokio::select! {
+        let batch = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            msg = sub.next() => match msg {
-                Some(msg) => msg,
+            batch = batches.next() => match batch {
+                Some(batch) => batch,
                 None => return Ok(()),
             },
         };
-        let hb: Heartbeat = match wire::decode(&msg.payload) {
-            Ok(hb) => hb,
-            Err(error) => {
-                warn!(%error, subject = %msg.subject, "dropping undecodable heartbeat");
-                metrics::counter!("berth_heartbeats_total", "outcome" => "malformed").increment(1);
-                continue;
+        let mut newest: HashMap<HostId, Heartbeat> = HashMap::new();
+        for msg in batch {
+            match wire::decode::<Heartbeat>(&msg.payload) {
+                // Arrival order is send order for one host (one connection): the last wins.
+                Ok(hb) => {
+                    if newest.insert(hb.host_id, hb).is_some() {
+                        metrics::counter!("berth_heartbeats_total", "outcome" => "superseded")
+                            .increment(1);
+                    }
+                }
+                Err(error) => {
+                    warn!(%error, subject = %msg.subject, "dropping undecodable heartbeat");
+                    metrics::counter!("berth_heartbeats_total", "outcome" => "malformed")
+                        .increment(1);
+                }
             }
-        };
-        match apply(db, &hb).await {
-            Ok(()) => {
-                debug!(host_id = %hb.host_id, seq = hb.seq, "heartbeat applied");
-                metrics::counter!("berth_heartbeats_total", "outcome" => "applied").increment(1);
-            }
-            Err(error) => {
-                warn!(host_id = %hb.host_id, %error, "heartbeat not applied");
-                metrics::counter!("berth_heartbeats_total", "outcome" => "error").increment(1);
+        }
+        for hb in newest.values() {
+            match apply(db, hb).await {
+                Ok(()) => {
+                    debug!(host_id = %hb.host_id, seq = hb.seq, "heartbeat applied");
+                    metrics::counter!("berth_heartbeats_total", "outcome" => "applied")
+                        .increment(1);
+                }
+                Err(error) => {
+                    warn!(host_id = %hb.host_id, %error, "heartbeat not applied");
+                    metrics::counter!("berth_heartbeats_total", "outcome" => "error").increment(1);
+                }
             }
         }
     }
