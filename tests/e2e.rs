@@ -241,7 +241,23 @@ async fn another_orgs_sandbox_is_not_found_on_every_route(db: PgPool) {
             format!("/v1/sandboxes/{id}/exec"),
             Some(json!({"cmd": ["true"]})),
         ),
+        (
+            Method::POST,
+            format!("/v1/sandboxes/{id}/exec/stream"),
+            Some(json!({"cmd": ["true"]})),
+        ),
+        (
+            Method::GET,
+            format!("/v1/sandboxes/{id}/files?path=/etc/passwd"),
+            None,
+        ),
+        (
+            Method::PUT,
+            format!("/v1/sandboxes/{id}/files?path=/root/x"),
+            None,
+        ),
         (Method::GET, format!("/v1/sandboxes/{id}/events"), None),
+        (Method::GET, format!("/v1/events?sandbox_id={id}"), None),
         (Method::DELETE, format!("/v1/sandboxes/{id}"), None),
     ];
     for (method, path, body) in routes {
