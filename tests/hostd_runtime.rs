@@ -818,6 +818,30 @@ const COUNTER: &str =
     "sh -c 'exec 3>/root/log; i=0; while :; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; echo $i >&3; sleep 0.1; done' \
     </dev/null >/dev/null 2>&1 & echo $!";
 
+/// How long a restored sandbox gets to show its counter moving (a loaded machine runs gVisor's
+/// ptrace platform slowly).
+const COUNTING_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Runs `argv` (which prints a number) until the number exceeds `floor` or
+/// [`COUNTING_TIMEOUT`] passes; returns the last number read (0 while nothing parses, as
+/// before the counter's first write).
+async fn number_above(
+    h: &Harness,
+    sandbox: SandboxId,
+    argv: &[&str],
+    floor: u64,
+) -> anyhow::Result<u64> {
+    let deadline = tokio::time::Instant::now() + COUNTING_TIMEOUT;
+    loop {
+        let (_, out, _) = finished(&h.exec(sandbox, argv, EXEC_TIMEOUT_MS).await?)?;
+        let value: u64 = out.trim().parse().unwrap_or(0);
+        if value > floor || tokio::time::Instant::now() >= deadline {
+            return Ok(value);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
     let sandbox = SandboxId::new();
     let create = h.command_with_template(sandbox, 1, CommandKind::Create, "base-gvisor");
@@ -839,12 +863,8 @@ async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(code == 0, "counter start: {code}");
     let pid = pid.trim().to_owned();
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let (_, before, _) = finished(
-        &h.exec(sandbox, &["cat", "/root/count"], EXEC_TIMEOUT_MS)
-            .await?,
-    )?;
-    let before: u64 = before.trim().parse().context("count before the stop")?;
-    ensure!(before > 0);
+    let before = number_above(h, sandbox, &["cat", "/root/count"], 0).await?;
+    ensure!(before > 0, "the counter never wrote its count");
 
     // Stop keeps memory: the container is gone, the image and the disk stay.
     let cmd = h.command(sandbox, 2, CommandKind::Stop);
@@ -876,12 +896,7 @@ async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
     let cmd = h.command(sandbox, 3, CommandKind::Start);
     let restarted = h.send(&cmd).await?;
     ensure!(succeeded_address(&restarted)? == address);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (_, after, _) = finished(
-        &h.exec(sandbox, &["cat", "/root/count"], EXEC_TIMEOUT_MS)
-            .await?,
-    )?;
-    let after: u64 = after.trim().parse().context("count after the start")?;
+    let after = number_above(h, sandbox, &["cat", "/root/count"], at_stop).await?;
     ensure!(
         after > at_stop,
         "not counting after the start: {after} <= {at_stop}"
@@ -903,11 +918,7 @@ async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
         "the spent image is removed"
     );
     // The descriptor opened before the stop still writes to the same file.
-    let (_, log, _) = finished(
-        &h.exec(sandbox, &["tail", "-n", "1", "/root/log"], EXEC_TIMEOUT_MS)
-            .await?,
-    )?;
-    let logged: u64 = log.trim().parse().context("log after the start")?;
+    let logged = number_above(h, sandbox, &["tail", "-n", "1", "/root/log"], at_stop).await?;
     ensure!(
         logged > at_stop,
         "the open file did not survive: last logged {logged}, count at stop {at_stop}"

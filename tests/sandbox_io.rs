@@ -203,19 +203,23 @@ async fn a_gvisor_sandbox_stopped_through_the_api_keeps_its_processes(db: PgPool
     stack.wait_state(&id, "running").await;
     let (_, out) = stack.exec(&id, &["kill", "-0", &pid]).await;
     assert_eq!(out["exit_code"], 0, "the counter was not kept: {out}");
-    let before: u64 = stack.exec(&id, &["cat", "/root/count"]).await.1["stdout"]
-        .as_str()
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    let after: u64 = stack.exec(&id, &["cat", "/root/count"]).await.1["stdout"]
-        .as_str()
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    // A loaded machine runs gVisor's ptrace platform slowly: give the counter time to move
+    // (0 while the file does not exist yet).
+    let count = || async {
+        stack.exec(&id, &["cat", "/root/count"]).await.1["stdout"]
+            .as_str()
+            .unwrap_or("")
+            .trim()
+            .parse::<u64>()
+            .unwrap_or(0)
+    };
+    let before = count().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let mut after = before;
+    while after <= before && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        after = count().await;
+    }
     assert!(after > before, "not counting: {before} → {after}");
 
     stack.delete(&id).await;
