@@ -436,7 +436,7 @@ async fn a_streamed_exec_sends_output_while_the_process_runs(db: PgPool) {
         .http
         .post(stack.url(&format!("/v1/sandboxes/{id}/exec/stream")))
         .bearer_auth(&stack.key)
-        .json(&json!({"cmd": ["sh", "-c", "echo one; sleep 1; echo two >&2; exit 3"]}))
+        .json(&json!({"cmd": ["sh", "-c", "echo one; sleep 2; echo two >&2; exit 3"]}))
         .send()
         .await
         .unwrap();
@@ -464,7 +464,7 @@ async fn a_streamed_exec_sends_output_while_the_process_runs(db: PgPool) {
         ]
     );
     assert!(
-        ended_at - first_line_at.unwrap() >= Duration::from_millis(700),
+        ended_at - first_line_at.unwrap() >= Duration::from_secs(1),
         "the first line came only at the end ({first_line_at:?} of {ended_at:?})"
     );
 
