@@ -334,7 +334,10 @@ pub enum AgentReply {
     Done,
     Failed(AgentFailure),
     /// A piece of a streamed exec's output: `fd` 1 is stdout, 2 is stderr.
-    Output { fd: u8, data: Vec<u8> },
+    Output {
+        fd: u8,
+        data: Vec<u8>,
+    },
 }
 
 #[cfg(test)]
