@@ -105,6 +105,7 @@ pub fn parse_types(raw: Option<&str>) -> Result<Vec<String>, ApiError> {
     responses(
         (status = 200, description = "`text/event-stream`: `id:` the event id, `data:` the CloudEvent JSON; the backlog, then live", content_type = "text/event-stream"),
         (status = 400, description = "`invalid_request`: bad `sandbox_id`, unknown `type`, or an unknown `Last-Event-ID`"),
+        (status = 404, description = "`not_found`: `sandbox_id` names no sandbox of the caller's org"),
     ), security(("bearer" = [])))]
 pub async fn stream(
     State(app): State<AppState>,
@@ -131,6 +132,18 @@ pub async fn stream(
         .or(query.last_event_id)
         .filter(|s| !s.trim().is_empty());
     let mut conn = app.db.acquire().await?;
+    if let Some(sandbox) = filter.sandbox_id {
+        // Another org's sandbox (or none) is "not found", as on every sandbox route.
+        let owned: Option<i32> =
+            sqlx::query_scalar("SELECT 1 FROM sandboxes WHERE id = $1 AND org_id = $2")
+                .bind(sandbox)
+                .bind(caller.org_id)
+                .fetch_optional(&mut *conn)
+                .await?;
+        if owned.is_none() {
+            return Err(ApiError::NotFound(format!("sandbox {sandbox}")));
+        }
+    }
     let start = match last {
         None => 0,
         Some(raw) => {

@@ -19,6 +19,9 @@ pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
 }
 
+/// The longest any single HTTP request of a test may take.
+pub const HTTP_TIMEOUT: Duration = Duration::from_secs(90);
+
 /// How long a test waits for a sandbox to settle.
 pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -212,7 +215,11 @@ impl Stack {
             db,
             subjects,
             nats,
-            http: reqwest::Client::new(),
+            // A route that never answers fails its test instead of hanging the run.
+            http: reqwest::Client::builder()
+                .timeout(HTTP_TIMEOUT)
+                .build()
+                .unwrap(),
             hosts: Vec::new(),
             root,
             shutdown,
