@@ -220,7 +220,6 @@ mod tests {
     async fn a_sim_container_runs_after_its_boot_delay_and_is_gone_after_destroy() {
         let sim = Sim::new(Duration::from_millis(20));
         let dir = std::path::Path::new("/nonexistent");
-        let started = std::time::Instant::now();
         sim.run(RunRequest {
             container_id: "c1",
             bundle: dir,
@@ -228,7 +227,6 @@ mod tests {
         })
         .await
         .unwrap();
-        assert!(started.elapsed() >= Duration::from_millis(20));
         assert_eq!(
             sim.status("c1").await.unwrap(),
             Some(ContainerStatus::Running)
