@@ -17,7 +17,6 @@ use berth_schemas::wire::{
     FileStat,
 };
 use berth_schemas::Subjects;
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -49,24 +48,15 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), HostdError> {
     let subject = subjects.agent(host.host_id);
-    let mut requests = nats
-        .subscribe(subject.clone())
-        .await
-        .map_err(HostdError::nats("subscribe to agent requests"))?;
-    tracing::info!(%subject, "serving agent requests");
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            next = requests.next() => match next {
-                Some(message) => {
-                    tokio::spawn(answer(host.clone(), nats.clone(), message));
-                }
-                None => break,
-            },
-        }
-    }
-    let _ = requests.unsubscribe().await;
-    Ok(())
+    let client = nats.clone();
+    crate::requests::serve(
+        &nats,
+        subject,
+        "subscribe to agent requests",
+        shutdown,
+        |message| answer(host.clone(), client.clone(), message),
+    )
+    .await
 }
 
 async fn answer(host: Arc<Host>, nats: Client, message: async_nats::Message) {

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use async_nats::Client;
 use berth_schemas::wire::{self, ExecError, ExecReply, ExecRequest};
 use berth_schemas::Subjects;
-use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -24,24 +23,15 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), HostdError> {
     let subject = subjects.exec(host.host_id);
-    let mut requests = nats
-        .subscribe(subject.clone())
-        .await
-        .map_err(HostdError::nats("subscribe to exec requests"))?;
-    tracing::info!(%subject, "serving exec requests");
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            next = requests.next() => match next {
-                Some(message) => {
-                    tokio::spawn(answer(host.clone(), nats.clone(), message));
-                }
-                None => break,
-            },
-        }
-    }
-    let _ = requests.unsubscribe().await;
-    Ok(())
+    let client = nats.clone();
+    crate::requests::serve(
+        &nats,
+        subject,
+        "subscribe to exec requests",
+        shutdown,
+        |message| answer(host.clone(), client.clone(), message),
+    )
+    .await
 }
 
 async fn answer(host: Arc<Host>, nats: Client, message: async_nats::Message) {

@@ -200,11 +200,13 @@ impl Host {
     /// Resolves once the sandbox's container no longer runs (polled every `interval`); never
     /// while it runs.
     pub async fn stopped_running(&self, sandbox: SandboxId, interval: std::time::Duration) {
+        // Not knowing is not "stopped": without a record or runtime this never resolves, and
+        // the exec ends by its own answer or timeout.
         let Some(record) = self.live(sandbox) else {
-            return;
+            return std::future::pending().await;
         };
         let Ok(runtime) = self.runtime_of(&record) else {
-            return;
+            return std::future::pending().await;
         };
         let container_id = self.names(sandbox).container_id;
         loop {

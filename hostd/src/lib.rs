@@ -50,6 +50,7 @@ pub mod netns;
 pub mod oci;
 pub mod overlay;
 pub mod record;
+pub mod requests;
 pub mod runtime;
 pub mod sweep;
 pub mod template;
