@@ -84,9 +84,7 @@ enum Action {
 }
 
 async fn set_state(app: &AppState, id: &str, action: Action) -> Result<Json<Host>, ApiError> {
-    let id: HostId = id
-        .parse()
-        .map_err(|_| ApiError::NotFound(format!("host {id}")))?;
+    let id: HostId = crate::sandboxes::parse_path_id(id, "host")?;
     let (to, from): (&str, &[&str]) = match action {
         Action::Drain => ("draining", &["ready", "cordoned", "draining"]),
         Action::Cordon => ("cordoned", &["ready", "draining", "cordoned"]),

@@ -118,3 +118,31 @@ impl Idempotency {
         Ok(inserted.rows_affected() == 1)
     }
 }
+
+/// Stores `body` under the request's key (if it carried one) in the caller's transaction and
+/// commits, answering `status` with `body`. When a concurrent request with the same key
+/// committed first, rolls back and answers what that one answered.
+///
+/// Errors: database errors; [`ApiError::IdempotencyKeyReused`] from the replay.
+pub async fn commit_with_replay<T: serde::Serialize>(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    db: &sqlx::PgPool,
+    org: OrgId,
+    idem: Option<&Idempotency>,
+    status: StatusCode,
+    body: &T,
+) -> Result<Response, ApiError> {
+    let body = serde_json::to_value(body).map_err(|e| ApiError::Internal(e.to_string()))?;
+    if let Some(idem) = idem {
+        if !idem.store(&mut tx, org, status, &body).await? {
+            tx.rollback().await?;
+            let mut conn = db.acquire().await?;
+            return match idem.replay(&mut conn, org).await? {
+                Some(stored) => Ok(stored),
+                None => Err(ApiError::Internal("idempotency row vanished".into())),
+            };
+        }
+    }
+    tx.commit().await?;
+    Ok((status, Json(body)).into_response())
+}

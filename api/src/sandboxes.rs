@@ -6,7 +6,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::Json;
 use berth_scheduler::placement;
 use berth_schemas::db::{
@@ -22,7 +22,7 @@ use tracing::{info, instrument};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::idempotency::Idempotency;
+use crate::idempotency::{commit_with_replay, Idempotency};
 use crate::model::{CreateSandbox, Event, Sandbox, SandboxList, Template, SANDBOX_COLUMNS};
 use crate::AppState;
 
@@ -47,8 +47,13 @@ pub(crate) fn json_error(rejection: JsonRejection) -> ApiError {
 }
 
 pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
+    parse_path_id(raw, "sandbox")
+}
+
+/// Parses an id from a path; one that does not parse names nothing, so it is "not found".
+pub(crate) fn parse_path_id<T: std::str::FromStr>(raw: &str, what: &str) -> Result<T, ApiError> {
     raw.parse()
-        .map_err(|_| ApiError::NotFound(format!("sandbox {raw}")))
+        .map_err(|_| ApiError::NotFound(format!("{what} {raw}")))
 }
 
 /// `POST /v1/sandboxes`
@@ -154,8 +159,8 @@ pub async fn create(
     let sandbox = Sandbox::from_row(&row)?;
     let response = commit_with_replay(
         tx,
-        &app,
-        &caller,
+        &app.db,
+        caller.org_id,
         idem.as_ref(),
         StatusCode::ACCEPTED,
         &sandbox,
@@ -164,31 +169,6 @@ pub async fn create(
     metrics::counter!("berth_sandboxes_created_total").increment(1);
     info!(sandbox_id = %id, host_id = %host, "sandbox placed");
     Ok(response)
-}
-
-/// Stores the response under the idempotency key (if any) and commits. When a concurrent
-/// request with the same key committed first, rolls back and replays that one instead.
-async fn commit_with_replay(
-    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
-    app: &AppState,
-    caller: &Caller,
-    idem: Option<&Idempotency>,
-    status: StatusCode,
-    sandbox: &Sandbox,
-) -> Result<Response, ApiError> {
-    let body = serde_json::to_value(sandbox).map_err(|e| ApiError::Internal(e.to_string()))?;
-    if let Some(idem) = idem {
-        if !idem.store(&mut tx, caller.org_id, status, &body).await? {
-            tx.rollback().await?;
-            let mut conn = app.db.acquire().await?;
-            return match idem.replay(&mut conn, caller.org_id).await? {
-                Some(stored) => Ok(stored),
-                None => Err(ApiError::Internal("idempotency row vanished".into())),
-            };
-        }
-    }
-    tx.commit().await?;
-    Ok((status, Json(body)).into_response())
 }
 
 /// Reads one sandbox of the caller's org; another org's sandbox is "not found".
@@ -332,8 +312,15 @@ pub(crate) async fn lifecycle(
     let (to, kind) = match decision {
         Decision::Unchanged => {
             let current = read_in(&mut tx, id).await?;
-            return commit_with_replay(tx, app, caller, idem.as_ref(), StatusCode::OK, &current)
-                .await;
+            return commit_with_replay(
+                tx,
+                &app.db,
+                caller.org_id,
+                idem.as_ref(),
+                StatusCode::OK,
+                &current,
+            )
+            .await;
         }
         Decision::Transition { to, command } => (to, command),
     };
@@ -379,8 +366,8 @@ pub(crate) async fn lifecycle(
     let sandbox = read_in(&mut tx, id).await?;
     let response = commit_with_replay(
         tx,
-        app,
-        caller,
+        &app.db,
+        caller.org_id,
         idem.as_ref(),
         StatusCode::ACCEPTED,
         &sandbox,

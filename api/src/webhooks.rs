@@ -9,7 +9,7 @@
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::Json;
 use base64::Engine;
 use berth_schemas::cloudevents::normalize_type;
@@ -203,8 +203,7 @@ pub fn generate_secret() -> String {
 }
 
 fn parse_id(raw: &str) -> Result<WebhookId, ApiError> {
-    raw.parse()
-        .map_err(|_| ApiError::NotFound(format!("webhook {raw}")))
+    crate::sandboxes::parse_path_id(raw, "webhook")
 }
 
 /// `POST /v1/webhooks`
@@ -263,23 +262,15 @@ pub async fn create(
     .await?;
     let mut webhook = Webhook::from_row(&row)?;
     webhook.secret = Some(secret);
-    let body = serde_json::to_value(&webhook).map_err(|e| ApiError::Internal(e.to_string()))?;
-    if let Some(idem) = &idem {
-        if !idem
-            .store(&mut tx, caller.org_id, StatusCode::CREATED, &body)
-            .await?
-        {
-            // Another request with this key committed first: answer what it answered.
-            tx.rollback().await?;
-            let mut conn = app.db.acquire().await?;
-            return match idem.replay(&mut conn, caller.org_id).await? {
-                Some(stored) => Ok(stored),
-                None => Err(ApiError::Internal("idempotency row vanished".into())),
-            };
-        }
-    }
-    tx.commit().await?;
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    crate::idempotency::commit_with_replay(
+        tx,
+        &app.db,
+        caller.org_id,
+        idem.as_ref(),
+        StatusCode::CREATED,
+        &webhook,
+    )
+    .await
 }
 
 /// `GET /v1/webhooks`: the org's webhooks, oldest first (secrets are never returned).
