@@ -29,16 +29,17 @@ pub async fn serve(
         subject,
         "subscribe to exec requests",
         shutdown,
-        |message| answer(host.clone(), client.clone(), message),
+        |message, reply_to| answer(host.clone(), client.clone(), message, reply_to),
     )
     .await
 }
 
-async fn answer(host: Arc<Host>, nats: Client, message: async_nats::Message) {
-    let Some(reply_to) = message.reply.clone() else {
-        tracing::warn!("exec request without a reply subject; dropped");
-        return;
-    };
+async fn answer(
+    host: Arc<Host>,
+    nats: Client,
+    message: async_nats::Message,
+    reply_to: async_nats::Subject,
+) {
     let reply = match wire::decode::<ExecRequest>(&message.payload) {
         Ok(request) => {
             let span = tracing::info_span!(

@@ -9,8 +9,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::HostdError;
 
-/// Subscribes to `subject` and spawns `answer(message)` for each request until `shutdown`.
-/// `what` names the requests in logs and errors.
+/// Subscribes to `subject` and spawns `answer(message, reply_to)` for each request until
+/// `shutdown`; a message without a reply subject is dropped with a warning. `what` names the
+/// requests in logs and errors.
 ///
 /// Errors: [`HostdError::Nats`] when the subscription cannot be made.
 pub async fn serve<F, Fut>(
@@ -21,7 +22,7 @@ pub async fn serve<F, Fut>(
     answer: F,
 ) -> Result<(), HostdError>
 where
-    F: Fn(Message) -> Fut,
+    F: Fn(Message, async_nats::Subject) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
     let mut requests = nats
@@ -33,9 +34,12 @@ where
         tokio::select! {
             _ = shutdown.cancelled() => break,
             next = requests.next() => match next {
-                Some(message) => {
-                    tokio::spawn(answer(message));
-                }
+                Some(message) => match message.reply.clone() {
+                    Some(reply_to) => {
+                        tokio::spawn(answer(message, reply_to));
+                    }
+                    None => tracing::warn!(what, "request without a reply subject; dropped"),
+                },
                 None => break,
             },
         }
