@@ -199,7 +199,8 @@ async fn every_metric_the_alerts_and_dashboard_name_is_exported_after_an_end_to_
     assert_eq!(stack.request(&id, "start").await.0, 202);
     stack.wait_state(&id, "running").await;
     assert_eq!(stack.delete(&id).await.0, 202);
-    stack.wait_state(&id, "deleted").await;
+    // No wait for `deleted` here: with zero retention a pass may purge the tombstone before a
+    // poll sees it. The purge below implies it (only `deleted` rows are purged).
 
     let db = stack.db.clone();
     wait_until("the tombstone is purged by a pass", || {
