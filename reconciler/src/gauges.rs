@@ -17,15 +17,14 @@
 use std::time::Duration;
 
 use berth_schemas::wire::{CommandResult, ResultOutcome};
-use berth_schemas::SandboxState;
-use sqlx::{PgPool, Row};
+use berth_schemas::{HostState, SandboxState};
+use berth_store::{commands, hosts, orgs, sandboxes, StoreError};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 /// How often the fleet gauges are recomputed.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(15);
-/// Every host state (the `hosts.state` CHECK constraint).
-pub const HOST_STATES: [&str; 4] = ["ready", "draining", "cordoned", "lost"];
 
 /// Recomputes the fleet gauges every `interval` until `shutdown` fires.
 pub async fn run(db: PgPool, interval: Duration, shutdown: CancellationToken) {
@@ -59,39 +58,23 @@ fn describe_metrics() {
 
 /// Sets `berth_sandboxes`, `berth_orgs`, `berth_hosts` and `berth_host_heartbeat_age_seconds`
 /// from the current rows.
-pub async fn record_fleet(db: &PgPool) -> Result<(), sqlx::Error> {
-    let by_state: Vec<(String, i64)> =
-        sqlx::query_as("SELECT state, count(*) FROM sandboxes GROUP BY state")
-            .fetch_all(db)
-            .await?;
+pub async fn record_fleet(db: &PgPool) -> Result<(), StoreError> {
+    let by_state = sandboxes::count_by_state(db).await?;
     for state in SandboxState::ALL.into_iter().filter(|s| s.is_written()) {
         let n = by_state
             .iter()
-            .find(|(s, _)| s == state.as_str())
+            .find(|(s, _)| *s == state)
             .map_or(0, |(_, n)| *n);
         metrics::gauge!("berth_sandboxes", "state" => state.as_str()).set(n as f64);
     }
-    let orgs: i64 = sqlx::query_scalar("SELECT count(*) FROM orgs")
-        .fetch_one(db)
-        .await?;
-    metrics::gauge!("berth_orgs").set(orgs as f64);
-    let hosts = sqlx::query(
-        "SELECT id::text AS id, state,
-                GREATEST(EXTRACT(EPOCH FROM now() - last_seen), 0)::float8 AS age
-           FROM hosts",
-    )
-    .fetch_all(db)
-    .await?;
-    for state in HOST_STATES {
-        let n = hosts
-            .iter()
-            .filter(|h| h.get::<String, _>("state") == state)
-            .count();
-        metrics::gauge!("berth_hosts", "state" => state).set(n as f64);
+    metrics::gauge!("berth_orgs").set(orgs::count(db).await? as f64);
+    let fleet = hosts::states_and_ages(db).await?;
+    for state in HostState::ALL {
+        let n = fleet.iter().filter(|(_, s, _)| *s == state).count();
+        metrics::gauge!("berth_hosts", "state" => state.as_str()).set(n as f64);
     }
-    for host in &hosts {
-        metrics::gauge!("berth_host_heartbeat_age_seconds", "host" => host.get::<String, _>("id"))
-            .set(host.get::<f64, _>("age"));
+    for (host, _, age) in &fleet {
+        metrics::gauge!("berth_host_heartbeat_age_seconds", "host" => host.to_string()).set(*age);
     }
     Ok(())
 }
@@ -105,14 +88,7 @@ pub async fn observe_command_latency(db: &PgPool, result: &CommandResult) {
         ResultOutcome::Failed { .. } => "failed",
         ResultOutcome::RefusedStale { .. } => return,
     };
-    let latency: Result<Option<f64>, _> = sqlx::query_scalar(
-        "SELECT EXTRACT(EPOCH FROM completed_at - created_at)::float8
-           FROM commands WHERE id = $1 AND completed_at IS NOT NULL",
-    )
-    .bind(result.command_id)
-    .fetch_optional(db)
-    .await;
-    match latency {
+    match commands::latency(db, result.command_id).await {
         Ok(Some(seconds)) => {
             metrics::histogram!("berth_command_latency_seconds",
                 "kind" => result.kind.as_str(), "outcome" => outcome)

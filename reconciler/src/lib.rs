@@ -3,8 +3,7 @@
 //!
 //! - [`results`]: the durable result consumer and the fenced, idempotent apply (every
 //!   replica consumes; the JetStream consumer is shared, so each result is applied once).
-//! - [`lease`]: leader election on Postgres with a term.
-//! - [`pass`]: the leader's pass.
+//! - [`pass`]: the leader's pass (leader election: [`berth_store::leases`]).
 //! - [`gauges`]: fleet gauges and end-to-end command latency for Prometheus.
 //!
 //! # Guarantees
@@ -13,18 +12,18 @@
 //!   redelivered result finds the row already moved and changes nothing.
 //! - A late result cannot bring a deleted sandbox back (guarantee 3): a deleting row only
 //!   accepts its delete's result; a success that contradicts a terminal state is compensated.
-//! - Capacity is released in the same transaction as the state change, exactly once (the
-//!   row's `holds_capacity` flag flips with it).
-//! - Only the lease holder's pass can commit (see [`lease`]).
+//! - Capacity is released in the same transaction as the state change, exactly once: the
+//!   state machine decides it and the store applies it with the state write.
+//! - Only the lease holder's pass can commit (see [`berth_store::leases`]).
 
 pub mod gauges;
-pub mod lease;
 pub mod pass;
 pub mod results;
 
 use std::time::Duration;
 
 use berth_schemas::Subjects;
+use berth_store::leases;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -39,8 +38,8 @@ pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 /// Errors of the reconciler.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcilerError {
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Store(#[from] berth_store::StoreError),
     #[error("jetstream setup: {0}")]
     JetStream(String),
 }
@@ -99,9 +98,9 @@ pub async fn run(
 pub async fn lead(config: ReconcilerConfig, db: PgPool, holder: Uuid, shutdown: CancellationToken) {
     let tick = (config.lease_ttl / 3).min(config.pass.interval);
     let mut last_pass = tokio::time::Instant::now();
-    let mut held: Option<lease::Lease> = None;
+    let mut held: Option<leases::Lease> = None;
     loop {
-        match lease::acquire(&db, LEASE_NAME, holder, config.lease_ttl).await {
+        match leases::acquire(&db, LEASE_NAME, holder, config.lease_ttl).await {
             Ok(Some(l)) => {
                 if held.map(|h| h.term) != Some(l.term) {
                     info!(term = l.term, %holder, "reconciler leadership taken");
@@ -142,6 +141,6 @@ pub async fn lead(config: ReconcilerConfig, db: PgPool, holder: Uuid, shutdown: 
         }
     }
     if let Some(l) = held {
-        let _ = lease::release(&db, &l).await;
+        let _ = leases::release(&db, &l).await;
     }
 }

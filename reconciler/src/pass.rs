@@ -16,16 +16,18 @@
 
 use std::time::{Duration, Instant};
 
-use berth_schemas::db::{
-    insert_command_on, write_transition, SandboxSnapshot, Transition, SNAPSHOT_COLUMNS,
+use berth_schemas::state::{
+    on_guest_failure, on_host_lost, on_inventory, on_request, on_timeout, Decision, Failure,
+    InventoryVerdict, Request, HOST_LOST_MESSAGE,
 };
-use berth_schemas::state::{on_request, Decision, Request};
-use berth_schemas::wire::{Command, Resources, SandboxSpec};
-use berth_schemas::{CommandId, CommandKind, Generation, OrgId, Reason, SandboxState};
-use sqlx::{PgPool, Postgres, Row, Transaction};
+use berth_schemas::wire::Command;
+use berth_schemas::{CommandId, CommandKind, Generation, Reason};
+use berth_store::hosts::{self, Overcommit};
+use berth_store::leases::Lease;
+use berth_store::sandboxes::{self, CommandTimeouts, Transition};
+use berth_store::{commands, idempotency, SandboxRow, StoreError};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tracing::{info, warn};
-
-use crate::lease::Lease;
 
 /// Defaults of [`PassConfig`].
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -129,20 +131,16 @@ impl PassReport {
 /// Errors of a pass.
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Store(#[from] StoreError),
     #[error("lease lost")]
     Deposed,
-}
-
-fn secs(d: Duration) -> f64 {
-    d.as_secs_f64()
 }
 
 /// Begins a transaction that holds the lease (fenced write), or fails with
 /// [`PassError::Deposed`].
 async fn fenced(db: &PgPool, lease: &Lease) -> Result<Transaction<'static, Postgres>, PassError> {
-    let mut tx = db.begin().await?;
+    let mut tx = db.begin().await.map_err(StoreError::from)?;
     if !lease.check(&mut tx).await? {
         return Err(PassError::Deposed);
     }
@@ -185,14 +183,7 @@ async fn run_actions(
     lease: &Lease,
     report: &mut PassReport,
 ) -> Result<(), PassError> {
-    let (alive, in_service): (i64, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE last_seen > now() - make_interval(secs => $1)),
-                count(*)
-           FROM hosts WHERE state <> 'lost'",
-    )
-    .bind(secs(config.host_lost_after))
-    .fetch_one(db)
-    .await?;
+    let (alive, in_service) = hosts::liveness(db, config.host_lost_after).await?;
     report.all_hosts_silent = in_service > 0 && alive == 0;
     metrics::gauge!("berth_reconciler_all_hosts_silent").set(if report.all_hosts_silent {
         1.0
@@ -229,58 +220,45 @@ async fn mark_lost_hosts(
     lease: &Lease,
 ) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
-    let lost: Vec<uuid::Uuid> = sqlx::query_scalar(
-        "UPDATE hosts SET state = 'lost'
-          WHERE state <> 'lost' AND last_seen < now() - make_interval(secs => $1)
-          RETURNING id",
-    )
-    .bind(secs(config.host_lost_after))
-    .fetch_all(&mut *tx)
-    .await?;
-    tx.commit().await?;
+    let lost = hosts::mark_silent_lost(&mut tx, config.host_lost_after).await?;
+    commit(tx).await?;
     for host in &lost {
         warn!(host_id = %host, "host silent too long; marked lost");
     }
     Ok(lost.len() as u64)
 }
 
-/// Moves a locked sandbox to `failed-start` with `reason`, releasing its capacity and queueing
-/// `compensation` on its host (at the new generation, so the host's fence refuses the old
-/// command if it has not run it yet).
+async fn commit(tx: Transaction<'_, Postgres>) -> Result<(), PassError> {
+    tx.commit().await.map_err(StoreError::from)?;
+    Ok(())
+}
+
+/// Writes `failure` of the locked sandbox `row`: `failed-start` with the failure's reason and
+/// `message`, its capacity released and its compensation queued (by the store, in this
+/// transaction), and every open command of the sandbox up to its old generation completed as
+/// timed out.
 async fn fail_sandbox(
-    tx: &mut Transaction<'_, Postgres>,
-    snap: &SandboxSnapshot,
-    reason: Reason,
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    failure: Failure,
     message: &str,
-    compensation: Option<CommandKind>,
-) -> Result<(), sqlx::Error> {
-    if snap.holds_capacity {
-        if let Some(host) = snap.host_id {
-            berth_scheduler::placement::release(tx, host, snap.resources).await?;
-        }
-    }
-    write_transition(
-        tx,
-        snap,
+) -> Result<(), StoreError> {
+    sandboxes::write_transition(
+        &mut *conn,
+        row,
         &Transition {
-            to: SandboxState::FailedStart,
-            command: compensation,
-            reason,
-            holds_capacity: false,
+            to: failure.to,
+            command: failure.compensation,
+            capacity: failure.capacity,
+            reason: failure.reason,
             delete: false,
             message: Some(message),
+            activity: false,
+            overcommit: Overcommit::default(),
         },
     )
     .await?;
-    sqlx::query(
-        "UPDATE commands SET completed_at = now(), outcome = 'timeout'
-          WHERE sandbox_id = $1 AND completed_at IS NULL AND generation <= $2",
-    )
-    .bind(snap.id)
-    .bind(snap.generation)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
+    commands::time_out_open(conn, row.id, row.generation).await
 }
 
 async fn time_out_commands(
@@ -289,55 +267,22 @@ async fn time_out_commands(
     lease: &Lease,
 ) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
-    let rows = sqlx::query(&format!(
-        "SELECT c.kind AS command_kind, {cols}
-           FROM commands c JOIN sandboxes s ON s.id = c.sandbox_id
-          WHERE c.completed_at IS NULL
-            -- Only a command its sandbox still waits on: a compensation queued at the
-            -- current generation of a failed-start sandbox is not, and must not fail it again.
-            AND (c.kind, s.state) IN (('sandbox.create', 'provisioning'),
-                                      ('sandbox.start', 'starting'),
-                                      ('sandbox.stop', 'stopping'))
-            AND c.generation = s.generation AND s.deleted_at IS NULL
-            AND c.created_at < now() - make_interval(secs => CASE c.kind
-                    WHEN 'sandbox.create' THEN $1
-                    WHEN 'sandbox.start' THEN $2
-                    ELSE $3 END)
-          ORDER BY c.created_at
-          LIMIT $4
-          FOR UPDATE OF s SKIP LOCKED",
-        cols = prefixed(SNAPSHOT_COLUMNS, "s")
-    ))
-    .bind(secs(config.create_timeout))
-    .bind(secs(config.start_timeout))
-    .bind(secs(config.stop_timeout))
-    .bind(config.batch)
-    .fetch_all(&mut *tx)
-    .await?;
+    let timeouts = CommandTimeouts {
+        create: config.create_timeout,
+        start: config.start_timeout,
+        stop: config.stop_timeout,
+    };
     let mut n = 0;
-    for row in &rows {
-        let snap = SandboxSnapshot::from_row(row)?;
-        let kind: String = row.try_get("command_kind")?;
-        // Undo whatever the host may still do: a create is destroyed; a start or stop ends
-        // stopped, keeping the disk.
-        let compensation = if kind == CommandKind::Create.as_str() {
-            CommandKind::Delete
-        } else {
-            CommandKind::Stop
+    for (row, kind) in sandboxes::lock_timed_out(&mut tx, timeouts, config.batch).await? {
+        let Some(failure) = on_timeout(kind, row.state) else {
+            continue;
         };
         let message = format!("timeout: host never answered {kind}");
-        fail_sandbox(
-            &mut tx,
-            &snap,
-            Reason::Timeout,
-            &message,
-            Some(compensation),
-        )
-        .await?;
-        info!(sandbox_id = %snap.id, %kind, "command timed out; sandbox failed-start");
+        fail_sandbox(&mut tx, &row, failure, &message).await?;
+        info!(sandbox_id = %row.id, %kind, "command timed out; sandbox failed-start");
         n += 1;
     }
-    tx.commit().await?;
+    commit(tx).await?;
     Ok(n)
 }
 
@@ -347,44 +292,15 @@ async fn fail_unhealthy_guests(
     lease: &Lease,
 ) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
-    let rows = sqlx::query(&format!(
-        "SELECT {cols},
-                EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
-                         WHERE i->>'sandbox_id' = s.id::text) AS listed
-           FROM sandboxes s JOIN hosts h ON h.id = s.host_id
-          WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> 'lost'
-            AND h.last_seen > s.updated_at + make_interval(secs => $1)
-            AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
-                             WHERE i->>'sandbox_id' = s.id::text AND i->>'status' = 'running')
-          LIMIT $2
-          FOR UPDATE OF s SKIP LOCKED",
-        cols = prefixed(SNAPSHOT_COLUMNS, "s")
-    ))
-    .bind(secs(config.inventory_grace))
-    .bind(config.batch)
-    .fetch_all(&mut *tx)
-    .await?;
     let mut n = 0;
-    for row in &rows {
-        let snap = SandboxSnapshot::from_row(row)?;
-        let listed: bool = row.try_get("listed")?;
-        let message = if listed {
-            "guest stopped answering (agent health check failed)"
-        } else {
-            "guest missing from its host's inventory"
-        };
-        fail_sandbox(
-            &mut tx,
-            &snap,
-            Reason::RuntimeError,
-            message,
-            Some(CommandKind::Stop),
-        )
-        .await?;
-        warn!(sandbox_id = %snap.id, message, "running sandbox failed");
+    for (row, guest) in
+        sandboxes::lock_failed_guests(&mut tx, config.inventory_grace, config.batch).await?
+    {
+        fail_sandbox(&mut tx, &row, on_guest_failure(guest), guest.message()).await?;
+        warn!(sandbox_id = %row.id, message = guest.message(), "running sandbox failed");
         n += 1;
     }
-    tx.commit().await?;
+    commit(tx).await?;
     Ok(n)
 }
 
@@ -394,259 +310,138 @@ async fn fail_over_lost_hosts(
     lease: &Lease,
 ) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
-    let rows = sqlx::query(&format!(
-        "SELECT {cols}
-           FROM sandboxes s JOIN hosts h ON h.id = s.host_id
-          WHERE h.state = 'lost' AND s.deleted_at IS NULL
-            AND h.last_seen < now() - make_interval(secs => $1)
-            AND s.state IN ('provisioning', 'starting', 'running', 'stopping', 'resuming',
-                            'restoring', 'migrating')
-          LIMIT $2
-          FOR UPDATE OF s SKIP LOCKED",
-        cols = prefixed(SNAPSHOT_COLUMNS, "s")
-    ))
-    .bind(secs(config.host_lost_after + config.failover_after))
-    .bind(config.batch)
-    .fetch_all(&mut *tx)
-    .await?;
+    let silent_for = config.host_lost_after + config.failover_after;
     let mut n = 0;
-    for row in &rows {
-        let snap = SandboxSnapshot::from_row(row)?;
-        // No backup store yet: the sandbox cannot be restored elsewhere. Nothing is sent to the
-        // lost host; if it comes back, its inventory shows the container as an orphan.
-        fail_sandbox(
-            &mut tx,
-            &snap,
-            Reason::HostLost,
-            "host_lost: its host was lost and no backup exists",
-            None,
-        )
-        .await?;
+    for row in sandboxes::lock_stranded(&mut tx, silent_for, config.batch).await? {
+        fail_sandbox(&mut tx, &row, on_host_lost(), HOST_LOST_MESSAGE).await?;
         n += 1;
     }
-    tx.commit().await?;
+    commit(tx).await?;
     Ok(n)
 }
 
 /// Auto-stop (`Request::Stop`: running, idle for `auto_stop_minutes`) and auto-delete
-/// (`Request::Delete`: stopped or failed-start for `auto_delete_minutes`).
+/// (`Request::Delete`: stopped or failed-start for `auto_delete_minutes`), decided by
+/// [`on_request`] as a user's request would be.
 async fn auto_lifecycle(
     db: &PgPool,
     config: &PassConfig,
     lease: &Lease,
     request: Request,
 ) -> Result<u64, PassError> {
-    let (filter, reason) = match request {
+    let mut tx = fenced(db, lease).await?;
+    let (rows, reason) = match request {
         Request::Stop => (
-            "state = 'running' AND auto_stop_minutes IS NOT NULL
-             AND last_activity_at < now() - make_interval(mins => auto_stop_minutes)",
+            sandboxes::lock_idle(&mut tx, config.batch).await?,
             Reason::AutoStop,
         ),
         Request::Delete => (
-            "state IN ('stopped', 'failed-start') AND auto_delete_minutes IS NOT NULL
-             AND updated_at < now() - make_interval(mins => auto_delete_minutes)",
+            sandboxes::lock_expired(&mut tx, config.batch).await?,
             Reason::AutoDelete,
         ),
         Request::Start => return Ok(0),
     };
-    let mut tx = fenced(db, lease).await?;
-    let rows = sqlx::query(&format!(
-        "SELECT {SNAPSHOT_COLUMNS} FROM sandboxes
-          WHERE deleted_at IS NULL AND {filter}
-          LIMIT $1 FOR UPDATE SKIP LOCKED"
-    ))
-    .bind(config.batch)
-    .fetch_all(&mut *tx)
-    .await?;
     let mut n = 0;
     for row in &rows {
-        let snap = SandboxSnapshot::from_row(row)?;
-        let Ok(Decision::Transition { to, command }) =
-            on_request(snap.state, snap.deleting, request)
+        let Ok(Decision::Transition {
+            to,
+            command,
+            capacity,
+        }) = on_request(row.state, row.deleting(), request)
         else {
             continue;
         };
-        write_transition(
+        sandboxes::write_transition(
             &mut tx,
-            &snap,
+            row,
             &Transition {
                 to,
                 command: Some(command),
+                capacity,
                 reason,
-                holds_capacity: snap.holds_capacity,
                 delete: request == Request::Delete,
                 message: None,
+                activity: false,
+                overcommit: Overcommit::default(),
             },
         )
         .await?;
-        info!(sandbox_id = %snap.id, reason = reason.as_str(), "automatic lifecycle request");
+        info!(sandbox_id = %row.id, reason = reason.as_str(), "automatic lifecycle request");
         n += 1;
     }
-    tx.commit().await?;
+    commit(tx).await?;
     Ok(n)
 }
 
 async fn purge(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
-    let purged: Vec<uuid::Uuid> = sqlx::query_scalar(
-        "DELETE FROM sandboxes WHERE id IN (
-             SELECT id FROM sandboxes
-              WHERE state = 'deleted' AND updated_at < now() - make_interval(secs => $1)
-                -- Keep a tombstone until its events are out: purging cascades to them.
-                AND NOT EXISTS (SELECT 1 FROM events e
-                                 WHERE e.sandbox_id = sandboxes.id AND e.published_at IS NULL)
-              LIMIT $2 FOR UPDATE SKIP LOCKED)
-         RETURNING id",
-    )
-    .bind(secs(config.tombstone_retention))
-    .bind(config.batch)
-    .fetch_all(&mut *tx)
-    .await?;
-    sqlx::query("DELETE FROM commands WHERE sandbox_id = ANY($1) AND completed_at IS NOT NULL")
-        .bind(&purged)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(
-        "DELETE FROM idempotency_keys WHERE created_at < now() - make_interval(secs => $1)",
-    )
-    .bind(secs(config.idempotency_retention))
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
+    let purged =
+        sandboxes::purge_tombstones(&mut tx, config.tombstone_retention, config.batch).await?;
+    commands::purge_completed(&mut tx, &purged).await?;
+    idempotency::purge(&mut *tx, config.idempotency_retention).await?;
+    commit(tx).await?;
     Ok(purged.len() as u64)
 }
 
 /// Guarantee 5 from the hosts' side: a container a host reports running that no row wants
-/// there — no row at all (purged), a deleted row, a row placed on another host, or a row that
-/// is `stopped`/`failed-start` — gets a command: destroyed, or stopped when the row is the
-/// host's own stopped or failed sandbox (its disk stays). Only once the host's heartbeat is
-/// [`PassConfig::inventory_grace`] newer than the row's last change, and only when no command
-/// for that sandbox on that host is still open. Returns (destroyed, stopped).
+/// there ([`on_inventory`]: no row at all (purged), a deleted row, a row placed on another
+/// host, or a row that is `stopped`/`failed-start`) gets a command: destroyed, or stopped when
+/// the row is the host's own stopped or failed sandbox (its disk stays). Only once the host's
+/// heartbeat is [`PassConfig::inventory_grace`] newer than the row's last change, and only
+/// when no command for that sandbox on that host is still open. Returns (destroyed, stopped).
 async fn reconcile_inventory(
     db: &PgPool,
     config: &PassConfig,
     lease: &Lease,
 ) -> Result<(u64, u64), PassError> {
     let mut tx = fenced(db, lease).await?;
-    let rows = sqlx::query(
-        "SELECT h.id AS host_id, (i->>'sandbox_id')::uuid AS sandbox_id,
-                (i->>'generation')::int8 AS item_generation,
-                s.id IS NOT NULL AS known, s.state, s.generation, s.org_id, s.template,
-                s.vcpus, s.memory_mib, s.host_id = h.id AS same_host
-           FROM hosts h
-          CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
-           LEFT JOIN sandboxes s ON s.id = (i->>'sandbox_id')::uuid
-          WHERE h.state <> 'lost' AND i->>'status' IN ('running', 'unhealthy')
-            AND (s.id IS NULL OR s.host_id IS DISTINCT FROM h.id
-                 OR s.state IN ('stopped', 'failed-start', 'deleted'))
-            AND (s.id IS NULL OR h.last_seen > s.updated_at + make_interval(secs => $1))
-            AND NOT EXISTS (SELECT 1 FROM commands c
-                             WHERE c.sandbox_id = (i->>'sandbox_id')::uuid
-                               AND c.host_id = h.id AND c.completed_at IS NULL)
-          LIMIT $2",
-    )
-    .bind(secs(config.inventory_grace))
-    .bind(config.batch)
-    .fetch_all(&mut *tx)
-    .await?;
     let (mut destroyed, mut stopped) = (0, 0);
-    for row in &rows {
-        let host: berth_schemas::HostId = row.try_get("host_id")?;
-        let sandbox: berth_schemas::SandboxId = row.try_get("sandbox_id")?;
-        let known: bool = row.try_get("known")?;
-        let state: Option<String> = row.try_get("state")?;
-        let same_host: Option<bool> = row.try_get("same_host")?;
-        let item_generation: i64 = row
-            .try_get::<Option<i64>, _>("item_generation")?
-            .unwrap_or(0);
-        let row_generation: i64 = row.try_get::<Option<i64>, _>("generation")?.unwrap_or(0);
-        let keep_disk = known
-            && same_host == Some(true)
-            && matches!(state.as_deref(), Some("stopped") | Some("failed-start"));
-        let kind = if keep_disk {
-            CommandKind::Stop
-        } else {
-            CommandKind::Delete
+    for item in hosts::unwanted_containers(&mut tx, config.inventory_grace, config.batch).await? {
+        let verdict = on_inventory(item.row.as_ref().map(|r| (r.state, r.on_reporting_host)));
+        let kind = match verdict {
+            InventoryVerdict::Wanted => continue,
+            InventoryVerdict::Stop => CommandKind::Stop,
+            InventoryVerdict::Destroy => CommandKind::Delete,
         };
-        // A purged row leaves no spec; a destroy needs none.
-        let spec = if known {
-            SandboxSpec {
-                org_id: row.try_get("org_id")?,
-                template: row.try_get("template")?,
-                resources: Resources {
-                    vcpus: u32::try_from(row.try_get::<i32, _>("vcpus")?).unwrap_or(0),
-                    memory_mib: u32::try_from(row.try_get::<i32, _>("memory_mib")?).unwrap_or(0),
-                },
-            }
-        } else {
-            SandboxSpec {
-                org_id: OrgId(uuid::Uuid::nil()),
-                template: String::new(),
-                resources: Resources::default(),
-            }
-        };
+        let row_generation = item.row.as_ref().map_or(Generation(0), |r| r.generation);
         let command = Command {
             id: CommandId::new(),
-            sandbox_id: sandbox,
-            generation: Generation(item_generation.max(row_generation)),
+            sandbox_id: item.sandbox,
+            // Never older than what the host applied, so its fence lets the command through.
+            generation: item.generation.max(row_generation),
             kind,
-            spec,
+            // TEMPORARY until the wire carries an optional spec: a purged row leaves none.
+            spec: item.row.as_ref().map(|r| r.spec.clone()).unwrap_or(
+                berth_schemas::wire::SandboxSpec {
+                    org_id: berth_schemas::OrgId(uuid::Uuid::nil()),
+                    template: String::new(),
+                    resources: Default::default(),
+                },
+            ),
         };
-        insert_command_on(&mut tx, host, &command).await?;
-        warn!(sandbox_id = %sandbox, host_id = %host, command = %kind, state = ?state,
-            "container no row wants there; compensating");
+        commands::insert(&mut tx, item.host, &command).await?;
+        warn!(sandbox_id = %item.sandbox, host_id = %item.host, command = %kind,
+            state = ?item.row.as_ref().map(|r| r.state), "container no row wants there; compensating");
         metrics::counter!("berth_compensations_total", "kind" => kind.as_str()).increment(1);
-        if keep_disk {
-            stopped += 1;
-        } else {
-            destroyed += 1;
+        match verdict {
+            InventoryVerdict::Stop => stopped += 1,
+            _ => destroyed += 1,
         }
     }
-    tx.commit().await?;
+    commit(tx).await?;
     Ok((destroyed, stopped))
 }
 
 /// Guarantee 4 as a metric: `berth_capacity_drift_vcpus` and `berth_capacity_drift_memory_mib`
 /// are the summed absolute differences, over hosts, between what a host has reserved and what
-/// its capacity-holding sandboxes need. They must read 0.
-pub async fn capacity_drift(db: &PgPool) -> Result<(i64, i64), sqlx::Error> {
-    sqlx::query_as(
-        "SELECT COALESCE(sum(abs(h.reserved_vcpus - COALESCE(s.vcpus, 0))), 0)::int8,
-                COALESCE(sum(abs(h.reserved_memory_mib - COALESCE(s.mem, 0))), 0)::int8
-           FROM hosts h
-           LEFT JOIN (SELECT host_id, sum(vcpus) AS vcpus, sum(memory_mib) AS mem
-                        FROM sandboxes WHERE holds_capacity GROUP BY host_id) s
-             ON s.host_id = h.id",
-    )
-    .fetch_one(db)
-    .await
+/// its capacity-holding sandboxes need ([`sandboxes::capacity_drift`]). They must read 0.
+pub async fn capacity_drift(db: &PgPool) -> Result<(i64, i64), StoreError> {
+    sandboxes::capacity_drift(db).await
 }
 
-async fn record_capacity_drift(db: &PgPool) -> Result<(), sqlx::Error> {
+async fn record_capacity_drift(db: &PgPool) -> Result<(), StoreError> {
     let (vcpus, memory) = capacity_drift(db).await?;
     metrics::gauge!("berth_capacity_drift_vcpus").set(vcpus as f64);
     metrics::gauge!("berth_capacity_drift_memory_mib").set(memory as f64);
     Ok(())
-}
-
-/// `"a, b AS c"` → `"s.a, s.b AS c"`: qualifies a column list with a table alias.
-fn prefixed(columns: &str, alias: &str) -> String {
-    columns
-        .split(", ")
-        .map(|c| format!("{alias}.{}", c.trim()))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn column_lists_are_qualified_with_the_alias() {
-        assert_eq!(
-            prefixed("id, deleted_at IS NOT NULL AS deleting", "s"),
-            "s.id, s.deleted_at IS NOT NULL AS deleting"
-        );
-    }
 }

@@ -15,14 +15,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, AckKind};
-use berth_schemas::db::{insert_command, insert_event, NewEvent};
 use berth_schemas::state::{on_result, Outcome, Reason, ResultDecision};
-use berth_schemas::wire::{self, Command, CommandResult, Resources, ResultOutcome, SandboxSpec};
-use berth_schemas::{
-    CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, SandboxState, Subjects,
-};
+use berth_schemas::wire::{self, Command, CommandResult, ResultOutcome};
+use berth_schemas::{CommandId, CommandKind, SandboxId, SandboxState, Subjects};
+use berth_store::commands::{self, CommandOutcome};
+use berth_store::sandboxes::{self, ResultWrite};
+use berth_store::{SandboxRow, StoreError};
 use futures::StreamExt;
-use sqlx::{PgPool, Row};
+use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
@@ -152,55 +152,6 @@ pub enum Applied {
     Compensated,
 }
 
-/// The command that undoes a host's success the row does not want, if any: a create that
-/// succeeded after its sandbox became `failed-start` is destroyed; a start is stopped (the
-/// sandbox's disk stays, so it can be started again).
-pub fn compensation_for(
-    state: SandboxState,
-    kind: CommandKind,
-    outcome: Outcome,
-) -> Option<CommandKind> {
-    match (state, kind, outcome) {
-        (SandboxState::FailedStart, CommandKind::Create, Outcome::Succeeded) => {
-            Some(CommandKind::Delete)
-        }
-        (SandboxState::FailedStart, CommandKind::Start, Outcome::Succeeded) => {
-            Some(CommandKind::Stop)
-        }
-        _ => None,
-    }
-}
-
-/// Queues `kind` for the sandbox on the host that reported, at the row's generation (never
-/// older than what the host applied, so the host's fence lets it through). The row is not
-/// changed.
-async fn compensate(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    result: &CommandResult,
-    row: &sqlx::postgres::PgRow,
-    generation: Generation,
-    kind: CommandKind,
-) -> Result<(), sqlx::Error> {
-    let command = Command {
-        id: CommandId::new(),
-        sandbox_id: result.sandbox_id,
-        generation,
-        kind,
-        spec: SandboxSpec {
-            org_id: row.get("org_id"),
-            template: row.get("template"),
-            resources: Resources {
-                vcpus: u32::try_from(row.get::<i32, _>("vcpus")).unwrap_or(0),
-                memory_mib: u32::try_from(row.get::<i32, _>("memory_mib")).unwrap_or(0),
-            },
-        },
-    };
-    insert_command(tx, result.host_id, &command).await?;
-    metrics::counter!("berth_compensations_total", "kind" => kind.as_str()).increment(1);
-    warn!(compensation = %kind, compensation_id = %command.id, "late success contradicts the row; compensating");
-    Ok(())
-}
-
 impl Applied {
     /// The metrics label.
     pub fn label(self) -> &'static str {
@@ -214,151 +165,103 @@ impl Applied {
     }
 }
 
-/// Applies one result in one transaction: fence on generation, decide with the state machine,
-/// write the state, release capacity when the sandbox stops holding it, write the event, and
-/// mark the command completed. Idempotent: applying the same result again returns
-/// [`Applied::Duplicate`] and writes nothing.
+/// Applies one result in one transaction: fence on generation, decide with the state machine
+/// ([`on_result`]), and have the store write the decision (state, capacity, event), a
+/// compensation, or nothing; the command is marked completed either way. Idempotent: applying
+/// the same result again returns [`Applied::Duplicate`] and writes nothing. A transaction that
+/// Postgres aborts (deadlock, serialization) is run again.
 #[instrument(skip_all, fields(sandbox_id = %result.sandbox_id, host_id = %result.host_id,
     command_id = %result.command_id, kind = %result.kind, generation = %result.generation))]
-pub async fn apply(db: &PgPool, result: &CommandResult) -> Result<Applied, sqlx::Error> {
+pub async fn apply(db: &PgPool, result: &CommandResult) -> Result<Applied, StoreError> {
+    berth_store::retry_transaction(|| apply_once(db, result)).await
+}
+
+async fn apply_once(db: &PgPool, result: &CommandResult) -> Result<Applied, StoreError> {
     let mut tx = db.begin().await?;
-    let outcome_label = match &result.outcome {
-        ResultOutcome::Succeeded { .. } => "succeeded",
-        ResultOutcome::Failed { .. } => "failed",
-        ResultOutcome::RefusedStale { .. } => "refused_stale",
+    let completed = match &result.outcome {
+        ResultOutcome::Succeeded { .. } => CommandOutcome::Succeeded,
+        ResultOutcome::Failed { .. } => CommandOutcome::Failed,
+        ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
-    sqlx::query(
-        "UPDATE commands SET completed_at = now(), outcome = $2
-          WHERE id = $1 AND completed_at IS NULL",
-    )
-    .bind(result.command_id)
-    .bind(outcome_label)
-    .execute(&mut *tx)
-    .await?;
+    commands::complete(&mut tx, result.command_id, completed).await?;
     if matches!(result.kind, CommandKind::Create | CommandKind::Start) {
         // A boot finished: the relay may publish a start it held back for this host's cap.
-        sqlx::query("SELECT pg_notify($1, '')")
-            .bind(berth_schemas::db::OUTBOX_CHANNEL)
-            .execute(&mut *tx)
-            .await?;
+        commands::notify_relay(&mut tx).await?;
     }
-
-    let Some(row) = sqlx::query(
-        "SELECT org_id, template, state, generation, deleted_at IS NOT NULL AS deleting,
-                host_id, holds_capacity, vcpus, memory_mib
-           FROM sandboxes WHERE id = $1 FOR UPDATE",
-    )
-    .bind(result.sandbox_id)
-    .fetch_optional(&mut *tx)
-    .await?
-    else {
+    let Some(row) = sandboxes::lock(&mut tx, result.sandbox_id, None).await? else {
         tx.commit().await?;
         return Ok(Applied::Unknown);
     };
-    let generation: Generation = row.get("generation");
-    let state: SandboxState = row
-        .get::<String, _>("state")
-        .parse()
-        .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
-    let deleting: bool = row.get("deleting");
-
-    let (outcome, address, last_stop, reason_text) = match &result.outcome {
+    let (outcome, address, last_stop, message) = match &result.outcome {
         ResultOutcome::Succeeded { address, last_stop } => {
-            (Outcome::Succeeded, address.clone(), *last_stop, None)
+            (Outcome::Succeeded, address.as_deref(), *last_stop, None)
         }
-        ResultOutcome::Failed { reason } => (Outcome::Failed, None, None, Some(reason.clone())),
+        ResultOutcome::Failed { reason } => (Outcome::Failed, None, None, Some(reason.as_str())),
         ResultOutcome::RefusedStale { applied } => {
             info!(applied = %applied, "host refused a stale command");
             tx.commit().await?;
             return Ok(Applied::Stale);
         }
     };
-    if result.generation != generation {
-        debug!(row_generation = %generation, "stale result ignored");
+    if result.generation != row.generation {
+        debug!(row_generation = %row.generation, "stale result ignored");
         tx.commit().await?;
         return Ok(Applied::Stale);
     }
-    let ResultDecision::Apply {
-        to,
-        releases_capacity,
-    } = on_result(state, deleting, result.kind, outcome)
-    else {
-        // The first terminal result for a generation wins. A success that contradicts it
-        // (the row already failed this boot) is undone on the host, never applied.
-        if let Some(kind) = compensation_for(state, result.kind, outcome) {
-            // Once per generation: a redelivered late success finds its compensation queued.
-            let queued: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM commands
-                                 WHERE sandbox_id = $1 AND generation = $2 AND kind = $3)",
-            )
-            .bind(result.sandbox_id)
-            .bind(generation)
-            .bind(kind.as_str())
-            .fetch_one(&mut *tx)
-            .await?;
-            if !queued {
-                compensate(&mut tx, result, &row, generation, kind).await?;
-                tx.commit().await?;
-                return Ok(Applied::Compensated);
-            }
-        }
-        tx.commit().await?;
-        return Ok(Applied::Duplicate);
-    };
-
-    let holds_capacity: bool = row.get("holds_capacity");
-    let release = releases_capacity && holds_capacity;
-    // Fenced write: the row lock is held, and the WHERE restates the fence.
-    sqlx::query(
-        "UPDATE sandboxes
-            SET state = $3,
-                state_reason = $4,
-                address = CASE WHEN $3 = 'running' THEN $5 ELSE NULL END,
-                last_stop = COALESCE($6, last_stop),
-                holds_capacity = holds_capacity AND NOT $7,
-                updated_at = now()
-          WHERE id = $1 AND generation = $2",
-    )
-    .bind(result.sandbox_id)
-    .bind(generation)
-    .bind(to.as_str())
-    .bind(reason_text.as_deref())
-    .bind(address.as_deref())
-    .bind(last_stop.map(|m| m.as_str()))
-    .bind(release)
-    .execute(&mut *tx)
-    .await?;
-    if release {
-        let host: Option<HostId> = row.get("host_id");
-        if let Some(host) = host {
-            let held = Resources {
-                vcpus: u32::try_from(row.get::<i32, _>("vcpus")).unwrap_or(0),
-                memory_mib: u32::try_from(row.get::<i32, _>("memory_mib")).unwrap_or(0),
+    let applied = match on_result(row.state, row.deleting(), result.kind, outcome) {
+        ResultDecision::Apply { to, capacity } => {
+            let reason = match outcome {
+                Outcome::Failed => Reason::RuntimeError,
+                Outcome::Succeeded => Reason::HostReport,
             };
-            berth_scheduler::placement::release(&mut tx, host, held).await?;
+            sandboxes::write_result(
+                &mut tx,
+                &row,
+                &ResultWrite {
+                    to,
+                    capacity,
+                    reason,
+                    command_id: result.command_id,
+                    address,
+                    last_stop,
+                    message,
+                },
+            )
+            .await?;
+            info!(from = %row.state, to = %to, "result applied");
+            Applied::Transitioned { to }
         }
-    }
-    let org_id: OrgId = row.get("org_id");
-    let reason = if outcome == Outcome::Failed {
-        Reason::RuntimeError
-    } else {
-        Reason::HostReport
+        // Once per generation: a redelivered late success finds its compensation queued.
+        ResultDecision::Compensate(kind)
+            if !commands::exists(&mut tx, row.id, row.generation, kind).await? =>
+        {
+            compensate(&mut tx, result, &row, kind).await?;
+            Applied::Compensated
+        }
+        ResultDecision::Compensate(_) | ResultDecision::Ignore => Applied::Duplicate,
     };
-    insert_event(
-        &mut tx,
-        &NewEvent {
-            sandbox_id: result.sandbox_id,
-            org_id,
-            from: Some(state),
-            to,
-            reason,
-            generation,
-            command_id: Some(result.command_id),
-            message: reason_text.as_deref(),
-        },
-    )
-    .await?;
     tx.commit().await?;
-    info!(from = %state, to = %to, "result applied");
-    Ok(Applied::Transitioned { to })
+    Ok(applied)
+}
+
+/// Queues `kind` for the sandbox on the host that reported, at the row's generation (never
+/// older than what the host applied, so the host's fence lets it through). The row is not
+/// changed.
+async fn compensate(
+    conn: &mut PgConnection,
+    result: &CommandResult,
+    row: &SandboxRow,
+    kind: CommandKind,
+) -> Result<(), StoreError> {
+    let command = Command {
+        id: CommandId::new(),
+        sandbox_id: row.id,
+        generation: row.generation,
+        kind,
+        spec: row.spec(),
+    };
+    commands::insert(conn, result.host_id, &command).await?;
+    metrics::counter!("berth_compensations_total", "kind" => kind.as_str()).increment(1);
+    warn!(compensation = %kind, compensation_id = %command.id, "late success contradicts the row; compensating");
+    Ok(())
 }

@@ -9,6 +9,7 @@ use berth_schemas::wire::{self, Heartbeat};
 use std::collections::HashMap;
 
 use berth_schemas::{HostId, Subjects};
+use berth_store::StoreError;
 use futures::StreamExt;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -79,52 +80,9 @@ pub async fn consume(
     }
 }
 
-/// Upserts the host row from one heartbeat. A `lost` host that speaks again becomes `ready`;
-/// `draining` and `cordoned` are operator decisions and stay.
-pub async fn apply(db: &PgPool, hb: &Heartbeat) -> Result<(), sqlx::Error> {
-    let runtimes: Vec<String> = hb.runtimes.iter().map(|r| r.name.clone()).collect();
-    let memory_snapshot = hb.runtimes.iter().any(|r| r.memory_snapshot);
-    let inventory = serde_json::Value::Array(
-        hb.inventory
-            .iter()
-            .map(|i| {
-                serde_json::json!({
-                    "sandbox_id": i.sandbox_id.to_string(),
-                    "generation": i.generation.0,
-                    "status": format!("{:?}", i.status).to_lowercase(),
-                })
-            })
-            .collect(),
-    );
-    sqlx::query(
-        "INSERT INTO hosts (id, name, capacity_vcpus, capacity_memory_mib, runtimes,
-                            memory_snapshot, used_vcpus, used_memory_mib, heartbeat_seq,
-                            inventory, last_seen)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now())
-         ON CONFLICT (id) DO UPDATE SET
-             name = EXCLUDED.name,
-             capacity_vcpus = EXCLUDED.capacity_vcpus,
-             capacity_memory_mib = EXCLUDED.capacity_memory_mib,
-             runtimes = EXCLUDED.runtimes,
-             memory_snapshot = EXCLUDED.memory_snapshot,
-             used_vcpus = EXCLUDED.used_vcpus,
-             used_memory_mib = EXCLUDED.used_memory_mib,
-             heartbeat_seq = EXCLUDED.heartbeat_seq,
-             inventory = EXCLUDED.inventory,
-             last_seen = now(),
-             state = CASE WHEN hosts.state = 'lost' THEN 'ready' ELSE hosts.state END",
-    )
-    .bind(hb.host_id)
-    .bind(&hb.name)
-    .bind(i32::try_from(hb.capacity.vcpus).unwrap_or(i32::MAX))
-    .bind(i64::from(hb.capacity.memory_mib))
-    .bind(&runtimes)
-    .bind(memory_snapshot)
-    .bind(i32::try_from(hb.used.vcpus).unwrap_or(i32::MAX))
-    .bind(i64::from(hb.used.memory_mib))
-    .bind(i64::try_from(hb.seq).unwrap_or(i64::MAX))
-    .bind(inventory)
-    .execute(db)
-    .await?;
-    Ok(())
+/// Upserts the host row from one heartbeat ([`berth_store::hosts::upsert_heartbeat`]): a
+/// `lost` host that speaks again becomes `ready`; `draining` and `cordoned` are operator
+/// decisions and stay.
+pub async fn apply(db: &PgPool, hb: &Heartbeat) -> Result<(), StoreError> {
+    berth_store::hosts::upsert_heartbeat(db, hb).await
 }

@@ -25,8 +25,8 @@ pub const DEFAULT_HEARTBEAT_FRESHNESS: Duration = Duration::from_secs(15);
 /// Errors of the scheduler.
 #[derive(Debug, thiserror::Error)]
 pub enum SchedulerError {
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Store(#[from] berth_store::StoreError),
     #[error("nats subscribe to {subject}: {source}")]
     Subscribe {
         subject: String,

@@ -1,29 +1,29 @@
 //! Berth's contract crate: the types every component agrees on.
 //!
 //! - [`cloudevents`]: the external event format (CloudEvents 1.0, structured JSON).
+//! - [`host_state`]: the host state machine (`ready`, `draining`, `cordoned`, `lost`), pure.
 //! - [`ids`]: ID newtypes (`SandboxId`, `HostId`, …) and the fencing [`ids::Generation`].
 //! - [`state`]: the lifecycle state machine, pure.
 //! - [`trace`]: W3C `traceparent` for command messages (trace id = command id).
 //! - [`wire`]: NATS messages (postcard in a versioned envelope, pinned by golden bytes).
 //! - [`subjects`]: subject and stream names under a configurable prefix.
-//! - [`db`] (feature `db`): SQL migrations and the shared outbox/event writes.
 //!
-//! The pure core (everything but `db`) has no tokio and no I/O.
+//! No tokio, no SQL, no I/O: the feature `db` only derives `sqlx::Type` for the ID newtypes;
+//! the migrations and every query live in the `store` crate.
 
 pub mod cloudevents;
+pub mod host_state;
 pub mod ids;
 pub mod state;
 pub mod subjects;
 pub mod trace;
 pub mod wire;
 
-#[cfg(feature = "db")]
-pub mod db;
-
+pub use host_state::{HostEvent, HostState};
 pub use ids::{
     ApiKeyId, CommandId, DeliveryId, EventId, Generation, HostId, OrgId, SandboxId, WebhookId,
 };
-pub use state::{CommandKind, Reason, SandboxState};
+pub use state::{Capacity, CommandKind, Reason, SandboxState};
 pub use subjects::Subjects;
 
 #[cfg(feature = "nats")]

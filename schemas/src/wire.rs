@@ -143,6 +143,17 @@ pub enum GuestStatus {
     Stopped,
 }
 
+impl GuestStatus {
+    /// The spelling stored in a host's inventory (`running`, `unhealthy`, `stopped`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GuestStatus::Running => "running",
+            GuestStatus::Unhealthy => "unhealthy",
+            GuestStatus::Stopped => "stopped",
+        }
+    }
+}
+
 /// One inventory line of a heartbeat.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InventoryItem {

@@ -10,8 +10,11 @@
 
 use std::time::Duration;
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::{PgConnection, PgExecutor};
 use uuid::Uuid;
+
+use crate::op::{timed, Op};
+use crate::StoreError;
 
 /// A leader term: who holds the lease and under which term.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,16 +26,19 @@ pub struct Lease {
 
 impl Lease {
     /// Whether this lease is still held, checked and locked in the caller's transaction.
-    pub async fn check(&self, conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-        let held: Option<i64> = sqlx::query_scalar(
-            "SELECT term FROM leases
+    pub async fn check(&self, conn: &mut PgConnection) -> Result<bool, StoreError> {
+        let held: Option<i64> = timed(
+            Op::LeaseCheck,
+            sqlx::query_scalar(
+                "SELECT term FROM leases
               WHERE name = $1 AND holder = $2 AND term = $3 AND expires_at > now()
               FOR SHARE",
+            )
+            .bind(self.name)
+            .bind(self.holder)
+            .bind(self.term)
+            .fetch_optional(conn),
         )
-        .bind(self.name)
-        .bind(self.holder)
-        .bind(self.term)
-        .fetch_optional(conn)
         .await?;
         Ok(held.is_some())
     }
@@ -42,13 +48,15 @@ impl Lease {
 /// (with its term: unchanged on renewal, bumped on takeover), `None` when another holder's
 /// lease has not expired.
 pub async fn acquire(
-    db: &PgPool,
+    db: impl PgExecutor<'_>,
     name: &'static str,
     holder: Uuid,
     ttl: Duration,
-) -> Result<Option<Lease>, sqlx::Error> {
-    let term: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO leases (name, holder, term, expires_at)
+) -> Result<Option<Lease>, StoreError> {
+    let term: Option<i64> = timed(
+        Op::LeaseAcquire,
+        sqlx::query_scalar(
+            "INSERT INTO leases (name, holder, term, expires_at)
          VALUES ($1, $2, 1, now() + make_interval(secs => $3))
          ON CONFLICT (name) DO UPDATE
             SET holder = EXCLUDED.holder,
@@ -57,24 +65,28 @@ pub async fn acquire(
                 expires_at = EXCLUDED.expires_at
           WHERE leases.holder = EXCLUDED.holder OR leases.expires_at <= now()
          RETURNING term",
+        )
+        .bind(name)
+        .bind(holder)
+        .bind(ttl.as_secs_f64())
+        .fetch_optional(db),
     )
-    .bind(name)
-    .bind(holder)
-    .bind(ttl.as_secs_f64())
-    .fetch_optional(db)
     .await?;
     Ok(term.map(|term| Lease { name, holder, term }))
 }
 
 /// Gives the lease up (on shutdown), so a standby takes over without waiting for expiry.
-pub async fn release(db: &PgPool, lease: &Lease) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE leases SET expires_at = now() WHERE name = $1 AND holder = $2 AND term = $3",
+pub async fn release(db: impl PgExecutor<'_>, lease: &Lease) -> Result<(), StoreError> {
+    timed(
+        Op::LeaseRelease,
+        sqlx::query(
+            "UPDATE leases SET expires_at = now() WHERE name = $1 AND holder = $2 AND term = $3",
+        )
+        .bind(lease.name)
+        .bind(lease.holder)
+        .bind(lease.term)
+        .execute(db),
     )
-    .bind(lease.name)
-    .bind(lease.holder)
-    .bind(lease.term)
-    .execute(db)
     .await?;
     Ok(())
 }

@@ -1,0 +1,219 @@
+//! What the reconciler's pass decides when no host result says what happened: a command that
+//! timed out, a guest that stopped answering or vanished, a host that was lost, and a container
+//! a host reports that no row wants there. Pure; the pass selects the rows (its SQL is built
+//! from the constants here) and the store writes what these functions return.
+//!
+//! Source: the seed lifecycle doc, "Let the reconciler converge" (`shared/reference/003_…`).
+
+use super::{Capacity, CommandKind, Reason, SandboxState};
+
+/// The commands the pass times out, each with the state its sandbox waits in while the command
+/// is open. A delete is not timed: the row is already a tombstone-to-be and its capacity goes
+/// with its `deleted` result or with the host's inventory.
+pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 3] = [
+    (CommandKind::Create, SandboxState::Provisioning),
+    (CommandKind::Start, SandboxState::Starting),
+    (CommandKind::Stop, SandboxState::Stopping),
+];
+
+/// The states in which a sandbox lives on its host and is stranded when the host is lost.
+pub const STRANDED_ON_LOST_HOST: [SandboxState; 7] = [
+    SandboxState::Provisioning,
+    SandboxState::Starting,
+    SandboxState::Running,
+    SandboxState::Stopping,
+    SandboxState::Resuming,
+    SandboxState::Restoring,
+    SandboxState::Migrating,
+];
+
+/// The states in which a row does not want a running container on its own host.
+pub const UNWANTED_RUNNING_ON_ITS_HOST: [SandboxState; 3] = [
+    SandboxState::Stopped,
+    SandboxState::FailedStart,
+    SandboxState::Deleted,
+];
+
+/// A sandbox failing without a host result: the transition to write and the command that undoes
+/// whatever its host may still do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub to: SandboxState,
+    pub reason: Reason,
+    pub capacity: Capacity,
+    /// Queued on the sandbox's host at the new generation (so the host's fence refuses the
+    /// old command if it has not run it yet); `None` when the host cannot be reached.
+    pub compensation: Option<CommandKind>,
+}
+
+/// A command of `kind` its sandbox (in `state`) still waits on was not answered in time. `None`
+/// when the sandbox no longer waits on it (a compensation queued at the current generation of a
+/// `failed-start` sandbox is such a command, and must not fail it again). A create is destroyed;
+/// a start or stop ends stopped on the host, keeping the disk.
+pub fn on_timeout(kind: CommandKind, state: SandboxState) -> Option<Failure> {
+    if !TIMED_COMMANDS.contains(&(kind, state)) {
+        return None;
+    }
+    Some(Failure {
+        to: SandboxState::FailedStart,
+        reason: Reason::Timeout,
+        capacity: Capacity::Release,
+        compensation: Some(if kind == CommandKind::Create {
+            CommandKind::Delete
+        } else {
+            CommandKind::Stop
+        }),
+    })
+}
+
+/// How a `running` sandbox's guest failed, as its host's inventory shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GuestFailure {
+    /// Listed, but its agent does not answer.
+    Unhealthy,
+    /// Not listed at all.
+    Missing,
+}
+
+impl GuestFailure {
+    /// The `state_reason` written with the failure.
+    pub fn message(self) -> &'static str {
+        match self {
+            GuestFailure::Unhealthy => "guest stopped answering (agent health check failed)",
+            GuestFailure::Missing => "guest missing from its host's inventory",
+        }
+    }
+}
+
+/// A `running` sandbox whose guest failed: it becomes `failed-start` and whatever is left of it
+/// on the host is stopped (its disk stays, so a start recovers it).
+pub fn on_guest_failure(_failure: GuestFailure) -> Failure {
+    Failure {
+        to: SandboxState::FailedStart,
+        reason: Reason::RuntimeError,
+        capacity: Capacity::Release,
+        compensation: Some(CommandKind::Stop),
+    }
+}
+
+/// The `state_reason` of [`on_host_lost`].
+pub const HOST_LOST_MESSAGE: &str = "host_lost: its host was lost and no backup exists";
+
+/// A sandbox stranded on a host lost for longer than the failover delay. No backup store exists
+/// yet, so it cannot be restored elsewhere: it becomes `failed-start` and nothing is sent to the
+/// lost host (if it comes back, its inventory shows the container as unwanted).
+pub fn on_host_lost() -> Failure {
+    Failure {
+        to: SandboxState::FailedStart,
+        reason: Reason::HostLost,
+        capacity: Capacity::Release,
+        compensation: None,
+    }
+}
+
+/// What to do with a container a host reports running (or unhealthy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InventoryVerdict {
+    /// Its row wants it there.
+    Wanted,
+    /// Its row is its host's own stopped or failed sandbox: stop it, keeping the disk.
+    Stop,
+    /// No row wants it anywhere on this host (purged, deleted, or placed on another host):
+    /// destroy it (guarantee 5: no sandbox runs on two hosts).
+    Destroy,
+}
+
+/// Judges a running container a host reported. `row` is its sandbox row, if one exists: the
+/// row's state and whether the row places it on the reporting host.
+pub fn on_inventory(row: Option<(SandboxState, bool)>) -> InventoryVerdict {
+    match row {
+        None | Some((_, false)) | Some((SandboxState::Deleted, true)) => InventoryVerdict::Destroy,
+        Some((state, true)) if UNWANTED_RUNNING_ON_ITS_HOST.contains(&state) => {
+            InventoryVerdict::Stop
+        }
+        Some(_) => InventoryVerdict::Wanted,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use SandboxState as S;
+
+    #[test]
+    fn only_a_command_its_sandbox_still_waits_on_times_out() {
+        for kind in [
+            CommandKind::Create,
+            CommandKind::Start,
+            CommandKind::Stop,
+            CommandKind::Delete,
+        ] {
+            for state in S::ALL {
+                let failure = on_timeout(kind, state);
+                let waits = matches!(
+                    (kind, state),
+                    (CommandKind::Create, S::Provisioning)
+                        | (CommandKind::Start, S::Starting)
+                        | (CommandKind::Stop, S::Stopping)
+                );
+                assert_eq!(failure.is_some(), waits, "{kind} in {state}");
+                if let Some(f) = failure {
+                    assert_eq!(f.to, S::FailedStart);
+                    assert_eq!(f.capacity, Capacity::Release);
+                    assert_eq!(f.reason, Reason::Timeout);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_timed_out_create_is_destroyed_and_a_start_or_stop_is_stopped() {
+        let compensation = |k, s| on_timeout(k, s).unwrap().compensation;
+        assert_eq!(
+            compensation(CommandKind::Create, S::Provisioning),
+            Some(CommandKind::Delete)
+        );
+        assert_eq!(
+            compensation(CommandKind::Start, S::Starting),
+            Some(CommandKind::Stop)
+        );
+        assert_eq!(
+            compensation(CommandKind::Stop, S::Stopping),
+            Some(CommandKind::Stop)
+        );
+    }
+
+    #[test]
+    fn a_failed_guest_is_stopped_and_a_lost_host_is_left_alone() {
+        for g in [GuestFailure::Unhealthy, GuestFailure::Missing] {
+            let f = on_guest_failure(g);
+            assert_eq!(
+                (f.to, f.capacity, f.compensation),
+                (S::FailedStart, Capacity::Release, Some(CommandKind::Stop))
+            );
+        }
+        let f = on_host_lost();
+        assert_eq!(
+            (f.to, f.reason, f.capacity, f.compensation),
+            (S::FailedStart, Reason::HostLost, Capacity::Release, None)
+        );
+    }
+
+    #[test]
+    fn a_container_no_row_wants_on_its_host_is_destroyed_or_stopped() {
+        assert_eq!(on_inventory(None), InventoryVerdict::Destroy, "purged row");
+        for state in S::ALL {
+            assert_eq!(
+                on_inventory(Some((state, false))),
+                InventoryVerdict::Destroy,
+                "a sandbox placed on another host is destroyed on the old one ({state})"
+            );
+            let expected = match state {
+                S::Deleted => InventoryVerdict::Destroy,
+                S::Stopped | S::FailedStart => InventoryVerdict::Stop,
+                _ => InventoryVerdict::Wanted,
+            };
+            assert_eq!(on_inventory(Some((state, true))), expected, "{state}");
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! The sandbox lifecycle state machine: pure functions from (state, request), (state, result)
+//! and (state, observation) to a decision or a typed refusal. No I/O here; the store writes what
+//! these functions decide, and nobody else decides.
+//!
+//! - [`on_request`] (`request.rs`): a user's (or the reconciler's automatic) start/stop/delete.
+//! - [`on_result`] (`result.rs`): a host's result, including the compensation of a late success.
+//! - `converge.rs`: what the reconciler's pass does with a command that timed out
+//!   ([`on_timeout`]), a guest that stopped answering or vanished ([`on_guest_failure`]), a host
+//!   that was lost ([`on_host_lost`]) and a container a host reports that no row wants there
+//!   ([`on_inventory`]).
+//!
+//! Every decision carries its [`Capacity`] change, so capacity (guarantee 4) is decided here
+//! and applied by the store in the same transaction as the state write.
+//!
+//! Source: the seed platform's lifecycle documentation (`shared/reference/003_…txt`, "Read the
+//! states") and DESIGN.md "Lifecycle". There is no paused state: `pause` is an alias of `stop`,
+//! `resume` an alias of `start`.
+//!
+//! # Request × state
+//!
+//! `=` means "already at or heading to that target: return the sandbox, change nothing";
+//! `409` means a conflicting transition is in flight; otherwise the new state and the command
+//! queued. A sandbox being deleted (`deleted_at` set) answers `=` to delete and `409` to
+//! everything else.
+//!
+//! | state          | start / resume        | stop / pause         | delete               |
+//! |----------------|-----------------------|----------------------|----------------------|
+//! | provisioning   | =                     | 409                  | stopping + delete    |
+//! | starting       | =                     | 409                  | stopping + delete    |
+//! | running        | =                     | stopping + stop      | stopping + delete    |
+//! | stopping       | 409                   | =                    | stopping + delete    |
+//! | stopped        | starting + start      | =                    | stopping + delete    |
+//! | resuming       | =                     | 409                  | stopping + delete    |
+//! | restoring      | =                     | 409                  | stopping + delete    |
+//! | migrating      | 409                   | 409                  | stopping + delete    |
+//! | archiving      | 409                   | =                    | stopping + delete    |
+//! | archived       | 409                   | =                    | stopping + delete    |
+//! | unarchiving    | =                     | 409                  | stopping + delete    |
+//! | failed-start   | starting + start      | =                    | stopping + delete    |
+//! | deleted        | 409                   | 409                  | =                    |
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Every state of the public sandbox enum. Serialized in kebab-case (`failed-start`).
+///
+/// `Pending`, `FailedProvision` and `Lost` exist for SDK compatibility and are never written
+/// (see [`SandboxState::is_written`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum SandboxState {
+    Pending,
+    Provisioning,
+    Starting,
+    Running,
+    Stopping,
+    Stopped,
+    Resuming,
+    Restoring,
+    Migrating,
+    Archiving,
+    Archived,
+    Unarchiving,
+    FailedStart,
+    FailedProvision,
+    Lost,
+    Deleted,
+}
+
+impl SandboxState {
+    /// Every state, in declaration order.
+    pub const ALL: [SandboxState; 16] = [
+        SandboxState::Pending,
+        SandboxState::Provisioning,
+        SandboxState::Starting,
+        SandboxState::Running,
+        SandboxState::Stopping,
+        SandboxState::Stopped,
+        SandboxState::Resuming,
+        SandboxState::Restoring,
+        SandboxState::Migrating,
+        SandboxState::Archiving,
+        SandboxState::Archived,
+        SandboxState::Unarchiving,
+        SandboxState::FailedStart,
+        SandboxState::FailedProvision,
+        SandboxState::Lost,
+        SandboxState::Deleted,
+    ];
+
+    /// The wire and database spelling (`failed-start`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Pending => "pending",
+            SandboxState::Provisioning => "provisioning",
+            SandboxState::Starting => "starting",
+            SandboxState::Running => "running",
+            SandboxState::Stopping => "stopping",
+            SandboxState::Stopped => "stopped",
+            SandboxState::Resuming => "resuming",
+            SandboxState::Restoring => "restoring",
+            SandboxState::Migrating => "migrating",
+            SandboxState::Archiving => "archiving",
+            SandboxState::Archived => "archived",
+            SandboxState::Unarchiving => "unarchiving",
+            SandboxState::FailedStart => "failed-start",
+            SandboxState::FailedProvision => "failed-provision",
+            SandboxState::Lost => "lost",
+            SandboxState::Deleted => "deleted",
+        }
+    }
+
+    /// Whether the control plane ever writes this state to a row. `pending`,
+    /// `failed-provision` and `lost` are listed only for SDK compatibility.
+    pub fn is_written(self) -> bool {
+        !matches!(
+            self,
+            SandboxState::Pending | SandboxState::FailedProvision | SandboxState::Lost
+        )
+    }
+}
+
+impl fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The string did not name a sandbox state (or a command kind, or a host state).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown state or kind {0:?}")]
+pub struct UnknownState(pub String);
+
+impl FromStr for SandboxState {
+    type Err = UnknownState;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        SandboxState::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| UnknownState(s.to_owned()))
+    }
+}
+
+/// A user's lifecycle request. `resume` maps to `Start` and `pause` to `Stop`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Request {
+    Start,
+    Stop,
+    Delete,
+}
+
+impl Request {
+    /// The request's name as the API spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Request::Start => "start",
+            Request::Stop => "stop",
+            Request::Delete => "delete",
+        }
+    }
+}
+
+impl fmt::Display for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The kind of a host command. Its numeric order is part of the wire format: append only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CommandKind {
+    /// Provision from a template and boot.
+    Create,
+    /// Boot a stopped sandbox from its saved disk (or memory snapshot).
+    Start,
+    /// Stop, keeping the disk (and memory where the runtime can).
+    Stop,
+    /// Destroy the container, network and files.
+    Delete,
+}
+
+impl CommandKind {
+    /// The kind's name as stored in `commands.kind` (`sandbox.create`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommandKind::Create => "sandbox.create",
+            CommandKind::Start => "sandbox.start",
+            CommandKind::Stop => "sandbox.stop",
+            CommandKind::Delete => "sandbox.delete",
+        }
+    }
+}
+
+impl CommandKind {
+    /// Every kind, in wire order.
+    pub const ALL: [CommandKind; 4] = [
+        CommandKind::Create,
+        CommandKind::Start,
+        CommandKind::Stop,
+        CommandKind::Delete,
+    ];
+}
+
+impl FromStr for CommandKind {
+    type Err = UnknownState;
+    /// Parses the `commands.kind` spelling (`sandbox.create`, …).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        CommandKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| UnknownState(s.to_owned()))
+    }
+}
+
+impl fmt::Display for CommandKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a decision changes the sandbox's hold on its host's capacity (guarantee 4). The store
+/// applies it in the same transaction as the state write; applying `Reserve` to a sandbox that
+/// already holds capacity, or `Release` to one that does not, changes nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Capacity {
+    /// The hold stays as it is.
+    Keep,
+    /// The sandbox needs its resources on its host again (a start after a stop or failure).
+    Reserve,
+    /// The sandbox no longer needs its resources (stopped, failed, deleted).
+    Release,
+}
+
+/// Why a state changed; stored on every event row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// A user's API request.
+    UserRequest,
+    /// A host reported the command's result.
+    HostReport,
+    /// A command's host never answered in time.
+    Timeout,
+    /// `auto_stop_minutes` passed without activity.
+    AutoStop,
+    /// `auto_delete_minutes` passed while stopped.
+    AutoDelete,
+    /// The sandbox's host was lost.
+    HostLost,
+    /// The runtime failed (boot, restore, stop).
+    RuntimeError,
+    /// The control plane undid a late or contradicting host action.
+    Compensation,
+}
+
+impl Reason {
+    /// The snake_case spelling stored in `events.reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::UserRequest => "user_request",
+            Reason::HostReport => "host_report",
+            Reason::Timeout => "timeout",
+            Reason::AutoStop => "auto_stop",
+            Reason::AutoDelete => "auto_delete",
+            Reason::HostLost => "host_lost",
+            Reason::RuntimeError => "runtime_error",
+            Reason::Compensation => "compensation",
+        }
+    }
+}
+
+mod converge;
+mod request;
+mod result;
+
+pub use converge::{
+    on_guest_failure, on_host_lost, on_inventory, on_timeout, Failure, GuestFailure,
+    InventoryVerdict, HOST_LOST_MESSAGE, STRANDED_ON_LOST_HOST, TIMED_COMMANDS,
+    UNWANTED_RUNNING_ON_ITS_HOST,
+};
+pub use request::{on_request, Decision, Refusal};
+pub use result::{on_result, Outcome, ResultDecision};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use SandboxState as S;
+
+    #[test]
+    fn every_state_round_trips_through_its_spelling() {
+        for s in S::ALL {
+            assert_eq!(s.as_str().parse::<S>().unwrap(), s);
+            assert_eq!(
+                serde_json::to_string(&s).unwrap(),
+                format!("\"{}\"", s.as_str())
+            );
+        }
+        assert!("paused".parse::<S>().is_err());
+    }
+
+    #[test]
+    fn three_public_states_are_never_written() {
+        let unwritten: Vec<_> = S::ALL.into_iter().filter(|s| !s.is_written()).collect();
+        assert_eq!(unwritten, [S::Pending, S::FailedProvision, S::Lost]);
+    }
+}

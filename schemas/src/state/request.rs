@@ -1,0 +1,197 @@
+//! [`on_request`]: a start, stop or delete against the row's state (the table in the parent
+//! module's docs), with the capacity change each transition needs.
+
+use super::{Capacity, CommandKind, Request, SandboxState};
+
+/// What [`on_request`] decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Already at, or heading to, the requested target: return the sandbox as it is.
+    Unchanged,
+    /// Write `to`, bump the generation, apply `capacity` and queue `command` in the same
+    /// transaction.
+    Transition {
+        to: SandboxState,
+        command: CommandKind,
+        capacity: Capacity,
+    },
+}
+
+/// Why a request was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// A transition that conflicts with the request is in flight (HTTP 409 `conflict`).
+    #[error("cannot {request} a sandbox that is {state}")]
+    Conflict {
+        state: SandboxState,
+        request: Request,
+    },
+}
+
+/// Decides a user request against the row's `state`; `deleting` is whether `deleted_at` is set.
+///
+/// Errors: [`Refusal::Conflict`] per the table in the module docs.
+pub fn on_request(
+    state: SandboxState,
+    deleting: bool,
+    request: Request,
+) -> Result<Decision, Refusal> {
+    use SandboxState as S;
+    let conflict = Err(Refusal::Conflict { state, request });
+    if deleting || state == S::Deleted {
+        return match request {
+            Request::Delete => Ok(Decision::Unchanged),
+            _ => conflict,
+        };
+    }
+    match request {
+        // The capacity is released when the host reports the sandbox deleted.
+        Request::Delete => Ok(Decision::Transition {
+            to: S::Stopping,
+            command: CommandKind::Delete,
+            capacity: Capacity::Keep,
+        }),
+        Request::Start => match state {
+            // Both released their capacity when they settled; a boot needs it again.
+            S::Stopped | S::FailedStart => Ok(Decision::Transition {
+                to: S::Starting,
+                command: CommandKind::Start,
+                capacity: Capacity::Reserve,
+            }),
+            S::Provisioning
+            | S::Starting
+            | S::Running
+            | S::Resuming
+            | S::Restoring
+            | S::Unarchiving => Ok(Decision::Unchanged),
+            S::Stopping
+            | S::Migrating
+            | S::Archiving
+            | S::Archived
+            | S::Pending
+            | S::FailedProvision
+            | S::Lost
+            | S::Deleted => conflict,
+        },
+        Request::Stop => match state {
+            // Released when the host reports the sandbox stopped.
+            S::Running => Ok(Decision::Transition {
+                to: S::Stopping,
+                command: CommandKind::Stop,
+                capacity: Capacity::Keep,
+            }),
+            S::Stopping | S::Stopped | S::Archiving | S::Archived | S::FailedStart => {
+                Ok(Decision::Unchanged)
+            }
+            S::Provisioning
+            | S::Starting
+            | S::Resuming
+            | S::Restoring
+            | S::Migrating
+            | S::Unarchiving
+            | S::Pending
+            | S::FailedProvision
+            | S::Lost
+            | S::Deleted => conflict,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use SandboxState as S;
+
+    /// The table in the module docs, spelled out: (state, start, stop) with `U` for unchanged,
+    /// `C` for conflict and a state for a transition. Delete is checked separately.
+    #[test]
+    fn start_and_stop_follow_the_request_table_for_every_state() {
+        #[derive(Debug, PartialEq)]
+        enum E {
+            U,
+            C,
+            T(S, CommandKind, Capacity),
+        }
+        use CommandKind as K;
+        use E::*;
+        let table = [
+            (S::Pending, C, C),
+            (S::Provisioning, U, C),
+            (S::Starting, U, C),
+            (S::Running, U, T(S::Stopping, K::Stop, Capacity::Keep)),
+            (S::Stopping, C, U),
+            (S::Stopped, T(S::Starting, K::Start, Capacity::Reserve), U),
+            (S::Resuming, U, C),
+            (S::Restoring, U, C),
+            (S::Migrating, C, C),
+            (S::Archiving, C, U),
+            (S::Archived, C, U),
+            (S::Unarchiving, U, C),
+            (
+                S::FailedStart,
+                T(S::Starting, K::Start, Capacity::Reserve),
+                U,
+            ),
+            (S::FailedProvision, C, C),
+            (S::Lost, C, C),
+            (S::Deleted, C, C),
+        ];
+        assert_eq!(table.len(), S::ALL.len());
+        let to_e = |r: Result<Decision, Refusal>| match r {
+            Ok(Decision::Unchanged) => U,
+            Ok(Decision::Transition {
+                to,
+                command,
+                capacity,
+            }) => T(to, command, capacity),
+            Err(Refusal::Conflict { .. }) => C,
+        };
+        for (state, start, stop) in table {
+            assert_eq!(
+                to_e(on_request(state, false, Request::Start)),
+                start,
+                "start in {state}"
+            );
+            assert_eq!(
+                to_e(on_request(state, false, Request::Stop)),
+                stop,
+                "stop in {state}"
+            );
+        }
+    }
+
+    #[test]
+    fn delete_is_accepted_from_every_state_and_repeats_as_a_no_op() {
+        for state in S::ALL {
+            let first = on_request(state, false, Request::Delete).unwrap();
+            if state == S::Deleted {
+                assert_eq!(first, Decision::Unchanged);
+            } else {
+                assert_eq!(
+                    first,
+                    Decision::Transition {
+                        to: S::Stopping,
+                        command: CommandKind::Delete,
+                        capacity: Capacity::Keep,
+                    }
+                );
+            }
+            assert_eq!(
+                on_request(state, true, Request::Delete).unwrap(),
+                Decision::Unchanged
+            );
+        }
+    }
+
+    #[test]
+    fn a_sandbox_being_deleted_refuses_start_and_stop() {
+        for state in S::ALL {
+            for request in [Request::Start, Request::Stop] {
+                assert_eq!(
+                    on_request(state, true, request),
+                    Err(Refusal::Conflict { state, request })
+                );
+            }
+        }
+    }
+}

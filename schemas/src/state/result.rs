@@ -1,0 +1,176 @@
+//! [`on_result`]: a host's result for a command whose generation matches the row's, decided
+//! against the row's state: apply a transition (with its capacity change), compensate a late
+//! success the row no longer wants, or ignore a duplicate.
+//!
+//! Source: DESIGN.md "Lifecycle" ("A late success for a deleted or failed command triggers
+//! compensation (stop/destroy on the host), never a state change").
+
+use super::{Capacity, CommandKind, SandboxState};
+
+/// What a host reported for a command (the fenced part: the generation already matched).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Succeeded,
+    Failed,
+}
+
+/// What [`on_result`] decided for a result whose generation matches the row's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResultDecision {
+    /// Write `to` and apply `capacity`, in one transaction.
+    Apply {
+        to: SandboxState,
+        capacity: Capacity,
+    },
+    /// The host did something the row no longer wants (the row already failed this boot): queue
+    /// this command on the reporting host to undo it; the row does not change. The store queues
+    /// it at most once per generation.
+    Compensate(CommandKind),
+    /// The row is not where this result leads from (a duplicate, or already applied): no write.
+    Ignore,
+}
+
+/// Decides a host result for `kind` against the row's `state`, once the generation fence has
+/// passed. Idempotent: a result already applied finds the row in its target state and is
+/// ignored. The first terminal result for a generation wins: a success that contradicts it is
+/// compensated — a create that succeeded after its sandbox became `failed-start` is destroyed,
+/// a start is stopped (its disk stays, so the sandbox can be started again).
+pub fn on_result(
+    state: SandboxState,
+    deleting: bool,
+    kind: CommandKind,
+    outcome: Outcome,
+) -> ResultDecision {
+    use CommandKind as K;
+    use Outcome::{Failed, Succeeded};
+    use SandboxState as S;
+    let apply = |to, capacity| ResultDecision::Apply { to, capacity };
+    match (kind, state, outcome, deleting) {
+        (K::Create, S::Provisioning, Succeeded, false) => apply(S::Running, Capacity::Keep),
+        (K::Create, S::Provisioning, Failed, false) => apply(S::FailedStart, Capacity::Release),
+        (K::Start, S::Starting, Succeeded, false) => apply(S::Running, Capacity::Keep),
+        (K::Start, S::Starting, Failed, false) => apply(S::FailedStart, Capacity::Release),
+        (K::Stop, S::Stopping, Succeeded, false) => apply(S::Stopped, Capacity::Release),
+        // The guest is still up: it keeps its capacity and the user may stop or delete again.
+        (K::Stop, S::Stopping, Failed, false) => apply(S::Running, Capacity::Keep),
+        (K::Delete, S::Stopping, Succeeded, true) => apply(S::Deleted, Capacity::Release),
+        (K::Create, S::FailedStart, Succeeded, _) => ResultDecision::Compensate(K::Delete),
+        (K::Start, S::FailedStart, Succeeded, _) => ResultDecision::Compensate(K::Stop),
+        _ => ResultDecision::Ignore,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use SandboxState as S;
+
+    #[test]
+    fn results_move_transitional_states_to_their_targets() {
+        use CommandKind as K;
+        use Outcome::*;
+        let cases = [
+            (
+                S::Provisioning,
+                false,
+                K::Create,
+                Succeeded,
+                S::Running,
+                false,
+            ),
+            (
+                S::Provisioning,
+                false,
+                K::Create,
+                Failed,
+                S::FailedStart,
+                true,
+            ),
+            (S::Starting, false, K::Start, Succeeded, S::Running, false),
+            (S::Starting, false, K::Start, Failed, S::FailedStart, true),
+            (S::Stopping, false, K::Stop, Succeeded, S::Stopped, true),
+            (S::Stopping, false, K::Stop, Failed, S::Running, false),
+            (S::Stopping, true, K::Delete, Succeeded, S::Deleted, true),
+        ];
+        for (state, deleting, kind, outcome, to, releases_capacity) in cases {
+            assert_eq!(
+                on_result(state, deleting, kind, outcome),
+                ResultDecision::Apply {
+                    to,
+                    capacity: if releases_capacity {
+                        Capacity::Release
+                    } else {
+                        Capacity::Keep
+                    }
+                },
+                "{kind} {outcome:?} in {state}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_result_that_does_not_lead_from_the_current_state_is_ignored() {
+        use CommandKind as K;
+        // Every combination not listed above is ignored: duplicates, and results that race a
+        // newer request. Count them to be sure the match has no accidental catch-all apply.
+        let mut applied = 0;
+        for state in S::ALL {
+            for deleting in [false, true] {
+                for kind in [K::Create, K::Start, K::Stop, K::Delete] {
+                    for outcome in [Outcome::Succeeded, Outcome::Failed] {
+                        if let ResultDecision::Apply { .. } =
+                            on_result(state, deleting, kind, outcome)
+                        {
+                            applied += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(applied, 7);
+        assert_eq!(
+            on_result(S::Running, false, K::Create, Outcome::Succeeded),
+            ResultDecision::Ignore,
+            "a duplicate create result is a no-op"
+        );
+        assert_eq!(
+            on_result(S::Stopping, true, K::Start, Outcome::Succeeded),
+            ResultDecision::Ignore,
+            "a late start cannot bring a deleting sandbox back"
+        );
+    }
+
+    #[test]
+    fn a_late_success_after_a_failed_boot_is_compensated_never_applied() {
+        use CommandKind as K;
+        assert_eq!(
+            on_result(S::FailedStart, false, K::Create, Outcome::Succeeded),
+            ResultDecision::Compensate(K::Delete),
+            "a create that succeeded after its sandbox failed is destroyed"
+        );
+        assert_eq!(
+            on_result(S::FailedStart, false, K::Start, Outcome::Succeeded),
+            ResultDecision::Compensate(K::Stop),
+            "a start that succeeded after its sandbox failed is stopped, keeping its disk"
+        );
+        // Failures and every other late success change nothing.
+        let mut compensated = 0;
+        for state in S::ALL {
+            for deleting in [false, true] {
+                for kind in [K::Create, K::Start, K::Stop, K::Delete] {
+                    for outcome in [Outcome::Succeeded, Outcome::Failed] {
+                        if let ResultDecision::Compensate(_) =
+                            on_result(state, deleting, kind, outcome)
+                        {
+                            compensated += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            compensated, 4,
+            "two (kind, state) pairs, with or without deleted_at"
+        );
+    }
+}

@@ -1,0 +1,165 @@
+//! The `commands` table: the transactional outbox of host commands. A command is written in the
+//! same transaction as the state change that decided it, published by the API's relay
+//! (`Nats-Msg-Id` = its id), and completed when its result is applied or it times out.
+
+use berth_schemas::wire::{self, Command};
+use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxId};
+use sqlx::{PgConnection, PgExecutor};
+
+use crate::op::{timed, Op};
+use crate::StoreError;
+
+/// The `LISTEN`/`NOTIFY` channel an insert into `commands` (or `events`) signals, through the
+/// migration's statement trigger; the relays listen on it.
+pub const OUTBOX_CHANNEL: &str = "berth_outbox";
+
+/// How a command ended, as `commands.outcome` spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommandOutcome {
+    Succeeded,
+    Failed,
+    /// The host refused it: its generation was older than what the host had applied.
+    RefusedStale,
+    /// The reconciler gave up waiting for it.
+    Timeout,
+}
+
+impl CommandOutcome {
+    /// The `commands.outcome` spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommandOutcome::Succeeded => "succeeded",
+            CommandOutcome::Failed => "failed",
+            CommandOutcome::RefusedStale => "refused_stale",
+            CommandOutcome::Timeout => "timeout",
+        }
+    }
+}
+
+/// Inserts `command` into the outbox for `host`, in the caller's transaction.
+pub async fn insert(
+    conn: &mut PgConnection,
+    host: HostId,
+    command: &Command,
+) -> Result<(), StoreError> {
+    timed(
+        Op::CommandInsert,
+        sqlx::query(
+            "INSERT INTO commands (id, sandbox_id, host_id, kind, generation, payload)
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(command.id)
+        .bind(command.sandbox_id)
+        .bind(host)
+        .bind(command.kind.as_str())
+        .bind(command.generation)
+        .bind(wire::encode(command))
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Marks the command completed with `outcome`, unless it already is.
+pub async fn complete(
+    conn: &mut PgConnection,
+    id: CommandId,
+    outcome: CommandOutcome,
+) -> Result<(), StoreError> {
+    timed(
+        Op::CommandComplete,
+        sqlx::query(
+            "UPDATE commands SET completed_at = now(), outcome = $2
+              WHERE id = $1 AND completed_at IS NULL",
+        )
+        .bind(id)
+        .bind(outcome.as_str())
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Wakes the relays (a boot finished, so a start held back for a host's cap may go out).
+pub async fn notify_relay(conn: &mut PgConnection) -> Result<(), StoreError> {
+    timed(
+        Op::CommandNotify,
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(OUTBOX_CHANNEL)
+            .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Completes, as timed out, every open command of the sandbox up to `generation`.
+pub async fn time_out_open(
+    conn: &mut PgConnection,
+    sandbox: SandboxId,
+    generation: Generation,
+) -> Result<(), StoreError> {
+    timed(
+        Op::CommandTimeOut,
+        sqlx::query(
+            "UPDATE commands SET completed_at = now(), outcome = $3
+              WHERE sandbox_id = $1 AND completed_at IS NULL AND generation <= $2",
+        )
+        .bind(sandbox)
+        .bind(generation)
+        .bind(CommandOutcome::Timeout.as_str())
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Whether a `kind` command for the sandbox at `generation` was already queued (a
+/// compensation is queued once per generation).
+pub async fn exists(
+    conn: &mut PgConnection,
+    sandbox: SandboxId,
+    generation: Generation,
+    kind: CommandKind,
+) -> Result<bool, StoreError> {
+    timed(
+        Op::CommandExists,
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM commands
+                             WHERE sandbox_id = $1 AND generation = $2 AND kind = $3)",
+        )
+        .bind(sandbox)
+        .bind(generation)
+        .bind(kind.as_str())
+        .fetch_one(conn),
+    )
+    .await
+}
+
+/// Deletes the completed commands of purged sandboxes.
+pub async fn purge_completed(
+    conn: &mut PgConnection,
+    sandboxes: &[SandboxId],
+) -> Result<(), StoreError> {
+    timed(
+        Op::CommandPurge,
+        sqlx::query("DELETE FROM commands WHERE sandbox_id = ANY($1) AND completed_at IS NOT NULL")
+            .bind(sandboxes)
+            .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Seconds from a completed command's insert to its completion, or `None` while it is open.
+pub async fn latency(db: impl PgExecutor<'_>, id: CommandId) -> Result<Option<f64>, StoreError> {
+    timed(
+        Op::CommandLatency,
+        sqlx::query_scalar(
+            "SELECT EXTRACT(EPOCH FROM completed_at - created_at)::float8
+               FROM commands WHERE id = $1 AND completed_at IS NOT NULL",
+        )
+        .bind(id)
+        .fetch_optional(db),
+    )
+    .await
+}

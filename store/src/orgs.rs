@@ -1,0 +1,97 @@
+//! The `orgs` table: tenants and their quotas. Quotas are checked inside the transaction that
+//! would reserve capacity, against what [`crate::sandboxes::org_usage`] sums.
+
+use berth_schemas::OrgId;
+use sqlx::{PgConnection, PgExecutor};
+
+use crate::op::{timed, Op};
+use crate::StoreError;
+
+/// An org's quota; `None` means unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Quota {
+    /// Sandboxes holding capacity at once.
+    pub max_running: Option<i32>,
+    pub max_vcpus: Option<i32>,
+    pub max_memory_mib: Option<i64>,
+}
+
+impl Quota {
+    /// Whether no limit is set.
+    pub fn is_unlimited(&self) -> bool {
+        self.max_running.is_none() && self.max_vcpus.is_none() && self.max_memory_mib.is_none()
+    }
+}
+
+/// Reads the org's quota. When it has limits, the org's row is locked (`FOR NO KEY UPDATE`)
+/// until the caller's transaction ends, so two creates of one org cannot both pass the same
+/// headroom; an org without limits takes no lock, so its creates never wait on each other.
+///
+/// Errors: [`StoreError::NotFound`] when no such org exists.
+pub async fn lock_quota(conn: &mut PgConnection, org: OrgId) -> Result<Quota, StoreError> {
+    let read = |lock: &'static str| {
+        format!("SELECT max_running, max_vcpus, max_memory_mib FROM orgs WHERE id = $1 {lock}")
+    };
+    let (max_running, max_vcpus, max_memory_mib): (Option<i32>, Option<i32>, Option<i64>) = timed(
+        Op::OrgQuota,
+        sqlx::query_as(&read(""))
+            .bind(org)
+            .fetch_optional(&mut *conn),
+    )
+    .await?
+    .ok_or_else(|| StoreError::NotFound {
+        what: "org",
+        id: org.to_string(),
+    })?;
+    let quota = Quota {
+        max_running,
+        max_vcpus,
+        max_memory_mib,
+    };
+    if quota.is_unlimited() {
+        return Ok(quota);
+    }
+    let (max_running, max_vcpus, max_memory_mib) = timed(
+        Op::OrgQuota,
+        sqlx::query_as(&read("FOR NO KEY UPDATE"))
+            .bind(org)
+            .fetch_one(conn),
+    )
+    .await?;
+    Ok(Quota {
+        max_running,
+        max_vcpus,
+        max_memory_mib,
+    })
+}
+
+/// Sets the quota of the org named `name`; whether it exists.
+pub async fn set_quota(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    quota: Quota,
+) -> Result<bool, StoreError> {
+    let updated = timed(
+        Op::OrgQuota,
+        sqlx::query(
+            "UPDATE orgs SET max_running = $2, max_vcpus = $3, max_memory_mib = $4
+              WHERE name = $1",
+        )
+        .bind(name)
+        .bind(quota.max_running)
+        .bind(quota.max_vcpus)
+        .bind(quota.max_memory_mib)
+        .execute(db),
+    )
+    .await?;
+    Ok(updated.rows_affected() == 1)
+}
+
+/// How many orgs exist (the `berth_orgs` gauge).
+pub async fn count(db: impl PgExecutor<'_>) -> Result<i64, StoreError> {
+    timed(
+        Op::OrgCount,
+        sqlx::query_scalar("SELECT count(*) FROM orgs").fetch_one(db),
+    )
+    .await
+}
