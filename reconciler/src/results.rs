@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, AckKind};
 use berth_schemas::state::{on_result, Outcome, Reason, ResultDecision};
+use berth_schemas::trace::{TraceParent, TRACEPARENT};
 use berth_schemas::wire::{self, Command, CommandResult, ResultOutcome};
 use berth_schemas::{CommandId, CommandKind, SandboxId, SandboxState, Subjects};
 use berth_store::commands::{self, CommandOutcome};
@@ -24,7 +25,7 @@ use berth_store::{SandboxRow, StoreError};
 use futures::StreamExt;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, instrument, warn};
+use tracing::{debug, info, info_span, instrument, warn, Instrument, Span};
 
 use crate::ReconcilerError;
 
@@ -97,21 +98,57 @@ pub async fn consume(
             .await
             .expect("the semaphore is never closed");
         let (db, sandbox_id) = (db.clone(), result.sandbox_id);
+        let span = apply_span(msg.headers.as_ref(), &result);
         chains.insert(
             sandbox_id,
-            tokio::spawn(async move {
-                if let Some(previous) = previous {
-                    // A panicked predecessor is logged by the runtime; only order matters here.
-                    let _ = previous.await;
+            tokio::spawn(
+                async move {
+                    if let Some(previous) = previous {
+                        // A panicked predecessor is logged by the runtime; only order matters.
+                        let _ = previous.await;
+                    }
+                    handle(&db, msg, result).await;
+                    drop(permit);
                 }
-                handle(&db, msg, result).await;
-                drop(permit);
-            }),
+                .instrument(span),
+            ),
         );
     }
     // Let the applies in progress finish (each acks its message); the rest is redelivered.
     futures::future::join_all(chains.into_values()).await;
     Ok(())
+}
+
+/// The span a result is applied in: a child of the hostd span that published it, when the
+/// result carries a `traceparent` header (hostd writes one whose trace id is the command id),
+/// otherwise a span in the command's trace with no known parent. Records `trace_id`,
+/// `parent_id` (the hostd span, or empty) and its own `span_id`.
+pub fn apply_span(headers: Option<&async_nats::HeaderMap>, result: &CommandResult) -> Span {
+    let (trace, parent) = trace_context(headers, result.command_id);
+    info_span!("result.apply", command_id = %result.command_id,
+        trace_id = %trace.trace_id_hex(), parent_id = %parent, span_id = %trace.parent_id_hex())
+}
+
+/// The context of a result's apply span: (its own context, whose parent id is the new span's
+/// id; the hex id of the span it continues, or empty when the result carried no valid
+/// `traceparent`).
+pub fn trace_context(
+    headers: Option<&async_nats::HeaderMap>,
+    command: CommandId,
+) -> (TraceParent, String) {
+    let received = headers
+        .and_then(|h| h.get(TRACEPARENT))
+        .and_then(|v| TraceParent::parse(v.as_str()));
+    match received {
+        // Only a context of this command's own trace is continued.
+        Some(tp) if tp.trace_id == *command.as_uuid().as_bytes() => {
+            (tp.child(rand::random()), tp.parent_id_hex())
+        }
+        _ => (
+            TraceParent::for_command(command, rand::random()),
+            String::new(),
+        ),
+    }
 }
 
 /// Applies one result, then acks it (or naks it for a retry when the database failed).
@@ -264,4 +301,35 @@ async fn compensate(
     metrics::counter!("berth_compensations_total", "kind" => kind.as_str()).increment(1);
     warn!(compensation = %kind, compensation_id = %command.id, "late success contradicts the row; compensating");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_result_continues_the_trace_of_its_command_from_the_hostd_span() {
+        let command = CommandId::new();
+        let hostd = TraceParent::for_command(command, [0x11; 8]);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(TRACEPARENT, hostd.to_header().as_str());
+        let (own, parent) = trace_context(Some(&headers), command);
+        assert_eq!(own.trace_id, hostd.trace_id);
+        assert_eq!(parent, "1111111111111111");
+        assert_ne!(own.parent_id, hostd.parent_id, "the apply span has its own id");
+    }
+
+    #[test]
+    fn a_missing_or_foreign_traceparent_starts_from_the_command_id() {
+        let command = CommandId::new();
+        let (own, parent) = trace_context(None, command);
+        assert_eq!(own.trace_id, *command.as_uuid().as_bytes());
+        assert!(parent.is_empty());
+        let mut headers = async_nats::HeaderMap::new();
+        let other = TraceParent::for_command(CommandId::new(), [0x22; 8]);
+        headers.insert(TRACEPARENT, other.to_header().as_str());
+        let (own, parent) = trace_context(Some(&headers), command);
+        assert_eq!(own.trace_id, *command.as_uuid().as_bytes());
+        assert!(parent.is_empty());
+    }
 }

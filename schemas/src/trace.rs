@@ -57,6 +57,25 @@ impl TraceParent {
         )
     }
 
+    /// The parent id as 16 lowercase hex digits (the publishing span's id).
+    pub fn parent_id_hex(&self) -> String {
+        hex32(&self.parent_id)
+    }
+
+    /// The context a child span with id `span_id` publishes onward: the same trace, with the
+    /// child as parent (an all-zero id is replaced by 1, as in [`TraceParent::for_command`]).
+    pub fn child(&self, span_id: [u8; 8]) -> Self {
+        let parent_id = if span_id == [0; 8] {
+            1u64.to_be_bytes()
+        } else {
+            span_id
+        };
+        Self {
+            parent_id,
+            ..*self
+        }
+    }
+
     /// Parses a header value; `None` when it is not a valid version-00 `traceparent`.
     pub fn parse(value: &str) -> Option<Self> {
         let mut parts = value.trim().split('-');
@@ -117,6 +136,16 @@ mod tests {
         );
         assert_eq!(TraceParent::parse(&tp.to_header()), Some(tp));
         assert_ne!(TraceParent::for_command(id, [0; 8]).parent_id, [0; 8]);
+    }
+
+    #[test]
+    fn a_child_keeps_the_trace_and_names_itself_as_parent() {
+        let id = CommandId(Uuid::parse_str("0192f3a4-5b6c-7d8e-9f00-112233445566").unwrap());
+        let parent = TraceParent::for_command(id, [0xab; 8]);
+        let child = parent.child([0xcd; 8]);
+        assert_eq!(child.trace_id, parent.trace_id);
+        assert_eq!(child.parent_id_hex(), "cdcdcdcdcdcdcdcd");
+        assert_ne!(parent.child([0; 8]).parent_id, [0; 8]);
     }
 
     #[test]
