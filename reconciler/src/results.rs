@@ -316,7 +316,10 @@ mod tests {
         let (own, parent) = trace_context(Some(&headers), command);
         assert_eq!(own.trace_id, hostd.trace_id);
         assert_eq!(parent, "1111111111111111");
-        assert_ne!(own.parent_id, hostd.parent_id, "the apply span has its own id");
+        assert_ne!(
+            own.parent_id, hostd.parent_id,
+            "the apply span has its own id"
+        );
     }
 
     #[test]

@@ -70,10 +70,7 @@ impl TraceParent {
         } else {
             span_id
         };
-        Self {
-            parent_id,
-            ..*self
-        }
+        Self { parent_id, ..*self }
     }
 
     /// Parses a header value; `None` when it is not a valid version-00 `traceparent`.
