@@ -38,8 +38,11 @@ pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 /// Errors of the reconciler.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcilerError {
+    /// A store operation failed; its [`berth_store::op::Op`] names which.
     #[error(transparent)]
     Store(#[from] berth_store::StoreError),
+    /// The results stream, or the reconciler's durable consumer on it, could not be set up or
+    /// read (the message is the client's error).
     #[error("jetstream setup: {0}")]
     JetStream(String),
 }
@@ -47,8 +50,12 @@ pub enum ReconcilerError {
 /// What the reconciler process needs.
 #[derive(Debug, Clone)]
 pub struct ReconcilerConfig {
+    /// NATS subject and stream names under the deployment's prefix (results, consumer).
     pub subjects: Subjects,
+    /// Timing and size of the leader's pass.
     pub pass: pass::PassConfig,
+    /// How long a lease lasts unless renewed ([`DEFAULT_LEASE_TTL`]); the leader renews it every
+    /// third of it (or every pass interval, if shorter).
     pub lease_ttl: Duration,
     /// How often the fleet gauges ([`gauges`]) are recomputed.
     pub gauge_interval: Duration,

@@ -29,34 +29,50 @@ use berth_store::{commands, idempotency, SandboxRow, StoreError};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tracing::{info, warn};
 
-/// Defaults of [`PassConfig`].
+/// Default [`PassConfig::interval`]: a pass every 10 seconds.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
+/// Default [`PassConfig::host_lost_after`]: 5 minutes of silence (DESIGN.md "Lifecycle").
 pub const DEFAULT_HOST_LOST_AFTER: Duration = Duration::from_secs(5 * 60);
+/// Default [`PassConfig::failover_after`]: 10 minutes after `lost` (DESIGN.md "Lifecycle").
 pub const DEFAULT_FAILOVER_AFTER: Duration = Duration::from_secs(10 * 60);
+/// Default [`PassConfig::create_timeout`]: 2 minutes.
 pub const DEFAULT_CREATE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default [`PassConfig::start_timeout`]: 2 minutes.
 pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default [`PassConfig::stop_timeout`]: 2 minutes.
 pub const DEFAULT_STOP_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default [`PassConfig::inventory_grace`]: 30 seconds (several heartbeats).
 pub const DEFAULT_INVENTORY_GRACE: Duration = Duration::from_secs(30);
+/// Default [`PassConfig::tombstone_retention`]: a day.
 pub const DEFAULT_TOMBSTONE_RETENTION: Duration = Duration::from_secs(24 * 3600);
+/// Default [`PassConfig::idempotency_retention`]: a day.
 pub const DEFAULT_IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(24 * 3600);
+/// Default [`PassConfig::batch`]: 500 rows per action per pass.
 pub const DEFAULT_BATCH: i64 = 500;
 
 /// Timing and size of a pass. Every duration is configurable so tests run in milliseconds.
 #[derive(Debug, Clone)]
 pub struct PassConfig {
+    /// Time between two passes of the leader.
     pub interval: Duration,
     /// A host silent this long becomes `lost`.
     pub host_lost_after: Duration,
     /// Sandboxes on a host `lost` this much longer become `failed-start` (`host_lost`).
     pub failover_after: Duration,
+    /// How long a `sandbox.create` may stay unanswered before the sandbox is `failed-start`.
     pub create_timeout: Duration,
+    /// How long a `sandbox.start` may stay unanswered before the sandbox is `failed-start`.
     pub start_timeout: Duration,
+    /// How long a `sandbox.stop` may stay unanswered before the sandbox is `failed-start`.
     pub stop_timeout: Duration,
     /// A `running` sandbox is judged by inventory only once a heartbeat this much newer than its
     /// last change arrived.
     pub inventory_grace: Duration,
+    /// How long a `deleted` row stays before it is purged (once its events are published).
     pub tombstone_retention: Duration,
+    /// How long an `Idempotency-Key` is remembered.
     pub idempotency_retention: Duration,
+    /// At most this many rows per action in one pass (the rest wait for the next pass).
     pub batch: i64,
 }
 
@@ -80,18 +96,28 @@ impl Default for PassConfig {
 /// One kind of pass action; the `action` label of `berth_reconciler_actions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Action {
+    /// Hosts marked `lost` after [`PassConfig::host_lost_after`] of silence.
     HostLost,
+    /// Sandboxes failed because their command timed out.
     CommandTimeout,
+    /// `running` sandboxes failed because their guest stopped answering or vanished.
     GuestUnhealthy,
+    /// Sandboxes failed because their host stayed `lost` past [`PassConfig::failover_after`].
     HostLostFailover,
+    /// `running` sandboxes stopped after `auto_stop_minutes` idle.
     AutoStop,
+    /// `stopped` or `failed-start` sandboxes deleted after `auto_delete_minutes`.
     AutoDelete,
+    /// Tombstones purged after [`PassConfig::tombstone_retention`].
     TombstonePurge,
+    /// Containers no row wants on their host (purged, deleted, placed elsewhere): a delete queued.
     OrphanDestroyed,
+    /// Containers of their host's own stopped or failed sandbox still running: a stop queued.
     OrphanStopped,
 }
 
 impl Action {
+    /// The metrics label (`host_lost`, `command_timeout`, …).
     pub fn as_str(self) -> &'static str {
         match self {
             Action::HostLost => "host_lost",
@@ -110,6 +136,7 @@ impl Action {
 /// What a pass did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct PassReport {
+    /// How many of each action the pass took, in the order it ran them.
     pub actions: Vec<(Action, u64)>,
     /// The pass stood down because every in-service host was silent.
     pub all_hosts_silent: bool,
@@ -131,8 +158,10 @@ impl PassReport {
 /// Errors of a pass.
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
+    /// A store operation failed; the pass's open transaction rolled back.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The lease was no longer held when a transaction began; nothing was written.
     #[error("lease lost")]
     Deposed,
 }

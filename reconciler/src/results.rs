@@ -178,7 +178,10 @@ async fn handle(db: &PgPool, msg: jetstream::Message, result: CommandResult) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Applied {
     /// The row moved to `to`.
-    Transitioned { to: SandboxState },
+    Transitioned {
+        /// The state written.
+        to: SandboxState,
+    },
     /// The row's generation has moved on (or the host refused the command as stale).
     Stale,
     /// The generation matched but the row is not where this result leads from (a duplicate).

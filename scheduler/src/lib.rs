@@ -25,11 +25,15 @@ pub const DEFAULT_HEARTBEAT_FRESHNESS: Duration = Duration::from_secs(15);
 /// Errors of the scheduler.
 #[derive(Debug, thiserror::Error)]
 pub enum SchedulerError {
+    /// A store operation failed; its [`berth_store::op::Op`] names which.
     #[error(transparent)]
     Store(#[from] berth_store::StoreError),
+    /// The heartbeat subscription could not be made (NATS down or refusing).
     #[error("nats subscribe to {subject}: {source}")]
     Subscribe {
+        /// The subject subscribed to (`{p}.hb.*`).
         subject: String,
+        /// The client's error.
         source: async_nats::SubscribeError,
     },
 }
@@ -37,6 +41,7 @@ pub enum SchedulerError {
 /// What the scheduler process needs.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
+    /// The NATS subject names under the deployment's prefix (heartbeats come on `{p}.hb.*`).
     pub subjects: Subjects,
 }
 

@@ -23,8 +23,11 @@ pub use berth_store::hosts::{
 /// overcommit ratio) and what is already reserved.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate {
+    /// The host (`hosts.id`).
     pub id: HostId,
+    /// Reservable capacity: physical vCPUs and MiB times the [`Overcommit`] ratios.
     pub capacity: Resources,
+    /// What its capacity-holding sandboxes already reserve (whole vCPUs, MiB).
     pub reserved: Resources,
 }
 

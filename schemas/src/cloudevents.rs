@@ -32,7 +32,9 @@ pub const WEBHOOK_DISABLED: &str = "dev.berth.webhook.disabled";
 /// One CloudEvent with typed `data`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CloudEvent<T> {
+    /// Always [`SPEC_VERSION`] (`"1.0"`).
     pub specversion: String,
+    /// The `events` row's id (UUIDv7); the same on NATS, SSE and webhooks, so consumers dedupe by it.
     pub id: EventId,
     /// `/berth/orgs/<org_id>`: the org the event belongs to.
     pub source: String,
@@ -43,17 +45,22 @@ pub struct CloudEvent<T> {
     pub subject: String,
     /// When the event happened (the row's `at`, database clock), RFC 3339.
     pub time: DateTime<Utc>,
+    /// Always [`DATA_CONTENT_TYPE`] (`application/json`).
     pub datacontenttype: String,
+    /// The event's payload: [`SandboxEventData`] or [`WebhookDisabledData`].
     pub data: T,
 }
 
 /// `data` of a sandbox lifecycle event: one row of `events`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxEventData {
+    /// The sandbox whose state changed (`events.sandbox_id`).
     pub sandbox_id: SandboxId,
+    /// The org that owns the sandbox (`events.org_id`).
     pub org_id: OrgId,
     /// The state before; `null` for the first event of a sandbox.
     pub from: Option<SandboxState>,
+    /// The state entered; also the last segment of the event's `type`.
     pub to: SandboxState,
     /// Why: `user_request`, `host_report`, `timeout`, `runtime_error`, …
     pub reason: String,
@@ -68,11 +75,15 @@ pub struct SandboxEventData {
 /// `data` of [`WEBHOOK_DISABLED`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WebhookDisabledData {
+    /// The webhook that was disabled.
     pub webhook_id: WebhookId,
+    /// The org that owns the webhook.
     pub org_id: OrgId,
+    /// The webhook's target URL, as registered.
     pub url: String,
     /// How many attempts in a row failed.
     pub consecutive_failures: i32,
+    /// Why it was disabled (`webhooks.disabled_reason`): the failure count and the last error.
     pub reason: String,
 }
 

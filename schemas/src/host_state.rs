@@ -18,9 +18,13 @@ use crate::state::UnknownState;
 /// A host's state, as the `hosts.state` column spells it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HostState {
+    /// In service: takes new sandboxes (the state a heartbeat restores after `lost`).
     Ready,
+    /// Set by an operator (`drain`): takes no new sandboxes; its own still start there.
     Draining,
+    /// Set by an operator (`cordon`): as `draining` today (takes no new sandboxes).
     Cordoned,
+    /// Silent past the reconciler's lost threshold (5 minutes by default): takes nothing.
     Lost,
 }
 
@@ -43,7 +47,9 @@ pub enum HostEvent {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("cannot {event} a host that is {state}")]
 pub struct HostRefusal {
+    /// The host's state when the event arrived.
     pub state: HostState,
+    /// The event refused (only operator actions are ever refused).
     pub event: HostEvent,
 }
 

@@ -21,8 +21,11 @@ const SAMPLED: u8 = 0x01;
 /// One `traceparent` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TraceParent {
+    /// The 16-byte trace id (32 hex on the wire); a command's trace id is its `CommandId`.
     pub trace_id: [u8; 16],
+    /// The 8-byte id of the publishing span (16 hex on the wire); never all zero.
     pub parent_id: [u8; 8],
+    /// The `sampled` flag (bit 0 of the 2-hex flags field).
     pub sampled: bool,
 }
 
@@ -100,7 +103,7 @@ fn hex32(bytes: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 || !s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+    if !s.len().is_multiple_of(2) || !s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         return None;
     }
     (0..s.len())

@@ -16,7 +16,9 @@ pub const OUTBOX_CHANNEL: &str = "berth_outbox";
 /// How a command ended, as `commands.outcome` spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommandOutcome {
+    /// The host reported success.
     Succeeded,
+    /// The host reported a failure (the result's message says why).
     Failed,
     /// The host refused it: its generation was older than what the host had applied.
     RefusedStale,

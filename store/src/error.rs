@@ -18,26 +18,42 @@ pub enum StoreError {
     /// row is gone). Someone else's transition won; the caller re-reads and decides again.
     #[error("sandbox {sandbox} is no longer at generation {expected}")]
     Fenced {
+        /// The sandbox whose write was fenced out.
         sandbox: SandboxId,
+        /// The generation the caller read and wrote at.
         expected: Generation,
     },
     /// A row the operation needs does not exist.
     #[error("{what} {id} not found")]
-    NotFound { what: &'static str, id: String },
+    NotFound {
+        /// The kind of row (`org`, `host`).
+        what: &'static str,
+        /// Its id or name, as the caller gave it.
+        id: String,
+    },
     /// A reservation did not fit on the host (or the host no longer admits it).
     #[error("host {host} has no room for {need:?}")]
-    NoCapacity { host: HostId, need: Resources },
+    NoCapacity {
+        /// The host that was full.
+        host: HostId,
+        /// What the sandbox needed (whole vCPUs, MiB).
+        need: Resources,
+    },
     /// A column held a value this build cannot read (an unknown state spelling, …).
     #[error("corrupt {column}: {message}")]
     Corrupt {
+        /// The column, qualified (`hosts.state`, `sandboxes.state`, …).
         column: &'static str,
+        /// What failed to parse.
         message: String,
     },
     /// The database failed during `op`.
     #[error("database ({op}): {source}")]
     Database {
+        /// The operation that failed (its metrics label).
         op: Op,
         #[source]
+        /// The driver's error.
         source: sqlx::Error,
     },
 }

@@ -11,13 +11,21 @@ use crate::StoreError;
 /// One state change of one sandbox, as written to `events`.
 #[derive(Debug, Clone)]
 pub struct NewEvent<'a> {
+    /// The sandbox that changed.
     pub sandbox_id: SandboxId,
+    /// The org that owns it (events are listed and published per org).
     pub org_id: OrgId,
+    /// The state before; `None` for a sandbox's first event (its create).
     pub from: Option<SandboxState>,
+    /// The state entered.
     pub to: SandboxState,
+    /// Why it changed.
     pub reason: Reason,
+    /// The generation the change was written at.
     pub generation: Generation,
+    /// The command the change queued or completed; `None` when it has none.
     pub command_id: Option<CommandId>,
+    /// Detail shown to users (why a boot failed, …).
     pub message: Option<&'a str>,
 }
 
@@ -57,18 +65,26 @@ pub async fn insert(conn: &mut PgConnection, event: &NewEvent<'_>) -> Result<Eve
 /// An event row as the API lists it.
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct EventRow {
+    /// The event's id (UUIDv7); also the CloudEvent `id`.
     pub id: EventId,
+    /// The sandbox that changed.
     pub sandbox_id: SandboxId,
     /// `sandbox.<state>`.
     #[sqlx(rename = "type")]
     pub kind: String,
     #[sqlx(rename = "from_state")]
+    /// The state before (`from_state`); `None` for the first event.
     pub from: Option<String>,
     #[sqlx(rename = "to_state")]
+    /// The state entered (`to_state`).
     pub to: String,
+    /// Why (`user_request`, `host_report`, …).
     pub reason: String,
+    /// The generation the change was written at.
     pub generation: Generation,
+    /// Detail (why a boot failed, …); `None` when there is none.
     pub message: Option<String>,
+    /// When it was written (database clock).
     pub at: DateTime<Utc>,
 }
 

@@ -25,7 +25,9 @@ use crate::StoreError;
 /// than a refused create).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Overcommit {
+    /// vCPUs that may be reserved per physical vCPU ([`DEFAULT_CPU_OVERCOMMIT`] = 4.0).
     pub cpu: f64,
+    /// MiB that may be reserved per physical MiB ([`DEFAULT_MEMORY_OVERCOMMIT`] = 1.0: none).
     pub memory: f64,
 }
 
@@ -162,8 +164,11 @@ pub async fn upsert_heartbeat(db: impl PgExecutor<'_>, hb: &Heartbeat) -> Result
 /// A host's physical capacity and what is reserved on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostCapacity {
+    /// The host (`hosts.id`).
     pub id: HostId,
+    /// Physical capacity as the host reports it (whole vCPUs, MiB), before overcommit.
     pub capacity: Resources,
+    /// The sum of the resources of its sandboxes that hold capacity (guarantee 4).
     pub reserved: Resources,
 }
 
@@ -319,15 +324,23 @@ pub async fn mark_silent_lost(
 /// A host as operators see it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostRow {
+    /// The host's id (`hosts.id`, chosen by hostd).
     pub id: HostId,
+    /// The name hostd is configured with, from its last heartbeat.
     pub name: String,
+    /// `ready`, `draining`, `cordoned` or `lost` (`hosts.state`).
     pub state: HostState,
+    /// Physical capacity (whole vCPUs, MiB), before overcommit.
     pub capacity: Resources,
+    /// Reserved by the sandboxes that hold capacity there (whole vCPUs, MiB).
     pub reserved: Resources,
+    /// The OCI runtimes the host offers (`runc`, `runsc`), from its last heartbeat.
     pub runtimes: Vec<String>,
+    /// Whether any of its runtimes can keep memory on stop (checkpoint); else stops are disk-only.
     pub memory_snapshot: bool,
     /// Sandboxes holding capacity there.
     pub sandboxes: i64,
+    /// When its last heartbeat arrived (`hosts.last_seen`, database clock).
     pub last_seen: DateTime<Utc>,
     /// Seconds since `last_seen`, on the database clock.
     pub heartbeat_age_seconds: f64,
@@ -438,7 +451,9 @@ pub async fn apply_event(
 /// A container a host reports running (or unhealthy) that its row may not want there.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReportedContainer {
+    /// The host whose inventory lists the container.
     pub host: HostId,
+    /// The sandbox the container belongs to, per the inventory.
     pub sandbox: SandboxId,
     /// The generation the host last applied for it.
     pub generation: Generation,
@@ -449,10 +464,13 @@ pub struct ReportedContainer {
 /// What the inventory pass needs of a reported container's row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReportedRow {
+    /// The row's state.
     pub state: SandboxState,
     /// Whether the row places it on the reporting host.
     pub on_reporting_host: bool,
+    /// The row's current generation (a compensation is queued at it).
     pub generation: Generation,
+    /// What the host needs to act on the sandbox (org, template, resources).
     pub spec: SandboxSpec,
 }
 

@@ -19,8 +19,11 @@ use crate::StoreError;
 /// A leader term: who holds the lease and under which term.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
+    /// The lease's name (`leases.name`, e.g. `reconciler`).
     pub name: &'static str,
+    /// The candidate holding it (a fresh UUIDv7 per reconciler process).
     pub holder: Uuid,
+    /// The fencing term: unchanged on renewal, bumped on every takeover.
     pub term: i64,
 }
 

@@ -11,11 +11,11 @@ use crate::StoreError;
 pub const QUERY_DURATION_METRIC: &str = "berth_db_query_duration_seconds";
 
 macro_rules! ops {
-    ($($variant:ident => $label:literal),+ $(,)?) => {
+    ($($(#[doc = $doc:literal])* $variant:ident => $label:literal),+ $(,)?) => {
         /// A named store operation (the `op` metrics label).
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub enum Op {
-            $($variant),+
+            $($(#[doc = $doc])* $variant),+
         }
 
         impl Op {
@@ -33,49 +33,93 @@ macro_rules! ops {
 }
 
 ops! {
+    /// `BEGIN`/`COMMIT` and other plumbing outside a named operation.
     Transaction => "transaction",
+    /// [`crate::sandboxes::create`]: the new row of a create.
     SandboxInsert => "sandbox_insert",
+    /// [`crate::sandboxes::get`]: one row by id, unlocked.
     SandboxGet => "sandbox_get",
+    /// [`crate::sandboxes::lock`]: one row `FOR UPDATE` before a transition.
     SandboxLock => "sandbox_lock",
+    /// [`crate::sandboxes::list`] and `count_by_state`: an org's page, or counts per state.
     SandboxList => "sandbox_list",
+    /// [`crate::sandboxes::write_transition`]: a fenced state write of a request or failure.
     SandboxTransition => "sandbox_transition",
+    /// [`crate::sandboxes::write_result`]: a fenced state write of a host result.
     SandboxApplyResult => "sandbox_apply_result",
+    /// [`crate::sandboxes::touch`]: records activity (resets the auto-stop clock).
     SandboxTouch => "sandbox_touch",
+    /// [`crate::sandboxes::org_usage`]: what an org's sandboxes hold, for its quota.
     SandboxOrgUsage => "sandbox_org_usage",
+    /// [`crate::sandboxes::lock_timed_out`]: rows whose open command outlived its timeout.
     SandboxTimedOut => "sandbox_timed_out",
+    /// [`crate::sandboxes::lock_failed_guests`]: `running` rows whose guest failed.
     SandboxUnhealthy => "sandbox_unhealthy",
+    /// [`crate::sandboxes::lock_stranded`]: rows on a host that was lost.
     SandboxStranded => "sandbox_stranded",
+    /// [`crate::sandboxes::lock_idle`]: `running` rows idle past `auto_stop_minutes`.
     SandboxAutoStop => "sandbox_auto_stop",
+    /// [`crate::sandboxes::lock_expired`]: `stopped`/`failed-start` rows past `auto_delete_minutes`.
     SandboxAutoDelete => "sandbox_auto_delete",
+    /// [`crate::sandboxes::purge_tombstones`]: deletes old `deleted` rows.
     SandboxPurge => "sandbox_purge",
+    /// [`crate::sandboxes::capacity_drift`]: hosts whose reserved sums disagree (guarantee 4).
     CapacityDrift => "capacity_drift",
+    /// [`crate::hosts::upsert_heartbeat`]: a host's heartbeat.
     HostUpsert => "host_upsert",
+    /// [`crate::hosts::placeable`]: the hosts a sandbox may be placed on.
     HostCandidates => "host_candidates",
+    /// [`crate::hosts::lock_if_free`]: one host `FOR UPDATE` unless another transaction holds it.
     HostLock => "host_lock",
+    /// [`crate::hosts::reserve`]: adds a sandbox's resources to a host's reserved sums.
     HostReserve => "host_reserve",
+    /// `hosts::release` (crate-private): subtracts a sandbox's resources from them.
     HostRelease => "host_release",
+    /// [`crate::hosts::mark_silent_lost`]: marks silent hosts `lost`.
     HostMarkLost => "host_mark_lost",
+    /// [`crate::hosts::liveness`]: how many hosts are in service, and how many of those are alive.
     HostLiveness => "host_liveness",
+    /// [`crate::hosts::apply_event`]: a fenced host state write.
     HostSetState => "host_set_state",
+    /// [`crate::hosts::list`], `get` and `states_and_ages`: host reads.
     HostList => "host_list",
+    /// [`crate::hosts::unwanted_containers`]: containers a host reports that no row wants.
     HostUnwantedInventory => "host_unwanted_inventory",
+    /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
+    /// [`crate::commands::complete`]: sets a command's outcome.
     CommandComplete => "command_complete",
+    /// [`crate::commands::time_out_open`]: completes open commands as `timeout`.
     CommandTimeOut => "command_time_out",
+    /// [`crate::commands::exists`]: whether a command was already queued.
     CommandExists => "command_exists",
+    /// [`crate::commands::purge_completed`]: deletes the completed commands of purged sandboxes.
     CommandPurge => "command_purge",
+    /// [`crate::commands::notify_relay`]: `NOTIFY` on [`crate::commands::OUTBOX_CHANNEL`].
     CommandNotify => "command_notify",
+    /// [`crate::commands::latency`]: seconds from a command's insert to its completion.
     CommandLatency => "command_latency",
+    /// [`crate::events::insert`]: an event row in the state change's transaction.
     EventInsert => "event_insert",
+    /// [`crate::events::list_for_sandbox`]: a sandbox's events.
     EventList => "event_list",
+    /// [`crate::leases::acquire`]: takes or renews a lease.
     LeaseAcquire => "lease_acquire",
+    /// [`crate::leases::Lease::check`]: the fencing check of a lease.
     LeaseCheck => "lease_check",
+    /// [`crate::leases::release`]: gives a lease up.
     LeaseRelease => "lease_release",
+    /// [`crate::templates::get`]: one template by name.
     TemplateGet => "template_get",
+    /// [`crate::templates::list`]: every template.
     TemplateList => "template_list",
+    /// [`crate::templates::upsert`]: registers or updates a template.
     TemplateUpsert => "template_upsert",
+    /// [`crate::idempotency::purge`]: deletes expired idempotency keys.
     IdempotencyPurge => "idempotency_purge",
+    /// [`crate::orgs::lock_quota`] and `set_quota`: an org's quota row.
     OrgQuota => "org_quota",
+    /// [`crate::orgs::count`]: how many orgs exist.
     OrgCount => "org_count",
 }
 

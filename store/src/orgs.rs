@@ -12,7 +12,9 @@ use crate::StoreError;
 pub struct Quota {
     /// Sandboxes holding capacity at once.
     pub max_running: Option<i32>,
+    /// Whole vCPUs held at once.
     pub max_vcpus: Option<i32>,
+    /// Memory held at once, MiB.
     pub max_memory_mib: Option<i64>,
 }
 

@@ -42,11 +42,15 @@ pub fn columns_of(alias: &str) -> String {
 /// One sandbox row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SandboxRow {
+    /// The sandbox (`sandboxes.id`, UUIDv7).
     pub id: SandboxId,
+    /// The org that owns it; every API read is scoped by it.
     pub org_id: OrgId,
+    /// The template it was created from (`base`, …; a `templates.name`).
     pub template: String,
     /// The host it is placed on (always set today: placement happens at create).
     pub host_id: Option<HostId>,
+    /// Its lifecycle state (`sandboxes.state`, kebab-case).
     pub state: SandboxState,
     /// Why it is in its state (a boot failure's message, …).
     pub state_reason: Option<String>,
@@ -54,6 +58,7 @@ pub struct SandboxRow {
     pub generation: Generation,
     /// Whether its resources are counted in its host's reservation (guarantee 4).
     pub holds_capacity: bool,
+    /// Its size: whole vCPUs and MiB (the `vcpus` and `memory_mib` columns).
     pub resources: Resources,
     /// The user's metadata object.
     pub metadata: serde_json::Value,
@@ -61,11 +66,15 @@ pub struct SandboxRow {
     pub address: Option<String>,
     /// How the last stop kept it.
     pub last_stop: Option<StopMode>,
+    /// When the create was accepted (database clock).
     pub created_at: DateTime<Utc>,
+    /// When the row last changed (database clock); auto-delete measures from it.
     pub updated_at: DateTime<Utc>,
     /// Set when a delete was accepted.
     pub deleted_at: Option<DateTime<Utc>>,
+    /// Minutes without activity after which a `running` sandbox is stopped; `None`: never.
     pub auto_stop_minutes: Option<i32>,
+    /// Minutes after which a `stopped` or `failed-start` sandbox is deleted; `None`: never.
     pub auto_delete_minutes: Option<i32>,
 }
 
@@ -158,12 +167,19 @@ fn secs(d: Duration) -> f64 {
 /// A sandbox to create, already placed on `host_id` (whose capacity the caller reserved).
 #[derive(Debug, Clone)]
 pub struct NewSandbox {
+    /// The org that owns it.
     pub org_id: OrgId,
+    /// The template to provision from (a `templates.name`, already checked to exist).
     pub template: String,
+    /// The host placement chose; its capacity is already reserved in this transaction.
     pub host_id: HostId,
+    /// Its size: whole vCPUs and MiB.
     pub resources: Resources,
+    /// The user's metadata object, stored as given.
     pub metadata: serde_json::Value,
+    /// Minutes without activity before auto-stop; `None`: never.
     pub auto_stop_minutes: Option<i32>,
+    /// Minutes stopped (or failed) before auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
 }
 
@@ -313,9 +329,13 @@ pub async fn touch(db: impl PgExecutor<'_>, id: SandboxId) -> Result<(), StoreEr
 /// goes to its host at the new generation, and an event records it.
 #[derive(Debug, Clone)]
 pub struct Transition<'a> {
+    /// The state to write.
     pub to: SandboxState,
+    /// The command to queue on its host at the new generation; `None` queues none.
     pub command: Option<CommandKind>,
+    /// The capacity change, applied in the same transaction (guarantee 4).
     pub capacity: Capacity,
+    /// Why, as the event records it (`user_request`, `timeout`, …).
     pub reason: Reason,
     /// Whether this transition accepts a delete (sets `deleted_at`).
     pub delete: bool,
@@ -413,8 +433,11 @@ pub async fn write_transition(
 /// the result completes the transition that generation started).
 #[derive(Debug, Clone)]
 pub struct ResultWrite<'a> {
+    /// The state to write (from [`berth_schemas::state::on_result`]).
     pub to: SandboxState,
+    /// The capacity change, applied in the same transaction (guarantee 4).
     pub capacity: Capacity,
+    /// Why, as the event records it (`host_report`, or `runtime_error` for a failure).
     pub reason: Reason,
     /// The command the result answers.
     pub command_id: CommandId,
@@ -524,8 +547,11 @@ async fn apply_capacity(
 /// What the org's capacity-holding sandboxes use (its quota's measure).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
+    /// How many sandboxes hold capacity (the `max_running` measure).
     pub sandboxes: i64,
+    /// Their summed vCPUs (whole vCPUs).
     pub vcpus: i64,
+    /// Their summed memory, MiB.
     pub memory_mib: i64,
 }
 
@@ -551,8 +577,11 @@ pub async fn org_usage(conn: &mut PgConnection, org: OrgId) -> Result<Usage, Sto
 /// How long each timed command may stay unanswered.
 #[derive(Debug, Clone, Copy)]
 pub struct CommandTimeouts {
+    /// How long a `sandbox.create` may stay unanswered.
     pub create: Duration,
+    /// How long a `sandbox.start` may stay unanswered.
     pub start: Duration,
+    /// How long a `sandbox.stop` may stay unanswered (a delete is not timed).
     pub stop: Duration,
 }
 

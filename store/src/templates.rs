@@ -9,7 +9,9 @@ use crate::StoreError;
 /// A registered template.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct TemplateRow {
+    /// The name creates use (`base`, …).
     pub name: String,
+    /// A one-line description for listings.
     pub description: String,
     /// `runc` or `runsc`.
     pub runtime: String,

@@ -38,8 +38,11 @@ pub const UNWANTED_RUNNING_ON_ITS_HOST: [SandboxState; 3] = [
 /// whatever its host may still do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Failure {
+    /// The state to write (always `failed-start` today).
     pub to: SandboxState,
+    /// The event's reason (`timeout`, `host_lost`, …).
     pub reason: Reason,
+    /// The capacity change written with the state.
     pub capacity: Capacity,
     /// Queued on the sandbox's host at the new generation (so the host's fence refuses the
     /// old command if it has not run it yet); `None` when the host cannot be reached.

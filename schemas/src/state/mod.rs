@@ -51,21 +51,37 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum SandboxState {
+    /// SDK compatibility only; never written.
     Pending,
+    /// The row exists and its `sandbox.create` is queued; the host has not reported yet.
     Provisioning,
+    /// A start of a stopped (or failed-start) sandbox is in flight.
     Starting,
+    /// The guest agent answered; the container runs on its host.
     Running,
+    /// A stop or delete is in flight; the guest runs until the host confirms.
     Stopping,
+    /// No guest process; the disk (and the memory, where the runtime can) is saved on the host.
     Stopped,
+    /// A clone, fork or snapshot restore is booting (seed state; no path writes it yet).
     Resuming,
+    /// Being rebuilt from a backup on another host (seed state; no path writes it yet).
     Restoring,
+    /// Moving to another host (seed state; no path writes it yet).
     Migrating,
+    /// A stopped sandbox is uploading to object storage (seed state; no path writes it yet).
     Archiving,
+    /// Stored only in object storage (seed state; no path writes it yet).
     Archived,
+    /// Coming back from object storage to a host before it starts (seed state; not written yet).
     Unarchiving,
+    /// A boot failed or timed out, or its guest or host was lost; a start may be retried.
     FailedStart,
+    /// SDK compatibility only; never written (a failed create is `failed-start`).
     FailedProvision,
+    /// SDK compatibility only; never written (a sandbox on a lost host becomes `failed-start`).
     Lost,
+    /// A tombstone: the host destroyed it; the row stays until it is purged.
     Deleted,
 }
 
@@ -146,8 +162,11 @@ impl FromStr for SandboxState {
 /// A user's lifecycle request. `resume` maps to `Start` and `pause` to `Stop`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Request {
+    /// `POST …/start` or `…/resume`: boot a stopped or failed sandbox.
     Start,
+    /// `POST …/stop` or `…/pause` (or auto-stop): stop the guest, keeping the disk.
     Stop,
+    /// `DELETE /v1/sandboxes/{id}` (or auto-delete): destroy it; accepted in every state.
     Delete,
 }
 

@@ -11,8 +11,11 @@ pub enum Decision {
     /// Write `to`, bump the generation, apply `capacity` and queue `command` in the same
     /// transaction.
     Transition {
+        /// The state to write.
         to: SandboxState,
+        /// The host command to queue at the new generation.
         command: CommandKind,
+        /// The capacity change to apply with the state write.
         capacity: Capacity,
     },
 }
@@ -23,7 +26,9 @@ pub enum Refusal {
     /// A transition that conflicts with the request is in flight (HTTP 409 `conflict`).
     #[error("cannot {request} a sandbox that is {state}")]
     Conflict {
+        /// The row's state when the request arrived.
         state: SandboxState,
+        /// The refused request.
         request: Request,
     },
 }

@@ -10,7 +10,9 @@ use super::{Capacity, CommandKind, SandboxState};
 /// What a host reported for a command (the fenced part: the generation already matched).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
+    /// The host carried the command out (for a create or start: the guest agent answered).
     Succeeded,
+    /// The host could not carry the command out (a boot that failed, a stop that could not stop).
     Failed,
 }
 
@@ -19,7 +21,9 @@ pub enum Outcome {
 pub enum ResultDecision {
     /// Write `to` and apply `capacity`, in one transaction.
     Apply {
+        /// The state to write.
         to: SandboxState,
+        /// The capacity change to apply in the same transaction.
         capacity: Capacity,
     },
     /// The host did something the row no longer wants (the row already failed this boot): queue
