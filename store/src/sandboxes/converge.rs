@@ -1,0 +1,258 @@
+//! The reconciler pass's selections of sandboxes: commands that timed out, guests that failed,
+//! sandboxes stranded on lost hosts, idle and expired ones, tombstones to purge; and the
+//! capacity-drift measure of guarantee 4. Each `lock_*` locks what it returns (`FOR UPDATE
+//! SKIP LOCKED`) in the caller's transaction, so two passes never act on one row.
+
+use std::time::Duration;
+
+use berth_schemas::state::{GuestFailure, STRANDED_ON_LOST_HOST, TIMED_COMMANDS};
+use berth_schemas::{CommandKind, SandboxId, SandboxState};
+use sqlx::{PgConnection, PgExecutor, Row};
+
+use super::{columns_of, corrupt, rows, SandboxRow, COLUMNS};
+use crate::op::{timed, Op};
+use crate::StoreError;
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+/// How long each timed command may stay unanswered.
+#[derive(Debug, Clone, Copy)]
+pub struct CommandTimeouts {
+    /// How long a `sandbox.create` may stay unanswered.
+    pub create: Duration,
+    /// How long a `sandbox.start` may stay unanswered.
+    pub start: Duration,
+    /// How long a `sandbox.stop` may stay unanswered (a delete is not timed).
+    pub stop: Duration,
+}
+
+impl CommandTimeouts {
+    fn of(&self, kind: CommandKind) -> Duration {
+        match kind {
+            CommandKind::Create => self.create,
+            CommandKind::Start => self.start,
+            CommandKind::Stop | CommandKind::Delete => self.stop,
+        }
+    }
+}
+
+/// Locks (skipping rows others hold) up to `batch` sandboxes whose current command, one they
+/// still wait on ([`TIMED_COMMANDS`]), is older than its timeout; with the command's kind.
+pub async fn lock_timed_out(
+    conn: &mut PgConnection,
+    timeouts: CommandTimeouts,
+    batch: i64,
+) -> Result<Vec<(SandboxRow, CommandKind)>, StoreError> {
+    let kinds: Vec<&str> = TIMED_COMMANDS.iter().map(|(k, _)| k.as_str()).collect();
+    let states: Vec<&str> = TIMED_COMMANDS.iter().map(|(_, s)| s.as_str()).collect();
+    let limits: Vec<f64> = TIMED_COMMANDS
+        .iter()
+        .map(|(k, _)| secs(timeouts.of(*k)))
+        .collect();
+    let found = timed(
+        Op::SandboxTimedOut,
+        sqlx::query(&format!(
+            "SELECT c.kind AS command_kind, {cols}
+               FROM commands c JOIN sandboxes s ON s.id = c.sandbox_id
+               JOIN unnest($1::text[], $2::text[], $3::float8[]) AS t(kind, state, secs)
+                 ON t.kind = c.kind AND t.state = s.state
+              WHERE c.completed_at IS NULL
+                AND c.generation = s.generation AND s.deleted_at IS NULL
+                AND c.created_at < now() - make_interval(secs => t.secs)
+              ORDER BY c.created_at
+              LIMIT $4
+              FOR UPDATE OF s SKIP LOCKED",
+            cols = columns_of("s")
+        ))
+        .bind(&kinds)
+        .bind(&states)
+        .bind(&limits)
+        .bind(batch)
+        .fetch_all(conn),
+    )
+    .await?;
+    found
+        .iter()
+        .map(|r| {
+            let kind: String = r
+                .try_get("command_kind")
+                .map_err(StoreError::database(Op::SandboxTimedOut))?;
+            let kind = kind.parse().map_err(|e| corrupt("commands.kind", e))?;
+            Ok((SandboxRow::from_row(r)?, kind))
+        })
+        .collect()
+}
+
+/// Locks up to `batch` `running` sandboxes whose host (not lost) sent a heartbeat more than
+/// `grace` after the row's last change that does not list the guest as running; with how the
+/// guest failed.
+pub async fn lock_failed_guests(
+    conn: &mut PgConnection,
+    grace: Duration,
+    batch: i64,
+) -> Result<Vec<(SandboxRow, GuestFailure)>, StoreError> {
+    let found = timed(
+        Op::SandboxUnhealthy,
+        sqlx::query(&format!(
+            "SELECT {cols},
+                    EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
+                             WHERE i->>'sandbox_id' = s.id::text) AS listed
+               FROM sandboxes s JOIN hosts h ON h.id = s.host_id
+              WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> 'lost'
+                AND h.last_seen > s.updated_at + make_interval(secs => $1)
+                AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
+                                 WHERE i->>'sandbox_id' = s.id::text
+                                   AND i->>'status' = 'running')
+              LIMIT $2
+              FOR UPDATE OF s SKIP LOCKED",
+            cols = columns_of("s")
+        ))
+        .bind(secs(grace))
+        .bind(batch)
+        .fetch_all(conn),
+    )
+    .await?;
+    found
+        .iter()
+        .map(|r| {
+            let listed: bool = r
+                .try_get("listed")
+                .map_err(StoreError::database(Op::SandboxUnhealthy))?;
+            let failure = if listed {
+                GuestFailure::Unhealthy
+            } else {
+                GuestFailure::Missing
+            };
+            Ok((SandboxRow::from_row(r)?, failure))
+        })
+        .collect()
+}
+
+/// Locks up to `batch` sandboxes living on a host that has been silent for `silent_for` and is
+/// `lost` ([`STRANDED_ON_LOST_HOST`] states).
+pub async fn lock_stranded(
+    conn: &mut PgConnection,
+    silent_for: Duration,
+    batch: i64,
+) -> Result<Vec<SandboxRow>, StoreError> {
+    let states: Vec<&str> = STRANDED_ON_LOST_HOST.iter().map(|s| s.as_str()).collect();
+    let found = timed(
+        Op::SandboxStranded,
+        sqlx::query(&format!(
+            "SELECT {cols}
+               FROM sandboxes s JOIN hosts h ON h.id = s.host_id
+              WHERE h.state = 'lost' AND s.deleted_at IS NULL
+                AND h.last_seen < now() - make_interval(secs => $1)
+                AND s.state = ANY($2)
+              LIMIT $3
+              FOR UPDATE OF s SKIP LOCKED",
+            cols = columns_of("s")
+        ))
+        .bind(secs(silent_for))
+        .bind(&states)
+        .bind(batch)
+        .fetch_all(conn),
+    )
+    .await?;
+    rows(&found)
+}
+
+/// Locks up to `batch` `running` sandboxes idle for their `auto_stop_minutes`.
+pub async fn lock_idle(conn: &mut PgConnection, batch: i64) -> Result<Vec<SandboxRow>, StoreError> {
+    let found = timed(
+        Op::SandboxAutoStop,
+        sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM sandboxes
+              WHERE deleted_at IS NULL AND state = 'running' AND auto_stop_minutes IS NOT NULL
+                AND last_activity_at < now() - make_interval(mins => auto_stop_minutes)
+              LIMIT $1 FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(batch)
+        .fetch_all(conn),
+    )
+    .await?;
+    rows(&found)
+}
+
+/// Locks up to `batch` `stopped` or `failed-start` sandboxes left so for their
+/// `auto_delete_minutes`.
+pub async fn lock_expired(
+    conn: &mut PgConnection,
+    batch: i64,
+) -> Result<Vec<SandboxRow>, StoreError> {
+    let found = timed(
+        Op::SandboxAutoDelete,
+        sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM sandboxes
+              WHERE deleted_at IS NULL AND state IN ('stopped', 'failed-start')
+                AND auto_delete_minutes IS NOT NULL
+                AND updated_at < now() - make_interval(mins => auto_delete_minutes)
+              LIMIT $1 FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(batch)
+        .fetch_all(conn),
+    )
+    .await?;
+    rows(&found)
+}
+
+/// Deletes up to `batch` tombstones (`deleted` for longer than `retention`) whose events are
+/// all published (purging cascades to them); returns their ids.
+pub async fn purge_tombstones(
+    conn: &mut PgConnection,
+    retention: Duration,
+    batch: i64,
+) -> Result<Vec<SandboxId>, StoreError> {
+    timed(
+        Op::SandboxPurge,
+        sqlx::query_scalar(
+            "DELETE FROM sandboxes WHERE id IN (
+                 SELECT id FROM sandboxes
+                  WHERE state = 'deleted' AND updated_at < now() - make_interval(secs => $1)
+                    AND NOT EXISTS (SELECT 1 FROM events e
+                                     WHERE e.sandbox_id = sandboxes.id
+                                       AND e.published_at IS NULL)
+                  LIMIT $2 FOR UPDATE SKIP LOCKED)
+             RETURNING id",
+        )
+        .bind(secs(retention))
+        .bind(batch)
+        .fetch_all(conn),
+    )
+    .await
+}
+
+/// Guarantee 4 measured: the summed absolute differences, over hosts, between what a host has
+/// reserved and what its capacity-holding sandboxes need, as (vCPUs, MiB). Both must be 0.
+pub async fn capacity_drift(db: impl PgExecutor<'_>) -> Result<(i64, i64), StoreError> {
+    timed(
+        Op::CapacityDrift,
+        sqlx::query_as(
+            "SELECT COALESCE(sum(abs(h.reserved_vcpus - COALESCE(s.vcpus, 0))), 0)::int8,
+                    COALESCE(sum(abs(h.reserved_memory_mib - COALESCE(s.mem, 0))), 0)::int8
+               FROM hosts h
+               LEFT JOIN (SELECT host_id, sum(vcpus) AS vcpus, sum(memory_mib) AS mem
+                            FROM sandboxes WHERE holds_capacity GROUP BY host_id) s
+                 ON s.host_id = h.id",
+        )
+        .fetch_one(db),
+    )
+    .await
+}
+
+/// How many rows are in each state (for the `berth_sandboxes{state}` gauge).
+pub async fn count_by_state(
+    db: impl PgExecutor<'_>,
+) -> Result<Vec<(SandboxState, i64)>, StoreError> {
+    let counts: Vec<(String, i64)> = timed(
+        Op::SandboxList,
+        sqlx::query_as("SELECT state, count(*) FROM sandboxes GROUP BY state").fetch_all(db),
+    )
+    .await?;
+    counts
+        .into_iter()
+        .map(|(s, n)| Ok((s.parse().map_err(|e| corrupt("sandboxes.state", e))?, n)))
+        .collect()
+}

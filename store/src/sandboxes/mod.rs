@@ -1,0 +1,379 @@
+//! The `sandboxes` table: one row type ([`SandboxRow`]) read through one column list
+//! ([`COLUMNS`]) and one `from_row`, and every write of a sandbox's state.
+//!
+//! # Guarantees
+//! - Fenced: [`write_transition`] and [`write_result`] update a row only at the generation the
+//!   caller read (`WHERE id = $1 AND generation = $2`); a miss is [`StoreError::Fenced`].
+//! - Capacity (guarantee 4): the hold on the host's capacity changes only here, as the
+//!   decision's [`Capacity`] says, in the same transaction as the state write, the command and
+//!   the event (guarantee 1).
+//! - Org scoping (guarantee 7): [`get`], [`lock`] and [`list`] take the caller's org.
+
+use berth_schemas::wire::{Command, Resources, SandboxSpec, StopMode};
+use berth_schemas::{
+    CommandId, CommandKind, Generation, HostId, OrgId, Reason, SandboxId, SandboxState,
+};
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, PgExecutor, Row};
+
+use crate::events::{self, NewEvent};
+use crate::op::{timed, Op};
+use crate::{commands, StoreError};
+
+/// The columns [`SandboxRow::from_row`] reads, unqualified (select from `sandboxes`).
+pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
+     holds_capacity, vcpus, memory_mib, metadata, address, last_stop, created_at, updated_at, \
+     deleted_at, auto_stop_minutes, auto_delete_minutes";
+
+/// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
+pub fn columns_of(alias: &str) -> String {
+    COLUMNS
+        .split(", ")
+        .map(|c| format!("{alias}.{}", c.trim()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One sandbox row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxRow {
+    /// The sandbox (`sandboxes.id`, UUIDv7).
+    pub id: SandboxId,
+    /// The org that owns it; every API read is scoped by it.
+    pub org_id: OrgId,
+    /// The template it was created from (`base`, …; a `templates.name`).
+    pub template: String,
+    /// The host it is placed on (always set today: placement happens at create).
+    pub host_id: Option<HostId>,
+    /// Its lifecycle state (`sandboxes.state`, kebab-case).
+    pub state: SandboxState,
+    /// Why it is in its state (a boot failure's message, …).
+    pub state_reason: Option<String>,
+    /// The fence: bumped by every transition the control plane starts.
+    pub generation: Generation,
+    /// Whether its resources are counted in its host's reservation (guarantee 4).
+    pub holds_capacity: bool,
+    /// Its size: whole vCPUs and MiB (the `vcpus` and `memory_mib` columns).
+    pub resources: Resources,
+    /// The user's metadata object.
+    pub metadata: serde_json::Value,
+    /// Its IPv4 address while running.
+    pub address: Option<String>,
+    /// How the last stop kept it.
+    pub last_stop: Option<StopMode>,
+    /// When the create was accepted (database clock).
+    pub created_at: DateTime<Utc>,
+    /// When the row last changed (database clock); auto-delete measures from it.
+    pub updated_at: DateTime<Utc>,
+    /// Set when a delete was accepted.
+    pub deleted_at: Option<DateTime<Utc>>,
+    /// Minutes without activity after which a `running` sandbox is stopped; `None`: never.
+    pub auto_stop_minutes: Option<i32>,
+    /// Minutes after which a `stopped` or `failed-start` sandbox is deleted; `None`: never.
+    pub auto_delete_minutes: Option<i32>,
+}
+
+impl SandboxRow {
+    /// Reads a row selected with [`COLUMNS`] (or [`columns_of`]).
+    ///
+    /// Errors: [`StoreError::Corrupt`] for a state or stop mode this build does not know.
+    pub fn from_row(row: &PgRow) -> Result<Self, StoreError> {
+        let get = StoreError::database(Op::SandboxGet);
+        let state: String = row.try_get("state").map_err(get)?;
+        let last_stop: Option<String> = row.try_get("last_stop").map_err(get)?;
+        Ok(Self {
+            id: row.try_get("id").map_err(get)?,
+            org_id: row.try_get("org_id").map_err(get)?,
+            template: row.try_get("template").map_err(get)?,
+            host_id: row.try_get("host_id").map_err(get)?,
+            state: state.parse().map_err(|e| corrupt("sandboxes.state", e))?,
+            state_reason: row.try_get("state_reason").map_err(get)?,
+            generation: row.try_get("generation").map_err(get)?,
+            holds_capacity: row.try_get("holds_capacity").map_err(get)?,
+            resources: resources(
+                row.try_get("vcpus").map_err(get)?,
+                row.try_get("memory_mib").map_err(get)?,
+            ),
+            metadata: row.try_get("metadata").map_err(get)?,
+            address: row.try_get("address").map_err(get)?,
+            last_stop: last_stop.as_deref().map(stop_mode).transpose()?,
+            created_at: row.try_get("created_at").map_err(get)?,
+            updated_at: row.try_get("updated_at").map_err(get)?,
+            deleted_at: row.try_get("deleted_at").map_err(get)?,
+            auto_stop_minutes: row.try_get("auto_stop_minutes").map_err(get)?,
+            auto_delete_minutes: row.try_get("auto_delete_minutes").map_err(get)?,
+        })
+    }
+
+    /// Whether a delete was accepted (`deleted_at` is set).
+    pub fn deleting(&self) -> bool {
+        self.deleted_at.is_some()
+    }
+
+    /// The spec a host needs for a command about this sandbox.
+    pub fn spec(&self) -> SandboxSpec {
+        SandboxSpec {
+            org_id: self.org_id,
+            template: self.template.clone(),
+            resources: self.resources,
+        }
+    }
+}
+
+/// `vcpus` and `memory_mib` columns (both `integer`) as [`Resources`]; the only place they are
+/// read. A negative value (which the table's CHECKs forbid) reads as 0.
+pub(crate) fn resources(vcpus: i32, memory_mib: i32) -> Resources {
+    Resources {
+        vcpus: u32::try_from(vcpus).unwrap_or(0),
+        memory_mib: u32::try_from(memory_mib).unwrap_or(0),
+    }
+}
+
+/// [`Resources`] as the `integer` columns they are written to; the only place they are written.
+pub(crate) fn resource_columns(r: Resources) -> (i32, i32) {
+    (
+        i32::try_from(r.vcpus).unwrap_or(i32::MAX),
+        i32::try_from(r.memory_mib).unwrap_or(i32::MAX),
+    )
+}
+
+fn stop_mode(s: &str) -> Result<StopMode, StoreError> {
+    [StopMode::Memory, StopMode::Disk]
+        .into_iter()
+        .find(|m| m.as_str() == s)
+        .ok_or_else(|| corrupt("sandboxes.last_stop", s))
+}
+
+fn corrupt(column: &'static str, message: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt {
+        column,
+        message: message.to_string(),
+    }
+}
+
+fn rows(rows: &[PgRow]) -> Result<Vec<SandboxRow>, StoreError> {
+    rows.iter().map(SandboxRow::from_row).collect()
+}
+
+/// A sandbox to create, already placed on `host_id` (whose capacity the caller reserved).
+#[derive(Debug, Clone)]
+pub struct NewSandbox {
+    /// The org that owns it.
+    pub org_id: OrgId,
+    /// The template to provision from (a `templates.name`, already checked to exist).
+    pub template: String,
+    /// The host placement chose; its capacity is already reserved in this transaction.
+    pub host_id: HostId,
+    /// Its size: whole vCPUs and MiB.
+    pub resources: Resources,
+    /// The user's metadata object, stored as given.
+    pub metadata: serde_json::Value,
+    /// Minutes without activity before auto-stop; `None`: never.
+    pub auto_stop_minutes: Option<i32>,
+    /// Minutes stopped (or failed) before auto-delete; `None`: never.
+    pub auto_delete_minutes: Option<i32>,
+}
+
+/// Writes a new `provisioning` sandbox holding the capacity its placement reserved, its
+/// `sandbox.create` command and its event, in the caller's transaction (guarantee 1). Returns
+/// the row and the command id.
+pub async fn create(
+    conn: &mut PgConnection,
+    new: NewSandbox,
+) -> Result<(SandboxRow, CommandId), StoreError> {
+    let id = SandboxId::new();
+    let generation = Generation::INITIAL;
+    let (vcpus, memory_mib) = resource_columns(new.resources);
+    let row = timed(
+        Op::SandboxInsert,
+        sqlx::query(&format!(
+            "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
+                                    memory_mib, holds_capacity, metadata, auto_stop_minutes,
+                                    auto_delete_minutes)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11)
+             RETURNING {COLUMNS}"
+        ))
+        .bind(id)
+        .bind(new.org_id)
+        .bind(&new.template)
+        .bind(new.host_id)
+        .bind(SandboxState::Provisioning.as_str())
+        .bind(generation)
+        .bind(vcpus)
+        .bind(memory_mib)
+        .bind(&new.metadata)
+        .bind(new.auto_stop_minutes)
+        .bind(new.auto_delete_minutes)
+        .fetch_one(&mut *conn),
+    )
+    .await?;
+    let row = SandboxRow::from_row(&row)?;
+    let command = Command {
+        id: CommandId::new(),
+        sandbox_id: id,
+        generation,
+        kind: CommandKind::Create,
+        spec: row.spec(),
+    };
+    commands::insert(&mut *conn, new.host_id, &command).await?;
+    events::insert(
+        conn,
+        &NewEvent {
+            sandbox_id: id,
+            org_id: new.org_id,
+            from: None,
+            to: SandboxState::Provisioning,
+            reason: Reason::UserRequest,
+            generation,
+            command_id: Some(command.id),
+            message: None,
+        },
+    )
+    .await?;
+    Ok((row, command.id))
+}
+
+/// The org's sandbox `id`, or `None` (also for another org's sandbox: guarantee 7).
+pub async fn get(
+    db: impl PgExecutor<'_>,
+    org: OrgId,
+    id: SandboxId,
+) -> Result<Option<SandboxRow>, StoreError> {
+    let row = timed(
+        Op::SandboxGet,
+        sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM sandboxes WHERE id = $1 AND org_id = $2"
+        ))
+        .bind(id)
+        .bind(org)
+        .fetch_optional(db),
+    )
+    .await?;
+    row.as_ref().map(SandboxRow::from_row).transpose()
+}
+
+/// Locks the sandbox's row (`FOR UPDATE`) in the caller's transaction and reads it; scoped to
+/// `org` when given (a user's request), any org otherwise (the control plane).
+pub async fn lock(
+    conn: &mut PgConnection,
+    id: SandboxId,
+    org: Option<OrgId>,
+) -> Result<Option<SandboxRow>, StoreError> {
+    let row = timed(
+        Op::SandboxLock,
+        sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM sandboxes
+              WHERE id = $1 AND ($2::uuid IS NULL OR org_id = $2)
+              FOR UPDATE"
+        ))
+        .bind(id)
+        .bind(org)
+        .fetch_optional(conn),
+    )
+    .await?;
+    row.as_ref().map(SandboxRow::from_row).transpose()
+}
+
+/// One page of the org's sandboxes, newest first: those in `state` (without it, all but
+/// tombstones), older than `before` when given, at most `limit`.
+pub async fn list(
+    db: impl PgExecutor<'_>,
+    org: OrgId,
+    state: Option<SandboxState>,
+    before: Option<SandboxId>,
+    limit: i64,
+) -> Result<Vec<SandboxRow>, StoreError> {
+    let found = timed(
+        Op::SandboxList,
+        sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM sandboxes
+              WHERE org_id = $1
+                AND ($2::text IS NULL AND state <> 'deleted' OR state = $2)
+                AND ($3::uuid IS NULL OR id < $3)
+              ORDER BY id DESC
+              LIMIT $4"
+        ))
+        .bind(org)
+        .bind(state.map(SandboxState::as_str))
+        .bind(before)
+        .bind(limit)
+        .fetch_all(db),
+    )
+    .await?;
+    rows(&found)
+}
+
+/// Marks the sandbox active now (`last_activity_at`, which auto-stop measures from).
+pub async fn touch(db: impl PgExecutor<'_>, id: SandboxId) -> Result<(), StoreError> {
+    timed(
+        Op::SandboxTouch,
+        sqlx::query("UPDATE sandboxes SET last_activity_at = now() WHERE id = $1")
+            .bind(id)
+            .execute(db),
+    )
+    .await?;
+    Ok(())
+}
+
+/// What the org's capacity-holding sandboxes use (its quota's measure).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    /// How many sandboxes hold capacity (the `max_running` measure).
+    pub sandboxes: i64,
+    /// Their summed vCPUs (whole vCPUs).
+    pub vcpus: i64,
+    /// Their summed memory, MiB.
+    pub memory_mib: i64,
+}
+
+/// Sums the org's sandboxes that hold capacity and are not being deleted.
+pub async fn org_usage(conn: &mut PgConnection, org: OrgId) -> Result<Usage, StoreError> {
+    let (sandboxes, vcpus, memory_mib): (i64, i64, i64) = timed(
+        Op::SandboxOrgUsage,
+        sqlx::query_as(
+            "SELECT count(*), COALESCE(sum(vcpus), 0)::int8, COALESCE(sum(memory_mib), 0)::int8
+               FROM sandboxes WHERE org_id = $1 AND holds_capacity AND deleted_at IS NULL",
+        )
+        .bind(org)
+        .fetch_one(conn),
+    )
+    .await?;
+    Ok(Usage {
+        sandboxes,
+        vcpus,
+        memory_mib,
+    })
+}
+
+mod converge;
+mod write;
+
+pub use converge::{
+    capacity_drift, count_by_state, lock_expired, lock_failed_guests, lock_idle, lock_stranded,
+    lock_timed_out, purge_tombstones, CommandTimeouts,
+};
+pub use write::{write_result, write_transition, ResultWrite, Transition, Written};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_column_list_is_qualified_with_the_alias() {
+        let qualified = columns_of("s");
+        assert!(qualified.starts_with("s.id, s.org_id, "));
+        assert_eq!(qualified.matches("s.").count(), COLUMNS.split(", ").count());
+    }
+
+    #[test]
+    fn resources_round_trip_through_their_columns() {
+        let r = Resources {
+            vcpus: 3,
+            memory_mib: 1536,
+        };
+        let (v, m) = resource_columns(r);
+        assert_eq!(resources(v, m), r);
+        assert_eq!(resources(-1, -1), Resources::default());
+    }
+}

@@ -1,0 +1,234 @@
+//! The two fenced writes of a sandbox's state: [`write_transition`] (a transition the control
+//! plane starts, at the next generation) and [`write_result`] (a host's result, at the current
+//! one). Both apply the decision's [`Capacity`] change in the same transaction — the only place
+//! a sandbox's hold on its host's capacity changes (guarantee 4).
+
+use berth_schemas::wire::{Command, StopMode};
+use berth_schemas::{Capacity, CommandId, CommandKind, Reason, SandboxState};
+use sqlx::PgConnection;
+
+use super::{SandboxRow, COLUMNS};
+use crate::events::{self, NewEvent};
+use crate::hosts::{self, Admit, Overcommit};
+use crate::op::{timed, Op};
+use crate::{commands, StoreError};
+
+/// A transition the control plane starts (a request's or the reconciler's decision): the row
+/// moves to `to` at the next generation, its capacity changes as `capacity` says, `command`
+/// goes to its host at the new generation, and an event records it.
+#[derive(Debug, Clone)]
+pub struct Transition<'a> {
+    /// The state to write.
+    pub to: SandboxState,
+    /// The command to queue on its host at the new generation; `None` queues none.
+    pub command: Option<CommandKind>,
+    /// The capacity change, applied in the same transaction (guarantee 4).
+    pub capacity: Capacity,
+    /// Why, as the event records it (`user_request`, `timeout`, …).
+    pub reason: Reason,
+    /// Whether this transition accepts a delete (sets `deleted_at`).
+    pub delete: bool,
+    /// The `state_reason` to show (why a boot failed, …).
+    pub message: Option<&'a str>,
+    /// Whether it counts as the user's activity (stamps `last_activity_at`).
+    pub activity: bool,
+    /// The limits a [`Capacity::Reserve`] reserves within.
+    pub overcommit: Overcommit,
+}
+
+/// What [`write_transition`] wrote.
+#[derive(Debug, Clone)]
+pub struct Written {
+    /// The row as it is now.
+    pub row: SandboxRow,
+    /// The command queued, if any.
+    pub command_id: Option<CommandId>,
+}
+
+/// Writes `transition` of the locked sandbox `row` in the caller's transaction: capacity, the
+/// row (new state, next generation), the command at that generation and the event.
+///
+/// Errors: [`StoreError::Fenced`] when the row is no longer at `row.generation`;
+/// [`StoreError::NoCapacity`] when a [`Capacity::Reserve`] does not fit on the host (nothing
+/// is written; the caller rolls back).
+pub async fn write_transition(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    transition: &Transition<'_>,
+) -> Result<Written, StoreError> {
+    let holds_capacity =
+        apply_capacity(&mut *conn, row, transition.capacity, transition.overcommit).await?;
+    let generation = row.generation.next();
+    let updated = timed(
+        Op::SandboxTransition,
+        sqlx::query(&format!(
+            "UPDATE sandboxes
+                SET state = $3, generation = $4, holds_capacity = $5, state_reason = $6,
+                    deleted_at = CASE WHEN $7 THEN COALESCE(deleted_at, now()) ELSE deleted_at END,
+                    address = CASE WHEN $3 IN ('running', 'stopping') THEN address ELSE NULL END,
+                    last_activity_at = CASE WHEN $8 THEN now() ELSE last_activity_at END,
+                    updated_at = now()
+              WHERE id = $1 AND generation = $2
+              RETURNING {COLUMNS}"
+        ))
+        .bind(row.id)
+        .bind(row.generation)
+        .bind(transition.to.as_str())
+        .bind(generation)
+        .bind(holds_capacity)
+        .bind(transition.message)
+        .bind(transition.delete)
+        .bind(transition.activity)
+        .fetch_optional(&mut *conn),
+    )
+    .await?
+    .ok_or(StoreError::Fenced {
+        sandbox: row.id,
+        expected: row.generation,
+    })?;
+    let mut command_id = None;
+    if let (Some(kind), Some(host)) = (transition.command, row.host_id) {
+        let command = Command {
+            id: CommandId::new(),
+            sandbox_id: row.id,
+            generation,
+            kind,
+            spec: row.spec(),
+        };
+        commands::insert(&mut *conn, host, &command).await?;
+        command_id = Some(command.id);
+    }
+    events::insert(
+        conn,
+        &NewEvent {
+            sandbox_id: row.id,
+            org_id: row.org_id,
+            from: Some(row.state),
+            to: transition.to,
+            reason: transition.reason,
+            generation,
+            command_id,
+            message: transition.message,
+        },
+    )
+    .await?;
+    Ok(Written {
+        row: SandboxRow::from_row(&updated)?,
+        command_id,
+    })
+}
+
+/// A host's result applied to the locked `row` at its current generation (no new generation:
+/// the result completes the transition that generation started).
+#[derive(Debug, Clone)]
+pub struct ResultWrite<'a> {
+    /// The state to write (from [`berth_schemas::state::on_result`]).
+    pub to: SandboxState,
+    /// The capacity change, applied in the same transaction (guarantee 4).
+    pub capacity: Capacity,
+    /// Why, as the event records it (`host_report`, or `runtime_error` for a failure).
+    pub reason: Reason,
+    /// The command the result answers.
+    pub command_id: CommandId,
+    /// The sandbox's address when it runs.
+    pub address: Option<&'a str>,
+    /// How a stop kept it; `None` leaves the last value.
+    pub last_stop: Option<StopMode>,
+    /// The host's failure reason, shown as `state_reason`.
+    pub message: Option<&'a str>,
+}
+
+/// Writes a host result onto the locked sandbox `row`: state, capacity, address, stop mode and
+/// the event, in the caller's transaction.
+///
+/// Errors: [`StoreError::Fenced`] when the row is no longer at `row.generation`.
+pub async fn write_result(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    result: &ResultWrite<'_>,
+) -> Result<(), StoreError> {
+    let holds_capacity =
+        apply_capacity(&mut *conn, row, result.capacity, Overcommit::default()).await?;
+    let updated = timed(
+        Op::SandboxApplyResult,
+        sqlx::query(
+            "UPDATE sandboxes
+                SET state = $3,
+                    state_reason = $4,
+                    address = CASE WHEN $3 = 'running' THEN $5 ELSE NULL END,
+                    last_stop = COALESCE($6, last_stop),
+                    holds_capacity = $7,
+                    updated_at = now()
+              WHERE id = $1 AND generation = $2",
+        )
+        .bind(row.id)
+        .bind(row.generation)
+        .bind(result.to.as_str())
+        .bind(result.message)
+        .bind(result.address)
+        .bind(result.last_stop.map(StopMode::as_str))
+        .bind(holds_capacity)
+        .execute(&mut *conn),
+    )
+    .await?;
+    if updated.rows_affected() != 1 {
+        return Err(StoreError::Fenced {
+            sandbox: row.id,
+            expected: row.generation,
+        });
+    }
+    events::insert(
+        conn,
+        &NewEvent {
+            sandbox_id: row.id,
+            org_id: row.org_id,
+            from: Some(row.state),
+            to: result.to,
+            reason: result.reason,
+            generation: row.generation,
+            command_id: Some(result.command_id),
+            message: result.message,
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// Applies `capacity` to the host reservation of the locked `row`; returns whether the row
+/// holds capacity afterwards. Reserving what is held, or releasing what is not, changes
+/// nothing. A start reserves on its own host, which admits it unless lost.
+async fn apply_capacity(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    capacity: Capacity,
+    overcommit: Overcommit,
+) -> Result<bool, StoreError> {
+    let Some(host) = row.host_id else {
+        return Ok(false);
+    };
+    match (capacity, row.holds_capacity) {
+        (Capacity::Reserve, false) => {
+            let admitted = hosts::reserve(
+                conn,
+                host,
+                row.resources,
+                overcommit,
+                Admit::ResidentSandbox,
+            )
+            .await?;
+            if !admitted {
+                return Err(StoreError::NoCapacity {
+                    host,
+                    need: row.resources,
+                });
+            }
+            Ok(true)
+        }
+        (Capacity::Release, true) => {
+            hosts::release(conn, host, row.resources).await?;
+            Ok(false)
+        }
+        (Capacity::Keep | Capacity::Reserve, held) => Ok(held),
+        (Capacity::Release, false) => Ok(false),
+    }
+}
