@@ -5,7 +5,11 @@
 //!   sandboxes proceed concurrently. (Each command's task first awaits the previous task of
 //!   the same sandbox.)
 //! - A command is acked only after its result was published to `{p}.result.<host_id>` and
-//!   JetStream acknowledged that publish. If the publish fails the command is nak'd; the
+//!   JetStream acknowledged that publish.
+//! - The trace continues: the apply span records the command's `traceparent` (its trace id
+//!   and parent id; [`TraceParent::for_command`] when the header is missing or invalid), and
+//!   the result carries a `traceparent` of the same trace whose parent id is the apply span's
+//!   own id, so the reconciler's span becomes its child. If the publish fails the command is nak'd; the
 //!   redelivery republishes the stored result (see `fence`).
 //! - A message that does not decode is terminated (acked without redelivery) and logged.
 //! - Long work extends the ack deadline with progress acks, so JetStream does not redeliver a
@@ -17,6 +21,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::{self, AckKind};
+use async_nats::HeaderMap;
+use berth_schemas::trace::{TraceParent, TRACEPARENT};
 use berth_schemas::wire::{self, Command, CommandResult};
 use berth_schemas::{SandboxId, Subjects};
 use futures::StreamExt;
@@ -24,9 +30,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::apply::{self, Applied, ApplyTrace};
 use crate::error::HostdError;
 use crate::host::Host;
-use crate::lifecycle::Applied;
 
 /// How long JetStream waits for an ack before redelivering a command.
 pub const ACK_WAIT: Duration = Duration::from_secs(15);
@@ -169,6 +175,15 @@ fn dispatch(
     chains.insert(sandbox_id, tokio::spawn(task.instrument(span)));
 }
 
+/// The trace context a command message carries: its `traceparent` header, or
+/// [`TraceParent::for_command`] when the header is missing or invalid.
+pub fn incoming_trace(headers: Option<&HeaderMap>, command: &Command) -> TraceParent {
+    headers
+        .and_then(|h| h.get(TRACEPARENT))
+        .and_then(|value| TraceParent::parse(value.as_str()))
+        .unwrap_or_else(|| TraceParent::for_command(command.id, [0; 8]))
+}
+
 /// Applies one command, publishes its result, then acks (or naks).
 async fn handle(
     host: &Arc<Host>,
@@ -177,7 +192,8 @@ async fn handle(
     message: jetstream::Message,
     command: Command,
 ) {
-    let work = host.apply(&command);
+    let trace = ApplyTrace::child_of(incoming_trace(message.headers.as_ref(), &command));
+    let work = apply::apply(host, &command, &trace);
     tokio::pin!(work);
     let start = tokio::time::Instant::now() + PROGRESS_INTERVAL;
     let mut progress = tokio::time::interval_at(start, PROGRESS_INTERVAL);
@@ -193,7 +209,7 @@ async fn handle(
     };
     let settle = match applied {
         Applied::Respond { result, .. } => {
-            match publish_result(js, result_subject, &result).await {
+            match publish_result(js, result_subject, &result, &trace.outgoing()).await {
                 Ok(()) => AckKind::Ack,
                 Err(e) => {
                     tracing::warn!(error = %e.report(), "result not published; command will be redelivered");
@@ -209,15 +225,19 @@ async fn handle(
     }
 }
 
-/// Publishes a result through JetStream and waits for the stream's acknowledgement.
+/// Publishes a result through JetStream, with `trace` as its `traceparent` header, and waits
+/// for the stream's acknowledgement.
 ///
 /// Errors: [`HostdError::Nats`].
 pub async fn publish_result(
     js: &jetstream::Context,
     subject: &str,
     result: &CommandResult,
+    trace: &TraceParent,
 ) -> Result<(), HostdError> {
-    js.publish(subject.to_owned(), wire::encode(result).into())
+    let mut headers = HeaderMap::new();
+    headers.insert(TRACEPARENT, trace.to_header().as_str());
+    js.publish_with_headers(subject.to_owned(), headers, wire::encode(result).into())
         .await
         .map_err(HostdError::nats("publish a result"))?
         .await
