@@ -25,16 +25,22 @@ use crate::error::HostdError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ContainerStatus {
+    /// Being created.
     Creating,
+    /// Created; its process not started.
     Created,
+    /// Its process runs.
     Running,
+    /// Frozen.
     Paused,
+    /// Its process exited.
     Stopped,
 }
 
 /// What a driver needs to start one container.
 #[derive(Debug, Clone, Copy)]
 pub struct RunRequest<'a> {
+    /// The container's id in the runtime's root.
     pub container_id: &'a str,
     /// The OCI bundle dir (holds `config.json`).
     pub bundle: &'a Path,
