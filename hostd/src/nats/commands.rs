@@ -244,3 +244,60 @@ pub async fn publish_result(
         .map_err(HostdError::nats("confirm a result"))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use berth_schemas::wire::{Resources, SandboxSpec};
+    use berth_schemas::{CommandId, CommandKind, Generation, OrgId};
+
+    use super::*;
+
+    fn command() -> Command {
+        Command {
+            id: CommandId::new(),
+            sandbox_id: SandboxId::new(),
+            generation: Generation(1),
+            kind: CommandKind::Create,
+            spec: SandboxSpec {
+                org_id: OrgId::new(),
+                template: "base".into(),
+                resources: Resources {
+                    vcpus: 1,
+                    memory_mib: 256,
+                },
+            },
+        }
+    }
+
+    #[test]
+    fn a_commands_traceparent_header_is_its_trace() {
+        let cmd = command();
+        let sent = TraceParent::for_command(cmd.id, [7; 8]);
+        let mut headers = HeaderMap::new();
+        headers.insert(TRACEPARENT, sent.to_header().as_str());
+        assert_eq!(incoming_trace(Some(&headers), &cmd), sent);
+    }
+
+    #[test]
+    fn without_a_valid_header_the_trace_is_the_commands_id() {
+        let cmd = command();
+        let mut garbage = HeaderMap::new();
+        garbage.insert(TRACEPARENT, "not a traceparent");
+        for headers in [None, Some(&garbage)] {
+            let trace = incoming_trace(headers, &cmd);
+            assert_eq!(trace.trace_id, *cmd.id.as_uuid().as_bytes());
+            assert_ne!(trace.parent_id, [0; 8]);
+        }
+    }
+
+    #[test]
+    fn a_result_continues_the_trace_with_the_apply_span_as_parent() {
+        let parent = TraceParent::for_command(CommandId::new(), [7; 8]);
+        let apply = ApplyTrace::child_of(parent);
+        let out = apply.outgoing();
+        assert_eq!(out.trace_id, parent.trace_id);
+        assert_eq!(out.parent_id, apply.span_id);
+        assert_ne!(out.parent_id, [0; 8]);
+        assert_ne!(ApplyTrace::child_of(parent).span_id, apply.span_id);
+    }
+}
