@@ -24,7 +24,7 @@ use async_nats::jetstream::{self, AckKind};
 use async_nats::HeaderMap;
 use berth_schemas::trace::{TraceParent, TRACEPARENT};
 use berth_schemas::wire::{self, Command, CommandResult};
-use berth_schemas::{SandboxId, Subjects};
+use berth_schemas::{CommandId, SandboxId, Subjects};
 use futures::StreamExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -177,11 +177,11 @@ fn dispatch(
 
 /// The trace context a command message carries: its `traceparent` header, or
 /// [`TraceParent::for_command`] when the header is missing or invalid.
-pub fn incoming_trace(headers: Option<&HeaderMap>, command: &Command) -> TraceParent {
+pub fn incoming_trace(headers: Option<&HeaderMap>, command: CommandId) -> TraceParent {
     headers
         .and_then(|h| h.get(TRACEPARENT))
         .and_then(|value| TraceParent::parse(value.as_str()))
-        .unwrap_or_else(|| TraceParent::for_command(command.id, [0; 8]))
+        .unwrap_or_else(|| TraceParent::for_command(command, [0; 8]))
 }
 
 /// Applies one command, publishes its result, then acks (or naks).
@@ -192,7 +192,7 @@ async fn handle(
     message: jetstream::Message,
     command: Command,
 ) {
-    let trace = ApplyTrace::child_of(incoming_trace(message.headers.as_ref(), &command));
+    let trace = ApplyTrace::child_of(incoming_trace(message.headers.as_ref(), command.id));
     let work = apply::apply(host, &command, &trace);
     tokio::pin!(work);
     let start = tokio::time::Instant::now() + PROGRESS_INTERVAL;
@@ -247,45 +247,25 @@ pub async fn publish_result(
 
 #[cfg(test)]
 mod tests {
-    use berth_schemas::wire::{Resources, SandboxSpec};
-    use berth_schemas::{CommandId, CommandKind, Generation, OrgId};
-
     use super::*;
-
-    fn command() -> Command {
-        Command {
-            id: CommandId::new(),
-            sandbox_id: SandboxId::new(),
-            generation: Generation(1),
-            kind: CommandKind::Create,
-            spec: SandboxSpec {
-                org_id: OrgId::new(),
-                template: "base".into(),
-                resources: Resources {
-                    vcpus: 1,
-                    memory_mib: 256,
-                },
-            },
-        }
-    }
 
     #[test]
     fn a_commands_traceparent_header_is_its_trace() {
-        let cmd = command();
-        let sent = TraceParent::for_command(cmd.id, [7; 8]);
+        let id = CommandId::new();
+        let sent = TraceParent::for_command(id, [7; 8]);
         let mut headers = HeaderMap::new();
         headers.insert(TRACEPARENT, sent.to_header().as_str());
-        assert_eq!(incoming_trace(Some(&headers), &cmd), sent);
+        assert_eq!(incoming_trace(Some(&headers), id), sent);
     }
 
     #[test]
     fn without_a_valid_header_the_trace_is_the_commands_id() {
-        let cmd = command();
+        let id = CommandId::new();
         let mut garbage = HeaderMap::new();
         garbage.insert(TRACEPARENT, "not a traceparent");
         for headers in [None, Some(&garbage)] {
-            let trace = incoming_trace(headers, &cmd);
-            assert_eq!(trace.trace_id, *cmd.id.as_uuid().as_bytes());
+            let trace = incoming_trace(headers, id);
+            assert_eq!(trace.trace_id, *id.as_uuid().as_bytes());
             assert_ne!(trace.parent_id, [0; 8]);
         }
     }
