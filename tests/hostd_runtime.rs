@@ -14,9 +14,8 @@ use async_nats::jetstream::{self, consumer::pull, AckKind};
 use berth_hostd::layout::SandboxNames;
 use berth_hostd::HostdConfig;
 use berth_schemas::wire::{
-    self, AgentFailure, AgentOp, AgentReply, AgentRequest, Command, CommandResult, ExecError,
-    ExecReply, ExecRequest, ExecSpec, FileKind, GuestStatus, Heartbeat, ResultOutcome, SandboxSpec,
-    StopMode,
+    self, AgentFailure, AgentOp, AgentReply, AgentRequest, Command, CommandResult, ExecSpec,
+    FileKind, GuestStatus, Heartbeat, ResultOutcome, SandboxSpec, StopMode,
 };
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
 use futures::StreamExt;
@@ -213,27 +212,15 @@ impl Harness {
         Ok(result)
     }
 
+    /// A plain exec: the agent request's [`AgentOp::Exec`] (replaced `{p}.exec`).
     async fn exec(
         &self,
         sandbox: SandboxId,
         argv: &[&str],
         timeout_ms: u64,
-    ) -> anyhow::Result<ExecReply> {
-        let request = ExecRequest {
-            sandbox_id: sandbox,
-            argv: argv.iter().map(|s| s.to_string()).collect(),
-            timeout_ms,
-        };
-        let reply = tokio::time::timeout(
-            EXEC_REQUEST_TIMEOUT,
-            self.nats.request(
-                self.subjects.exec(self.host_id),
-                wire::encode(&request).into(),
-            ),
-        )
-        .await
-        .context("exec request timed out")??;
-        Ok(wire::decode(&reply.payload)?)
+    ) -> anyhow::Result<AgentReply> {
+        self.agent(sandbox, AgentOp::Exec(exec_spec(argv, timeout_ms)))
+            .await
     }
 
     async fn agent(&self, sandbox: SandboxId, op: AgentOp) -> anyhow::Result<AgentReply> {
@@ -399,9 +386,9 @@ fn init_tracing() {
         .try_init();
 }
 
-fn finished(reply: &ExecReply) -> anyhow::Result<(i32, String, bool)> {
+fn finished(reply: &AgentReply) -> anyhow::Result<(i32, String, bool)> {
     match reply {
-        ExecReply::Finished {
+        AgentReply::Exec {
             exit_code,
             stdout,
             timed_out,
@@ -501,7 +488,7 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(code == 0);
     let missing = h.exec(SandboxId::new(), &["true"], EXEC_TIMEOUT_MS).await?;
     ensure!(
-        missing == ExecReply::Failed(ExecError::NotFound),
+        missing == AgentReply::Failed(AgentFailure::NotFound),
         "{missing:?}"
     );
 
@@ -576,7 +563,7 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(!std::fs::read_to_string("/proc/self/mounts")?.contains(&rootfs));
     let refused = h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?;
     ensure!(
-        refused == ExecReply::Failed(ExecError::NotRunning),
+        refused == AgentReply::Failed(AgentFailure::NotRunning),
         "{refused:?}"
     );
     h.heartbeat_with(sandbox, GuestStatus::Stopped).await?;
@@ -618,7 +605,10 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
     );
     assert_nothing_remains(h, sandbox).await?;
     let gone = h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?;
-    ensure!(gone == ExecReply::Failed(ExecError::NotFound), "{gone:?}");
+    ensure!(
+        gone == AgentReply::Failed(AgentFailure::NotFound),
+        "{gone:?}"
+    );
 
     // Deleting again succeeds; a late create for the deleted sandbox is refused.
     let cmd = h.command(sandbox, 4, CommandKind::Delete);
@@ -1219,7 +1209,7 @@ async fn agent_dies(h: &mut Harness) -> anyhow::Result<()> {
         .exec(sandbox, &["sh", "-c", "kill -9 $PPID"], EXEC_TIMEOUT_MS)
         .await?;
     ensure!(
-        matches!(reply, ExecReply::Failed(ExecError::Agent(_))),
+        matches!(reply, AgentReply::Failed(AgentFailure::Agent(_))),
         "the exec outlived its agent: {reply:?}"
     );
     h.heartbeat_with(sandbox, GuestStatus::Unhealthy).await?;
@@ -1423,7 +1413,7 @@ async fn gvisor_oom(h: &mut Harness) -> anyhow::Result<()> {
     // An exec now fails instead of waiting out its timeout (which would answer `timed_out`).
     let reply = h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?;
     ensure!(
-        matches!(reply, ExecReply::Failed(ExecError::Agent(_))),
+        matches!(reply, AgentReply::Failed(AgentFailure::Agent(_))),
         "{reply:?}"
     );
     let restarted = h

@@ -1,7 +1,7 @@
 //! `POST /v1/sandboxes/{id}/exec`: runs a command inside a running sandbox.
 //!
-//! Path: API → NATS request/reply on `{p}.exec.<host>` → hostd → the sandbox's agent. The API
-//! never reaches a sandbox address directly.
+//! Path: API → NATS request/reply on `{p}.agent.<host>` ([`AgentOp::Exec`]) → hostd → the
+//! sandbox's agent. The API never reaches a sandbox address directly.
 
 use std::time::Duration;
 
@@ -10,10 +10,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use berth_schemas::wire::{
-    self, AgentFailure, AgentOp, AgentReply, AgentRequest, ExecError, ExecReply, ExecRequest,
-    ExecSpec,
-};
+use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest, ExecSpec};
 use berth_schemas::{HostId, SandboxId, SandboxState};
 use tracing::instrument;
 
@@ -72,28 +69,17 @@ pub async fn exec(
     let not_running = || not_running(&sandbox);
     let started = std::time::Instant::now();
     let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
-    let (reply, oom_killed) = run(&app, host, sandbox.id, spec, wait).await?;
+    let reply = run(&app, host, sandbox.id, spec, wait).await?;
     let outcome = match &reply {
-        ExecReply::Finished { .. } => "finished",
-        ExecReply::Failed(_) => "failed",
+        Ok(_) => "finished",
+        Err(_) => "failed",
     };
     metrics::counter!("berth_exec_total", "outcome" => outcome).increment(1);
     metrics::histogram!("berth_exec_duration_seconds").record(started.elapsed().as_secs_f64());
     match reply {
-        ExecReply::Finished {
-            exit_code,
-            stdout,
-            stderr,
-            timed_out,
-        } => {
-            let output = serde_json::to_value(ExecOutput {
-                exit_code,
-                stdout: String::from_utf8_lossy(&stdout).into_owned(),
-                stderr: String::from_utf8_lossy(&stderr).into_owned(),
-                timed_out,
-                oom_killed,
-            })
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        Ok(output) => {
+            let output =
+                serde_json::to_value(output).map_err(|e| ApiError::Internal(e.to_string()))?;
             if let Some(idem) = &idem {
                 // Exec is not transactional: store after it ran. A lost race stores nothing.
                 let mut conn = app.db.acquire().await?;
@@ -102,8 +88,9 @@ pub async fn exec(
             }
             Ok((StatusCode::OK, Json(output)).into_response())
         }
-        ExecReply::Failed(ExecError::NotFound | ExecError::NotRunning) => Err(not_running()),
-        ExecReply::Failed(ExecError::Agent(message)) => Err(ApiError::Agent(message)),
+        Err(AgentFailure::NotFound | AgentFailure::NotRunning) => Err(not_running()),
+        Err(AgentFailure::Agent(message)) => Err(ApiError::Agent(message)),
+        Err(other) => Err(ApiError::Agent(format!("{other:?}"))),
     }
 }
 
@@ -209,22 +196,22 @@ pub(crate) async fn running_host(
 }
 
 /// Runs an exec through the host's agent subject (`{p}.agent.<host>`), which also reports OOM
-/// kills; a host without that subject (an older hostd) gets a plain exec on `{p}.exec.<host>`
-/// when the request needs nothing more. Returns the reply and whether an OOM kill happened.
+/// kills. Returns the process's output, or why the host or agent did not run it.
 ///
-/// Errors: [`ApiError::HostUnavailable`], [`ApiError::Internal`] for an undecodable reply.
+/// Errors: [`ApiError::HostUnavailable`]; [`ApiError::Internal`] for an undecodable reply or
+/// one of another kind.
 async fn run(
     app: &AppState,
     host: HostId,
     sandbox: SandboxId,
     spec: ExecSpec,
     wait: Duration,
-) -> Result<(ExecReply, bool), ApiError> {
+) -> Result<Result<ExecOutput, AgentFailure>, ApiError> {
     let request = AgentRequest {
         sandbox_id: sandbox,
-        op: AgentOp::Exec(spec.clone()),
+        op: AgentOp::Exec(spec),
     };
-    let sent = app
+    let reply = app
         .nats
         .send_request(
             app.subjects.agent(host),
@@ -232,67 +219,27 @@ async fn run(
                 .payload(wire::encode(&request).into())
                 .timeout(Some(wait)),
         )
-        .await;
-    let plain = spec.env.is_empty() && spec.cwd.is_none() && spec.stdin.is_empty();
-    let reply = match sent {
-        Ok(reply) => reply,
-        Err(e) if plain && e.kind() == async_nats::RequestErrorKind::NoResponders => {
-            let request = ExecRequest {
-                sandbox_id: sandbox,
-                argv: spec.argv,
-                timeout_ms: spec.timeout_ms,
-            };
-            let reply = app
-                .nats
-                .send_request(
-                    app.subjects.exec(host),
-                    async_nats::Request::new()
-                        .payload(wire::encode(&request).into())
-                        .timeout(Some(wait)),
-                )
-                .await
-                .map_err(|e| crate::files::host_unavailable(host, wait, e))?;
-            let reply: ExecReply = wire::decode(&reply.payload)
-                .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
-            return Ok((reply, false));
-        }
-        Err(e) => return Err(crate::files::host_unavailable(host, wait, e)),
-    };
+        .await
+        .map_err(|e| crate::files::host_unavailable(host, wait, e))?;
     let reply: AgentReply = wire::decode(&reply.payload)
         .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
-    Ok(match reply {
+    match reply {
         AgentReply::Exec {
             exit_code,
             stdout,
             stderr,
             timed_out,
             oom_killed,
-        } => (
-            ExecReply::Finished {
-                exit_code,
-                stdout,
-                stderr,
-                timed_out,
-            },
+        } => Ok(Ok(ExecOutput {
+            exit_code,
+            stdout: String::from_utf8_lossy(&stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&stderr).into_owned(),
+            timed_out,
             oom_killed,
-        ),
-        AgentReply::Failed(AgentFailure::NotFound) => {
-            (ExecReply::Failed(ExecError::NotFound), false)
-        }
-        AgentReply::Failed(AgentFailure::NotRunning) => {
-            (ExecReply::Failed(ExecError::NotRunning), false)
-        }
-        AgentReply::Failed(AgentFailure::Agent(message)) => {
-            (ExecReply::Failed(ExecError::Agent(message)), false)
-        }
-        AgentReply::Failed(other) => (
-            ExecReply::Failed(ExecError::Agent(format!("{other:?}"))),
-            false,
-        ),
-        other => {
-            return Err(ApiError::Internal(format!(
-                "unexpected exec reply from {host}: {other:?}"
-            )))
-        }
-    })
+        })),
+        AgentReply::Failed(failure) => Ok(Err(failure)),
+        other => Err(ApiError::Internal(format!(
+            "unexpected exec reply from {host}: {other:?}"
+        ))),
+    }
 }

@@ -39,6 +39,7 @@ pub struct Slot(pub u32);
 /// A sandbox's link addresses, as stored in its record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LinkAddresses {
+    /// Which /30 of the pool.
     pub slot: Slot,
     /// `.1` of the /30: the host-side veth, the sandbox's default gateway.
     pub host: Ipv4Addr,
@@ -100,6 +101,7 @@ pub struct Allocator {
 }
 
 impl Allocator {
+    /// An allocator over `pool`, holding nothing yet.
     pub fn new(pool: AddressPool) -> Self {
         Self {
             pool,
@@ -107,6 +109,7 @@ impl Allocator {
         }
     }
 
+    /// The pool it hands out from.
     pub fn pool(&self) -> AddressPool {
         self.pool
     }

@@ -128,6 +128,7 @@ pub struct Bundles {
 }
 
 impl Bundles {
+    /// Bundles kept in `dir`, built from the `berth` executable at `binary`.
     pub fn new(dir: PathBuf, binary: PathBuf) -> Self {
         Self {
             dir,

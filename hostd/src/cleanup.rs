@@ -21,6 +21,7 @@ pub struct CleanupStack {
 }
 
 impl CleanupStack {
+    /// An empty stack.
     pub fn new() -> Self {
         Self { steps: Vec::new() }
     }
@@ -42,6 +43,7 @@ impl CleanupStack {
         self.steps.len()
     }
 
+    /// Whether no step is pending.
     pub fn is_empty(&self) -> bool {
         self.steps.is_empty()
     }

@@ -19,7 +19,9 @@ pub enum HostdError {
     /// A filesystem or process operation failed; `context` says which and on what.
     #[error("{context}")]
     Io {
+        /// What was being done, on what.
         context: String,
+        /// The OS error.
         #[source]
         source: std::io::Error,
     },
@@ -27,17 +29,24 @@ pub enum HostdError {
     /// An external tool (`ip`, `runc`, `ldd`, `busybox`) exited unsuccessfully.
     #[error("{program} {args} failed ({status}): {stderr}")]
     Tool {
+        /// The tool.
         program: String,
+        /// Its arguments, space-separated.
         args: String,
+        /// How it exited.
         status: String,
+        /// What it wrote on stderr.
         stderr: String,
     },
 
     /// A mount or unmount syscall failed.
     #[error("{operation} {path}")]
     Mount {
+        /// `mount` or `umount`.
         operation: &'static str,
+        /// The mount point.
         path: PathBuf,
+        /// The OS error.
         #[source]
         source: nix::Error,
     },
@@ -45,42 +54,69 @@ pub enum HostdError {
     /// A JSON state file (sandbox record, bundle manifest) could not be read or written.
     #[error("invalid state file {path}")]
     StateFile {
+        /// The file.
         path: PathBuf,
+        /// The JSON error.
         #[source]
         source: serde_json::Error,
     },
 
     /// The `<state_dir>/host-id` file holds something that is not a host id.
     #[error("invalid host id file {path}: {content:?}")]
-    HostIdFile { path: PathBuf, content: String },
+    HostIdFile {
+        /// The file.
+        path: PathBuf,
+        /// What it holds.
+        content: String,
+    },
 
     /// The command asked for a template this host cannot build.
     #[error("unknown template {name:?} (known: {known})")]
-    UnknownTemplate { name: String, known: String },
+    UnknownTemplate {
+        /// The name asked for.
+        name: String,
+        /// The names this host knows, comma-separated.
+        known: String,
+    },
 
     /// Every /30 of the pool is taken.
     #[error("address pool {pool}/16 is exhausted")]
-    AddressPoolExhausted { pool: Ipv4Addr },
+    AddressPoolExhausted {
+        /// The pool's base address.
+        pool: Ipv4Addr,
+    },
 
     /// The agent bundle (binary plus shared libraries) could not be assembled.
     #[error("agent bundle: {reason}")]
-    Bundle { reason: String },
+    Bundle {
+        /// Why.
+        reason: String,
+    },
 
     /// The agent did not answer a ping within `waited`.
     #[error("agent at {address} did not answer within {waited:?}")]
     AgentTimeout {
+        /// Where the agent listens.
         address: SocketAddr,
+        /// How long hostd waited.
         waited: Duration,
     },
 
     /// The agent answered with an error, garbage, or the connection broke.
     #[error("agent at {address}: {reason}")]
-    Agent { address: SocketAddr, reason: String },
+    Agent {
+        /// Where the agent listens.
+        address: SocketAddr,
+        /// What went wrong.
+        reason: String,
+    },
 
     /// The container stopped while hostd waited for its agent.
     #[error("container {container_id} exited while booting; console: {console_tail}")]
     ContainerExited {
+        /// The container.
         container_id: String,
+        /// The last lines of its console log.
         console_tail: String,
     },
 
@@ -91,35 +127,61 @@ pub enum HostdError {
     /// A runtime was asked for that this host does not offer (`HostdConfig::runtimes`, or a
     /// template's runtime).
     #[error("runtime {name:?} is not offered by this host (offered: {offered})")]
-    UnsupportedRuntime { name: String, offered: String },
+    UnsupportedRuntime {
+        /// The runtime asked for.
+        name: String,
+        /// The runtimes offered, comma-separated.
+        offered: String,
+    },
 
     /// A memory snapshot was asked of a runtime that cannot take one.
     #[error("runtime {runtime} cannot snapshot memory")]
-    SnapshotUnsupported { runtime: &'static str },
+    SnapshotUnsupported {
+        /// The runtime.
+        runtime: &'static str,
+    },
 
     /// nftables refused a change (`nft` exited unsuccessfully), with the ruleset text sent.
     #[error("nft: {stderr}")]
-    Nft { stderr: String, ruleset: String },
+    Nft {
+        /// What `nft` wrote on stderr.
+        stderr: String,
+        /// The ruleset text sent.
+        ruleset: String,
+    },
 
     /// A file operation in the sandbox was refused before reaching the agent.
     #[error("file {path:?}: {reason}")]
-    File { path: String, reason: String },
+    File {
+        /// The path in the sandbox.
+        path: String,
+        /// Why it was refused.
+        reason: String,
+    },
 
     /// A NATS or JetStream operation failed.
     #[error("nats {operation}")]
     Nats {
+        /// What was being done.
         operation: &'static str,
+        /// The client's error.
         #[source]
         source: BoxError,
     },
 
     /// One or more cleanup steps failed; every step was still attempted (last-in-first-out).
     #[error("cleanup failed: {}", errors.join("; "))]
-    Cleanup { errors: Vec<String> },
+    Cleanup {
+        /// Each failed step, as `"<what>: <error>"`.
+        errors: Vec<String>,
+    },
 
     /// A command needs a local sandbox this host does not have.
     #[error("no sandbox {sandbox_id} on this host")]
-    UnknownSandbox { sandbox_id: SandboxId },
+    UnknownSandbox {
+        /// The sandbox.
+        sandbox_id: SandboxId,
+    },
 
     /// The operation was abandoned because hostd is shutting down.
     #[error("hostd is shutting down")]

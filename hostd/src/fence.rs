@@ -17,7 +17,10 @@ pub enum Fence {
     /// Already applied: republish this result.
     Replay(StoredResult),
     /// Older than what was applied: refuse, do nothing.
-    RefuseStale { applied: Generation },
+    RefuseStale {
+        /// The generation the record last applied.
+        applied: Generation,
+    },
     /// Apply it.
     Apply,
 }

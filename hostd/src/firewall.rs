@@ -47,6 +47,7 @@ impl Firewall {
         Self { table }
     }
 
+    /// The nftables table's name (in family `inet`).
     pub fn table(&self) -> &str {
         &self.table
     }

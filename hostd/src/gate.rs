@@ -37,6 +37,7 @@ pub struct Permit {
 }
 
 impl AgentGates {
+    /// Every gate open, nothing in flight.
     pub fn new() -> Arc<Self> {
         Arc::new(Self::default())
     }

@@ -1,46 +1,121 @@
-//! The host: what this hostd holds (records, addresses, templates, the agent bundle, the
-//! runtime) and what others may read of it (exec targets, heartbeat snapshots).
+//! The host: what this hostd holds (records, addresses, templates, the runtimes, the agent
+//! gates), the [`Backend`] that holds everything a real host and a sim host do differently,
+//! and what others may read of it (exec targets, heartbeat snapshots).
+//!
+//! The [`Backend`] trait lives here, beside the [`Host`] it extends, so the host depends on
+//! no implementation: `backend::oci` and `backend::sim` import this module, never the other
+//! way round.
 //!
 //! # Guarantees
-//! - On open, every live record is adopted: its address is reserved again and its container,
-//!   if still running, is left running (never started twice). Containers in this hostd's
-//!   runtime root that no record accounts for are destroyed (DESIGN.md guarantee 5).
+//! - On open, every live record's address is reserved again (adoption of its container is
+//!   the backend's, see `adopt`).
 //! - The in-memory record table mirrors the files: a record is written to disk first, then
 //!   to memory. The table's lock is never held across I/O.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use berth_schemas::wire::{ExecError, GuestStatus, InventoryItem, Resources};
+use berth_schemas::wire::{
+    AgentFailure, AgentOp, AgentReply, GuestStatus, InventoryItem, Resources,
+};
 use berth_schemas::{HostId, SandboxId};
+use futures::future::BoxFuture;
 
-use crate::address::{AddressPool, Allocator};
+use crate::address::{AddressPool, Allocator, LinkAddresses, Slot};
 use crate::agent::protocol::AGENT_PORT;
-use crate::bundle::Bundles;
+use crate::cleanup::CleanupStack;
 use crate::error::HostdError;
-use crate::firewall::Firewall;
 use crate::gate::{AgentGates, Permit};
-use crate::layout::{firewall_table, SandboxNames, StateLayout};
-use crate::record::{Phase, RecordStore, SandboxRecord, TOMBSTONE_RETENTION};
+use crate::layout::{SandboxNames, StateLayout};
+use crate::record::{Phase, RecordStore, SandboxRecord};
 use crate::runtime::{ContainerStatus, RuntimeDriver, Runtimes};
 use crate::template::Templates;
 use crate::HostdConfig;
 
+/// Chunks of a streamed exec's output (`(fd, bytes)`), as they come from the agent.
+pub type OutputSender = tokio::sync::mpsc::UnboundedSender<(u8, Vec<u8>)>;
+
+/// Everything a real host and a sim host do differently: the machine-facing half of each
+/// use case. The use cases (`apply`, `nats`) call these and never ask which backend runs.
+///
+/// Implementations: `backend::oci::OciBackend` (OCI runtime, netns, overlay, nftables,
+/// cgroups, the in-sandbox agent) and `backend::sim::SimBackend` (control-plane load only).
+pub trait Backend: Send + Sync + 'static {
+    /// Adopts what a previous run of this hostd left (containers, mounts, networks, the
+    /// firewall table) before the first command is applied.
+    ///
+    /// Errors: [`HostdError`] when what is there cannot be listed.
+    fn adopt<'a>(&'a self, host: &'a Host) -> BoxFuture<'a, Result<(), HostdError>>;
+
+    /// Makes the sandbox of `record` run and returns its address. Each step pushes its undo
+    /// onto `cleanup` *before* acting when this attempt owns what it builds: everything for
+    /// a `fresh` create, only what was missing for a start. `record.link` is set (and the
+    /// record written) once the address is reserved.
+    ///
+    /// Errors: any step's; the caller runs `cleanup`.
+    fn bring_up<'a>(
+        &'a self,
+        host: &'a Arc<Host>,
+        record: &'a mut SandboxRecord,
+        fresh: bool,
+        cleanup: &'a mut CleanupStack,
+    ) -> BoxFuture<'a, Result<Ipv4Addr, HostdError>>;
+
+    /// Removes what the sandbox holds besides its container, address and dir (network,
+    /// mount, firewall element), whether or not it exists; `link` is the record's address.
+    ///
+    /// Errors: any step's; the delete is retried.
+    fn tear_down<'a>(
+        &'a self,
+        host: &'a Host,
+        sandbox: SandboxId,
+        link: Option<LinkAddresses>,
+    ) -> BoxFuture<'a, Result<(), HostdError>>;
+
+    /// Whether the agent of a sandbox whose container runs answers, for heartbeats.
+    fn answers<'a>(
+        &'a self,
+        host: &'a Host,
+        sandbox: SandboxId,
+        link: LinkAddresses,
+    ) -> BoxFuture<'a, bool>;
+
+    /// Carries out one agent operation for a running sandbox whose agent listens at
+    /// `address` (the caller holds its gate permit). A streamed exec sends its output to
+    /// `output` as it arrives.
+    fn agent<'a>(
+        &'a self,
+        host: &'a Host,
+        sandbox: SandboxId,
+        address: SocketAddr,
+        op: AgentOp,
+        output: Option<OutputSender>,
+    ) -> BoxFuture<'a, AgentReply>;
+
+    /// Tidies up when hostd stops (sandboxes keep running).
+    fn shut_down<'a>(&'a self, host: &'a Host) -> BoxFuture<'a, ()>;
+}
+
 /// Everything one hostd owns.
 pub struct Host {
+    /// This host's stable id (see [`crate::host_id`]).
     pub host_id: HostId,
+    /// Where its files live.
     pub layout: StateLayout,
+    /// Its sandbox records on disk.
     pub store: RecordStore,
+    /// Sandbox addresses.
     pub allocator: Allocator,
+    /// The templates it knows.
     pub templates: Templates,
-    pub bundles: Bundles,
     /// The runtimes this host offers; each record names the one its sandbox uses.
     pub runtimes: Runtimes,
     /// Agent calls in flight per sandbox (drained before a memory snapshot).
     pub gates: Arc<AgentGates>,
-    /// This hostd's nftables table.
-    pub firewall: Firewall,
+    /// Everything a real host and a sim host do differently.
+    pub backend: Arc<dyn Backend>,
     records: Mutex<HashMap<SandboxId, SandboxRecord>>,
 }
 
@@ -52,6 +127,7 @@ impl Host {
         host_id: HostId,
         config: &HostdConfig,
         runtimes: Runtimes,
+        backend: Arc<dyn Backend>,
     ) -> Result<Self, HostdError> {
         let layout = StateLayout::new(&config.state_dir);
         let store = RecordStore::new(layout.clone());
@@ -66,64 +142,14 @@ impl Host {
         Ok(Self {
             host_id,
             templates: Templates::new(layout.templates_dir(), config.template_cache.clone()),
-            bundles: Bundles::new(layout.agent_dir(), config.agent_binary.clone()),
             layout,
             store,
             allocator,
             runtimes,
             gates: AgentGates::new(),
-            firewall: Firewall::new(firewall_table(host_id)),
+            backend,
             records: Mutex::new(records),
         })
-    }
-
-    /// Adopts what a previous run left: destroys containers no record accounts for, reports
-    /// the state of the others, purges old tombstones, sweeps stray mounts, namespaces and
-    /// veths, and rebuilds the firewall table (see `sweep`).
-    ///
-    /// Errors: [`HostdError`] from the runtime's `list`.
-    pub async fn adopt(&self) -> Result<(), HostdError> {
-        let purged = self.store.purge_tombstones(TOMBSTONE_RETENTION);
-        let records = self.snapshot();
-        let known: HashMap<String, &SandboxRecord> = records
-            .iter()
-            .map(|r| (self.names(r.sandbox_id).container_id, r))
-            .collect();
-        let mut containers = HashMap::new();
-        for runtime in self.runtimes.all() {
-            for (container_id, status) in runtime.list().await? {
-                let owned = known
-                    .get(&container_id)
-                    .is_some_and(|r| r.runtime == runtime.name());
-                if !owned {
-                    tracing::warn!(%container_id, runtime = runtime.name(), "destroying orphan container");
-                    if let Err(e) = runtime.destroy(&container_id).await {
-                        tracing::warn!(%container_id, error = %e.report(), "orphan not destroyed");
-                    }
-                    continue;
-                }
-                containers.insert(container_id, status);
-            }
-        }
-        for (container_id, record) in &known {
-            let status = containers.get(container_id).copied();
-            tracing::info!(
-                sandbox_id = %record.sandbox_id,
-                phase = ?record.phase,
-                container = ?status,
-                "adopted sandbox"
-            );
-        }
-        let swept = crate::sweep::sweep(self).await?;
-        tracing::info!(
-            sandboxes = records.len(),
-            purged_tombstones = purged,
-            swept_mounts = swept.mounts,
-            swept_netns = swept.netns,
-            swept_veths = swept.veths,
-            "adoption done"
-        );
-        Ok(())
     }
 
     /// The kernel-visible names of a sandbox of this host.
@@ -165,18 +191,18 @@ impl Host {
     /// Where to reach the agent of a running sandbox, with the permit that counts the call as
     /// in flight (hold it for the call's length).
     ///
-    /// Errors: [`ExecError::NotFound`] without a live record; [`ExecError::NotRunning`] when it
-    /// is not (meant to be) running, or is being stopped.
-    pub fn exec_target(&self, sandbox: SandboxId) -> Result<(SocketAddr, Permit), ExecError> {
+    /// Errors: [`AgentFailure::NotFound`] without a live record; [`AgentFailure::NotRunning`]
+    /// when it is not (meant to be) running, or is being stopped.
+    pub fn exec_target(&self, sandbox: SandboxId) -> Result<(SocketAddr, Permit), AgentFailure> {
         let address = {
             let table = self.table();
-            let record = table.get(&sandbox).ok_or(ExecError::NotFound)?;
+            let record = table.get(&sandbox).ok_or(AgentFailure::NotFound)?;
             match (record.phase, record.link) {
                 (Phase::Running, Some(link)) => SocketAddr::new(link.sandbox.into(), AGENT_PORT),
-                _ => return Err(ExecError::NotRunning),
+                _ => return Err(AgentFailure::NotRunning),
             }
         };
-        let permit = self.gates.enter(sandbox).ok_or(ExecError::NotRunning)?;
+        let permit = self.gates.enter(sandbox).ok_or(AgentFailure::NotRunning)?;
         Ok((address, permit))
     }
 
@@ -218,23 +244,29 @@ impl Host {
         }
     }
 
-    /// Admits a sandbox's link into the firewall table; when that fails (the table went
-    /// missing, say), reinstalls the table from the live records plus `link`.
+    /// Reserves the sandbox's address (again, when the record has one), then writes the
+    /// record with it and lifts any tombstone. `foreign` yields the slots in use by others on
+    /// this machine; it is awaited only when a new address is needed.
     ///
-    /// Errors: [`HostdError::Nft`] from the reinstall.
-    pub async fn admit_to_firewall(
+    /// Errors: `foreign`'s; [`HostdError::AddressPoolExhausted`]; [`HostdError::Io`] from the
+    /// store.
+    pub async fn claim_address(
         &self,
-        link: &crate::address::LinkAddresses,
-    ) -> Result<(), HostdError> {
-        let Err(first) = self.firewall.admit(link).await else {
-            return Ok(());
+        record: &mut SandboxRecord,
+        foreign: impl Future<Output = Result<BTreeSet<Slot>, HostdError>>,
+    ) -> Result<LinkAddresses, HostdError> {
+        let id = record.sandbox_id;
+        let link = match record.link {
+            Some(link) => {
+                self.allocator.restore(id, link);
+                link
+            }
+            None => self.allocator.reserve(id, &foreign.await?)?,
         };
-        tracing::warn!(error = %first.report(), "firewall admit failed; reinstalling the table");
-        let mut links: Vec<_> = self.snapshot().iter().filter_map(|r| r.link).collect();
-        if !links.contains(link) {
-            links.push(*link);
-        }
-        self.firewall.install(&links).await
+        record.link = Some(link);
+        self.put(record)?;
+        self.store.unbury(id)?;
+        Ok(link)
     }
 
     /// Every container of every runtime this host offers, by id.
@@ -262,18 +294,7 @@ impl Host {
             async move {
                 let running = container == Some(ContainerStatus::Running);
                 let answers = match (running, record.link) {
-                    // A sim sandbox has no agent; running is answering.
-                    (true, Some(_)) if self.runtimes.simulated() => true,
-                    (true, Some(link)) => match self.gates.enter(record.sandbox_id) {
-                        Some(_permit) => crate::agent::client::ping(SocketAddr::new(
-                            link.sandbox.into(),
-                            AGENT_PORT,
-                        ))
-                        .await
-                        .is_ok(),
-                        // Being stopped: its agent is left alone; it answered until now.
-                        None => true,
-                    },
+                    (true, Some(link)) => self.backend.answers(self, record.sandbox_id, link).await,
                     _ => false,
                 };
                 InventoryItem {

@@ -51,12 +51,14 @@ pub struct StateLayout {
 }
 
 impl StateLayout {
+    /// The layout below `state_dir`.
     pub fn new(state_dir: &Path) -> Self {
         Self {
             root: state_dir.to_path_buf(),
         }
     }
 
+    /// The state dir itself.
     pub fn root(&self) -> &Path {
         &self.root
     }
@@ -121,14 +123,17 @@ impl SandboxPaths {
         &self.dir
     }
 
+    /// The sandbox's record file.
     pub fn record(&self) -> PathBuf {
         self.dir.join("record.json")
     }
 
+    /// The overlay's upper dir: the sandbox's own writes, kept across stops.
     pub fn upper(&self) -> PathBuf {
         self.dir.join("upper")
     }
 
+    /// The overlay's work dir.
     pub fn work(&self) -> PathBuf {
         self.dir.join("work")
     }
@@ -138,10 +143,12 @@ impl SandboxPaths {
         self.dir.join("rootfs")
     }
 
+    /// The OCI bundle's `config.json`.
     pub fn oci_config(&self) -> PathBuf {
         self.dir.join("config.json")
     }
 
+    /// Where the container's stdout and stderr go.
     pub fn console_log(&self) -> PathBuf {
         self.dir.join("console.log")
     }

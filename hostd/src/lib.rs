@@ -8,16 +8,21 @@
 //! in-sandbox agent, `berth agent`), [`template::build_cached`] and [`template::import_rootfs`]
 //! (`berth template build|import`).
 //!
-//! # Modules
-//! - [`commands`]: the JetStream consumer (ordering per sandbox, publish-then-ack).
-//! - [`lifecycle`] with [`fence`]: applying create/start/stop/delete at most once; memory
-//!   stops (checkpoint/restore) where the runtime can.
-//! - [`host`]: records, adoption after restart, observation for heartbeats; [`sweep`]: strays
-//!   a previous run left.
-//! - [`runtime`]: the runtime driver trait, runc and runsc.
-//! - [`netns`], [`firewall`], [`overlay`], [`template`], [`bundle`], [`oci`], [`address`],
-//!   [`cgroup`], [`gate`]: the pieces.
-//! - [`exec`], [`agent_ops`], [`heartbeat`]: the other NATS interfaces.
+//! # Layout: by use case
+//! - [`nats`]: the NATS faces. [`nats::commands`] consumes commands (ordering per sandbox,
+//!   publish-then-ack, `traceparent` continued onto results); [`nats::agent`] answers exec
+//!   and file requests; [`nats::heartbeat`] publishes heartbeats.
+//! - [`apply`]: one file per use case, applying a command at most once (with [`fence`]):
+//!   [`apply::up`] (create and start), [`apply::stop`], [`apply::delete`].
+//! - [`host`]: what this hostd holds (records, addresses, runtimes, agent gates) and the
+//!   [`host::Backend`] trait: everything a real host and a sim host do differently.
+//! - [`backend`]: its implementations, [`backend::oci`] (runc/runsc, netns, overlay,
+//!   nftables, cgroups, the agent) and [`backend::sim`] (control-plane load only).
+//! - [`adopt`]: at start, adopts what a previous run left and sweeps strays (OCI only).
+//! - [`runtime`]: the runtime driver trait, runc, runsc and the sim driver.
+//! - [`netns`], [`firewall`], [`overlay`], [`disk`], [`template`], [`bundle`], [`oci`],
+//!   [`address`], [`cgroup`], [`gate`], [`cleanup`], [`record`], [`layout`]: the pieces.
+//! - [`agent`]: the in-sandbox agent and hostd's client of it.
 //!
 //! # Guarantees
 //! See DESIGN.md guarantees 2 (at most once per command id + generation), 5 (no container
@@ -29,30 +34,29 @@
 //! iproute2, nftables, util-linux's `unshare` and a static busybox at `/bin/busybox`. Several
 //! hostd may share one machine if their state dirs and address pools differ.
 
+#![warn(missing_docs)]
 pub mod address;
+pub mod adopt;
 pub mod agent;
-pub mod agent_ops;
+pub mod apply;
+pub mod backend;
 pub mod bundle;
 pub mod cgroup;
 pub mod cleanup;
-pub mod commands;
+pub mod disk;
 pub mod error;
-pub mod exec;
 pub mod fence;
 pub mod firewall;
 pub mod gate;
-pub mod heartbeat;
 pub mod host;
 pub mod layout;
-pub mod lifecycle;
 pub mod metrics;
+pub mod nats;
 pub mod netns;
 pub mod oci;
 pub mod overlay;
 pub mod record;
-pub mod requests;
 pub mod runtime;
-pub mod sweep;
 pub mod template;
 pub mod tool;
 
@@ -67,10 +71,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use error::HostdError;
-pub use heartbeat::DEFAULT_HEARTBEAT_INTERVAL;
+pub use nats::heartbeat::DEFAULT_HEARTBEAT_INTERVAL;
 
-use crate::host::Host;
+use crate::backend::oci::OciBackend;
+use crate::backend::sim::SimBackend;
+use crate::host::{Backend, Host};
 use crate::layout::StateLayout;
+use crate::nats::{commands, heartbeat};
 use crate::runtime::runc::{Runc, RUNC};
 use crate::runtime::runsc::{Runsc, RUNSC};
 use crate::runtime::sim::{Sim, SIM};
@@ -153,7 +160,7 @@ impl HostdConfig {
 }
 
 /// Runs hostd until `shutdown` is cancelled: stable host id, streams, adoption of what a
-/// previous run left, then the command consumer, the exec server and heartbeats.
+/// previous run left, then the command consumer, the agent request server and heartbeats.
 ///
 /// Sandboxes keep running when hostd stops; the next run adopts them.
 ///
@@ -170,36 +177,15 @@ async fn run_as(
     config: HostdConfig,
     shutdown: CancellationToken,
 ) -> Result<(), HostdError> {
-    let layout = StateLayout::new(&config.state_dir);
-    let mut drivers: Vec<Arc<dyn RuntimeDriver>> = Vec::new();
-    // `sim` is chosen explicitly and then is the only runtime (control-plane load tests).
-    let sim_only = config.runtimes.iter().any(|r| r == SIM);
-    for name in &config.runtimes {
-        drivers.push(match name.as_str() {
-            SIM => Arc::new(Sim::new(config.sim_boot)),
-            _ if sim_only => continue,
-            RUNC => Arc::new(Runc::new(layout.runc_root())?),
-            RUNSC => Arc::new(Runsc::new(layout.runsc_root(), true)?),
-            other => {
-                return Err(HostdError::UnsupportedRuntime {
-                    name: other.to_owned(),
-                    offered: format!("{RUNC}, {RUNSC}, {SIM}"),
-                })
-            }
-        });
-    }
-    let runtimes = Runtimes::new(drivers);
+    let (runtimes, backend) = backend_for(host_id, &config)?;
     let nats = async_nats::connect(config.nats_url.as_str())
         .await
         .map_err(HostdError::nats("connect"))?;
     let js = async_nats::jetstream::new(nats.clone());
     ensure_streams(&js, &config.subjects).await?;
 
-    let host = Arc::new(Host::open(host_id, &config, runtimes)?);
-    // A sim host has nothing on the machine to adopt or sweep.
-    if !host.runtimes.simulated() {
-        host.adopt().await?;
-    }
+    let host = Arc::new(Host::open(host_id, &config, runtimes, backend)?);
+    host.backend.adopt(&host).await?;
     tracing::info!(%host_id, name = %config.name, state_dir = %config.state_dir.display(), "hostd started");
 
     // Stop the siblings when one part fails for good.
@@ -215,13 +201,7 @@ async fn run_as(
         },
         stop.clone(),
     ));
-    let exec = tokio::spawn(exec::serve(
-        host.clone(),
-        nats.clone(),
-        config.subjects.clone(),
-        stop.clone(),
-    ));
-    let agent_ops = tokio::spawn(agent_ops::serve(
+    let agent_ops = tokio::spawn(nats::agent::serve(
         host.clone(),
         nats.clone(),
         config.subjects.clone(),
@@ -230,10 +210,6 @@ async fn run_as(
     let holder = host.clone();
     let consumed = commands::consume(host, js, config.subjects.clone(), stop.clone()).await;
     stop.cancel();
-    let exec = exec.await.map_err(|e| HostdError::Io {
-        context: "exec task".into(),
-        source: std::io::Error::other(e),
-    })?;
     let agent_ops = agent_ops.await.map_err(|e| HostdError::Io {
         context: "agent request task".into(),
         source: std::io::Error::other(e),
@@ -242,15 +218,42 @@ async fn run_as(
     if let Err(e) = nats.flush().await {
         tracing::debug!(error = %e, "flush at shutdown failed");
     }
-    // Sandboxes outlive hostd and keep their table; a hostd holding none leaves no table
-    // behind (the next start installs it again).
-    if holder.snapshot().is_empty() {
-        if let Err(e) = holder.firewall.uninstall().await {
-            tracing::warn!(error = %e.report(), "firewall table not removed");
-        }
-    }
+    holder.backend.shut_down(&holder).await;
     tracing::info!(%host_id, "hostd stopped");
-    consumed.and(exec).and(agent_ops)
+    consumed.and(agent_ops)
+}
+
+/// The runtimes and backend `config` asks for: `sim` is chosen explicitly and then is the
+/// only runtime, on the sim backend (control-plane load tests); otherwise the OCI backend
+/// with each named OCI runtime.
+///
+/// Errors: [`HostdError::UnsupportedRuntime`]; a runtime's own when its root can't be made.
+fn backend_for(
+    host_id: HostId,
+    config: &HostdConfig,
+) -> Result<(Runtimes, Arc<dyn Backend>), HostdError> {
+    if config.runtimes.iter().any(|r| r == SIM) {
+        let sim: Arc<dyn RuntimeDriver> = Arc::new(Sim::new(config.sim_boot));
+        return Ok((Runtimes::catch_all(sim), Arc::new(SimBackend)));
+    }
+    let layout = StateLayout::new(&config.state_dir);
+    let mut drivers: Vec<Arc<dyn RuntimeDriver>> = Vec::new();
+    for name in &config.runtimes {
+        drivers.push(match name.as_str() {
+            RUNC => Arc::new(Runc::new(layout.runc_root())?),
+            RUNSC => Arc::new(Runsc::new(layout.runsc_root(), true)?),
+            other => {
+                return Err(HostdError::UnsupportedRuntime {
+                    name: other.to_owned(),
+                    offered: format!("{RUNC}, {RUNSC}, {SIM}"),
+                })
+            }
+        });
+    }
+    Ok((
+        Runtimes::new(drivers),
+        Arc::new(OciBackend::new(host_id, config)),
+    ))
 }
 
 /// The host's stable id: read from `<state_dir>/host-id`, or created there once.

@@ -16,8 +16,11 @@ pub const COMMANDS_TOTAL: &str = "berth_hostd_commands_total";
 /// How a command ended, as the `outcome` label of [`COMMANDS_TOTAL`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommandOutcome {
+    /// Applied and succeeded.
     Succeeded,
+    /// Applied and failed.
     Failed,
+    /// Refused: older than the applied generation.
     RefusedStale,
     /// A redelivery answered from the stored result.
     Replayed,
@@ -26,6 +29,7 @@ pub enum CommandOutcome {
 }
 
 impl CommandOutcome {
+    /// The metrics label value.
     pub fn as_str(self) -> &'static str {
         match self {
             CommandOutcome::Succeeded => "succeeded",

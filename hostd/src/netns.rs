@@ -26,7 +26,9 @@ pub const GUEST_INTERFACE: &str = "eth0";
 /// What [`ensure`] had to build, so a failed start undoes only that.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Built {
+    /// The namespace was made by this call.
     pub netns: bool,
+    /// The veth pair was made by this call.
     pub veth: bool,
 }
 

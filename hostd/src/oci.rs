@@ -61,10 +61,13 @@ const CAPABILITIES: &[Capability] = &[
 pub struct ContainerConfig<'a> {
     /// The merged overlay (absolute).
     pub rootfs: &'a Path,
+    /// The container's hostname.
     pub hostname: &'a str,
     /// The network namespace to join (`/var/run/netns/<name>`).
     pub netns_path: PathBuf,
+    /// The agent bundle, bind-mounted read-only and run as the container's process.
     pub agent: &'a AgentBundle,
+    /// The sandbox's CPU and memory limits.
     pub resources: Resources,
     /// The cgroup path; relative paths are relative to the runtime's own cgroup.
     pub cgroups_path: &'a str,

@@ -51,9 +51,13 @@ pub enum Phase {
 /// A command result as remembered for idempotent redelivery.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredResult {
+    /// The command applied.
     pub command_id: CommandId,
+    /// The generation it carried.
     pub generation: Generation,
+    /// Its kind.
     pub kind: CommandKind,
+    /// How it ended (what is republished on redelivery).
     pub outcome: ResultOutcome,
 }
 
@@ -75,10 +79,13 @@ impl StoredResult {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxRecord {
+    /// The sandbox.
     pub sandbox_id: SandboxId,
+    /// What it was created from.
     pub spec: SandboxSpec,
     /// The runtime the sandbox was built with (`runc`).
     pub runtime: String,
+    /// Where it is in its local lifecycle.
     pub phase: Phase,
     /// The generation of the last command applied (the fence).
     pub applied_generation: Generation,
@@ -86,6 +93,7 @@ pub struct SandboxRecord {
     pub link: Option<LinkAddresses>,
     /// Results of the last [`MAX_REMEMBERED_RESULTS`] applied commands, oldest first.
     pub results: Vec<StoredResult>,
+    /// When the record was last written.
     pub updated_at: DateTime<Utc>,
 }
 
@@ -138,6 +146,7 @@ pub struct RecordStore {
 }
 
 impl RecordStore {
+    /// A store of the records below `layout`.
     pub fn new(layout: StateLayout) -> Self {
         Self { layout }
     }

@@ -62,16 +62,22 @@ pub enum Source {
     Busybox,
     /// `debootstrap --variant=minbase --include=<packages>`; built once per machine into the
     /// cache dir.
-    Debootstrap { packages: &'static [&'static str] },
+    Debootstrap {
+        /// Packages besides `minbase`.
+        packages: &'static [&'static str],
+    },
 }
 
 /// One template this build can make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TemplateDef {
+    /// The template's name (`base`, `python`).
     pub name: &'static str,
     /// The runtime its sandboxes run in (`runc`, `runsc`).
     pub runtime: &'static str,
+    /// One line for listings.
     pub description: &'static str,
+    /// How it is built.
     pub source: Source,
 }
 
@@ -129,6 +135,7 @@ pub const MAX_TEMPLATE_NAME_LEN: usize = 64;
 pub struct ImportedTemplate {
     /// `runc` or `runsc`.
     pub runtime: String,
+    /// One line for listings.
     pub description: String,
 }
 
@@ -275,6 +282,7 @@ pub struct Templates {
 }
 
 impl Templates {
+    /// Templates kept per hostd in `dir`, expensive ones shared machine-wide in `cache`.
     pub fn new(dir: PathBuf, cache: PathBuf) -> Self {
         Self {
             dir,
@@ -377,7 +385,9 @@ impl Templates {
 /// Where debootstrap fetches packages from: the mirror and suite apt uses on this machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DebianSource {
+    /// The archive URL (`http://deb.debian.org/debian`).
     pub mirror: String,
+    /// The release (`bookworm`).
     pub suite: String,
 }
 

@@ -14,7 +14,9 @@ pub const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
 /// What a finished tool printed.
 #[derive(Debug, Clone)]
 pub struct ToolOutput {
+    /// Its standard output.
     pub stdout: String,
+    /// Its standard error.
     pub stderr: String,
 }
 

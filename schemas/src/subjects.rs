@@ -75,11 +75,6 @@ impl Subjects {
         format!("{}.agent.{host}", self.prefix)
     }
 
-    /// `{p}.exec.<host>`: exec request/reply to one host.
-    pub fn exec(&self, host: HostId) -> String {
-        format!("{}.exec.{host}", self.prefix)
-    }
-
     /// `{p}.events.sandbox.<org>.<sandbox>`: one sandbox's lifecycle events (CloudEvents JSON).
     pub fn sandbox_events(&self, org: OrgId, sandbox: SandboxId) -> String {
         format!("{}.events.sandbox.{org}.{sandbox}", self.prefix)

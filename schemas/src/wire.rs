@@ -188,44 +188,10 @@ pub struct Heartbeat {
     pub inventory: Vec<InventoryItem>,
 }
 
-/// An exec request, sent by NATS request/reply on `{p}.exec.<host_id>`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExecRequest {
-    pub sandbox_id: SandboxId,
-    /// argv; `argv[0]` is looked up on the guest's `PATH`.
-    pub argv: Vec<String>,
-    /// Kill the process after this many milliseconds.
-    pub timeout_ms: u64,
-}
-
-/// Why an exec did not run to completion.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ExecError {
-    /// The host has no such sandbox.
-    NotFound,
-    /// The sandbox exists but does not run.
-    NotRunning,
-    /// The agent could not be reached or the process could not be spawned.
-    Agent(String),
-}
-
-/// The reply to an [`ExecRequest`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ExecReply {
-    /// The process ended (or was killed at the timeout, `timed_out`). `exit_code` is the exit
-    /// status, or 128 + signal number when killed by a signal.
-    Finished {
-        exit_code: i32,
-        stdout: Vec<u8>,
-        stderr: Vec<u8>,
-        timed_out: bool,
-    },
-    Failed(ExecError),
-}
-
 /// A request for a sandbox's agent, sent through its host by NATS request/reply on
-/// `{p}.agent.<host_id>` (added after [`ExecRequest`], which stays as it was on
-/// `{p}.exec.<host_id>`). New operations are new [`AgentOp`] variants at the end.
+/// `{p}.agent.<host_id>`; it replaced the plain exec request of `{p}.exec.<host_id>`, whose
+/// types only the golden-byte test keeps (see `tests::legacy`). New operations are new
+/// [`AgentOp`] variants at the end.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentRequest {
     pub sandbox_id: SandboxId,
@@ -450,8 +416,52 @@ mod tests {
         assert_eq!(decode::<Heartbeat>(&bytes).unwrap(), hb);
     }
 
+    /// The plain exec of `{p}.exec.<host_id>`, retired: nothing serves or sends it any more
+    /// (the agent request carries exec). Kept, frozen, so its bytes stay pinned.
+    mod legacy {
+        use serde::{Deserialize, Serialize};
+
+        use crate::ids::SandboxId;
+
+        /// An exec request, sent by NATS request/reply on `{p}.exec.<host_id>`.
+        #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+        pub struct ExecRequest {
+            pub sandbox_id: SandboxId,
+            /// argv; `argv[0]` is looked up on the guest's `PATH`.
+            pub argv: Vec<String>,
+            /// Kill the process after this many milliseconds.
+            pub timeout_ms: u64,
+        }
+
+        /// Why an exec did not run to completion.
+        #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+        pub enum ExecError {
+            /// The host has no such sandbox.
+            NotFound,
+            /// The sandbox exists but does not run.
+            NotRunning,
+            /// The agent could not be reached or the process could not be spawned.
+            Agent(String),
+        }
+
+        /// The reply to an [`ExecRequest`].
+        #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+        pub enum ExecReply {
+            /// The process ended (or was killed at the timeout, `timed_out`). `exit_code` is the exit
+            /// status, or 128 + signal number when killed by a signal.
+            Finished {
+                exit_code: i32,
+                stdout: Vec<u8>,
+                stderr: Vec<u8>,
+                timed_out: bool,
+            },
+            Failed(ExecError),
+        }
+    }
+
     #[test]
     fn exec_golden_bytes_v1() {
+        use legacy::{ExecReply, ExecRequest};
         let req = ExecRequest {
             sandbox_id: SandboxId(uuid(2)),
             argv: vec!["echo".into(), "hi".into()],

@@ -68,12 +68,17 @@ pub enum Request {
     /// extra environment `env`, working directory `cwd` (default `/`) and `stdin` (default
     /// empty).
     Exec {
+        /// The program and its arguments.
         argv: Vec<String>,
+        /// Kill the process group after this many milliseconds.
         timeout_ms: u64,
+        /// Extra environment variables.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         env: Vec<(String, String)>,
+        /// Working directory (default `/`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         cwd: Option<String>,
+        /// Standard input (default empty).
         #[serde(default, skip_serializing_if = "Vec::is_empty", with = "base64_bytes")]
         stdin: Vec<u8>,
         /// Send output as [`OutputChunk`] lines while the process runs; the final
@@ -82,39 +87,68 @@ pub enum Request {
         stream: bool,
     },
     /// Describe `path` (not following a final symlink).
-    Stat { path: String },
+    Stat {
+        /// The path.
+        path: String,
+    },
     /// Read at most `len` (≤ [`MAX_FILE_CHUNK`]) bytes from `offset`.
-    Read { path: String, offset: u64, len: u64 },
+    Read {
+        /// The file.
+        path: String,
+        /// Where to start.
+        offset: u64,
+        /// The most bytes to read.
+        len: u64,
+    },
     /// Write `data` at `offset` (creating the file and its parent dirs; `truncate` cuts the
     /// file to `offset` first).
     Write {
+        /// The file.
         path: String,
+        /// Where to write.
         offset: u64,
+        /// What to write.
         #[serde(with = "base64_bytes")]
         data: Vec<u8>,
+        /// Cut the file to `offset` first.
         truncate: bool,
     },
     /// List a directory (at most [`MAX_DIR_ENTRIES`] entries).
-    List { path: String },
+    List {
+        /// The directory.
+        path: String,
+    },
     /// Rename `from` to `to`.
-    Rename { from: String, to: String },
+    Rename {
+        /// The current path.
+        from: String,
+        /// The new path.
+        to: String,
+    },
 }
 
 /// What a path is, as the agent reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
+    /// A regular file.
     File,
+    /// A directory.
     Dir,
+    /// A symbolic link.
     Symlink,
+    /// Anything else (device, socket, fifo).
     Other,
 }
 
 /// A path's metadata.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stat {
+    /// What it is.
     pub kind: Kind,
+    /// Size in bytes.
     pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
     pub mode: u32,
     /// Seconds since the Unix epoch.
     pub modified: i64,
@@ -123,34 +157,42 @@ pub struct Stat {
 /// The answer to [`Request::Stat`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StatReply {
+    /// The path's metadata.
     pub stat: Stat,
 }
 
 /// The answer to [`Request::Read`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataReply {
+    /// The bytes read.
     #[serde(with = "base64_bytes")]
     pub data: Vec<u8>,
+    /// The read reached the end of the file.
     pub eof: bool,
 }
 
 /// The answer to [`Request::Write`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WrittenReply {
+    /// Bytes written.
     pub written: u64,
 }
 
 /// One entry of a [`ListReply`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {
+    /// The entry's name (not a path).
     pub name: String,
+    /// Its metadata.
     pub stat: Stat,
 }
 
 /// A piece of a streamed exec's output: `fd` 1 is stdout, 2 is stderr.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutputChunk {
+    /// 1: stdout, 2: stderr.
     pub fd: u8,
+    /// The bytes.
     #[serde(with = "base64_bytes")]
     pub data: Vec<u8>,
 }
@@ -158,12 +200,14 @@ pub struct OutputChunk {
 /// The answer to [`Request::List`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ListReply {
+    /// The directory's entries.
     pub entries: Vec<Entry>,
 }
 
 /// The answer to [`Request::Ping`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PingReply {
+    /// Always true.
     pub ok: bool,
 }
 
@@ -172,8 +216,10 @@ pub struct PingReply {
 pub struct ExecOutput {
     /// The exit status, or 128 + signal number when the process was killed by a signal.
     pub exit_code: i32,
+    /// What the process wrote on stdout (unless streamed).
     #[serde(with = "base64_bytes")]
     pub stdout: Vec<u8>,
+    /// What the process wrote on stderr (unless streamed).
     #[serde(with = "base64_bytes")]
     pub stderr: Vec<u8>,
     /// The process was still running at the timeout and was killed.
@@ -183,6 +229,7 @@ pub struct ExecOutput {
 /// The answer to a request the agent could not carry out.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorReply {
+    /// What went wrong.
     pub error: String,
     /// [`CODE_NOT_FOUND`], [`CODE_TOO_LARGE`], or absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -203,13 +250,21 @@ impl ErrorReply {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum Response {
+    /// To [`Request::Exec`].
     Exec(ExecOutput),
+    /// To [`Request::Ping`].
     Ping(PingReply),
+    /// To any request the agent could not carry out.
     Error(ErrorReply),
+    /// To [`Request::Stat`].
     Stat(StatReply),
+    /// To [`Request::Read`].
     Data(DataReply),
+    /// To [`Request::Write`].
     Written(WrittenReply),
+    /// To [`Request::List`].
     List(ListReply),
+    /// A streamed exec's output, before its [`ExecOutput`].
     Output(OutputChunk),
 }
 

@@ -278,6 +278,7 @@ fn list(path: &str) -> Result<Vec<Entry>, ErrorReply> {
 /// What an exec runs with.
 #[derive(Clone, Copy)]
 pub struct ExecInput<'a> {
+    /// argv; `argv[0]` is looked up on `PATH`.
     pub argv: &'a [String],
     /// Set over the default `PATH` and `HOME`.
     pub env: &'a [(String, String)],

@@ -25,16 +25,22 @@ use crate::error::HostdError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ContainerStatus {
+    /// Being created.
     Creating,
+    /// Created; its process not started.
     Created,
+    /// Its process runs.
     Running,
+    /// Frozen.
     Paused,
+    /// Its process exited.
     Stopped,
 }
 
 /// What a driver needs to start one container.
 #[derive(Debug, Clone, Copy)]
 pub struct RunRequest<'a> {
+    /// The container's id in the runtime's root.
     pub container_id: &'a str,
     /// The OCI bundle dir (holds `config.json`).
     pub bundle: &'a Path,
@@ -50,12 +56,6 @@ pub trait RuntimeDriver: Send + Sync + 'static {
     /// Whether a stop can keep memory ([`RuntimeDriver::checkpoint`] and
     /// [`RuntimeDriver::restore`] work).
     fn memory_snapshot(&self) -> bool;
-
-    /// Whether this is the `sim` runtime (control-plane load only; see [`sim`]), whose
-    /// sandboxes have no netns, overlay or agent.
-    fn simulated(&self) -> bool {
-        false
-    }
 
     /// Creates and starts the container detached; returns once its process runs.
     ///
@@ -117,20 +117,36 @@ pub trait RuntimeDriver: Send + Sync + 'static {
 #[derive(Clone, Default)]
 pub struct Runtimes {
     drivers: Vec<Arc<dyn RuntimeDriver>>,
+    /// Whether the only driver answers to every name (see [`Runtimes::catch_all`]).
+    catch_all: bool,
 }
 
 impl Runtimes {
+    /// The runtimes `drivers`, each answering to its own name.
     pub fn new(drivers: Vec<Arc<dyn RuntimeDriver>>) -> Self {
-        Self { drivers }
+        Self {
+            drivers,
+            catch_all: false,
+        }
     }
 
-    /// The driver called `name`.
+    /// One driver that answers to every runtime name: a sim host runs every template in sim
+    /// (selected explicitly; see [`sim`]).
+    pub fn catch_all(driver: Arc<dyn RuntimeDriver>) -> Self {
+        Self {
+            drivers: vec![driver],
+            catch_all: true,
+        }
+    }
+
+    /// The driver called `name` (the only one, for [`Runtimes::catch_all`]).
     ///
     /// Errors: [`HostdError::UnsupportedRuntime`] naming the runtimes this host has.
     pub fn get(&self, name: &str) -> Result<Arc<dyn RuntimeDriver>, HostdError> {
-        // A sim host runs every template in sim (selected explicitly; see [`sim`]).
-        if let Some(sim) = self.drivers.iter().find(|d| d.simulated()) {
-            return Ok(sim.clone());
+        if self.catch_all {
+            if let Some(only) = self.drivers.first() {
+                return Ok(only.clone());
+            }
         }
         self.drivers
             .iter()
@@ -145,11 +161,6 @@ impl Runtimes {
     /// Every driver, in the order given.
     pub fn all(&self) -> &[Arc<dyn RuntimeDriver>] {
         &self.drivers
-    }
-
-    /// Whether this host runs the `sim` runtime (see [`sim`]).
-    pub fn simulated(&self) -> bool {
-        self.drivers.iter().any(|d| d.simulated())
     }
 
     /// The names of the drivers.

@@ -5,7 +5,11 @@
 //!   sandboxes proceed concurrently. (Each command's task first awaits the previous task of
 //!   the same sandbox.)
 //! - A command is acked only after its result was published to `{p}.result.<host_id>` and
-//!   JetStream acknowledged that publish. If the publish fails the command is nak'd; the
+//!   JetStream acknowledged that publish.
+//! - The trace continues: the apply span records the command's `traceparent` (its trace id
+//!   and parent id; [`TraceParent::for_command`] when the header is missing or invalid), and
+//!   the result carries a `traceparent` of the same trace whose parent id is the apply span's
+//!   own id, so the reconciler's span becomes its child. If the publish fails the command is nak'd; the
 //!   redelivery republishes the stored result (see `fence`).
 //! - A message that does not decode is terminated (acked without redelivery) and logged.
 //! - Long work extends the ack deadline with progress acks, so JetStream does not redeliver a
@@ -17,16 +21,18 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::{self, AckKind};
+use async_nats::HeaderMap;
+use berth_schemas::trace::{TraceParent, TRACEPARENT};
 use berth_schemas::wire::{self, Command, CommandResult};
-use berth_schemas::{SandboxId, Subjects};
+use berth_schemas::{CommandId, SandboxId, Subjects};
 use futures::StreamExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::apply::{self, Applied, ApplyTrace};
 use crate::error::HostdError;
 use crate::host::Host;
-use crate::lifecycle::Applied;
 
 /// How long JetStream waits for an ack before redelivering a command.
 pub const ACK_WAIT: Duration = Duration::from_secs(15);
@@ -169,6 +175,15 @@ fn dispatch(
     chains.insert(sandbox_id, tokio::spawn(task.instrument(span)));
 }
 
+/// The trace context a command message carries: its `traceparent` header, or
+/// [`TraceParent::for_command`] when the header is missing or invalid.
+pub fn incoming_trace(headers: Option<&HeaderMap>, command: CommandId) -> TraceParent {
+    headers
+        .and_then(|h| h.get(TRACEPARENT))
+        .and_then(|value| TraceParent::parse(value.as_str()))
+        .unwrap_or_else(|| TraceParent::for_command(command, [0; 8]))
+}
+
 /// Applies one command, publishes its result, then acks (or naks).
 async fn handle(
     host: &Arc<Host>,
@@ -177,7 +192,8 @@ async fn handle(
     message: jetstream::Message,
     command: Command,
 ) {
-    let work = host.apply(&command);
+    let trace = ApplyTrace::child_of(incoming_trace(message.headers.as_ref(), command.id));
+    let work = apply::apply(host, &command, &trace);
     tokio::pin!(work);
     let start = tokio::time::Instant::now() + PROGRESS_INTERVAL;
     let mut progress = tokio::time::interval_at(start, PROGRESS_INTERVAL);
@@ -193,7 +209,7 @@ async fn handle(
     };
     let settle = match applied {
         Applied::Respond { result, .. } => {
-            match publish_result(js, result_subject, &result).await {
+            match publish_result(js, result_subject, &result, &trace.outgoing()).await {
                 Ok(()) => AckKind::Ack,
                 Err(e) => {
                     tracing::warn!(error = %e.report(), "result not published; command will be redelivered");
@@ -209,18 +225,59 @@ async fn handle(
     }
 }
 
-/// Publishes a result through JetStream and waits for the stream's acknowledgement.
+/// Publishes a result through JetStream, with `trace` as its `traceparent` header, and waits
+/// for the stream's acknowledgement.
 ///
 /// Errors: [`HostdError::Nats`].
 pub async fn publish_result(
     js: &jetstream::Context,
     subject: &str,
     result: &CommandResult,
+    trace: &TraceParent,
 ) -> Result<(), HostdError> {
-    js.publish(subject.to_owned(), wire::encode(result).into())
+    let mut headers = HeaderMap::new();
+    headers.insert(TRACEPARENT, trace.to_header().as_str());
+    js.publish_with_headers(subject.to_owned(), headers, wire::encode(result).into())
         .await
         .map_err(HostdError::nats("publish a result"))?
         .await
         .map_err(HostdError::nats("confirm a result"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commands_traceparent_header_is_its_trace() {
+        let id = CommandId::new();
+        let sent = TraceParent::for_command(id, [7; 8]);
+        let mut headers = HeaderMap::new();
+        headers.insert(TRACEPARENT, sent.to_header().as_str());
+        assert_eq!(incoming_trace(Some(&headers), id), sent);
+    }
+
+    #[test]
+    fn without_a_valid_header_the_trace_is_the_commands_id() {
+        let id = CommandId::new();
+        let mut garbage = HeaderMap::new();
+        garbage.insert(TRACEPARENT, "not a traceparent");
+        for headers in [None, Some(&garbage)] {
+            let trace = incoming_trace(headers, id);
+            assert_eq!(trace.trace_id, *id.as_uuid().as_bytes());
+            assert_ne!(trace.parent_id, [0; 8]);
+        }
+    }
+
+    #[test]
+    fn a_result_continues_the_trace_with_the_apply_span_as_parent() {
+        let parent = TraceParent::for_command(CommandId::new(), [7; 8]);
+        let apply = ApplyTrace::child_of(parent);
+        let out = apply.outgoing();
+        assert_eq!(out.trace_id, parent.trace_id);
+        assert_eq!(out.parent_id, apply.span_id);
+        assert_ne!(out.parent_id, [0; 8]);
+        assert_ne!(ApplyTrace::child_of(parent).span_id, apply.span_id);
+    }
 }

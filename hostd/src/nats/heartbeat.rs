@@ -20,9 +20,13 @@ pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
 /// What every heartbeat of this hostd repeats.
 #[derive(Debug, Clone)]
 pub struct HeartbeatConfig {
+    /// `{p}.hb.<host_id>`.
     pub subject: String,
+    /// The host's human-readable name.
     pub name: String,
+    /// What the host offers to sandboxes.
     pub capacity: Resources,
+    /// Time between heartbeats.
     pub interval: Duration,
 }
 

@@ -1,39 +1,97 @@
-//! The start-up sweep: removes what a previous run of this hostd left behind that no live
-//! record accounts for — overlay mounts under its state dir, network namespaces and veths
-//! marked as its own (`netns::owner_alias`), and stale nftables elements (the firewall table
-//! is rebuilt from the records). Containers are swept by `Host::adopt`.
+//! Adoption at start (an OCI host's; a sim host has nothing on the machine): what a previous
+//! run of this hostd left is kept when a live record accounts for it and removed otherwise —
+//! containers in its runtime roots ([`adopt`]), then overlay mounts under its state dir,
+//! network namespaces and veths marked as its own (`netns::owner_alias`), and stale nftables
+//! elements, the firewall table being rebuilt from the records ([`sweep`]).
 //!
 //! # Guarantees
-//! Only this hostd's objects are touched: a mount must lie under its own sandboxes dir; a
-//! namespace or veth must carry an alias naming its host id. Objects of other hostd on the
-//! same machine, and unmarked ones, are left alone.
+//! - Every live record is adopted: its container, if still running, is left running (never
+//!   started twice). Containers no record accounts for are destroyed (DESIGN.md guarantee 5).
+//! - Only this hostd's objects are touched: a container must be in its runtime roots; a
+//!   mount must lie under its own sandboxes dir; a namespace or veth must carry an alias
+//!   naming its host id. Objects of other hostd on the same machine, and unmarked ones, are
+//!   left alone.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use berth_schemas::SandboxId;
 
 use crate::error::HostdError;
+use crate::firewall::Firewall;
 use crate::host::Host;
 use crate::layout::{SandboxNames, NETNS_DIR};
 use crate::netns::{self, parse_owner_alias};
 use crate::overlay;
+use crate::record::{SandboxRecord, TOMBSTONE_RETENTION};
 use crate::tool;
 
 /// What one sweep removed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Swept {
+    /// Overlay mounts unmounted.
     pub mounts: usize,
+    /// Network namespaces removed.
     pub netns: usize,
+    /// Host-side veths removed.
     pub veths: usize,
 }
 
-/// Sweeps strays (see the module docs), then rebuilds the firewall table. A failure to
+/// Adopts what a previous run left: destroys containers no record accounts for, reports
+/// the state of the others, purges old tombstones, then [`sweep`]s stray mounts, namespaces
+/// and veths and rebuilds `firewall`'s table.
+///
+/// Errors: [`HostdError`] from a runtime's `list`, or from [`sweep`].
+pub async fn adopt(host: &Host, firewall: &Firewall) -> Result<(), HostdError> {
+    let purged = host.store.purge_tombstones(TOMBSTONE_RETENTION);
+    let records = host.snapshot();
+    let known: HashMap<String, &SandboxRecord> = records
+        .iter()
+        .map(|r| (host.names(r.sandbox_id).container_id, r))
+        .collect();
+    let mut containers = HashMap::new();
+    for runtime in host.runtimes.all() {
+        for (container_id, status) in runtime.list().await? {
+            let owned = known
+                .get(&container_id)
+                .is_some_and(|r| r.runtime == runtime.name());
+            if !owned {
+                tracing::warn!(%container_id, runtime = runtime.name(), "destroying orphan container");
+                if let Err(e) = runtime.destroy(&container_id).await {
+                    tracing::warn!(%container_id, error = %e.report(), "orphan not destroyed");
+                }
+                continue;
+            }
+            containers.insert(container_id, status);
+        }
+    }
+    for (container_id, record) in &known {
+        let status = containers.get(container_id).copied();
+        tracing::info!(
+            sandbox_id = %record.sandbox_id,
+            phase = ?record.phase,
+            container = ?status,
+            "adopted sandbox"
+        );
+    }
+    let swept = sweep(host, firewall).await?;
+    tracing::info!(
+        sandboxes = records.len(),
+        purged_tombstones = purged,
+        swept_mounts = swept.mounts,
+        swept_netns = swept.netns,
+        swept_veths = swept.veths,
+        "adoption done"
+    );
+    Ok(())
+}
+
+/// Sweeps strays (see the module docs), then rebuilds `firewall`'s table. A failure to
 /// remove one object is logged and the sweep goes on.
 ///
 /// Errors: [`HostdError`] when the mount table, the namespaces or the links can't be listed,
 /// or the firewall can't be installed.
-pub async fn sweep(host: &Host) -> Result<Swept, HostdError> {
+pub async fn sweep(host: &Host, firewall: &Firewall) -> Result<Swept, HostdError> {
     let records = host.snapshot();
     let live: HashSet<SandboxId> = records.iter().map(|r| r.sandbox_id).collect();
     let mut swept = Swept::default();
@@ -98,7 +156,7 @@ pub async fn sweep(host: &Host) -> Result<Swept, HostdError> {
     }
 
     let links: Vec<_> = records.iter().filter_map(|r| r.link).collect();
-    host.firewall.install(&links).await?;
+    firewall.install(&links).await?;
     Ok(swept)
 }
 

@@ -1,31 +1,21 @@
-//! Agent operations through the host: core-NATS request/reply on `{p}.agent.<host_id>`
-//! ([`AgentRequest`] → [`AgentReply`]): exec with env, cwd and stdin (and OOM reporting), and
-//! files (stat, read, write, list, rename), each forwarded to the sandbox's agent. A streamed
-//! exec ([`AgentOp::ExecStream`]) answers with several messages on the reply subject: its
-//! output as it arrives, then the exit; they are published in order from one connection.
-//!
-//! The API never reaches a sandbox address: it asks the host, which holds the sandbox's
-//! agent gate permit for the call's length (see `gate`).
+//! Agent operations of an OCI sandbox, forwarded to its in-sandbox agent: exec with env, cwd
+//! and stdin (streamed or not, with OOM reporting and a liveness watch), and files (stat,
+//! read, write, list, rename). The NATS face that receives them is `nats::agent`.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::Client;
 use berth_schemas::wire::{
-    self, AgentFailure, AgentOp, AgentReply, AgentRequest, DirEntry, ExecError, ExecSpec, FileKind,
-    FileStat,
+    AgentFailure, AgentOp, AgentReply, DirEntry, ExecSpec, FileKind, FileStat,
 };
-use berth_schemas::Subjects;
-use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
+use berth_schemas::SandboxId;
 
 use crate::agent::client::{self, ExecResult};
 use crate::agent::protocol::{
     ErrorReply, Kind, Request, Response, Stat, CODE_NOT_FOUND, CODE_TOO_LARGE, MAX_FILE_CHUNK,
 };
 use crate::error::HostdError;
-use crate::host::Host;
+use crate::host::{Host, OutputSender};
 
 /// How long one file operation may take at the agent.
 pub const FILE_OP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -38,135 +28,46 @@ pub const EXEC_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
 /// The exit code reported for an exec whose sandbox its memory limit killed (128 + SIGKILL).
 const OOM_EXIT_CODE: i32 = 137;
 
-/// Serves agent requests until `shutdown`, each in its own task.
-///
-/// Errors: [`HostdError::Nats`] when the subscription cannot be made.
-pub async fn serve(
-    host: Arc<Host>,
-    nats: Client,
-    subjects: Subjects,
-    shutdown: CancellationToken,
-) -> Result<(), HostdError> {
-    let subject = subjects.agent(host.host_id);
-    let client = nats.clone();
-    crate::requests::serve(
-        &nats,
-        subject,
-        "subscribe to agent requests",
-        shutdown,
-        |message, reply_to| answer(host.clone(), client.clone(), message, reply_to),
-    )
-    .await
-}
-
-async fn answer(
-    host: Arc<Host>,
-    nats: Client,
-    message: async_nats::Message,
-    reply_to: async_nats::Subject,
-) {
-    let reply = match wire::decode::<AgentRequest>(&message.payload) {
-        Ok(request) => {
-            let span = tracing::info_span!(
-                "agent_op",
-                host_id = %host.host_id,
-                sandbox_id = %request.sandbox_id,
-            );
-            let output = match request.op {
-                AgentOp::ExecStream(_) => Some(forward_output(nats.clone(), reply_to.clone())),
-                _ => None,
-            };
-            match output {
-                Some((sender, forwarder)) => {
-                    let reply = run_streamed(&host, request, sender).instrument(span).await;
-                    // Every chunk is out before the final message.
-                    let _ = forwarder.await;
-                    reply
-                }
-                None => run(&host, request).instrument(span).await,
-            }
-        }
-        Err(e) => AgentReply::Failed(AgentFailure::Agent(format!("malformed agent request: {e}"))),
-    };
-    if let Err(e) = nats.publish(reply_to, wire::encode(&reply).into()).await {
-        tracing::warn!(error = %e, "agent reply not sent");
-    }
-}
-
-/// Chunks of a streamed exec's output, as they come from the agent.
-type OutputSender = tokio::sync::mpsc::UnboundedSender<(u8, Vec<u8>)>;
-
-/// A channel whose chunks a task publishes, in order, as [`AgentReply::Output`] to
-/// `reply_to`; the task ends when every sender is dropped.
-fn forward_output(
-    nats: Client,
-    reply_to: async_nats::Subject,
-) -> (OutputSender, tokio::task::JoinHandle<()>) {
-    let (sender, mut chunks) = tokio::sync::mpsc::unbounded_channel::<(u8, Vec<u8>)>();
-    let task = tokio::spawn(async move {
-        while let Some((fd, data)) = chunks.recv().await {
-            let message = wire::encode(&AgentReply::Output { fd, data });
-            if let Err(e) = nats.publish(reply_to.clone(), message.into()).await {
-                tracing::warn!(error = %e, "streamed output not sent");
-            }
-        }
-    });
-    (sender, task)
-}
-
-/// Carries out a streamed exec: output goes to `output` as it arrives; the result is the
-/// final message.
-async fn run_streamed(host: &Host, request: AgentRequest, output: OutputSender) -> AgentReply {
-    let AgentOp::ExecStream(spec) = request.op else {
-        return run(host, request).await;
-    };
-    let sandbox = request.sandbox_id;
-    let (address, _permit) = match host.exec_target(sandbox) {
-        Ok(target) => target,
-        Err(ExecError::NotFound) => return AgentReply::Failed(AgentFailure::NotFound),
-        Err(_) => return AgentReply::Failed(AgentFailure::NotRunning),
-    };
-    if host.runtimes.simulated() {
-        return crate::runtime::sim::agent(&AgentOp::ExecStream(spec));
-    }
-    exec(host, sandbox, address, spec, Some(output)).await
-}
-
-/// Carries out one request against the sandbox's agent.
-pub async fn run(host: &Host, request: AgentRequest) -> AgentReply {
-    let sandbox = request.sandbox_id;
-    let (address, _permit) = match host.exec_target(sandbox) {
-        Ok(target) => target,
-        Err(ExecError::NotFound) => return AgentReply::Failed(AgentFailure::NotFound),
-        Err(_) => return AgentReply::Failed(AgentFailure::NotRunning),
-    };
-    if host.runtimes.simulated() {
-        return crate::runtime::sim::agent(&request.op);
-    }
-    if let Some(path) = relative_path(&request.op) {
+/// Carries out one operation against the sandbox's agent at `address` (the caller holds the
+/// sandbox's gate permit). A streamed exec sends its output to `output` as it arrives; asked
+/// for without `output`, it fails.
+pub async fn run(
+    host: &Host,
+    sandbox: SandboxId,
+    address: SocketAddr,
+    op: AgentOp,
+    output: Option<OutputSender>,
+) -> AgentReply {
+    if let Some(path) = relative_path(&op) {
         return AgentReply::Failed(AgentFailure::Agent(format!(
             "path {path:?} is not absolute"
         )));
     }
-    let outcome = match request.op {
-        AgentOp::Exec(spec) => return exec(host, sandbox, address, spec, None).await,
-        // Streamed through `run_streamed`; asked for here, its output has nowhere to go.
-        AgentOp::ExecStream(_) => {
+    let outcome = match (op, output) {
+        (AgentOp::Exec(spec), _) => return exec(host, sandbox, address, spec, None).await,
+        (AgentOp::ExecStream(spec), Some(output)) => {
+            return exec(host, sandbox, address, spec, Some(output)).await
+        }
+        // Its output would have nowhere to go.
+        (AgentOp::ExecStream(_), None) => {
             return AgentReply::Failed(AgentFailure::Agent(
                 "a streamed exec needs the agent subject's streaming reply".into(),
             ))
         }
-        AgentOp::Stat { path } => file_op(address, Request::Stat { path }).await,
-        AgentOp::Read { path, offset, len } => {
+        (AgentOp::Stat { path }, _) => file_op(address, Request::Stat { path }).await,
+        (AgentOp::Read { path, offset, len }, _) => {
             let len = u64::from(len).min(MAX_FILE_CHUNK);
             file_op(address, Request::Read { path, offset, len }).await
         }
-        AgentOp::Write {
-            path,
-            offset,
-            data,
-            truncate,
-        } => {
+        (
+            AgentOp::Write {
+                path,
+                offset,
+                data,
+                truncate,
+            },
+            _,
+        ) => {
             file_op(
                 address,
                 Request::Write {
@@ -178,8 +79,8 @@ pub async fn run(host: &Host, request: AgentRequest) -> AgentReply {
             )
             .await
         }
-        AgentOp::List { path } => file_op(address, Request::List { path }).await,
-        AgentOp::Rename { from, to } => file_op(address, Request::Rename { from, to }).await,
+        (AgentOp::List { path }, _) => file_op(address, Request::List { path }).await,
+        (AgentOp::Rename { from, to }, _) => file_op(address, Request::Rename { from, to }).await,
     };
     match outcome {
         Ok(reply) => reply,
@@ -204,7 +105,7 @@ fn relative_path(op: &AgentOp) -> Option<&str> {
 /// sandbox still runs. With `output`, the agent streams the output there as it arrives.
 async fn exec(
     host: &Host,
-    sandbox: berth_schemas::SandboxId,
+    sandbox: SandboxId,
     address: SocketAddr,
     spec: ExecSpec,
     output: Option<OutputSender>,

@@ -1,0 +1,43 @@
+//! Delete: remove whatever the sandbox holds, by derived names, so a delete also finishes a
+//! delete or create that crashed half-way; leave a tombstone record.
+//!
+//! # Guarantees
+//! Idempotent and converging: every step succeeds when what it removes is gone. A failure is
+//! returned for the caller to retry the whole delete later.
+
+use berth_schemas::wire::{Command, ResultOutcome};
+
+use crate::disk::remove_sandbox_dir;
+use crate::error::HostdError;
+use crate::host::Host;
+use crate::record::{Phase, SandboxRecord};
+
+/// Deletes `cmd`'s sandbox: its container in whatever runtime holds it, then what the backend
+/// holds for it (network, mount), its address and its dir. Returns the tombstone.
+///
+/// Errors: any step's error; the caller retries later.
+pub async fn delete(
+    host: &Host,
+    cmd: &Command,
+    record: Option<SandboxRecord>,
+) -> Result<(Option<SandboxRecord>, ResultOutcome), HostdError> {
+    let id = cmd.sandbox_id;
+    let names = host.names(id);
+    // Whatever runtime holds it (a record-less delete does not know which).
+    for runtime in host.runtimes.all() {
+        runtime.destroy(&names.container_id).await?;
+    }
+    let link = record.as_ref().and_then(|r| r.link);
+    host.backend.tear_down(host, id, link).await?;
+    host.allocator.release(id);
+    remove_sandbox_dir(&host.layout.sandbox(id)).await?;
+    let mut tombstone = record.unwrap_or_else(|| super::new_record(host, cmd));
+    tombstone.phase = Phase::Deleted;
+    tombstone.link = None;
+    tracing::info!("sandbox deleted");
+    let outcome = ResultOutcome::Succeeded {
+        address: None,
+        last_stop: None,
+    };
+    Ok((Some(tombstone), outcome))
+}

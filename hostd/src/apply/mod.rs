@@ -1,0 +1,221 @@
+//! Applying commands, one use case per file: the fence, then the command's work, then the
+//! record. [`up`] makes a sandbox run (create and start), [`stop`] stops it, [`delete`]
+//! removes it; what a real host and a sim host do differently is the host's
+//! [`Backend`](crate::host::Backend).
+//!
+//! # Guarantees
+//! - At most once (DESIGN.md guarantee 2): see `fence`. The result is written to the record
+//!   before it is published, so a redelivery republishes it instead of redoing the work.
+//! - Bring-up converges: every step checks what exists (record, address, netns, veth, mount,
+//!   container), so a create redelivered after a crash finishes the sandbox without
+//!   duplicating anything. On failure a cleanup stack undoes this attempt's work, newest first;
+//!   a failed *create* removes everything and leaves a tombstone.
+//! - Delete is idempotent and converges: it removes whatever exists by derived names; a failure
+//!   is not reported but retried ([`Applied::Retry`]).
+//!
+//! # Assumptions
+//! Commands of one sandbox are applied one at a time (`nats::commands` chains them).
+
+pub mod delete;
+pub mod stop;
+pub mod up;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use berth_schemas::trace::TraceParent;
+use berth_schemas::wire::{Command, CommandResult, ResultOutcome};
+use berth_schemas::CommandKind;
+use tracing::Instrument;
+
+use crate::error::HostdError;
+use crate::fence::{self, Fence};
+use crate::host::Host;
+use crate::metrics::{self, CommandOutcome};
+use crate::record::{SandboxRecord, StoredResult};
+use crate::DEFAULT_RUNTIME;
+
+/// What to do with a command message after [`apply`].
+#[derive(Debug)]
+pub enum Applied {
+    /// Publish this result, then ack the message.
+    Respond {
+        /// The result to publish.
+        result: CommandResult,
+        /// How the command ended, for metrics.
+        outcome: CommandOutcome,
+    },
+    /// Publish nothing; nak the message so it is redelivered later (delete must converge, and a
+    /// record that could not be written must not be acked).
+    Retry {
+        /// Why.
+        error: HostdError,
+    },
+}
+
+/// The trace context of one apply: the command's trace (from its `traceparent` header) and
+/// this apply's own span id, which the result's `traceparent` names as its parent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApplyTrace {
+    /// What the command message carried, or [`TraceParent::for_command`] without a header.
+    pub parent: TraceParent,
+    /// This apply's span id (random per apply, never zero).
+    pub span_id: [u8; 8],
+}
+
+impl ApplyTrace {
+    /// A new span, child of `parent`.
+    pub fn child_of(parent: TraceParent) -> Self {
+        let mut span_id = [0u8; 8];
+        span_id.copy_from_slice(&uuid::Uuid::new_v4().as_bytes()[..8]);
+        if span_id == [0; 8] {
+            span_id = 1u64.to_be_bytes();
+        }
+        Self { parent, span_id }
+    }
+
+    /// The `traceparent` of what this apply publishes: the same trace, this span as parent.
+    pub fn outgoing(&self) -> TraceParent {
+        TraceParent {
+            parent_id: self.span_id,
+            ..self.parent
+        }
+    }
+}
+
+/// Applies one command (fence, work, record) and says what to publish. The `apply` span
+/// records the command's `trace_id`, its `parent_id` and this apply's `span_id`.
+pub async fn apply(host: &Arc<Host>, cmd: &Command, trace: &ApplyTrace) -> Applied {
+    let span = tracing::info_span!(
+        "apply",
+        host_id = %host.host_id,
+        sandbox_id = %cmd.sandbox_id,
+        command_id = %cmd.id,
+        kind = %cmd.kind,
+        generation = %cmd.generation,
+        trace_id = %trace.parent.trace_id_hex(),
+        parent_id = %hex::encode(trace.parent.parent_id),
+        span_id = %hex::encode(trace.span_id),
+    );
+    let started = Instant::now();
+    let applied = apply_inner(host, cmd).instrument(span).await;
+    metrics::runtime_operation(
+        runtime_name(host, cmd),
+        operation(cmd.kind),
+        started.elapsed(),
+    );
+    match &applied {
+        Applied::Respond { outcome, .. } => metrics::command(cmd.kind, *outcome),
+        Applied::Retry { .. } => metrics::command(cmd.kind, CommandOutcome::Retried),
+    }
+    applied
+}
+
+async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
+    let record = match host.live(cmd.sandbox_id) {
+        Some(r) => Some(r),
+        None => match host.store.load(cmd.sandbox_id) {
+            Ok(r) => r,
+            Err(error) => return Applied::Retry { error },
+        },
+    };
+    match fence::check(record.as_ref(), cmd) {
+        Fence::Replay(stored) => {
+            tracing::info!("command already applied; replaying its result");
+            return Applied::Respond {
+                result: stored.to_wire(host.host_id, cmd.sandbox_id),
+                outcome: CommandOutcome::Replayed,
+            };
+        }
+        Fence::RefuseStale { applied } => {
+            tracing::info!(%applied, "refusing a stale command");
+            return Applied::Respond {
+                result: CommandResult {
+                    command_id: cmd.id,
+                    sandbox_id: cmd.sandbox_id,
+                    host_id: host.host_id,
+                    generation: cmd.generation,
+                    kind: cmd.kind,
+                    outcome: ResultOutcome::RefusedStale { applied },
+                },
+                outcome: CommandOutcome::RefusedStale,
+            };
+        }
+        Fence::Apply => {}
+    }
+    let live = record.clone().filter(|r| !r.is_tombstone());
+    let (after, outcome) = match cmd.kind {
+        CommandKind::Create | CommandKind::Start => up::up(host, cmd, live).await,
+        CommandKind::Stop => stop::stop(host, live).await,
+        CommandKind::Delete => match delete::delete(host, cmd, record).await {
+            Ok(done) => done,
+            Err(error) => {
+                tracing::warn!(error = %error.report(), "delete failed; will retry");
+                return Applied::Retry { error };
+            }
+        },
+    };
+    let stored = StoredResult {
+        command_id: cmd.id,
+        generation: cmd.generation,
+        kind: cmd.kind,
+        outcome,
+    };
+    if let Some(mut record) = after {
+        record.remember(stored.clone());
+        let persisted = if record.is_tombstone() {
+            host.store
+                .bury(&record)
+                .map(|()| host.forget(cmd.sandbox_id))
+        } else {
+            host.put(&record)
+        };
+        if let Err(error) = persisted {
+            tracing::error!(error = %error.report(), "record not written; will retry");
+            return Applied::Retry { error };
+        }
+    }
+    let outcome = match stored.outcome {
+        ResultOutcome::Succeeded { .. } => CommandOutcome::Succeeded,
+        ResultOutcome::Failed { .. } => CommandOutcome::Failed,
+        ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
+    };
+    Applied::Respond {
+        result: stored.to_wire(host.host_id, cmd.sandbox_id),
+        outcome,
+    }
+}
+
+/// A new record for `cmd`'s sandbox, in the runtime its template names.
+fn new_record(host: &Host, cmd: &Command) -> SandboxRecord {
+    SandboxRecord::new(
+        cmd.sandbox_id,
+        cmd.spec.clone(),
+        runtime_name(host, cmd),
+        cmd.generation,
+    )
+}
+
+/// The runtime a command's sandbox runs in: the driver this host hands out for its
+/// template's runtime (on a sim host, `sim`); the template's runtime when this host lacks it,
+/// and [`DEFAULT_RUNTIME`] for an unknown template (whose create fails at the template step
+/// anyway).
+fn runtime_name(host: &Host, cmd: &Command) -> &'static str {
+    let wanted = host
+        .templates
+        .runtime_of(&cmd.spec.template)
+        .unwrap_or(DEFAULT_RUNTIME);
+    host.runtimes
+        .get(wanted)
+        .map_or(wanted, |driver| driver.name())
+}
+
+/// The metrics `operation` label of a whole command.
+fn operation(kind: CommandKind) -> &'static str {
+    match kind {
+        CommandKind::Create => "create",
+        CommandKind::Start => "start",
+        CommandKind::Stop => "stop",
+        CommandKind::Delete => "delete",
+    }
+}

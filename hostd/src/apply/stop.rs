@@ -1,0 +1,98 @@
+//! Stop: keep the sandbox's disk (and, where the runtime can, its memory), end its container.
+//!
+//! On a runtime with memory snapshots the agent's connections are drained and the container
+//! checkpointed, falling back to disk only when the checkpoint fails; then the container is
+//! destroyed and the overlay unmounted (on a sim host only the mount table is read). The
+//! upper dir, the network and the address are kept for the next start.
+
+use std::time::{Duration, Instant};
+
+use berth_schemas::wire::{ResultOutcome, StopMode};
+
+use crate::disk::{remove_dir_if_present, unmount};
+use crate::error::HostdError;
+use crate::host::Host;
+use crate::record::{Phase, SandboxRecord};
+use crate::runtime::ContainerStatus;
+
+/// How long a memory stop waits for the sandbox's agent calls in flight to finish before it
+/// checkpoints anyway (a connection still open then makes the checkpoint fail, and the stop
+/// falls back to disk only).
+pub const CHECKPOINT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a memory stop waits after the agent calls drained, so the agent's side of the
+/// last connections finishes closing (gVisor refuses to save an endpoint in CLOSE_WAIT or
+/// LAST_ACK just as it does one in TIME_WAIT).
+pub const CHECKPOINT_SETTLE: Duration = Duration::from_millis(200);
+
+/// Stops the sandbox of `live`. Stopping a stopped sandbox succeeds and reports how it was
+/// kept; without a live record the stop fails.
+pub async fn stop(
+    host: &Host,
+    live: Option<SandboxRecord>,
+) -> (Option<SandboxRecord>, ResultOutcome) {
+    let Some(mut record) = live else {
+        return (
+            None,
+            ResultOutcome::Failed {
+                reason: "no such sandbox on this host".into(),
+            },
+        );
+    };
+    let id = record.sandbox_id;
+    let names = host.names(id);
+    let paths = host.layout.sandbox(id);
+    let done = async {
+        let runtime = host.runtime_of(&record)?;
+        let status = runtime.status(&names.container_id).await?;
+        let snapshot = paths.snapshot();
+        let mut mode = if snapshot.is_dir() {
+            StopMode::Memory
+        } else {
+            StopMode::Disk
+        };
+        if runtime.memory_snapshot() && status == Some(ContainerStatus::Running) {
+            if !host
+                .gates
+                .close_and_drain(id, CHECKPOINT_DRAIN_TIMEOUT)
+                .await
+            {
+                tracing::warn!(waited = ?CHECKPOINT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
+            }
+            tokio::time::sleep(CHECKPOINT_SETTLE).await;
+            let started = Instant::now();
+            mode = match runtime.checkpoint(&names.container_id, &snapshot).await {
+                Ok(()) => {
+                    tracing::info!(elapsed = ?started.elapsed(), "memory snapshot taken");
+                    StopMode::Memory
+                }
+                Err(error) => {
+                    tracing::warn!(error = %error.report(), "checkpoint failed; stopping with disk only");
+                    remove_dir_if_present(&snapshot).await?;
+                    StopMode::Disk
+                }
+            };
+        }
+        runtime.destroy(&names.container_id).await?;
+        unmount(paths.rootfs()).await?;
+        Ok::<_, HostdError>(mode)
+    }
+    .await;
+    host.gates.open(id);
+    match done {
+        Ok(mode) => {
+            record.phase = Phase::Stopped;
+            tracing::info!(last_stop = mode.as_str(), "sandbox stopped");
+            let outcome = ResultOutcome::Succeeded {
+                address: None,
+                last_stop: Some(mode),
+            };
+            (Some(record), outcome)
+        }
+        Err(error) => {
+            let reason = error.report();
+            tracing::warn!(%reason, "stop failed");
+            (Some(record), ResultOutcome::Failed { reason })
+        }
+    }
+}

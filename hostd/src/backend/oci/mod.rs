@@ -1,0 +1,299 @@
+//! The OCI backend: sandboxes as containers of an OCI runtime (runc, or runsc = gVisor whose
+//! stop keeps memory) with an overlay root filesystem, a network namespace and veth each,
+//! isolated by this hostd's nftables table, limited by cgroups, reached through the
+//! in-sandbox agent ([`agent`]). Adoption at start is [`crate::adopt`].
+
+pub mod agent;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use berth_schemas::wire::{AgentOp, AgentReply};
+use berth_schemas::{HostId, SandboxId};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+
+use crate::address::LinkAddresses;
+use crate::agent::client;
+use crate::agent::protocol::AGENT_PORT;
+use crate::bundle::Bundles;
+use crate::cleanup::CleanupStack;
+use crate::disk::{blocking, remove_dir_if_present, remove_sandbox_dir, unmount};
+use crate::error::HostdError;
+use crate::firewall::Firewall;
+use crate::host::{Backend, Host, OutputSender};
+use crate::layout::firewall_table;
+use crate::oci::{self, ContainerConfig};
+use crate::record::{write_json_atomic, SandboxRecord};
+use crate::runtime::cli::console_tail;
+use crate::runtime::{ContainerStatus, RunRequest, RuntimeDriver};
+use crate::{netns, overlay, HostdConfig};
+
+/// How long a started container's agent has to answer its first ping.
+pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Pause between pings while waiting for the agent. A ping to an agent not yet listening is
+/// refused at once, so polling often is cheap; at 100 ms the wait alone was up to a third of
+/// create→running (`berth bench`).
+const AGENT_POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// While waiting for the agent, ask the runtime whether the container still runs every this
+/// many pings, about every 500 ms (so a crashed boot fails fast with its console output).
+const STATUS_CHECK_EVERY: u32 = 50;
+
+/// The OCI backend of one hostd: its nftables table and the agent bundle it copies into
+/// every sandbox.
+pub struct OciBackend {
+    /// This hostd's nftables table.
+    pub firewall: Firewall,
+    /// The agent bundle.
+    pub bundles: Bundles,
+}
+
+impl OciBackend {
+    /// The backend of host `host_id` configured by `config`.
+    pub fn new(host_id: HostId, config: &HostdConfig) -> Self {
+        let layout = crate::layout::StateLayout::new(&config.state_dir);
+        Self {
+            firewall: Firewall::new(firewall_table(host_id)),
+            bundles: Bundles::new(layout.agent_dir(), config.agent_binary.clone()),
+        }
+    }
+
+    /// Admits a sandbox's link into the firewall table; when that fails (the table went
+    /// missing, say), reinstalls the table from the live records plus `link`.
+    ///
+    /// Errors: [`HostdError::Nft`] from the reinstall.
+    async fn admit_to_firewall(&self, host: &Host, link: &LinkAddresses) -> Result<(), HostdError> {
+        let Err(first) = self.firewall.admit(link).await else {
+            return Ok(());
+        };
+        tracing::warn!(error = %first.report(), "firewall admit failed; reinstalling the table");
+        let mut links: Vec<_> = host.snapshot().iter().filter_map(|r| r.link).collect();
+        if !links.contains(link) {
+            links.push(*link);
+        }
+        self.firewall.install(&links).await
+    }
+
+    /// The steps of [`Backend::bring_up`] (see there).
+    async fn bring_up_oci(
+        &self,
+        host: &Arc<Host>,
+        record: &mut SandboxRecord,
+        fresh: bool,
+        cleanup: &mut CleanupStack,
+    ) -> Result<Ipv4Addr, HostdError> {
+        let id = record.sandbox_id;
+        let names = host.names(id);
+        let paths = host.layout.sandbox(id);
+        let runtime = host.runtime_of(record)?;
+        let lower = host.templates.ensure(&record.spec.template).await?;
+        let bundle = self.bundles.ensure().await?;
+
+        if fresh {
+            let (host, paths) = (host.clone(), paths.clone());
+            cleanup.push("sandbox dir and address", move || async move {
+                host.forget(id);
+                host.allocator.release(id);
+                remove_sandbox_dir(&paths).await
+            });
+        }
+        let link = host
+            .claim_address(record, netns::foreign_slots(host.allocator.pool()))
+            .await?;
+
+        if fresh || !names.netns_path().exists() {
+            let (names, firewall) = (names.clone(), self.firewall.clone());
+            cleanup.push("network", move || async move {
+                firewall.remove(&link).await?;
+                netns::teardown(&names).await
+            });
+        }
+        netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
+        self.admit_to_firewall(host, &link).await?;
+
+        let rootfs = paths.rootfs();
+        if fresh || !overlay::is_mounted(&rootfs)? {
+            let rootfs = rootfs.clone();
+            cleanup.push(
+                "overlay mount",
+                move || async move { unmount(rootfs).await },
+            );
+        }
+        let (upper, work, merged) = (paths.upper(), paths.work(), rootfs.clone());
+        blocking(move || overlay::mount_overlay(&lower, &upper, &work, &merged)).await?;
+
+        let write_spec = || -> Result<(), HostdError> {
+            let spec = oci::build_spec(&ContainerConfig {
+                rootfs: &rootfs,
+                hostname: &names.container_id,
+                netns_path: names.netns_path(),
+                agent: &bundle,
+                resources: record.spec.resources,
+                cgroups_path: &names.cgroup,
+            })?;
+            write_json_atomic(&paths.oci_config(), &spec)
+        };
+        // A memory snapshot restores against the spec it was taken with.
+        let snapshot = paths.snapshot();
+        let restorable = runtime.memory_snapshot() && snapshot.is_dir();
+        if !(restorable && paths.oci_config().is_file()) {
+            write_spec()?;
+        }
+
+        let container_id = names.container_id.clone();
+        let status = runtime.status(&container_id).await?;
+        if fresh || status != Some(ContainerStatus::Running) {
+            let (runtime, container_id) = (runtime.clone(), container_id.clone());
+            cleanup.push("container", move || async move {
+                runtime.destroy(&container_id).await
+            });
+        }
+        if status != Some(ContainerStatus::Running) {
+            let console_log = paths.console_log();
+            std::fs::File::create(&console_log)
+                .map_err(HostdError::io(format!("create {}", console_log.display())))?;
+            let request = RunRequest {
+                container_id: &container_id,
+                bundle: paths.dir(),
+                console_log: &console_log,
+            };
+            let mut restored = false;
+            if restorable {
+                let started = Instant::now();
+                match runtime.restore(request, &snapshot).await {
+                    Ok(()) => {
+                        restored = true;
+                        tracing::info!(elapsed = ?started.elapsed(), "memory snapshot restored");
+                    }
+                    Err(error) => {
+                        tracing::warn!(error = %error.report(), "restore failed; booting from disk");
+                        runtime.destroy(&container_id).await?;
+                        write_spec()?;
+                    }
+                }
+            }
+            if !restored {
+                if status.is_some() {
+                    runtime.destroy(&container_id).await?;
+                }
+                runtime.run(request).await?;
+            }
+            // The image is spent: a later start must not resume stale memory over a newer disk.
+            remove_dir_if_present(&snapshot).await?;
+        }
+        let address = SocketAddr::new(link.sandbox.into(), AGENT_PORT);
+        wait_for_agent(&*runtime, address, &container_id, paths.console_log()).await?;
+        Ok(link.sandbox)
+    }
+}
+
+impl Backend for OciBackend {
+    fn adopt<'a>(&'a self, host: &'a Host) -> BoxFuture<'a, Result<(), HostdError>> {
+        crate::adopt::adopt(host, &self.firewall).boxed()
+    }
+
+    fn bring_up<'a>(
+        &'a self,
+        host: &'a Arc<Host>,
+        record: &'a mut SandboxRecord,
+        fresh: bool,
+        cleanup: &'a mut CleanupStack,
+    ) -> BoxFuture<'a, Result<Ipv4Addr, HostdError>> {
+        self.bring_up_oci(host, record, fresh, cleanup).boxed()
+    }
+
+    fn tear_down<'a>(
+        &'a self,
+        host: &'a Host,
+        sandbox: SandboxId,
+        link: Option<LinkAddresses>,
+    ) -> BoxFuture<'a, Result<(), HostdError>> {
+        async move {
+            let names = host.names(sandbox);
+            unmount(host.layout.sandbox(sandbox).rootfs()).await?;
+            if let Some(link) = link {
+                self.firewall.remove(&link).await?;
+            }
+            netns::teardown(&names).await
+        }
+        .boxed()
+    }
+
+    fn answers<'a>(
+        &'a self,
+        host: &'a Host,
+        sandbox: SandboxId,
+        link: LinkAddresses,
+    ) -> BoxFuture<'a, bool> {
+        async move {
+            match host.gates.enter(sandbox) {
+                Some(_permit) => client::ping(SocketAddr::new(link.sandbox.into(), AGENT_PORT))
+                    .await
+                    .is_ok(),
+                // Being stopped: its agent is left alone; it answered until now.
+                None => true,
+            }
+        }
+        .boxed()
+    }
+
+    fn agent<'a>(
+        &'a self,
+        host: &'a Host,
+        sandbox: SandboxId,
+        address: SocketAddr,
+        op: AgentOp,
+        output: Option<OutputSender>,
+    ) -> BoxFuture<'a, AgentReply> {
+        agent::run(host, sandbox, address, op, output).boxed()
+    }
+
+    fn shut_down<'a>(&'a self, host: &'a Host) -> BoxFuture<'a, ()> {
+        async move {
+            // Sandboxes outlive hostd and keep their table; a hostd holding none leaves no
+            // table behind (the next start installs it again).
+            if host.snapshot().is_empty() {
+                if let Err(e) = self.firewall.uninstall().await {
+                    tracing::warn!(error = %e.report(), "firewall table not removed");
+                }
+            }
+        }
+        .boxed()
+    }
+}
+
+/// Pings until the agent answers, the container dies, or [`AGENT_READY_TIMEOUT`] passes.
+async fn wait_for_agent(
+    runtime: &dyn RuntimeDriver,
+    address: SocketAddr,
+    container_id: &str,
+    console_log: PathBuf,
+) -> Result<(), HostdError> {
+    let deadline = Instant::now() + AGENT_READY_TIMEOUT;
+    let mut polls = 0u32;
+    loop {
+        if client::ping(address).await.is_ok() {
+            return Ok(());
+        }
+        polls += 1;
+        if polls.is_multiple_of(STATUS_CHECK_EVERY)
+            && runtime.status(container_id).await? != Some(ContainerStatus::Running)
+        {
+            return Err(HostdError::ContainerExited {
+                container_id: container_id.to_owned(),
+                console_tail: console_tail(&console_log),
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(HostdError::AgentTimeout {
+                address,
+                waited: AGENT_READY_TIMEOUT,
+            });
+        }
+        tokio::time::sleep(AGENT_POLL_INTERVAL).await;
+    }
+}
