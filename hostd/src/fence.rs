@@ -53,16 +53,22 @@ mod tests {
             sandbox_id: SandboxId::new(),
             generation: Generation(generation),
             kind,
-            spec: SandboxSpec {
+            spec: Some(SandboxSpec {
                 org_id: OrgId::new(),
                 template: "base".into(),
                 resources: Default::default(),
-            },
+                runtime: Default::default(),
+            }),
         }
     }
 
     fn record_applied_at(cmd: &Command) -> SandboxRecord {
-        let mut r = SandboxRecord::new(cmd.sandbox_id, cmd.spec.clone(), "runc", Generation(1));
+        let mut r = SandboxRecord::new(
+            cmd.sandbox_id,
+            cmd.spec.clone().unwrap(),
+            "runc",
+            Generation(1),
+        );
         r.remember(StoredResult {
             command_id: cmd.id,
             generation: cmd.generation,

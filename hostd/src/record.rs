@@ -293,6 +293,7 @@ mod tests {
                     vcpus: 1,
                     memory_mib: 128,
                 },
+                runtime: Default::default(),
             },
             "runc",
             Generation(1),

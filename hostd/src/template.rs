@@ -366,22 +366,6 @@ pub async fn build_cached(name: &str, cache: &Path) -> Result<PathBuf, HostdErro
         .await
 }
 
-impl Templates {
-    /// The runtime template `name` runs in: the registry's, else an imported template's.
-    ///
-    /// Errors: [`HostdError::UnknownTemplate`]; [`HostdError::UnsupportedRuntime`] for an
-    /// imported template naming a runtime this build lacks.
-    pub fn runtime_of(&self, name: &str) -> Result<&'static str, HostdError> {
-        match lookup(name) {
-            Ok(def) => Ok(def.runtime),
-            Err(unknown) => match read_imported(&self.cache, name) {
-                Some(meta) => known_runtime(&meta.runtime),
-                None => Err(unknown),
-            },
-        }
-    }
-}
-
 /// Where debootstrap fetches packages from: the mirror and suite apt uses on this machine.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DebianSource {
@@ -654,10 +638,8 @@ mod tests {
         assert_eq!(fs::read(rootfs.join("etc/motd")).unwrap(), b"hi\n");
 
         let templates = Templates::new(dir.join("own"), cache.clone());
-        assert_eq!(templates.runtime_of("mine").unwrap(), RUNSC);
         assert_eq!(templates.ensure("mine").await.unwrap(), rootfs);
-        assert_eq!(templates.runtime_of(BASE_TEMPLATE).unwrap(), RUNC);
-        assert!(templates.runtime_of("other").is_err());
+        assert!(templates.ensure("other").await.is_err());
 
         // Refused: the same name again, a built-in name, a bad name, an unknown runtime.
         assert!(import_rootfs("mine", &tarball, RUNC, "", &cache).is_err());

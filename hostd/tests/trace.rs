@@ -12,7 +12,7 @@ use async_nats::HeaderMap;
 use berth_hostd::runtime::sim::SIM;
 use berth_hostd::HostdConfig;
 use berth_schemas::trace::{TraceParent, TRACEPARENT};
-use berth_schemas::wire::{self, Command, CommandResult, Resources, SandboxSpec};
+use berth_schemas::wire::{self, Command, CommandResult, Resources, Runtime, SandboxSpec};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -111,14 +111,15 @@ fn command(sandbox: SandboxId, kind: CommandKind, generation: Generation) -> Com
         sandbox_id: sandbox,
         generation,
         kind,
-        spec: SandboxSpec {
+        spec: Some(SandboxSpec {
             org_id: OrgId::new(),
             template: "base".into(),
             resources: Resources {
                 vcpus: 1,
                 memory_mib: 256,
             },
-        },
+            runtime: Runtime::Runc,
+        }),
     }
 }
 

@@ -439,14 +439,8 @@ async fn reconcile_inventory(
             // Never older than what the host applied, so its fence lets the command through.
             generation: item.generation.max(row_generation),
             kind,
-            // TEMPORARY until the wire carries an optional spec: a purged row leaves none.
-            spec: item.row.as_ref().map(|r| r.spec.clone()).unwrap_or(
-                berth_schemas::wire::SandboxSpec {
-                    org_id: berth_schemas::OrgId(uuid::Uuid::nil()),
-                    template: String::new(),
-                    resources: Default::default(),
-                },
-            ),
+            // A purged row leaves no spec; the host destroys from its own record.
+            spec: item.row.as_ref().map(|r| r.spec.clone()),
         };
         commands::insert(&mut tx, item.host, &command).await?;
         warn!(sandbox_id = %item.sandbox, host_id = %item.host, command = %kind,

@@ -298,7 +298,7 @@ async fn compensate(
         sandbox_id: row.id,
         generation: row.generation,
         kind,
-        spec: row.spec(),
+        spec: Some(row.spec()),
     };
     commands::insert(conn, result.host_id, &command).await?;
     metrics::counter!("berth_compensations_total", "kind" => kind.as_str()).increment(1);

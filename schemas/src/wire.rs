@@ -15,7 +15,10 @@ use crate::ids::{CommandId, Generation, HostId, OrgId, SandboxId};
 use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
-pub const WIRE_VERSION: u16 = 1;
+///
+/// Version 2 (this one): a command's spec is optional and names the sandbox's runtime. Version
+/// 1 bytes are refused (every component of a deployment runs the same build).
+pub const WIRE_VERSION: u16 = 2;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -65,13 +68,52 @@ pub struct Resources {
     pub memory_mib: u32,
 }
 
+/// The OCI runtime a sandbox runs in, as its template names it in Postgres (`templates.runtime`,
+/// copied to `sandboxes.runtime` at create). Append-only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Runtime {
+    /// runc: a stop keeps the disk only.
+    #[default]
+    Runc,
+    /// runsc (gVisor): a stop checkpoints memory too.
+    Runsc,
+}
+
+impl Runtime {
+    /// Every runtime.
+    pub const ALL: [Runtime; 2] = [Runtime::Runc, Runtime::Runsc];
+
+    /// The spelling of `templates.runtime` and of hostd's drivers (`runc`, `runsc`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Runtime::Runc => "runc",
+            Runtime::Runsc => "runsc",
+        }
+    }
+}
+
+impl std::str::FromStr for Runtime {
+    type Err = crate::state::UnknownState;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Runtime::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| crate::state::UnknownState(s.to_owned()))
+    }
+}
+
 /// What a host needs to build or boot a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxSpec {
+    /// The org the sandbox belongs to.
     pub org_id: OrgId,
     /// Template name (`base`, …).
     pub template: String,
+    /// Its size.
     pub resources: Resources,
+    /// The runtime its template names (hostd records written before this field read as runc).
+    #[serde(default)]
+    pub runtime: Runtime,
 }
 
 /// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.
@@ -83,8 +125,9 @@ pub struct Command {
     pub generation: Generation,
     pub kind: CommandKind,
     /// The sandbox's spec: a host needs it for `Create`, and for `Start` when it has no local
-    /// record (for instance a start after a failed create).
-    pub spec: SandboxSpec,
+    /// record (for instance a start after a failed create). `None` only for a `Delete` of a
+    /// container whose row was purged (the host reported it, so it has its own record).
+    pub spec: Option<SandboxSpec>,
 }
 
 /// How a stop kept the sandbox.
@@ -332,14 +375,15 @@ mod tests {
             sandbox_id: SandboxId(uuid(2)),
             generation: Generation(3),
             kind: CommandKind::Start,
-            spec: SandboxSpec {
+            spec: Some(SandboxSpec {
                 org_id: OrgId(uuid(4)),
                 template: "base".into(),
                 resources: Resources {
                     vcpus: 2,
                     memory_mib: 512,
                 },
-            },
+                runtime: Runtime::Runsc,
+            }),
         }
     }
 
@@ -352,10 +396,12 @@ mod tests {
     const U2: &str = "1002020202020202020202020202020202";
 
     #[test]
-    fn command_golden_bytes_v1() {
+    fn command_golden_bytes_v2() {
         let bytes = encode(&sample_command());
+        // version 2, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
+        // runsc })
         let expected = format!(
-            "01{U1}{U2}0601{org}0462617365028004",
+            "02{U1}{U2}060101{org}046261736502800401",
             org = "1004040404040404040404040404040404"
         );
         assert_eq!(hex(&bytes), expected);
@@ -363,7 +409,24 @@ mod tests {
     }
 
     #[test]
-    fn result_golden_bytes_v1() {
+    fn a_version_1_command_is_refused() {
+        // The version-1 bytes of the same command (no runtime, a spec that was not optional).
+        let v1 = format!(
+            "01{U1}{U2}0601{org}0462617365028004",
+            org = "1004040404040404040404040404040404"
+        );
+        let bytes: Vec<u8> = (0..v1.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&v1[i..i + 2], 16).unwrap())
+            .collect();
+        assert!(matches!(
+            decode::<Command>(&bytes),
+            Err(WireError::UnsupportedVersion { found: 1 })
+        ));
+    }
+
+    #[test]
+    fn result_golden_bytes_v2() {
         let result = CommandResult {
             command_id: CommandId(uuid(1)),
             sandbox_id: SandboxId(uuid(2)),
@@ -377,7 +440,7 @@ mod tests {
         };
         let bytes = encode(&result);
         let expected = format!(
-            "01{U1}{U2}{U5}0602000108{ip}0101",
+            "02{U1}{U2}{U5}0602000108{ip}0101",
             U5 = "1005050505050505050505050505050505",
             ip = hex(b"10.1.0.2")
         );
@@ -386,7 +449,7 @@ mod tests {
     }
 
     #[test]
-    fn heartbeat_golden_bytes_v1() {
+    fn heartbeat_golden_bytes_v2() {
         let hb = Heartbeat {
             host_id: HostId(uuid(5)),
             name: "h".into(),
@@ -408,7 +471,7 @@ mod tests {
         };
         let bytes = encode(&hb);
         let expected = format!(
-            "01{U5}0168ac0208800800000104{runc}0001{U2}0201",
+            "02{U5}0168ac0208800800000104{runc}0001{U2}0201",
             U5 = "1005050505050505050505050505050505",
             runc = hex(b"runc")
         );
@@ -467,7 +530,8 @@ mod tests {
             argv: vec!["echo".into(), "hi".into()],
             timeout_ms: 1000,
         };
-        let bytes = encode(&req);
+        // Frozen as version-1 bytes: the envelope's version byte, then the body.
+        let bytes = [&[1u8][..], &postcard::to_stdvec(&req).unwrap()].concat();
         assert_eq!(
             hex(&bytes),
             format!(
@@ -483,12 +547,16 @@ mod tests {
             timed_out: true,
         };
         // i32 is zig-zag encoded: -1 → 1.
-        assert_eq!(hex(&encode(&reply)), "010001016100".to_owned() + "01");
-        assert_eq!(decode::<ExecReply>(&encode(&reply)).unwrap(), reply);
+        let bytes = [&[1u8][..], &postcard::to_stdvec(&reply).unwrap()].concat();
+        assert_eq!(hex(&bytes), "010001016100".to_owned() + "01");
+        assert_eq!(
+            postcard::from_bytes::<ExecReply>(&bytes[1..]).unwrap(),
+            reply
+        );
     }
 
     #[test]
-    fn agent_golden_bytes_v1() {
+    fn agent_golden_bytes_v2() {
         let req = AgentRequest {
             sandbox_id: SandboxId(uuid(2)),
             op: AgentOp::Exec(ExecSpec {
@@ -503,7 +571,7 @@ mod tests {
         assert_eq!(
             hex(&bytes),
             format!(
-                "01{U2}000103{cat}0101{a}01{b}01012f017805",
+                "02{U2}000103{cat}0101{a}01{b}01012f017805",
                 cat = hex(b"cat"),
                 a = "41",
                 b = "62"
@@ -518,7 +586,7 @@ mod tests {
                 len: 2,
             },
         };
-        assert_eq!(hex(&encode(&read)), format!("01{U2}02022f660102"));
+        assert_eq!(hex(&encode(&read)), format!("02{U2}02022f660102"));
         let reply = AgentReply::Exec {
             exit_code: 137,
             stdout: vec![],
@@ -527,12 +595,12 @@ mod tests {
             oom_killed: true,
         };
         // 137 zig-zags to 274 = varint 92 02.
-        assert_eq!(hex(&encode(&reply)), "01009202000000".to_owned() + "01");
+        assert_eq!(hex(&encode(&reply)), "02009202000000".to_owned() + "01");
         let output = AgentReply::Output {
             fd: 2,
             data: b"e".to_vec(),
         };
-        assert_eq!(hex(&encode(&output)), "0107020165");
+        assert_eq!(hex(&encode(&output)), "0207020165");
         let stream = AgentOp::ExecStream(ExecSpec {
             argv: vec![],
             env: vec![],
@@ -540,22 +608,22 @@ mod tests {
             stdin: vec![],
             timeout_ms: 1,
         });
-        assert_eq!(hex(&encode(&stream)), "01060000000001");
+        assert_eq!(hex(&encode(&stream)), "02060000000001");
         let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
-        assert_eq!(hex(&encode(&failed)), "010603ac02");
+        assert_eq!(hex(&encode(&failed)), "020603ac02");
         assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);
     }
 
     #[test]
     fn an_unknown_version_is_refused_not_misread() {
         let mut bytes = encode(&sample_command());
-        bytes[0] = 2;
+        bytes[0] = 3;
         assert!(matches!(
             decode::<Command>(&bytes),
-            Err(WireError::UnsupportedVersion { found: 2 })
+            Err(WireError::UnsupportedVersion { found: 3 })
         ));
         assert!(matches!(
-            decode::<Command>(&[1, 0xff]),
+            decode::<Command>(&[2, 0xff]),
             Err(WireError::Malformed(_))
         ));
     }

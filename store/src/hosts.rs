@@ -497,7 +497,7 @@ pub async fn unwanted_containers(
             "SELECT h.id AS host_id, (i->>'sandbox_id')::uuid AS sandbox_id,
                     (i->>'generation')::int8 AS item_generation,
                     s.id IS NOT NULL AS known, s.state, s.generation, s.org_id, s.template,
-                    s.vcpus, s.memory_mib, s.host_id = h.id AS same_host
+                    s.vcpus, s.memory_mib, s.runtime, s.host_id = h.id AS same_host
                FROM hosts h
               CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
                LEFT JOIN sandboxes s ON s.id = (i->>'sandbox_id')::uuid
@@ -536,6 +536,9 @@ pub async fn unwanted_containers(
                             r.try_get("vcpus").map_err(get)?,
                             r.try_get("memory_mib").map_err(get)?,
                         ),
+                        runtime: crate::sandboxes::runtime(
+                            &r.try_get::<String, _>("runtime").map_err(get)?,
+                        )?,
                     },
                 })
             } else {

@@ -1,6 +1,7 @@
 //! The `templates` table: the registry of template names and the runtime each runs on. Written
 //! by migrations (the built-in templates) and by `berth template import`; read by creates.
 
+use berth_schemas::wire::Runtime;
 use sqlx::PgExecutor;
 
 use crate::op::{timed, Op};
@@ -15,6 +16,16 @@ pub struct TemplateRow {
     pub description: String,
     /// `runc` or `runsc`.
     pub runtime: String,
+}
+
+impl TemplateRow {
+    /// The runtime as the wire names it.
+    ///
+    /// Errors: [`StoreError::Corrupt`] for a spelling this build does not know (the table's
+    /// CHECK allows only `runc` and `runsc`).
+    pub fn runtime(&self) -> Result<Runtime, StoreError> {
+        crate::sandboxes::runtime(&self.runtime)
+    }
 }
 
 /// The template named `name`, or `None`.

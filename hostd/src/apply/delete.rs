@@ -31,13 +31,19 @@ pub async fn delete(
     host.backend.tear_down(host, id, link).await?;
     host.allocator.release(id);
     remove_sandbox_dir(&host.layout.sandbox(id)).await?;
-    let mut tombstone = record.unwrap_or_else(|| super::new_record(host, cmd));
-    tombstone.phase = Phase::Deleted;
-    tombstone.link = None;
+    // Without a record and without a spec (a purged row's destroy of a container this host no
+    // longer has a record for) there is nothing to keep: no tombstone.
+    let tombstone = record
+        .or_else(|| super::new_record(host, cmd))
+        .map(|mut tombstone| {
+            tombstone.phase = Phase::Deleted;
+            tombstone.link = None;
+            tombstone
+        });
     tracing::info!("sandbox deleted");
     let outcome = ResultOutcome::Succeeded {
         address: None,
         last_stop: None,
     };
-    Ok((Some(tombstone), outcome))
+    Ok((tombstone, outcome))
 }

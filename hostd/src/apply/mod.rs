@@ -24,7 +24,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use berth_schemas::trace::TraceParent;
-use berth_schemas::wire::{Command, CommandResult, ResultOutcome};
+use berth_schemas::wire::{Command, CommandResult, ResultOutcome, SandboxSpec};
+
+use crate::DEFAULT_RUNTIME;
 use berth_schemas::CommandKind;
 use tracing::Instrument;
 
@@ -33,7 +35,6 @@ use crate::fence::{self, Fence};
 use crate::host::Host;
 use crate::metrics::{self, CommandOutcome};
 use crate::record::{SandboxRecord, StoredResult};
-use crate::DEFAULT_RUNTIME;
 
 /// What to do with a command message after [`apply`].
 #[derive(Debug)]
@@ -99,11 +100,11 @@ pub async fn apply(host: &Arc<Host>, cmd: &Command, trace: &ApplyTrace) -> Appli
     );
     let started = Instant::now();
     let applied = apply_inner(host, cmd).instrument(span).await;
-    metrics::runtime_operation(
-        runtime_name(host, cmd),
-        operation(cmd.kind),
-        started.elapsed(),
-    );
+    let runtime = cmd
+        .spec
+        .as_ref()
+        .map_or(DEFAULT_RUNTIME, |spec| runtime_name(host, spec));
+    metrics::runtime_operation(runtime, operation(cmd.kind), started.elapsed());
     match &applied {
         Applied::Respond { outcome, .. } => metrics::command(cmd.kind, *outcome),
         Applied::Retry { .. } => metrics::command(cmd.kind, CommandOutcome::Retried),
@@ -186,25 +187,24 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     }
 }
 
-/// A new record for `cmd`'s sandbox, in the runtime its template names.
-fn new_record(host: &Host, cmd: &Command) -> SandboxRecord {
-    SandboxRecord::new(
+/// A new record for `cmd`'s sandbox, in the runtime its spec names; `None` when the command
+/// carries no spec (a destroy of a container whose row was purged).
+fn new_record(host: &Host, cmd: &Command) -> Option<SandboxRecord> {
+    let spec = cmd.spec.clone()?;
+    let runtime = runtime_name(host, &spec);
+    Some(SandboxRecord::new(
         cmd.sandbox_id,
-        cmd.spec.clone(),
-        runtime_name(host, cmd),
+        spec,
+        runtime,
         cmd.generation,
-    )
+    ))
 }
 
-/// The runtime a command's sandbox runs in: the driver this host hands out for its
-/// template's runtime (on a sim host, `sim`); the template's runtime when this host lacks it,
-/// and [`DEFAULT_RUNTIME`] for an unknown template (whose create fails at the template step
-/// anyway).
-fn runtime_name(host: &Host, cmd: &Command) -> &'static str {
-    let wanted = host
-        .templates
-        .runtime_of(&cmd.spec.template)
-        .unwrap_or(DEFAULT_RUNTIME);
+/// The runtime a sandbox runs in: the driver this host hands out for the runtime its spec
+/// names (the template's, from Postgres; on a sim host, `sim`), or that name when this host
+/// lacks it (the bring-up then fails with `UnsupportedRuntime`).
+fn runtime_name(host: &Host, spec: &SandboxSpec) -> &'static str {
+    let wanted = spec.runtime.as_str();
     host.runtimes
         .get(wanted)
         .map_or(wanted, |driver| driver.name())

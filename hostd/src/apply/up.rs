@@ -28,7 +28,13 @@ pub async fn up(
             let fresh = r.phase == Phase::Creating;
             (r, fresh)
         }
-        None => (super::new_record(host, cmd), true),
+        None => match super::new_record(host, cmd) {
+            Some(r) => (r, true),
+            None => {
+                let reason = "no local record, and the command carries no spec".to_owned();
+                return (None, ResultOutcome::Failed { reason });
+            }
+        },
     };
     let mut cleanup = CleanupStack::new();
     let started = Instant::now();

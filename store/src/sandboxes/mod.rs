@@ -9,7 +9,7 @@
 //!   the event (guarantee 1).
 //! - Org scoping (guarantee 7): [`get`], [`lock`] and [`list`] take the caller's org.
 
-use berth_schemas::wire::{Command, Resources, SandboxSpec, StopMode};
+use berth_schemas::wire::{Command, Resources, Runtime, SandboxSpec, StopMode};
 use berth_schemas::{
     CommandId, CommandKind, Generation, HostId, OrgId, Reason, SandboxId, SandboxState,
 };
@@ -23,7 +23,7 @@ use crate::{commands, StoreError};
 
 /// The columns [`SandboxRow::from_row`] reads, unqualified (select from `sandboxes`).
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
-     holds_capacity, vcpus, memory_mib, metadata, address, last_stop, created_at, updated_at, \
+     holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
@@ -56,6 +56,8 @@ pub struct SandboxRow {
     pub holds_capacity: bool,
     /// Its size: whole vCPUs and MiB (the `vcpus` and `memory_mib` columns).
     pub resources: Resources,
+    /// The runtime its template named at create.
+    pub runtime: Runtime,
     /// The user's metadata object.
     pub metadata: serde_json::Value,
     /// Its IPv4 address while running.
@@ -95,6 +97,7 @@ impl SandboxRow {
                 row.try_get("vcpus").map_err(get)?,
                 row.try_get("memory_mib").map_err(get)?,
             ),
+            runtime: runtime(&row.try_get::<String, _>("runtime").map_err(get)?)?,
             metadata: row.try_get("metadata").map_err(get)?,
             address: row.try_get("address").map_err(get)?,
             last_stop: last_stop.as_deref().map(stop_mode).transpose()?,
@@ -117,6 +120,7 @@ impl SandboxRow {
             org_id: self.org_id,
             template: self.template.clone(),
             resources: self.resources,
+            runtime: self.runtime,
         }
     }
 }
@@ -145,6 +149,11 @@ fn stop_mode(s: &str) -> Result<StopMode, StoreError> {
         .ok_or_else(|| corrupt("sandboxes.last_stop", s))
 }
 
+/// A `runtime` column's value (`runc`, `runsc`).
+pub(crate) fn runtime(s: &str) -> Result<Runtime, StoreError> {
+    s.parse().map_err(|e| corrupt("runtime", e))
+}
+
 fn corrupt(column: &'static str, message: impl std::fmt::Display) -> StoreError {
     StoreError::Corrupt {
         column,
@@ -163,6 +172,8 @@ pub struct NewSandbox {
     pub org_id: OrgId,
     /// The template to provision from (a `templates.name`, already checked to exist).
     pub template: String,
+    /// The runtime the template names.
+    pub runtime: Runtime,
     /// The host placement chose; its capacity is already reserved in this transaction.
     pub host_id: HostId,
     /// Its size: whole vCPUs and MiB.
@@ -190,8 +201,8 @@ pub async fn create(
         sqlx::query(&format!(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
-                                    auto_delete_minutes)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11)
+                                    auto_delete_minutes, runtime)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -205,6 +216,7 @@ pub async fn create(
         .bind(&new.metadata)
         .bind(new.auto_stop_minutes)
         .bind(new.auto_delete_minutes)
+        .bind(new.runtime.as_str())
         .fetch_one(&mut *conn),
     )
     .await?;
@@ -214,7 +226,7 @@ pub async fn create(
         sandbox_id: id,
         generation,
         kind: CommandKind::Create,
-        spec: row.spec(),
+        spec: Some(row.spec()),
     };
     commands::insert(&mut *conn, new.host_id, &command).await?;
     events::insert(

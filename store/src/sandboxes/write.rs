@@ -93,7 +93,7 @@ pub async fn write_transition(
             sandbox_id: row.id,
             generation,
             kind,
-            spec: row.spec(),
+            spec: Some(row.spec()),
         };
         commands::insert(&mut *conn, host, &command).await?;
         command_id = Some(command.id);
