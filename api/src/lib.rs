@@ -12,10 +12,8 @@ pub mod error;
 pub mod event_relay;
 pub mod event_stream;
 pub mod events;
-pub mod exec;
-pub mod exec_stream;
-pub mod files;
 pub mod hosts;
+pub mod http;
 pub mod idempotency;
 pub mod metrics;
 pub mod model;
@@ -114,17 +112,17 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/v1/sandboxes/{id}/start", post(sandboxes::start))
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
-        .route("/v1/sandboxes/{id}/exec", post(exec::exec))
+        .route("/v1/sandboxes/{id}/exec", post(http::exec::exec))
         .route(
             "/v1/sandboxes/{id}/exec/stream",
-            post(exec_stream::exec_stream),
+            post(http::exec_stream::exec_stream),
         )
         .route(
             "/v1/sandboxes/{id}/files",
-            get(files::get)
-                .put(files::put)
+            get(http::files::get)
+                .put(http::files::put)
                 .layer(axum::extract::DefaultBodyLimit::max(
-                    files::MAX_FILE_BYTES as usize,
+                    http::files::MAX_FILE_BYTES as usize,
                 )),
         )
         .route("/v1/sandboxes/{id}/events", get(sandboxes::events))

@@ -5,7 +5,8 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::{exec, files, hosts, model, sandboxes};
+use crate::http::{exec, files};
+use crate::{hosts, model, sandboxes};
 
 /// The API description, with the lifecycle table.
 const DESCRIPTION: &str = r#"Berth: create isolated Linux sandboxes, run code in them, stop, start and delete them.
@@ -94,7 +95,7 @@ struct EventsDoc;
 /// The file routes and the streamed exec.
 #[derive(OpenApi)]
 #[openapi(
-    paths(files::get, files::put, crate::exec_stream::exec_stream),
+    paths(files::get, files::put, crate::http::exec_stream::exec_stream),
     components(schemas(files::DirectoryListing, files::FileEntry, files::FileWritten))
 )]
 struct FilesDoc;

@@ -251,12 +251,12 @@ async fn run(
                         .timeout(Some(wait)),
                 )
                 .await
-                .map_err(|e| crate::files::host_unavailable(host, wait, e))?;
+                .map_err(|e| crate::http::files::host_unavailable(host, wait, e))?;
             let reply: ExecReply = wire::decode(&reply.payload)
                 .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
             return Ok((reply, false));
         }
-        Err(e) => return Err(crate::files::host_unavailable(host, wait, e)),
+        Err(e) => return Err(crate::http::files::host_unavailable(host, wait, e)),
     };
     let reply: AgentReply = wire::decode(&reply.payload)
         .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;

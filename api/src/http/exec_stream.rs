@@ -34,7 +34,7 @@ use tracing::instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::exec::{exec_spec, not_running, running_host, EXEC_REPLY_GRACE};
+use crate::http::exec::{exec_spec, not_running, running_host, EXEC_REPLY_GRACE};
 use crate::model::ExecBody;
 use crate::AppState;
 
