@@ -109,10 +109,13 @@ async fn listen(db: &PgPool) -> Result<PgListener, sqlx::Error> {
 
 /// One message of a batch: `key` says which row it came from.
 pub(crate) struct Outgoing<K> {
+    /// Names the row the message came from (returned when acked or failed).
     pub key: K,
+    /// The JetStream subject.
     pub subject: String,
     /// Carries `Nats-Msg-Id` = the row's id, and whatever else the kind needs.
     pub headers: HeaderMap,
+    /// The message body.
     pub payload: Bytes,
     /// The span the publish runs in.
     pub span: Span,

@@ -17,6 +17,7 @@ use super::ServiceError;
 /// A request's key and the fingerprint of what it asked (method, path, body bytes).
 #[derive(Debug, Clone)]
 pub struct IdempotencyKey {
+    /// The key as the client sent it.
     pub key: String,
     fingerprint: Vec<u8>,
 }
@@ -39,7 +40,9 @@ impl IdempotencyKey {
 /// layer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredResponse {
+    /// The HTTP status code.
     pub status: u16,
+    /// The JSON body.
     pub body: serde_json::Value,
 }
 

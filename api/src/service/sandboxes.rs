@@ -154,6 +154,7 @@ pub struct ListFilter {
 /// A page of sandboxes, newest first, and the cursor of the next page.
 #[derive(Debug, Clone)]
 pub struct Page {
+    /// At most the page size, newest first.
     pub sandboxes: Vec<Sandbox>,
     /// The id to pass as [`ListFilter::before`] for the next page; `None` on the last page.
     pub next: Option<SandboxId>,

@@ -194,10 +194,13 @@ pub async fn deliveries(
 /// An active webhook as the fan-out reads it.
 #[derive(Debug, Clone)]
 pub struct FanOutTarget {
+    /// The webhook.
     pub id: WebhookId,
+    /// Its org: it receives only this org's events.
     pub org_id: OrgId,
     /// Full CloudEvent types; empty: every type.
     pub event_types: Vec<String>,
+    /// The publish position of the last event fanned out to it.
     pub cursor_seq: i64,
 }
 
