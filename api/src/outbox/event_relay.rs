@@ -1,7 +1,7 @@
 //! The event half of the outbox relay: publishes committed `events` rows as CloudEvents on
 //! `{p}.events.sandbox.<org>.<sandbox>` (stream `{P}_EVENTS`), and the `webhook.disabled`
 //! event a disabled webhook's row carries on `{p}.events.webhook.<org>.<webhook>`. Runs in the
-//! relay loop ([`crate::relay::run`]) after the commands.
+//! relay loop ([`super::run`]) after the commands.
 //!
 //! # Guarantees
 //! - At least once, exactly as for commands: a row is marked published only after JetStream

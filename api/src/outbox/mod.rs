@@ -9,8 +9,8 @@
 //! - Woken by `LISTEN berth_outbox` (a trigger notifies on insert), with a polling fallback of
 //!   [`POLL_INTERVAL`] in case a notification is lost while the listener reconnects.
 //!
-//! One round: claim a batch, publish it pipelined ([`publish_all`]: every publish sent, then
-//! every ack awaited), mark what was acked, repeat until nothing is left; commands first, then
+//! One round: claim a batch, publish it pipelined (one shared pipeline: every publish sent,
+//! then every ack awaited), mark what was acked, repeat until nothing is left; commands first, then
 //! events.
 
 pub mod event_relay;
