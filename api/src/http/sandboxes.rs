@@ -11,7 +11,7 @@ use berth_schemas::state::Request;
 use berth_schemas::{SandboxId, SandboxState};
 use serde::Deserialize;
 
-pub(crate) use super::extract::json_error;
+use super::extract::json_error;
 use super::extract::parse_path_id;
 use super::idempotency::{render_replayable, stored, Idempotency};
 use crate::auth::Caller;
