@@ -1,139 +1,24 @@
-//! API keys: bearer tokens stored only as SHA-256 hashes, and the [`Caller`] extractor that
-//! resolves a request's key to its org.
-//!
-//! Key format: `berth_` followed by 43 URL-safe base64 characters (32 random bytes). The key
-//! is shown once, when created; only its hash and first characters are kept.
+//! The [`Caller`] and [`Admin`] extractors: resolve a request's bearer key to its org (or to
+//! an operator). Keys themselves (creation, hashing, lookup) are [`crate::service::keys`],
+//! re-exported here.
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
-use base64::Engine;
 use berth_schemas::{ApiKeyId, OrgId};
-use rand::RngCore;
-use sha2::{Digest, Sha256};
-use sqlx::{PgPool, Row};
+
+pub use crate::service::keys::{
+    authenticate, create_admin_key, create_key, create_org, generate_key, CreateOrgError,
+    Principal, KEY_PREFIX,
+};
 
 use crate::error::ApiError;
 use crate::AppState;
-
-/// Every key starts with this.
-pub const KEY_PREFIX: &str = "berth_";
-/// How many characters of a key are kept in clear, to tell keys apart.
-const SHOWN_PREFIX_LEN: usize = 10;
 
 /// The authenticated caller of a request.
 #[derive(Debug, Clone, Copy)]
 pub struct Caller {
     pub org_id: OrgId,
     pub key_id: ApiKeyId,
-}
-
-fn hash(key: &str) -> Vec<u8> {
-    Sha256::digest(key.as_bytes()).to_vec()
-}
-
-/// A new random key (not yet stored).
-pub fn generate_key() -> String {
-    let mut bytes = [0u8; 32];
-    rand::rng().fill_bytes(&mut bytes);
-    format!(
-        "{KEY_PREFIX}{}",
-        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
-    )
-}
-
-/// Errors of [`create_org`].
-#[derive(Debug, thiserror::Error)]
-pub enum CreateOrgError {
-    #[error("an org named {0:?} already exists")]
-    Exists(String),
-    #[error("org name must be 1 to 64 characters")]
-    InvalidName,
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
-}
-
-/// Creates an org and its first API key; returns the org id and the key, which is shown only
-/// now (only its hash is stored).
-pub async fn create_org(db: &PgPool, name: &str) -> Result<(OrgId, String), CreateOrgError> {
-    let name = name.trim();
-    if name.is_empty() || name.chars().count() > 64 {
-        return Err(CreateOrgError::InvalidName);
-    }
-    let mut tx = db.begin().await?;
-    let org = OrgId::new();
-    let inserted =
-        sqlx::query("INSERT INTO orgs (id, name) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
-            .bind(org)
-            .bind(name)
-            .execute(&mut *tx)
-            .await?;
-    if inserted.rows_affected() == 0 {
-        return Err(CreateOrgError::Exists(name.to_owned()));
-    }
-    let key = create_key_in(&mut tx, org).await?;
-    tx.commit().await?;
-    Ok((org, key))
-}
-
-/// Creates another key for an existing org; returns it (shown once).
-pub async fn create_key(db: &PgPool, org: OrgId) -> Result<String, sqlx::Error> {
-    let mut tx = db.begin().await?;
-    let key = create_key_in(&mut tx, org).await?;
-    tx.commit().await?;
-    Ok(key)
-}
-
-async fn create_key_in(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    org: OrgId,
-) -> Result<String, sqlx::Error> {
-    let key = generate_key();
-    sqlx::query("INSERT INTO api_keys (id, org_id, key_hash, prefix) VALUES ($1, $2, $3, $4)")
-        .bind(ApiKeyId::new())
-        .bind(org)
-        .bind(hash(&key))
-        .bind(&key[..SHOWN_PREFIX_LEN])
-        .execute(&mut **tx)
-        .await?;
-    Ok(key)
-}
-
-/// Who a key belongs to.
-#[derive(Debug, Clone, Copy)]
-pub struct Principal {
-    pub key_id: ApiKeyId,
-    /// The org of an org key; `None` for an operator (admin) key.
-    pub org_id: Option<OrgId>,
-    pub is_admin: bool,
-}
-
-/// Resolves a key; `None` for an unknown or revoked key.
-pub async fn authenticate(db: &PgPool, key: &str) -> Result<Option<Principal>, sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT id, org_id, is_admin FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL",
-    )
-    .bind(hash(key))
-    .fetch_optional(db)
-    .await?;
-    Ok(row.map(|r| Principal {
-        key_id: r.get("id"),
-        org_id: r.get("org_id"),
-        is_admin: r.get("is_admin"),
-    }))
-}
-
-/// Creates an operator key (no org; only the `/v1/hosts` routes accept it). Shown once.
-pub async fn create_admin_key(db: &PgPool) -> Result<String, sqlx::Error> {
-    let key = generate_key();
-    sqlx::query(
-        "INSERT INTO api_keys (id, org_id, key_hash, prefix, is_admin) VALUES ($1, NULL, $2, $3, true)",
-    )
-    .bind(ApiKeyId::new())
-    .bind(hash(&key))
-    .bind(&key[..SHOWN_PREFIX_LEN])
-    .execute(db)
-    .await?;
-    Ok(key)
 }
 
 async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiError> {
@@ -184,20 +69,5 @@ impl FromRequestParts<AppState> for Admin {
             ));
         }
         Ok(Admin { key_id: p.key_id })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_are_long_random_and_prefixed() {
-        let a = generate_key();
-        let b = generate_key();
-        assert!(a.starts_with(KEY_PREFIX));
-        assert_eq!(a.len(), KEY_PREFIX.len() + 43);
-        assert_ne!(a, b);
-        assert_ne!(hash(&a), hash(&b));
     }
 }

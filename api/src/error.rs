@@ -8,6 +8,8 @@ use berth_schemas::SandboxState;
 use serde_json::json;
 use tracing::error;
 
+use crate::service::ServiceError;
+
 /// Every error an API route returns.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -86,6 +88,29 @@ impl ApiError {
         ApiError::InvalidRequest {
             field: Some(field.to_owned()),
             message: message.into(),
+        }
+    }
+}
+
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
+        match e {
+            ServiceError::NotFound(what) => ApiError::NotFound(what),
+            ServiceError::QuotaExceeded { limit, value } => {
+                ApiError::QuotaExceeded { limit, value }
+            }
+            ServiceError::UnknownTemplate(name) => ApiError::UnknownTemplate(name),
+            ServiceError::IdempotencyKeyReused(key) => ApiError::IdempotencyKeyReused(key),
+            ServiceError::NoCapacity { vcpus, memory_mib } => {
+                ApiError::NoCapacity { vcpus, memory_mib }
+            }
+            ServiceError::Conflict { state, message } => ApiError::Conflict { state, message },
+            ServiceError::HostConflict { state, message } => {
+                ApiError::HostConflict { state, message }
+            }
+            e @ ServiceError::TooManyWebhooks { .. } => ApiError::invalid("url", e.to_string()),
+            ServiceError::Internal(cause) => ApiError::Internal(cause),
+            ServiceError::Database(e) => e.into(),
         }
     }
 }

@@ -9,6 +9,7 @@ use sqlx::Row;
 use utoipa::ToSchema;
 
 use crate::error::ApiError;
+use crate::service::ServiceError;
 
 /// The template used when a create names none.
 pub const DEFAULT_TEMPLATE: &str = "base";
@@ -182,13 +183,16 @@ pub const SANDBOX_COLUMNS: &str = "id, state, state_reason, template, host_id, g
 
 impl Sandbox {
     /// Reads a row selected with [`SANDBOX_COLUMNS`].
-    pub fn from_row(row: &PgRow) -> Result<Self, ApiError> {
+    ///
+    /// Errors: [`ServiceError::Database`] for a missing column, [`ServiceError::Internal`] for
+    /// a state Berth does not write.
+    pub fn from_row(row: &PgRow) -> Result<Self, ServiceError> {
         let state: String = row.try_get("state")?;
         Ok(Sandbox {
             id: row.try_get("id")?,
             state: state
                 .parse()
-                .map_err(|e| ApiError::Internal(format!("row state: {e}")))?,
+                .map_err(|e| ServiceError::Internal(format!("row state: {e}")))?,
             state_reason: row.try_get("state_reason")?,
             template: row.try_get("template")?,
             host_id: row.try_get("host_id")?,

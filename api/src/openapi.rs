@@ -5,7 +5,8 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::{exec, files, hosts, model, sandboxes};
+use crate::http::{events, exec, files, hosts, sandboxes, templates};
+use crate::model;
 
 /// The API description, with the lifecycle table.
 const DESCRIPTION: &str = r#"Berth: create isolated Linux sandboxes, run code in them, stop, start and delete them.
@@ -48,8 +49,8 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
         sandboxes::pause,
         sandboxes::start,
         sandboxes::resume,
-        sandboxes::events,
-        sandboxes::templates,
+        events::events,
+        templates::templates,
         exec::exec,
         hosts::list,
         hosts::drain,
@@ -64,7 +65,7 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
         model::ExecOutput,
         model::Event,
         model::Template,
-        hosts::Host,
+        crate::service::hosts::Host,
         berth_schemas::SandboxState,
     )),
     modifiers(&BearerAuth)
@@ -75,18 +76,18 @@ struct ApiDoc;
 #[derive(OpenApi)]
 #[openapi(
     paths(
-        crate::event_stream::stream,
-        crate::webhooks::create,
-        crate::webhooks::list,
-        crate::webhooks::get,
-        crate::webhooks::delete,
-        crate::webhooks::deliveries,
+        events::stream,
+        crate::http::webhooks::create,
+        crate::http::webhooks::list,
+        crate::http::webhooks::get,
+        crate::http::webhooks::delete,
+        crate::http::webhooks::deliveries,
     ),
     components(schemas(
-        crate::webhooks::CreateWebhook,
-        crate::webhooks::Webhook,
-        crate::webhooks::Delivery,
-        crate::webhooks::Attempt,
+        crate::webhooks::model::CreateWebhook,
+        crate::webhooks::model::Webhook,
+        crate::webhooks::model::Delivery,
+        crate::webhooks::model::Attempt,
     ))
 )]
 struct EventsDoc;
@@ -116,7 +117,7 @@ pub fn document() -> utoipa::openapi::OpenApi {
     let mut doc = ApiDoc::openapi();
     doc.merge(EventsDoc::openapi());
     doc.merge(FilesDoc::openapi());
-    doc.info.description = Some(format!("{DESCRIPTION}{}", crate::webhooks::DOC));
+    doc.info.description = Some(format!("{DESCRIPTION}{}", crate::webhooks::model::DOC));
     doc
 }
 

@@ -1,7 +1,7 @@
 //! The event half of the outbox relay: publishes committed `events` rows as CloudEvents on
 //! `{p}.events.sandbox.<org>.<sandbox>` (stream `{P}_EVENTS`), and the `webhook.disabled`
 //! event a disabled webhook's row carries on `{p}.events.webhook.<org>.<webhook>`. Runs in the
-//! relay loop ([`crate::relay::run`]) after the commands.
+//! relay loop ([`super::run`]) after the commands.
 //!
 //! # Guarantees
 //! - At least once, exactly as for commands: a row is marked published only after JetStream
@@ -10,20 +10,21 @@
 //!   CloudEvent `id` beyond it.
 //! - Publish order: marking takes the advisory transaction lock [`EVENTS_SEQ_LOCK`] and
 //!   stamps `seq` from `events_seq` under it, so seq values commit in increasing order (the
-//!   property [`crate::events`] readers rely on). The lock is held only for the `UPDATE` and
+//!   property [`crate::service::events`] readers rely on). The lock is held only for the `UPDATE` and
 //!   the commit, never across a publish.
 //! - Several relays may run: rows are claimed with `FOR UPDATE SKIP LOCKED`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::HeaderMap;
 use berth_schemas::cloudevents::{self, CloudEvent, WebhookDisabledData};
 use berth_schemas::{EventId, Subjects, WebhookId};
 use sqlx::{PgPool, Row};
-use tracing::{debug, warn};
+use tracing::{debug, Span};
 
-use crate::events::{EventRecord, EVENT_COLUMNS};
+use super::{msg_id_headers, Outgoing};
+use crate::service::events::{EventRecord, EVENT_COLUMNS};
 
 /// Events claimed per batch.
 pub const BATCH_SIZE: i64 = 256;
@@ -56,50 +57,30 @@ pub async fn drain(
 }
 
 fn headers(id: EventId) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    headers.insert(async_nats::header::NATS_MESSAGE_ID, id.to_string().as_str());
+    let mut headers = msg_id_headers(id);
     headers.insert("Content-Type", cloudevents::CONTENT_TYPE);
     headers
 }
 
-/// Publishes `(id, subject, body)` in a pipeline and awaits the acks. Returns the ids acked,
-/// in the order given, and the first failure.
+/// Publishes `(id, subject, body)` through the relay's pipeline ([`super::publish_all`]).
+/// Returns the ids acked, in the order given, and the first failure.
 async fn publish_all(
     js: &jetstream::Context,
     batch: Vec<(EventId, String, String)>,
 ) -> (Vec<EventId>, Option<EventRelayError>) {
-    let started = Instant::now();
-    let mut pending = Vec::with_capacity(batch.len());
-    let mut failure = None;
-    for (id, subject, body) in batch {
-        match js
-            .publish_with_headers(subject, headers(id), body.into())
-            .await
-        {
-            Ok(ack) => pending.push((id, ack)),
-            Err(e) => {
-                failure = Some(EventRelayError::Publish {
-                    event_id: id,
-                    message: e.to_string(),
-                });
-                break;
-            }
-        }
-    }
-    let mut acked = Vec::with_capacity(pending.len());
-    for (id, ack) in pending {
-        match ack.await {
-            Ok(_) => acked.push(id),
-            Err(e) => {
-                failure.get_or_insert(EventRelayError::Publish {
-                    event_id: id,
-                    message: e.to_string(),
-                });
-            }
-        }
-    }
-    metrics::histogram!("berth_event_publish_duration_seconds")
-        .record(started.elapsed().as_secs_f64());
+    let batch = batch
+        .into_iter()
+        .map(|(id, subject, body)| Outgoing {
+            key: id,
+            subject,
+            headers: headers(id),
+            payload: body.into(),
+            span: Span::none(),
+        })
+        .collect();
+    let (acked, failure) =
+        super::publish_all(js, batch, "berth_event_publish_duration_seconds").await;
+    let failure = failure.map(|(event_id, message)| EventRelayError::Publish { event_id, message });
     (acked, failure)
 }
 
@@ -246,24 +227,8 @@ async fn record_backlog(db: &PgPool) -> Result<(), sqlx::Error> {
 }
 
 /// One relay round for events, for the relay loop: drains, logs a failure, and says how long
-/// to wait before the next round (`idle` after success, `retry` after a failure).
-pub async fn round(
-    db: &PgPool,
-    js: &jetstream::Context,
-    subjects: &Subjects,
-    idle: Duration,
-    retry: Duration,
-) -> Duration {
-    match drain(db, js, subjects).await {
-        Ok(n) => {
-            if n > 0 {
-                debug!(published = n, "event outbox drained");
-            }
-            idle
-        }
-        Err(error) => {
-            warn!(%error, "event relay batch failed; retrying");
-            retry
-        }
-    }
+/// to wait before the next round ([`super::POLL_INTERVAL`] after success,
+/// [`super::RETRY_DELAY`] after a failure).
+pub async fn round(db: &PgPool, js: &jetstream::Context, subjects: &Subjects) -> Duration {
+    super::settle("event outbox", drain(db, js, subjects).await)
 }

@@ -14,14 +14,18 @@ use berth_schemas::wire::Resources;
 use berth_schemas::OrgId;
 use sqlx::{PgConnection, Row};
 
-use crate::error::ApiError;
+use super::ServiceError;
 
 /// Checks that the org can hold `adding` more, locking its row for the rest of the caller's
 /// transaction.
 ///
-/// Errors: [`ApiError::QuotaExceeded`] naming the limit (`max_running`, `max_vcpus`,
+/// Errors: [`ServiceError::QuotaExceeded`] naming the limit (`max_running`, `max_vcpus`,
 /// `max_memory_mib`).
-pub async fn check(conn: &mut PgConnection, org: OrgId, adding: Resources) -> Result<(), ApiError> {
+pub async fn check(
+    conn: &mut PgConnection,
+    org: OrgId,
+    adding: Resources,
+) -> Result<(), ServiceError> {
     let unlimited: bool = sqlx::query_scalar(
         "SELECT max_running IS NULL AND max_vcpus IS NULL AND max_memory_mib IS NULL
            FROM orgs WHERE id = $1",
@@ -70,7 +74,7 @@ pub async fn check(conn: &mut PgConnection, org: OrgId, adding: Resources) -> Re
     for (limit, max, wanted) in checks {
         if let Some(max) = max {
             if wanted > max {
-                return Err(ApiError::QuotaExceeded { limit, value: max });
+                return Err(ServiceError::QuotaExceeded { limit, value: max });
             }
         }
     }

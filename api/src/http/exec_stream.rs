@@ -34,7 +34,7 @@ use tracing::instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::exec::{exec_spec, not_running, running_host, EXEC_REPLY_GRACE};
+use crate::http::exec::{exec_spec, not_running, running_host, EXEC_REPLY_GRACE};
 use crate::model::ExecBody;
 use crate::AppState;
 
@@ -56,7 +56,8 @@ pub async fn exec_stream(
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, ApiError> {
-    let Json(body) = Json::<ExecBody>::from_bytes(&raw).map_err(crate::sandboxes::json_error)?;
+    let Json(body) =
+        Json::<ExecBody>::from_bytes(&raw).map_err(crate::http::extract::json_error)?;
     let spec = exec_spec(body)?;
     let (sandbox, host) = running_host(&app, &caller, &id).await?;
     let deadline = Instant::now() + Duration::from_millis(spec.timeout_ms) + EXEC_REPLY_GRACE;

@@ -26,8 +26,8 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::http::sandboxes::{fetch, parse_id};
 use crate::model::Sandbox;
-use crate::sandboxes::{fetch, parse_id};
 use crate::AppState;
 
 /// File bytes per NATS message (each way), below NATS's default 1 MiB max payload with room

@@ -1,22 +1,17 @@
-//! The operator API under `/v1/hosts` (operator keys only): list hosts, drain, cordon and
-//! uncordon.
+//! The operator use cases on hosts: list hosts, drain, cordon and uncordon.
 //!
 //! Host states (DESIGN.md): `ready` takes new sandboxes; `draining` and `cordoned` take none,
 //! but their own sandboxes still start there (their disks live there; moving them needs the
 //! backup store, which does not exist yet); `lost` is set by the reconciler when a host is
 //! silent and cleared by its next heartbeat.
 
-use axum::extract::{Path, State};
-use axum::Json;
 use berth_schemas::HostId;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::Row;
+use sqlx::{PgPool, Row};
 use utoipa::ToSchema;
 
-use crate::auth::Admin;
-use crate::error::ApiError;
-use crate::AppState;
+use super::ServiceError;
 
 /// A host as operators see it.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -62,29 +57,30 @@ fn host_from_row(r: &sqlx::postgres::PgRow) -> Result<Host, sqlx::Error> {
     })
 }
 
-/// `GET /v1/hosts`
-#[utoipa::path(get, path = "/v1/hosts",
-    responses((status = 200, body = [Host]), (status = 403, description = "`forbidden`: not an operator key")),
-    security(("bearer" = [])))]
-pub async fn list(State(app): State<AppState>, _admin: Admin) -> Result<Json<Vec<Host>>, ApiError> {
+/// Every host, by name.
+pub async fn list(db: &PgPool) -> Result<Vec<Host>, ServiceError> {
     let rows = sqlx::query(&format!("{HOST_SELECT} ORDER BY h.name, h.id"))
-        .fetch_all(&app.db)
+        .fetch_all(db)
         .await?;
-    Ok(Json(
-        rows.iter().map(host_from_row).collect::<Result<_, _>>()?,
-    ))
+    Ok(rows.iter().map(host_from_row).collect::<Result<_, _>>()?)
 }
 
-/// Which operator action.
-#[derive(Debug, Clone, Copy)]
-enum Action {
+/// An operator action on a host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// No new sandboxes are placed here; its own sandboxes still start here.
     Drain,
+    /// No new sandboxes are placed here.
     Cordon,
+    /// The host takes new sandboxes again.
     Uncordon,
 }
 
-async fn set_state(app: &AppState, id: &str, action: Action) -> Result<Json<Host>, ApiError> {
-    let id: HostId = crate::sandboxes::parse_path_id(id, "host")?;
+/// Applies an operator action; repeating one changes nothing. Returns the host as it is now.
+///
+/// Errors: [`ServiceError::NotFound`]; [`ServiceError::HostConflict`] when the host's state
+/// refuses the action (it is `lost`).
+pub async fn set_state(db: &PgPool, id: HostId, action: Action) -> Result<Host, ServiceError> {
     let (to, from): (&str, &[&str]) = match action {
         Action::Drain => ("draining", &["ready", "cordoned", "draining"]),
         Action::Cordon => ("cordoned", &["ready", "draining", "cordoned"]),
@@ -99,16 +95,16 @@ async fn set_state(app: &AppState, id: &str, action: Action) -> Result<Json<Host
     .bind(id)
     .bind(to)
     .bind(&from)
-    .fetch_optional(&app.db)
+    .fetch_optional(db)
     .await?;
     let row = sqlx::query(&format!("{HOST_SELECT} WHERE h.id = $1"))
         .bind(id)
-        .fetch_optional(&app.db)
+        .fetch_optional(db)
         .await?
-        .ok_or_else(|| ApiError::NotFound(format!("host {id}")))?;
+        .ok_or_else(|| ServiceError::NotFound(format!("host {id}")))?;
     let host = host_from_row(&row)?;
     if updated.is_none() {
-        return Err(ApiError::HostConflict {
+        return Err(ServiceError::HostConflict {
             state: host.state,
             message: format!(
                 "cannot {action:?} a host that is {}",
@@ -117,41 +113,5 @@ async fn set_state(app: &AppState, id: &str, action: Action) -> Result<Json<Host
             .to_lowercase(),
         });
     }
-    Ok(Json(host))
+    Ok(host)
 }
-
-macro_rules! host_action {
-    ($name:ident, $path:literal, $action:expr, $what:literal) => {
-        #[doc = concat!("`POST ", $path, "`: ", $what)]
-        #[utoipa::path(post, path = $path, params(("id" = String, Path)), description = $what,
-            responses((status = 200, body = Host), (status = 404, description = "`not_found`"),
-                (status = 409, description = "`conflict`: the host is `lost`")),
-            security(("bearer" = [])))]
-        pub async fn $name(
-            State(app): State<AppState>,
-            _admin: Admin,
-            Path(id): Path<String>,
-        ) -> Result<Json<Host>, ApiError> {
-            set_state(&app, &id, $action).await
-        }
-    };
-}
-
-host_action!(
-    drain,
-    "/v1/hosts/{id}/drain",
-    Action::Drain,
-    "Drain: no new sandboxes are placed here; its own sandboxes still start here."
-);
-host_action!(
-    cordon,
-    "/v1/hosts/{id}/cordon",
-    Action::Cordon,
-    "Cordon: no new sandboxes are placed here."
-);
-host_action!(
-    uncordon,
-    "/v1/hosts/{id}/uncordon",
-    Action::Uncordon,
-    "Uncordon: the host takes new sandboxes again."
-);

@@ -1,3 +1,4 @@
+//! Event routes: `GET /v1/sandboxes/{id}/events` (one sandbox's events, a JSON list) and
 //! `GET /v1/events`: an org's lifecycle events as Server-Sent Events — the backlog, then live.
 //!
 //! Each message is `id: <event id>` and `data: <CloudEvent JSON>` (no `event:` field, so a
@@ -7,7 +8,7 @@
 //!
 //! # Guarantees
 //! - No gap and no repeat across a reconnect: the stream follows the publish order `seq`,
-//!   whose values commit in increasing order (see [`crate::events`]), and resumes strictly
+//!   whose values commit in increasing order (see [`crate::service::events`]), and resumes strictly
 //!   after the `Last-Event-ID`'s position.
 //! - Only published events are streamed (the same ones consumers of `{P}_EVENTS` see), so an
 //!   event appears here shortly after the relay published it.
@@ -21,10 +22,10 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::extract::{Query, State};
+use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::Extension;
+use axum::{Extension, Json};
 use berth_schemas::cloudevents::normalize_type;
 use berth_schemas::EventId;
 use futures::Stream;
@@ -33,9 +34,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::sandboxes::parse_id;
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::events::{published_after, seq_of, EventFilter};
+use crate::model;
+use crate::service::events::{self as events, EventFilter, StreamStart};
 use crate::AppState;
 
 /// How often an open stream looks for newly published events.
@@ -99,8 +102,22 @@ pub fn parse_types(raw: Option<&str>) -> Result<Vec<String>, ApiError> {
         .collect()
 }
 
+/// `GET /v1/sandboxes/{id}/events`: the sandbox's state changes, oldest first.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/events", tag = "sandboxes", params(("id" = String, Path)),
+    responses((status = 200, body = [model::Event]), (status = 404, description = "`not_found`")),
+    security(("bearer" = [])))]
+pub async fn events(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<model::Event>>, ApiError> {
+    Ok(Json(
+        events::of_sandbox(&app.db, caller.org_id, parse_id(&id)?).await?,
+    ))
+}
+
 /// `GET /v1/events`
-#[utoipa::path(get, path = "/v1/events", params(EventsQuery,
+#[utoipa::path(get, path = "/v1/events", tag = "crate::event_stream", params(EventsQuery,
         ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event id")),
     responses(
         (status = 200, description = "`text/event-stream`: `id:` the event id, `data:` the CloudEvent JSON; the backlog, then live", content_type = "text/event-stream"),
@@ -131,35 +148,19 @@ pub async fn stream(
         .map(str::to_owned)
         .or(query.last_event_id)
         .filter(|s| !s.trim().is_empty());
-    let mut conn = app.db.acquire().await?;
-    if let Some(sandbox) = filter.sandbox_id {
-        // Another org's sandbox (or none) is "not found", as on every sandbox route.
-        let owned: Option<i32> =
-            sqlx::query_scalar("SELECT 1 FROM sandboxes WHERE id = $1 AND org_id = $2")
-                .bind(sandbox)
-                .bind(caller.org_id)
-                .fetch_optional(&mut *conn)
-                .await?;
-        if owned.is_none() {
-            return Err(ApiError::NotFound(format!("sandbox {sandbox}")));
-        }
-    }
-    let start = match last {
-        None => 0,
-        Some(raw) => {
-            let unknown = || {
-                ApiError::invalid(
-                    "Last-Event-ID",
-                    format!("no published event {raw:?} in this org; reconnect without it"),
-                )
-            };
-            let id: EventId = raw.trim().parse().map_err(|_| unknown())?;
-            seq_of(&mut conn, caller.org_id, id)
-                .await?
-                .ok_or_else(unknown)?
+    let last_id = last
+        .as_deref()
+        .map(|raw| raw.trim().parse::<EventId>().ok());
+    let start = match events::stream_start(&app.db, caller.org_id, &filter, last_id).await? {
+        StreamStart::After(seq) => seq,
+        StreamStart::UnknownLastEvent => {
+            let raw = last.unwrap_or_default();
+            return Err(ApiError::invalid(
+                "Last-Event-ID",
+                format!("no published event {raw:?} in this org; reconnect without it"),
+            ));
         }
     };
-    drop(conn);
     let (tx, rx) = mpsc::channel(BUFFER);
     let stop = shutdown.map(|Extension(s)| s.0).unwrap_or_default();
     tokio::spawn(follow(app, caller, filter, start, tx, stop));
@@ -222,12 +223,8 @@ async fn follow(
     let _open = OpenStream::new();
     let config = app.config.events.clone();
     loop {
-        let batch = match app.db.acquire().await {
-            Ok(mut conn) => {
-                published_after(&mut conn, caller.org_id, cursor, &filter, config.batch).await
-            }
-            Err(e) => Err(e),
-        };
+        let batch =
+            events::published_after_on(&app.db, caller.org_id, cursor, &filter, config.batch).await;
         let full = match batch {
             Ok(records) => {
                 let full = records.len() as i64 >= config.batch;

@@ -1,6 +1,7 @@
-//! The published event log: `events` rows the relay has published, in publish order (`seq`),
-//! rendered as CloudEvents. Read by the SSE stream ([`crate::event_stream`]) and the webhook
-//! fan-out ([`crate::webhook_delivery`]); written by the relay ([`crate::event_relay`]).
+//! Reading the `events` table: a sandbox's events (`GET /v1/sandboxes/{id}/events`), and the
+//! published event log — rows the relay has published, in publish order (`seq`), rendered as
+//! CloudEvents. Read by the SSE stream ([`crate::http::events`]) and the webhook fan-out
+//! ([`crate::webhooks::delivery`]); written by the relay ([`crate::outbox::event_relay`]).
 //!
 //! # Guarantees
 //! - `seq` values become visible in increasing order (see `0005_events_outbox.sql`), so
@@ -12,7 +13,10 @@ use berth_schemas::cloudevents::{CloudEvent, SandboxEventData, TYPE_PREFIX};
 use berth_schemas::{EventId, OrgId, SandboxId, SandboxState};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
+use sqlx::{PgConnection, PgPool, Row};
+
+use super::ServiceError;
+use crate::model::Event;
 
 /// The columns [`EventRecord::from_row`] reads (select from `events`).
 pub const EVENT_COLUMNS: &str = "id, sandbox_id, org_id, from_state, to_state, reason, \
@@ -125,4 +129,95 @@ pub async fn latest_seq(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
     sqlx::query_scalar("SELECT COALESCE(max(seq), 0)::int8 FROM events")
         .fetch_one(conn)
         .await
+}
+
+/// The events of `org`'s sandbox `id`, oldest first.
+///
+/// Errors: [`ServiceError::NotFound`] when the sandbox is not `org`'s.
+pub async fn of_sandbox(
+    db: &PgPool,
+    org: OrgId,
+    id: SandboxId,
+) -> Result<Vec<Event>, ServiceError> {
+    let sandbox = super::sandboxes::get(db, org, id).await?;
+    let rows = sqlx::query(
+        "SELECT id, sandbox_id, type, from_state, to_state, reason, generation, message, at
+           FROM events WHERE sandbox_id = $1 AND org_id = $2 ORDER BY id",
+    )
+    .bind(sandbox.id)
+    .bind(org)
+    .fetch_all(db)
+    .await?;
+    let events = rows
+        .iter()
+        .map(|r| {
+            Ok(Event {
+                id: r.try_get("id")?,
+                sandbox_id: r.try_get("sandbox_id")?,
+                kind: r.try_get("type")?,
+                from: r.try_get("from_state")?,
+                to: r.try_get("to_state")?,
+                reason: r.try_get("reason")?,
+                generation: r.try_get("generation")?,
+                message: r.try_get("message")?,
+                at: r.try_get("at")?,
+            })
+        })
+        .collect::<Result<Vec<_>, sqlx::Error>>()?;
+    Ok(events)
+}
+
+/// Why a stream cannot start where it was asked to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamStart {
+    /// Start after this publish position.
+    After(i64),
+    /// The resume point names no published event of the org.
+    UnknownLastEvent,
+}
+
+/// Where an SSE stream of `org` starts: after the published event `last` (`None`: from the
+/// oldest retained event; `Some(None)`: a resume point that is not an event id, which names
+/// nothing).
+///
+/// Errors: [`ServiceError::NotFound`] when `filter` names a sandbox that is not `org`'s.
+pub async fn stream_start(
+    db: &PgPool,
+    org: OrgId,
+    filter: &EventFilter,
+    last: Option<Option<EventId>>,
+) -> Result<StreamStart, ServiceError> {
+    let mut conn = db.acquire().await?;
+    if let Some(sandbox) = filter.sandbox_id {
+        // Another org's sandbox (or none) is "not found", as on every sandbox route.
+        let owned: Option<i32> =
+            sqlx::query_scalar("SELECT 1 FROM sandboxes WHERE id = $1 AND org_id = $2")
+                .bind(sandbox)
+                .bind(org)
+                .fetch_optional(&mut *conn)
+                .await?;
+        if owned.is_none() {
+            return Err(ServiceError::NotFound(format!("sandbox {sandbox}")));
+        }
+    }
+    Ok(match last {
+        None => StreamStart::After(0),
+        Some(None) => StreamStart::UnknownLastEvent,
+        Some(Some(id)) => match seq_of(&mut conn, org, id).await? {
+            Some(seq) => StreamStart::After(seq),
+            None => StreamStart::UnknownLastEvent,
+        },
+    })
+}
+
+/// [`published_after`] on a connection of the pool.
+pub async fn published_after_on(
+    db: &PgPool,
+    org: OrgId,
+    after_seq: i64,
+    filter: &EventFilter,
+    limit: i64,
+) -> Result<Vec<EventRecord>, sqlx::Error> {
+    let mut conn = db.acquire().await?;
+    published_after(&mut conn, org, after_seq, filter, limit).await
 }

@@ -1,31 +1,15 @@
-//! Webhook routes: register an endpoint for an org's events, list and delete endpoints, and
-//! read a webhook's delivery log. Delivery itself is [`crate::webhook_delivery`]; signing is
-//! [`crate::webhook_signature`].
-//!
-//! A new webhook receives events published after it was created (its cursor starts at the
-//! latest published event). Every query is scoped by the caller's org: another org's webhook
-//! is `404` (guarantee 7).
+//! Webhook bodies (the create request, a webhook, its deliveries and attempts), the create's
+//! validation, secrets, and the OpenAPI text about events and webhooks.
 
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::Response;
-use axum::Json;
 use base64::Engine;
 use berth_schemas::cloudevents::normalize_type;
 use berth_schemas::{DeliveryId, EventId, WebhookId};
 use chrono::{DateTime, Utc};
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
 use utoipa::ToSchema;
 
-use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::idempotency::Idempotency;
-use crate::sandboxes::json_error;
-use crate::AppState;
 
 /// The longest webhook URL, in bytes.
 pub const MAX_URL_LEN: usize = 2048;
@@ -39,8 +23,9 @@ pub const MAX_EVENT_TYPES: usize = 32;
 pub const MAX_WEBHOOKS_PER_ORG: i64 = 32;
 /// Prefix of generated secrets.
 pub const SECRET_PREFIX: &str = "whsec_";
-/// Default and largest page of `GET /v1/webhooks/{id}/deliveries`.
+/// Default page of `GET /v1/webhooks/{id}/deliveries`.
 pub const DEFAULT_DELIVERY_PAGE: i64 = 50;
+/// Largest page of `GET /v1/webhooks/{id}/deliveries`.
 pub const MAX_DELIVERY_PAGE: i64 = 500;
 
 /// `POST /v1/webhooks` body. Unknown fields are refused.
@@ -75,24 +60,6 @@ pub struct Webhook {
     /// The signing secret: only in the response to the create.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
-}
-
-const WEBHOOK_COLUMNS: &str =
-    "id, url, event_types, created_at, disabled_at, disabled_reason, consecutive_failures";
-
-impl Webhook {
-    fn from_row(row: &PgRow) -> Result<Self, sqlx::Error> {
-        Ok(Self {
-            id: row.try_get("id")?,
-            url: row.try_get("url")?,
-            event_types: row.try_get("event_types")?,
-            created_at: row.try_get("created_at")?,
-            disabled_at: row.try_get("disabled_at")?,
-            disabled_reason: row.try_get("disabled_reason")?,
-            consecutive_failures: row.try_get("consecutive_failures")?,
-            secret: None,
-        })
-    }
 }
 
 /// One event sent (or being sent) to one webhook, with its attempts.
@@ -200,243 +167,6 @@ pub fn generate_secret() -> String {
         "{SECRET_PREFIX}{}",
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
     )
-}
-
-fn parse_id(raw: &str) -> Result<WebhookId, ApiError> {
-    crate::sandboxes::parse_path_id(raw, "webhook")
-}
-
-/// `POST /v1/webhooks`
-#[utoipa::path(post, path = "/v1/webhooks", request_body = CreateWebhook,
-    responses(
-        (status = 201, description = "Created; the response carries the secret, shown only now", body = Webhook),
-        (status = 400, description = "`invalid_request`: a bad `url`, `secret` or `event_types` (the field is named), or the org has its maximum of webhooks"),
-        (status = 401, description = "`unauthorized`"),
-    ), security(("bearer" = [])))]
-pub async fn create(
-    State(app): State<AppState>,
-    caller: Caller,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let idem = Idempotency::from_headers(&headers, "POST", "/v1/webhooks", &body)?;
-    let Json(create) = Json::<CreateWebhook>::from_bytes(&body).map_err(json_error)?;
-    let valid = create.validate()?;
-    let mut tx = app.db.begin().await?;
-    if let Some(idem) = &idem {
-        if let Some(stored) = idem.replay(&mut tx, caller.org_id).await? {
-            return Ok(stored);
-        }
-    }
-    // Serialize creates of one org so the per-org limit holds.
-    sqlx::query("SELECT 1 FROM orgs WHERE id = $1 FOR UPDATE")
-        .bind(caller.org_id)
-        .execute(&mut *tx)
-        .await?;
-    let existing: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM webhooks WHERE org_id = $1 AND deleted_at IS NULL",
-    )
-    .bind(caller.org_id)
-    .fetch_one(&mut *tx)
-    .await?;
-    if existing >= MAX_WEBHOOKS_PER_ORG {
-        return Err(ApiError::invalid(
-            "url",
-            format!("an org has at most {MAX_WEBHOOKS_PER_ORG} webhooks; delete one first"),
-        ));
-    }
-    let cursor = crate::events::latest_seq(&mut tx).await?;
-    let secret = valid.secret.unwrap_or_else(generate_secret);
-    let row = sqlx::query(&format!(
-        "INSERT INTO webhooks (id, org_id, url, secret, event_types, cursor_seq)
-         VALUES ($1, $2, $3, $4, $5, $6)
-         RETURNING {WEBHOOK_COLUMNS}"
-    ))
-    .bind(WebhookId::new())
-    .bind(caller.org_id)
-    .bind(&valid.url)
-    .bind(&secret)
-    .bind(&valid.event_types)
-    .bind(cursor)
-    .fetch_one(&mut *tx)
-    .await?;
-    let mut webhook = Webhook::from_row(&row)?;
-    webhook.secret = Some(secret);
-    crate::idempotency::commit_with_replay(
-        tx,
-        &app.db,
-        caller.org_id,
-        idem.as_ref(),
-        StatusCode::CREATED,
-        &webhook,
-    )
-    .await
-}
-
-/// `GET /v1/webhooks`: the org's webhooks, oldest first (secrets are never returned).
-#[utoipa::path(get, path = "/v1/webhooks", responses((status = 200, body = [Webhook])),
-    security(("bearer" = [])))]
-pub async fn list(
-    State(app): State<AppState>,
-    caller: Caller,
-) -> Result<Json<Vec<Webhook>>, ApiError> {
-    let rows = sqlx::query(&format!(
-        "SELECT {WEBHOOK_COLUMNS} FROM webhooks
-          WHERE org_id = $1 AND deleted_at IS NULL ORDER BY id"
-    ))
-    .bind(caller.org_id)
-    .fetch_all(&app.db)
-    .await?;
-    Ok(Json(
-        rows.iter()
-            .map(Webhook::from_row)
-            .collect::<Result<_, _>>()?,
-    ))
-}
-
-async fn fetch(
-    conn: &mut PgConnection,
-    caller: &Caller,
-    id: WebhookId,
-) -> Result<Webhook, ApiError> {
-    let row = sqlx::query(&format!(
-        "SELECT {WEBHOOK_COLUMNS} FROM webhooks
-          WHERE id = $1 AND org_id = $2 AND deleted_at IS NULL"
-    ))
-    .bind(id)
-    .bind(caller.org_id)
-    .fetch_optional(conn)
-    .await?
-    .ok_or_else(|| ApiError::NotFound(format!("webhook {id}")))?;
-    Ok(Webhook::from_row(&row)?)
-}
-
-/// `GET /v1/webhooks/{id}`
-#[utoipa::path(get, path = "/v1/webhooks/{id}", params(("id" = String, Path)),
-    responses((status = 200, body = Webhook), (status = 404, description = "`not_found`")),
-    security(("bearer" = [])))]
-pub async fn get(
-    State(app): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-) -> Result<Json<Webhook>, ApiError> {
-    let mut conn = app.db.acquire().await?;
-    Ok(Json(fetch(&mut conn, &caller, parse_id(&id)?).await?))
-}
-
-/// `DELETE /v1/webhooks/{id}`: stops deliveries; pending ones are abandoned.
-#[utoipa::path(delete, path = "/v1/webhooks/{id}", params(("id" = String, Path)),
-    responses((status = 204, description = "Deleted"), (status = 404, description = "`not_found`")),
-    security(("bearer" = [])))]
-pub async fn delete(
-    State(app): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
-    let id = parse_id(&id)?;
-    let mut tx = app.db.begin().await?;
-    let deleted = sqlx::query(
-        "UPDATE webhooks SET deleted_at = now()
-          WHERE id = $1 AND org_id = $2 AND deleted_at IS NULL",
-    )
-    .bind(id)
-    .bind(caller.org_id)
-    .execute(&mut *tx)
-    .await?;
-    if deleted.rows_affected() == 0 {
-        return Err(ApiError::NotFound(format!("webhook {id}")));
-    }
-    sqlx::query(
-        "UPDATE webhook_deliveries SET state = 'abandoned', completed_at = now()
-          WHERE webhook_id = $1 AND state = 'pending'",
-    )
-    .bind(id)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(StatusCode::NO_CONTENT)
-}
-
-/// Query of the delivery log.
-#[derive(Debug, Deserialize, utoipa::IntoParams)]
-#[into_params(parameter_in = Query)]
-pub struct DeliveriesQuery {
-    /// 1 to 500; default 50.
-    pub limit: Option<i64>,
-}
-
-/// `GET /v1/webhooks/{id}/deliveries`: the delivery log, newest event first, each delivery
-/// with its attempts.
-#[utoipa::path(get, path = "/v1/webhooks/{id}/deliveries",
-    params(("id" = String, Path), DeliveriesQuery),
-    responses((status = 200, body = [Delivery]), (status = 404, description = "`not_found`")),
-    security(("bearer" = [])))]
-pub async fn deliveries(
-    State(app): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-    Query(query): Query<DeliveriesQuery>,
-) -> Result<Json<Vec<Delivery>>, ApiError> {
-    let limit = query.limit.unwrap_or(DEFAULT_DELIVERY_PAGE);
-    if !(1..=MAX_DELIVERY_PAGE).contains(&limit) {
-        return Err(ApiError::invalid(
-            "limit",
-            format!("limit must be between 1 and {MAX_DELIVERY_PAGE}"),
-        ));
-    }
-    let mut conn = app.db.acquire().await?;
-    let webhook = fetch(&mut conn, &caller, parse_id(&id)?).await?;
-    let rows = sqlx::query(
-        "SELECT id, event_id, event_type, state, next_attempt_at, created_at, completed_at
-           FROM webhook_deliveries WHERE webhook_id = $1
-          ORDER BY event_seq DESC LIMIT $2",
-    )
-    .bind(webhook.id)
-    .bind(limit)
-    .fetch_all(&mut *conn)
-    .await?;
-    let mut out = rows
-        .iter()
-        .map(|r| {
-            let state: String = r.try_get("state")?;
-            Ok(Delivery {
-                id: r.try_get("id")?,
-                event_id: r.try_get("event_id")?,
-                event_type: r.try_get("event_type")?,
-                next_attempt_at: if state == "pending" {
-                    r.try_get("next_attempt_at")?
-                } else {
-                    None
-                },
-                state,
-                created_at: r.try_get("created_at")?,
-                completed_at: r.try_get("completed_at")?,
-                attempts: Vec::new(),
-            })
-        })
-        .collect::<Result<Vec<_>, sqlx::Error>>()?;
-    let ids: Vec<uuid::Uuid> = out.iter().map(|d| d.id.as_uuid()).collect();
-    let attempts = sqlx::query(
-        "SELECT delivery_id, attempt, at, status_code, error, duration_ms
-           FROM webhook_attempts WHERE delivery_id = ANY($1)
-          ORDER BY delivery_id, attempt",
-    )
-    .bind(&ids)
-    .fetch_all(&mut *conn)
-    .await?;
-    for a in &attempts {
-        let delivery: DeliveryId = a.try_get("delivery_id")?;
-        if let Some(d) = out.iter_mut().find(|d| d.id == delivery) {
-            d.attempts.push(Attempt {
-                attempt: a.try_get("attempt")?,
-                at: a.try_get("at")?,
-                status_code: a.try_get("status_code")?,
-                error: a.try_get("error")?,
-                duration_ms: a.try_get("duration_ms")?,
-            });
-        }
-    }
-    Ok(Json(out))
 }
 
 /// What the OpenAPI description says about webhooks and the event stream.
@@ -560,10 +290,10 @@ mod tests {
         }
         let description = doc.info.description.unwrap();
         for header in [
-            crate::webhook_signature::SIGNATURE_HEADER,
-            crate::webhook_signature::EVENT_ID_HEADER,
-            crate::webhook_signature::DELIVERY_ID_HEADER,
-            crate::webhook_signature::ATTEMPT_HEADER,
+            crate::webhooks::signature::SIGNATURE_HEADER,
+            crate::webhooks::signature::EVENT_ID_HEADER,
+            crate::webhooks::signature::DELIVERY_ID_HEADER,
+            crate::webhooks::signature::ATTEMPT_HEADER,
         ] {
             assert!(description.contains(header), "{header}");
         }

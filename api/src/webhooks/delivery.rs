@@ -2,7 +2,7 @@
 //!
 //! Each round it (1) fans published events out into `webhook_deliveries`, following each
 //! webhook's cursor on `events.seq`, and (2) sends the oldest pending delivery of every webhook
-//! whose next attempt is due, signed (see [`crate::webhook_signature`]), logging each attempt
+//! whose next attempt is due, signed (see [`super::signature`]), logging each attempt
 //! in `webhook_attempts`.
 //!
 //! # Guarantees
@@ -26,12 +26,13 @@ use std::time::{Duration, Instant};
 use berth_schemas::{DeliveryId, EventId, WebhookId};
 use futures::future::join_all;
 use rand::Rng;
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, instrument, warn};
 
-use crate::events::{published_after, EventFilter};
-use crate::webhook_signature::{self, sign};
+use super::signature::{self as webhook_signature, sign};
+use super::store;
+use crate::service::events::{published_after, EventFilter};
 
 /// Pause between rounds when there was nothing to do.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
@@ -136,7 +137,7 @@ pub async fn run(db: PgPool, config: WebhookConfig, shutdown: CancellationToken)
         };
         if last_prune.is_none_or(|t| t.elapsed() >= PRUNE_INTERVAL) {
             last_prune = Some(Instant::now());
-            if let Err(error) = prune(&db, config.delivery_retention).await {
+            if let Err(error) = store::prune(&db, config.delivery_retention).await {
                 debug!(%error, "old webhook deliveries not pruned");
             }
         }
@@ -212,21 +213,13 @@ pub async fn round(
 /// webhook (a full batch means more are waiting).
 async fn fan_out(db: &PgPool, batch: i64) -> Result<usize, sqlx::Error> {
     let mut tx = db.begin().await?;
-    let hooks = sqlx::query(
-        "SELECT id, org_id, event_types, cursor_seq FROM webhooks
-          WHERE disabled_at IS NULL AND deleted_at IS NULL
-          FOR UPDATE SKIP LOCKED",
-    )
-    .fetch_all(&mut *tx)
-    .await?;
+    let hooks = store::lock_active(&mut tx).await?;
     let mut most = 0;
     for hook in &hooks {
-        let webhook: WebhookId = hook.try_get("id")?;
-        let types: Vec<String> = hook.try_get("event_types")?;
         let records = published_after(
             &mut tx,
-            hook.try_get("org_id")?,
-            hook.try_get("cursor_seq")?,
+            hook.org_id,
+            hook.cursor_seq,
             &EventFilter::default(),
             batch,
         )
@@ -237,27 +230,11 @@ async fn fan_out(db: &PgPool, batch: i64) -> Result<usize, sqlx::Error> {
         };
         for record in records
             .iter()
-            .filter(|r| types.is_empty() || types.contains(&r.event.kind))
+            .filter(|r| hook.event_types.is_empty() || hook.event_types.contains(&r.event.kind))
         {
-            sqlx::query(
-                "INSERT INTO webhook_deliveries (id, webhook_id, event_id, event_seq, event_type, body)
-                 VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (webhook_id, event_id) DO NOTHING",
-            )
-            .bind(DeliveryId::new())
-            .bind(webhook)
-            .bind(record.event.id)
-            .bind(record.seq)
-            .bind(&record.event.kind)
-            .bind(record.event.to_json())
-            .execute(&mut *tx)
-            .await?;
+            store::queue_delivery(&mut tx, hook.id, record).await?;
         }
-        sqlx::query("UPDATE webhooks SET cursor_seq = $2 WHERE id = $1")
-            .bind(webhook)
-            .bind(last)
-            .execute(&mut *tx)
-            .await?;
+        store::advance_cursor(&mut tx, hook.id, last).await?;
     }
     tx.commit().await?;
     Ok(most)
@@ -277,42 +254,7 @@ pub struct Claim {
 
 /// Claims the oldest pending delivery of each active webhook whose attempt is due.
 async fn claim(db: &PgPool, config: &WebhookConfig) -> Result<Vec<Claim>, sqlx::Error> {
-    // The conditional UPDATE is the claim: a second worker re-checks `next_attempt_at` after
-    // the first one's commit and skips the row.
-    let rows = sqlx::query(
-        "WITH heads AS (
-             SELECT d.id FROM webhooks w
-              CROSS JOIN LATERAL (
-                  SELECT id, next_attempt_at FROM webhook_deliveries
-                   WHERE webhook_id = w.id AND state = 'pending'
-                   ORDER BY event_seq LIMIT 1) d
-              WHERE w.disabled_at IS NULL AND w.deleted_at IS NULL
-                AND d.next_attempt_at <= now()
-              LIMIT $1)
-         UPDATE webhook_deliveries d
-            SET next_attempt_at = now() + make_interval(secs => $2), attempts = d.attempts + 1
-           FROM heads, webhooks w
-          WHERE d.id = heads.id AND w.id = d.webhook_id
-            AND d.state = 'pending' AND d.next_attempt_at <= now()
-         RETURNING d.id, d.webhook_id, d.event_id, d.attempts, d.body, w.url, w.secret",
-    )
-    .bind(config.batch)
-    .bind((config.attempt_timeout + CLAIM_MARGIN).as_secs_f64())
-    .fetch_all(db)
-    .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(Claim {
-                delivery_id: r.try_get("id")?,
-                webhook_id: r.try_get("webhook_id")?,
-                event_id: r.try_get("event_id")?,
-                attempt: r.try_get("attempts")?,
-                url: r.try_get("url")?,
-                secret: r.try_get("secret")?,
-                body: r.try_get("body")?,
-            })
-        })
-        .collect()
+    store::claim_due(db, config.batch, config.attempt_timeout + CLAIM_MARGIN).await
 }
 
 /// How one attempt ended.
@@ -394,68 +336,18 @@ async fn record(
     outcome: &AttemptOutcome,
 ) -> Result<(), sqlx::Error> {
     let mut tx = db.begin().await?;
-    sqlx::query(
-        "INSERT INTO webhook_attempts (delivery_id, attempt, status_code, error, duration_ms)
-         VALUES ($1, $2, $3, $4, $5)
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(claim.delivery_id)
-    .bind(claim.attempt)
-    .bind(outcome.status_code.map(i32::from))
-    .bind(outcome.error.as_deref())
-    .bind(i32::try_from(outcome.duration.as_millis()).unwrap_or(i32::MAX))
-    .execute(&mut *tx)
-    .await?;
+    store::log_attempt(&mut tx, claim, outcome).await?;
     let Some(error) = &outcome.error else {
-        sqlx::query(
-            "UPDATE webhook_deliveries SET state = 'succeeded', completed_at = now()
-              WHERE id = $1 AND state = 'pending'",
-        )
-        .bind(claim.delivery_id)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query("UPDATE webhooks SET consecutive_failures = 0 WHERE id = $1")
-            .bind(claim.webhook_id)
-            .execute(&mut *tx)
-            .await?;
+        store::mark_succeeded(&mut tx, claim).await?;
         return tx.commit().await;
     };
     let failed = u32::try_from(claim.attempt).unwrap_or(1);
     let delay = retry_delay(config, failed, rand::rng().random::<f64>());
-    sqlx::query(
-        "UPDATE webhook_deliveries SET next_attempt_at = now() + make_interval(secs => $2)
-          WHERE id = $1 AND state = 'pending'",
-    )
-    .bind(claim.delivery_id)
-    .bind(delay.as_secs_f64())
-    .execute(&mut *tx)
-    .await?;
-    let run: i32 = sqlx::query_scalar(
-        "UPDATE webhooks SET consecutive_failures = consecutive_failures + 1
-          WHERE id = $1 RETURNING consecutive_failures",
-    )
-    .bind(claim.webhook_id)
-    .fetch_one(&mut *tx)
-    .await?;
+    let run = store::schedule_retry(&mut tx, claim, delay).await?;
     if u32::try_from(run).unwrap_or(0) >= config.disable_after {
         let reason = format!("{run} delivery attempts in a row failed; the last: {error}");
-        let disabled = sqlx::query(
-            "UPDATE webhooks SET disabled_at = now(), disabled_reason = $2, disabled_event_id = $3
-              WHERE id = $1 AND disabled_at IS NULL",
-        )
-        .bind(claim.webhook_id)
-        .bind(&reason)
-        .bind(EventId::new())
-        .execute(&mut *tx)
-        .await?;
-        if disabled.rows_affected() == 1 {
-            sqlx::query(
-                "UPDATE webhook_deliveries SET state = 'abandoned', completed_at = now()
-                  WHERE webhook_id = $1 AND state = 'pending'",
-            )
-            .bind(claim.webhook_id)
-            .execute(&mut *tx)
-            .await?;
+        if store::disable(&mut tx, claim.webhook_id, &reason, EventId::new()).await? {
+            store::abandon_pending(&mut tx, claim.webhook_id).await?;
             metrics::counter!("berth_webhooks_disabled_total").increment(1);
             warn!(webhook_id = %claim.webhook_id, run, "webhook disabled after failed deliveries");
         }
@@ -463,29 +355,11 @@ async fn record(
     tx.commit().await
 }
 
-/// Deletes finished deliveries (and their attempts) older than `retention`.
-async fn prune(db: &PgPool, retention: Duration) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "DELETE FROM webhook_deliveries
-          WHERE state <> 'pending' AND completed_at < now() - make_interval(secs => $1)",
-    )
-    .bind(retention.as_secs_f64())
-    .execute(db)
-    .await?;
-    Ok(())
-}
-
 /// Sets `berth_webhook_deliveries_pending` and `berth_webhook_oldest_pending_age_seconds`.
 async fn record_backlog(db: &PgPool) -> Result<(), sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT count(*) AS pending,
-                COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest
-           FROM webhook_deliveries WHERE state = 'pending'",
-    )
-    .fetch_one(db)
-    .await?;
-    metrics::gauge!("berth_webhook_deliveries_pending").set(row.get::<i64, _>("pending") as f64);
-    metrics::gauge!("berth_webhook_oldest_pending_age_seconds").set(row.get::<f64, _>("oldest"));
+    let (pending, oldest) = store::pending_backlog(db).await?;
+    metrics::gauge!("berth_webhook_deliveries_pending").set(pending as f64);
+    metrics::gauge!("berth_webhook_oldest_pending_age_seconds").set(oldest);
     Ok(())
 }
 

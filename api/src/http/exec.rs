@@ -16,9 +16,10 @@ use tracing::instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::idempotency::Idempotency;
+use crate::http::extract::json_error;
+use crate::http::idempotency::Idempotency;
+use crate::http::sandboxes::{fetch, parse_id};
 use crate::model::{ExecBody, ExecOutput, Sandbox};
-use crate::sandboxes::{fetch, json_error, parse_id};
 use crate::AppState;
 
 /// Timeout when the request names none, in milliseconds.
@@ -57,8 +58,7 @@ pub async fn exec(
     let path = format!("/v1/sandboxes/{id}/exec");
     let idem = Idempotency::from_headers(&headers, "POST", &path, &raw)?;
     if let Some(idem) = &idem {
-        let mut conn = app.db.acquire().await?;
-        if let Some(stored) = idem.replay(&mut conn, caller.org_id).await? {
+        if let Some(stored) = idem.replay(&app, caller.org_id).await? {
             return Ok(stored);
         }
     }
@@ -82,8 +82,7 @@ pub async fn exec(
                 serde_json::to_value(output).map_err(|e| ApiError::Internal(e.to_string()))?;
             if let Some(idem) = &idem {
                 // Exec is not transactional: store after it ran. A lost race stores nothing.
-                let mut conn = app.db.acquire().await?;
-                idem.store(&mut conn, caller.org_id, StatusCode::OK, &output)
+                idem.store(&app, caller.org_id, StatusCode::OK, &output)
                     .await?;
             }
             Ok((StatusCode::OK, Json(output)).into_response())
@@ -188,10 +187,7 @@ pub(crate) async fn running_host(
         return Err(not_running(&sandbox));
     }
     let host = sandbox.host_id.ok_or_else(|| not_running(&sandbox))?;
-    sqlx::query("UPDATE sandboxes SET last_activity_at = now() WHERE id = $1")
-        .bind(sandbox.id)
-        .execute(&app.db)
-        .await?;
+    crate::service::sandboxes::mark_active(&app.db, sandbox.id).await?;
     Ok((sandbox, host))
 }
 
@@ -220,7 +216,7 @@ async fn run(
                 .timeout(Some(wait)),
         )
         .await
-        .map_err(|e| crate::files::host_unavailable(host, wait, e))?;
+        .map_err(|e| crate::http::files::host_unavailable(host, wait, e))?;
     let reply: AgentReply = wire::decode(&reply.payload)
         .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
     match reply {

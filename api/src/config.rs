@@ -1,0 +1,49 @@
+//! [`ApiConfig`]: what the API needs besides its connections, with its defaults.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use berth_schemas::Subjects;
+
+use crate::http::events::EventStreamConfig;
+use crate::webhooks::delivery::WebhookConfig;
+
+/// Default listen address of the API.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+/// What the API needs besides its connections.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// The address the API listens on.
+    pub listen: SocketAddr,
+    /// The NATS subject names (their prefix isolates a deployment or a test).
+    pub subjects: Subjects,
+    /// Placement only chooses hosts heard from within this window.
+    pub heartbeat_freshness: Duration,
+    /// How far placement reserves beyond hosts' physical capacity.
+    pub overcommit: berth_scheduler::placement::Overcommit,
+    /// The relay publishes at most this many in-flight creates/starts per host.
+    pub max_concurrent_starts: i64,
+    /// Timing of `GET /v1/events`.
+    pub events: EventStreamConfig,
+    /// Timing and limits of webhook delivery.
+    pub webhooks: WebhookConfig,
+}
+
+impl ApiConfig {
+    /// Defaults for everything but the listen address and the subjects:
+    /// [`berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS`], the default overcommit,
+    /// [`crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS`], and the defaults of the event
+    /// stream and of webhook delivery.
+    pub fn new(listen: SocketAddr, subjects: Subjects) -> Self {
+        Self {
+            listen,
+            subjects,
+            heartbeat_freshness: berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS,
+            overcommit: Default::default(),
+            max_concurrent_starts: crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS,
+            events: Default::default(),
+            webhooks: Default::default(),
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! The transactional outbox relay: publishes committed commands ([`relay`]) and committed
+//! events ([`event_relay`]) to JetStream, through one loop and one publish pipeline.
+//!
+//! # Guarantees
+//! - At least once: a row is marked published only after JetStream acked it; a crash between
+//!   the ack and the mark re-publishes it, and JetStream drops the duplicate by `Nats-Msg-Id`
+//!   (= the row's id) within its duplicate window.
+//! - Several relays may run: rows are claimed with `FOR UPDATE SKIP LOCKED`.
+//! - Woken by `LISTEN berth_outbox` (a trigger notifies on insert), with a polling fallback of
+//!   [`POLL_INTERVAL`] in case a notification is lost while the listener reconnects.
+//!
+//! One round: claim a batch, publish it pipelined (one shared pipeline: every publish sent,
+//! then every ack awaited), mark what was acked, repeat until nothing is left; commands first, then
+//! events.
+
+pub mod event_relay;
+pub mod relay;
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use async_nats::HeaderMap;
+use berth_schemas::db::OUTBOX_CHANNEL;
+use berth_schemas::Subjects;
+use bytes::Bytes;
+use sqlx::postgres::PgListener;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn, Instrument, Span};
+
+/// The polling fallback when no notification arrives.
+pub const POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// Wait after a failed batch before trying again.
+pub const RETRY_DELAY: Duration = Duration::from_millis(500);
+
+/// Runs the relay until `shutdown` fires: commands, then events, each round. Errors are logged
+/// and retried; the relay only returns on shutdown.
+pub async fn run(
+    db: PgPool,
+    nats: async_nats::Client,
+    subjects: Subjects,
+    max_concurrent_starts: i64,
+    shutdown: CancellationToken,
+) {
+    let js = jetstream::new(nats);
+    while let Err(error) = berth_schemas::streams::ensure_streams(&js, &subjects).await {
+        warn!(%error, "relay: cannot ensure streams yet");
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(RETRY_DELAY) => {}
+        }
+    }
+    let mut listener = loop {
+        match listen(&db).await {
+            Ok(l) => break l,
+            Err(error) => {
+                warn!(%error, "relay: cannot LISTEN yet");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(RETRY_DELAY) => {}
+                }
+            }
+        }
+    };
+    info!("outbox relay running");
+    loop {
+        let commands = relay::drain(&db, &js, &subjects, max_concurrent_starts).await;
+        let delay = settle("outbox", commands);
+        if let Err(error) = relay::record_backlog(&db).await {
+            debug!(%error, "outbox gauges not updated");
+        }
+        // Events after commands, with the same ack-then-mark guarantee.
+        let delay = delay.min(event_relay::round(&db, &js, &subjects).await);
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            n = listener.recv() => {
+                if let Err(error) = n {
+                    warn!(%error, "relay: notification listener failed; it reconnects");
+                    tokio::time::sleep(RETRY_DELAY).await;
+                }
+            }
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
+}
+
+/// Logs how a drain of `what` went and says how long to wait before the next round:
+/// [`POLL_INTERVAL`] after success, [`RETRY_DELAY`] after a failure.
+fn settle<E: std::fmt::Display>(what: &str, drained: Result<usize, E>) -> Duration {
+    match drained {
+        Ok(n) => {
+            if n > 0 {
+                debug!(published = n, what, "drained");
+            }
+            POLL_INTERVAL
+        }
+        Err(error) => {
+            warn!(%error, what, "relay batch failed; retrying");
+            RETRY_DELAY
+        }
+    }
+}
+
+async fn listen(db: &PgPool) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(db).await?;
+    listener.listen(OUTBOX_CHANNEL).await?;
+    Ok(listener)
+}
+
+/// One message of a batch: `key` says which row it came from.
+pub(crate) struct Outgoing<K> {
+    /// Names the row the message came from (returned when acked or failed).
+    pub key: K,
+    /// The JetStream subject.
+    pub subject: String,
+    /// Carries `Nats-Msg-Id` = the row's id, and whatever else the kind needs.
+    pub headers: HeaderMap,
+    /// The message body.
+    pub payload: Bytes,
+    /// The span the publish runs in.
+    pub span: Span,
+}
+
+/// The `Nats-Msg-Id` headers of the row `id`: JetStream drops a re-publish within its duplicate
+/// window by it.
+pub(crate) fn msg_id_headers(id: impl std::fmt::Display) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(async_nats::header::NATS_MESSAGE_ID, id.to_string().as_str());
+    headers
+}
+
+/// Publishes `batch` in a pipeline (stops sending at the first failed send), then awaits the
+/// acks, and records the batch's duration in the histogram `duration_metric`. Returns the keys
+/// acked, in the order given, and the first failure (its key and why).
+pub(crate) async fn publish_all<K>(
+    js: &jetstream::Context,
+    batch: Vec<Outgoing<K>>,
+    duration_metric: &'static str,
+) -> (Vec<K>, Option<(K, String)>) {
+    let started = Instant::now();
+    let mut pending = Vec::with_capacity(batch.len());
+    let mut failure = None;
+    for message in batch {
+        match js
+            .publish_with_headers(message.subject, message.headers, message.payload)
+            .instrument(message.span)
+            .await
+        {
+            Ok(ack) => pending.push((message.key, ack)),
+            Err(e) => {
+                failure = Some((message.key, e.to_string()));
+                break;
+            }
+        }
+    }
+    let mut acked = Vec::with_capacity(pending.len());
+    for (key, ack) in pending {
+        match ack.await {
+            Ok(_) => acked.push(key),
+            Err(e) => {
+                failure.get_or_insert((key, e.to_string()));
+            }
+        }
+    }
+    metrics::histogram!(duration_metric).record(started.elapsed().as_secs_f64());
+    (acked, failure)
+}

@@ -1,0 +1,166 @@
+//! The storage half of `Idempotency-Key`: the same key with the same request replays the stored
+//! response; the same key with a different request is refused. (Parsing the header and rendering
+//! the stored response are [`crate::http::idempotency`].)
+//!
+//! Keys are scoped by org. A state-changing use case stores its response in the same
+//! transaction as the change, so a retry after a crash either finds the stored response or
+//! finds that nothing happened — never a second sandbox. Only 2xx responses are stored: an
+//! error changed nothing, so a retry decides again. Source: Stripe's idempotent requests and
+//! the IETF draft "The Idempotency-Key HTTP Header Field".
+
+use berth_schemas::OrgId;
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction};
+
+use super::ServiceError;
+
+/// A request's key and the fingerprint of what it asked (method, path, body bytes).
+#[derive(Debug, Clone)]
+pub struct IdempotencyKey {
+    /// The key as the client sent it.
+    pub key: String,
+    fingerprint: Vec<u8>,
+}
+
+impl IdempotencyKey {
+    /// The key `key` of a request `method path` with `body`.
+    pub fn new(key: String, method: &str, path: &str, body: &[u8]) -> Self {
+        let mut h = Sha256::new();
+        for part in [method.as_bytes(), b"\0", path.as_bytes(), b"\0", body] {
+            h.update(part);
+        }
+        Self {
+            key,
+            fingerprint: h.finalize().to_vec(),
+        }
+    }
+}
+
+/// A response as a key keeps it: the HTTP status code and the JSON body, rendered by the HTTP
+/// layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredResponse {
+    /// The HTTP status code.
+    pub status: u16,
+    /// The JSON body.
+    pub body: serde_json::Value,
+}
+
+/// A stored response for `key`, if any.
+///
+/// Errors: [`ServiceError::IdempotencyKeyReused`] when the key was used for another request.
+pub async fn replay(
+    conn: &mut PgConnection,
+    org: OrgId,
+    key: &IdempotencyKey,
+) -> Result<Option<StoredResponse>, ServiceError> {
+    let Some(row) = sqlx::query(
+        "SELECT fingerprint, status, response FROM idempotency_keys
+          WHERE org_id = $1 AND key = $2",
+    )
+    .bind(org)
+    .bind(&key.key)
+    .fetch_optional(conn)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
+    if fingerprint != key.fingerprint {
+        return Err(ServiceError::IdempotencyKeyReused(key.key.clone()));
+    }
+    let status: i32 = row.try_get("status")?;
+    Ok(Some(StoredResponse {
+        status: u16::try_from(status).unwrap_or(500),
+        body: row.try_get("response")?,
+    }))
+}
+
+/// [`replay`] on a connection of the pool.
+pub async fn replay_on(
+    db: &PgPool,
+    org: OrgId,
+    key: &IdempotencyKey,
+) -> Result<Option<StoredResponse>, ServiceError> {
+    let mut conn = db.acquire().await?;
+    replay(&mut conn, org, key).await
+}
+
+/// Stores `response` in the caller's transaction. Returns `false` when another request with
+/// the same key committed first (the caller rolls back and replays that one).
+pub async fn store(
+    conn: &mut PgConnection,
+    org: OrgId,
+    key: &IdempotencyKey,
+    response: &StoredResponse,
+) -> Result<bool, ServiceError> {
+    let inserted = sqlx::query(
+        "INSERT INTO idempotency_keys (org_id, key, fingerprint, status, response)
+         VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (org_id, key) DO NOTHING",
+    )
+    .bind(org)
+    .bind(&key.key)
+    .bind(&key.fingerprint)
+    .bind(i32::from(response.status))
+    .bind(&response.body)
+    .execute(conn)
+    .await?;
+    Ok(inserted.rows_affected() == 1)
+}
+
+/// [`store`] outside a transaction, for a use case that is not transactional (exec: stored
+/// after it ran; a lost race stores nothing).
+pub async fn store_on(
+    db: &PgPool,
+    org: OrgId,
+    key: &IdempotencyKey,
+    response: &StoredResponse,
+) -> Result<bool, ServiceError> {
+    let mut conn = db.acquire().await?;
+    store(&mut conn, org, key, response).await
+}
+
+/// Stores `response` under the request's key (if it carried one) in `tx` and commits,
+/// answering `response`. When a concurrent request with the same key committed first, rolls
+/// back and answers what that one answered.
+///
+/// Errors: database errors; [`ServiceError::IdempotencyKeyReused`] from the replay.
+pub async fn commit(
+    mut tx: Transaction<'_, Postgres>,
+    db: &PgPool,
+    org: OrgId,
+    key: Option<&IdempotencyKey>,
+    response: StoredResponse,
+) -> Result<StoredResponse, ServiceError> {
+    if let Some(key) = key {
+        if !store(&mut tx, org, key, &response).await? {
+            tx.rollback().await?;
+            return match replay_on(db, org, key).await? {
+                Some(stored) => Ok(stored),
+                None => Err(ServiceError::Internal("idempotency row vanished".into())),
+            };
+        }
+    }
+    tx.commit().await?;
+    Ok(response)
+}
+
+/// What a replayable use case answers: its typed outcome, freshly decided, or the response a
+/// key stored for an earlier identical request.
+#[derive(Debug)]
+pub enum Replayable<T> {
+    /// Decided now; the response was rendered and stored (with a key) before the commit.
+    Fresh(T, StoredResponse),
+    /// An earlier request with the same key decided this.
+    Replayed(StoredResponse),
+}
+
+impl<T> Replayable<T> {
+    /// The response to send, fresh or replayed.
+    pub fn into_response(self) -> StoredResponse {
+        match self {
+            Replayable::Fresh(_, r) | Replayable::Replayed(r) => r,
+        }
+    }
+}

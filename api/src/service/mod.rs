@@ -1,0 +1,61 @@
+//! The API's use cases, one function each, each running one transaction. No axum here: a use
+//! case takes typed input (ids, validated requests, the caller's org) and returns typed output
+//! or a [`ServiceError`], which [`crate::error::ApiError`] maps to HTTP.
+//!
+//! # Guarantees
+//! - Every sandbox and webhook query is scoped by the caller's org (guarantee 7).
+//! - A state change commits its row, command and event in one transaction (guarantee 1).
+
+pub mod events;
+pub mod hosts;
+pub mod idempotency;
+pub mod keys;
+pub mod quota;
+pub mod sandboxes;
+pub mod templates;
+pub mod webhooks;
+
+use berth_schemas::SandboxState;
+
+/// Every refusal or failure of a use case.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// No such resource in the caller's org (another org's looks the same); names it.
+    #[error("{0} not found")]
+    NotFound(String),
+    /// The org's quota `limit` (e.g. `max_running`) would be passed.
+    #[error("org quota {limit} = {value} reached")]
+    QuotaExceeded { limit: &'static str, value: i64 },
+    /// The create names a template that is not registered.
+    #[error("unknown template {0:?}")]
+    UnknownTemplate(String),
+    /// The Idempotency-Key was used for a different request.
+    #[error("Idempotency-Key {0:?} was used for a different request")]
+    IdempotencyKeyReused(String),
+    /// No ready host with a recent heartbeat has the headroom.
+    #[error("no host has capacity for {vcpus} vCPUs and {memory_mib} MiB")]
+    NoCapacity { vcpus: u32, memory_mib: u32 },
+    /// A conflicting sandbox transition is in flight; carries the current state.
+    #[error("{message}")]
+    Conflict {
+        state: SandboxState,
+        message: String,
+    },
+    /// A host operator action the host's state refuses; carries that state.
+    #[error("{message}")]
+    HostConflict { state: String, message: String },
+    /// The org already has its maximum number of webhooks.
+    #[error("an org has at most {max} webhooks; delete one first")]
+    TooManyWebhooks { max: i64 },
+    /// A broken invariant; logged, never shown.
+    #[error("{0}")]
+    Internal(String),
+    /// Postgres failed.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Whether Postgres answers a trivial query (`GET /readyz`).
+pub async fn database_answers(db: &sqlx::PgPool) -> bool {
+    sqlx::query("SELECT 1").execute(db).await.is_ok()
+}
