@@ -2,13 +2,11 @@
 //! (replayable, deduplicated by id) and the `GET /v1/events` Server-Sent Events stream
 //! (resumable with `Last-Event-ID`), against the real Postgres, NATS and `berth hostd`.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::Stack;
 use async_nats::jetstream::{self, consumer};
 use berth_schemas::{OrgId, SandboxId};
-use common::Stack;
 use futures::StreamExt;
 use serde_json::Value;
 use sqlx::PgPool;

@@ -3,14 +3,13 @@
 //! `berth_reconciler::results::apply` on the real Postgres. No hostd: results are synthesized
 //! from the commands the outbox holds.
 
-mod inproc;
-
 use berth_reconciler::pass;
 use berth_reconciler::results::{self, Applied};
 use berth_schemas::wire::{Resources, ResultOutcome};
 use berth_schemas::{CommandKind, HostId, SandboxId, SandboxState};
-use inproc::{Api, Org, OutboxCommand, RowView};
 use sqlx::PgPool;
+
+use crate::support::inproc::{self, Api, Org, OutboxCommand, RowView};
 
 const HOST_CAPACITY: Resources = Resources {
     vcpus: 16,

@@ -2,17 +2,15 @@
 //! fails on purpose, the real API, Postgres, NATS and `berth hostd`. Backoffs are shrunk to
 //! milliseconds through the API's config.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::Stack;
 use async_nats::jetstream::{self, consumer};
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use berth_api::webhook_delivery::WebhookConfig;
-use common::Stack;
 use futures::StreamExt;
 use hmac::{Hmac, Mac};
 use reqwest::Method;

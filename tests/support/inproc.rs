@@ -5,7 +5,6 @@
 //!
 //! Everything here runs against the real Postgres (the test's fresh database) and, where a
 //! part needs it, the real NATS.
-#![allow(dead_code)]
 
 use std::time::Duration;
 
@@ -19,20 +18,8 @@ use serde_json::Value;
 use sqlx::{PgPool, Row};
 use tower::ServiceExt;
 
-/// NATS the tests use.
-pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
-}
-
-/// Twelve random hex characters: a subject prefix, an org name.
-pub fn unique() -> String {
-    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
-}
-
-/// A subject prefix no other test uses (`t<12 hex>`).
-pub fn unique_subjects() -> Subjects {
-    Subjects::new(&format!("t{}", unique())).expect("a hex prefix is valid")
-}
+#[allow(unused_imports)]
+pub use super::env::{nats_url, unique, unique_subjects};
 
 /// Placement and starts only consider hosts heard from within this window; long, so a host
 /// registered at the start of a test stays placeable for all of it.
