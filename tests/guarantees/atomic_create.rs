@@ -5,7 +5,7 @@ use reqwest::Method;
 use serde_json::json;
 use sqlx::PgPool;
 
-use crate::support::Stack;
+use crate::support::{inproc, Stack};
 
 #[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
 async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
@@ -137,4 +137,74 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
             .unwrap();
     assert_eq!(reserved, 0);
     stack.teardown().await;
+}
+
+/// Makes every insert into `events` fail in the test's own database: the create transaction's
+/// last insert (after the row, the placement and the command).
+const FAIL_EVENT_INSERTS: &str = "
+    CREATE FUNCTION berth_test_fail_insert() RETURNS trigger AS $$
+    BEGIN
+        RAISE EXCEPTION 'insert refused by the test';
+    END;
+    $$ LANGUAGE plpgsql;
+    CREATE TRIGGER berth_test_fail_events BEFORE INSERT ON events
+        FOR EACH ROW EXECUTE FUNCTION berth_test_fail_insert();";
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_create_whose_transaction_fails_at_its_last_insert_leaves_no_row_command_event_or_reservation(
+    db: PgPool,
+) {
+    let plane = inproc::Plane::start(db.clone()).await;
+    let before = inproc::reserved(&db, plane.host).await;
+    sqlx::raw_sql(FAIL_EVENT_INSERTS)
+        .execute(&db)
+        .await
+        .unwrap();
+
+    let reply = plane
+        .api
+        .call(
+            &plane.org.key,
+            axum::http::Method::POST,
+            "/v1/sandboxes",
+            Some("create-that-fails"),
+            Some(inproc::SANDBOX),
+        )
+        .await;
+    assert!(
+        reply.status >= 500,
+        "a failed transaction is a server error: {reply:?}"
+    );
+
+    for (what, table) in [
+        ("sandbox row", "sandboxes"),
+        ("command", "commands"),
+        ("event", "events"),
+        ("idempotency record", "idempotency_keys"),
+    ] {
+        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(&db)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "a {what} of the failed create is left");
+    }
+    assert_eq!(
+        inproc::reserved(&db, plane.host).await,
+        before,
+        "the host's reservation changed"
+    );
+    assert_eq!(
+        berth_reconciler::pass::capacity_drift(&db).await.unwrap(),
+        (0, 0)
+    );
+
+    // The same request once the database accepts events again: all of it commits.
+    sqlx::raw_sql("DROP TRIGGER berth_test_fail_events ON events")
+        .execute(&db)
+        .await
+        .unwrap();
+    let id = plane.create().await;
+    assert_eq!(inproc::commands_of(&db, id).await.len(), 1);
+    assert_eq!(inproc::event_states(&db, id).await, ["provisioning"]);
+    assert_eq!(inproc::reserved(&db, plane.host).await, (1, 256));
 }

@@ -309,3 +309,83 @@ async fn a_hostd_killed_with_three_sandboxes_running_leaves_no_orphan_and_rows_c
     }
     stack.teardown().await;
 }
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn a_sandbox_placed_on_another_host_is_destroyed_on_the_old_one(db: PgPool) {
+    // Fast passes that judge inventory 1 s after a row changes; hosts are never lost here.
+    let pass = PassConfig {
+        interval: Duration::from_millis(200),
+        inventory_grace: Duration::from_secs(1),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db, 2, pass).await;
+    let id = stack.create().await;
+    stack.wait_state(&id, "running").await;
+    let old = host_of(&stack, &id).await;
+    let new = stack
+        .hosts
+        .iter()
+        .map(|h| h.host_id.as_uuid())
+        .find(|h| *h != old)
+        .expect("a second host");
+    let old_root = stack
+        .hosts
+        .iter()
+        .find(|h| h.host_id.as_uuid() == old)
+        .expect("the old host")
+        .runc_root();
+
+    // The row now names the other host (as a failover placement writes it), its reservation
+    // moved with it; the old host's inventory still lists the container.
+    let mut tx = stack.db.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE hosts h SET reserved_vcpus = h.reserved_vcpus + d.sign * s.vcpus,
+                            reserved_memory_mib = h.reserved_memory_mib + d.sign * s.memory_mib
+           FROM sandboxes s, (VALUES ($2::uuid, -1), ($3::uuid, 1)) AS d(host, sign)
+          WHERE s.id = $1::uuid AND h.id = d.host",
+    )
+    .bind(&id)
+    .bind(old)
+    .bind(new)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE sandboxes SET host_id = $2, updated_at = now() WHERE id = $1::uuid")
+        .bind(&id)
+        .bind(new)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    stack.assert_no_capacity_drift().await;
+
+    eventually("the old host is sent a delete", || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM commands
+              WHERE sandbox_id = $1::uuid AND host_id = $2 AND kind = 'sandbox.delete'",
+        )
+        .bind(&id)
+        .bind(old)
+        .fetch_one(&stack.db)
+        .await
+        .unwrap()
+            > 0
+    })
+    .await;
+    eventually("the container is gone from the old host", || async {
+        let out = std::process::Command::new("runc")
+            .arg("--root")
+            .arg(&old_root)
+            .arg("list")
+            .output()
+            .unwrap();
+        !String::from_utf8_lossy(&out.stdout).contains(&id)
+    })
+    .await;
+    eventually("nothing of the sandbox is left on any host", || async {
+        stack.leftovers(&id).is_empty()
+    })
+    .await;
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}

@@ -334,3 +334,77 @@ pub async fn lease(db: &PgPool) -> berth_reconciler::lease::Lease {
     .expect("acquire the lease")
     .expect("nobody else holds the lease in a fresh database")
 }
+
+/// What the host of a [`Plane`] offers.
+pub const HOST_CAPACITY: Resources = Resources {
+    vcpus: 16,
+    memory_mib: 16_384,
+};
+/// The create body of [`Plane::create`].
+pub const SANDBOX: &str = r#"{"vcpus":1,"memory_mib":256}"#;
+
+/// A host, an org and the router on the test's database: results are delivered by hand.
+pub struct Plane {
+    pub db: PgPool,
+    pub api: Api,
+    pub org: Org,
+    pub host: HostId,
+}
+
+impl Plane {
+    /// Registers a host of [`HOST_CAPACITY`] and an org on `db`.
+    pub async fn start(db: PgPool) -> Plane {
+        let host = HostId::new();
+        heartbeat(&db, host, HOST_CAPACITY).await;
+        let nats = async_nats::connect(nats_url())
+            .await
+            .expect("connect to NATS");
+        Plane {
+            api: Api::new(db.clone(), nats, unique_subjects()),
+            org: org(&db).await,
+            db,
+            host,
+        }
+    }
+
+    /// Creates a sandbox of [`SANDBOX`]'s size; panics unless accepted.
+    pub async fn create(&self) -> SandboxId {
+        self.api.create(&self.org.key, SANDBOX).await
+    }
+
+    /// A lifecycle request that must be accepted.
+    pub async fn request(&self, id: SandboxId, verb: &str) {
+        let reply = self.api.lifecycle(&self.org.key, id, verb).await;
+        assert_eq!(reply.status, 202, "{verb} {id}: {}", reply.body);
+    }
+
+    /// The sandbox's newest command.
+    pub async fn latest(&self, id: SandboxId) -> OutboxCommand {
+        commands_of(&self.db, id)
+            .await
+            .pop()
+            .expect("the sandbox has a command")
+    }
+
+    /// Applies the host's report on `command` through the reconciler.
+    pub async fn deliver(
+        &self,
+        command: &OutboxCommand,
+        outcome: ResultOutcome,
+    ) -> berth_reconciler::results::Applied {
+        berth_reconciler::results::apply(&self.db, &result_for(command, outcome))
+            .await
+            .expect("apply a result")
+    }
+
+    /// Guarantee 4 once every sandbox let go: nothing reserved, no drift.
+    pub async fn assert_capacity_released(&self) {
+        assert_eq!(reserved(&self.db, self.host).await, (0, 0));
+        assert_eq!(
+            berth_reconciler::pass::capacity_drift(&self.db)
+                .await
+                .unwrap(),
+            (0, 0)
+        );
+    }
+}
