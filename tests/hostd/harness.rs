@@ -341,7 +341,14 @@ impl Drop for Harness {
             eprintln!("cleanup: removed {what}");
         }
         cleanup::delete_streams_blocking(&self.subjects);
-        cleanup::remove_dir_unless_mounted(&self.state_dir);
+        if std::thread::panicking() {
+            eprintln!(
+                "test failed: hostd's state is in {}",
+                self.state_dir.display()
+            );
+        } else {
+            cleanup::remove_dir_unless_mounted(&self.state_dir);
+        }
     }
 }
 

@@ -46,10 +46,9 @@ use serde_json::Value;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
 
+use self::case::*;
+use self::model::*;
 use crate::support::inproc::{self, Api, Org, Reply};
-
-use case::*;
-use model::*;
 
 async fn run_case(env: &Env, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut case = Case::new(env).await;

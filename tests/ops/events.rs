@@ -4,12 +4,13 @@
 
 use std::time::Duration;
 
-use crate::support::Stack;
 use async_nats::jetstream::{self, consumer};
 use berth_schemas::{OrgId, SandboxId};
 use futures::StreamExt;
 use serde_json::Value;
 use sqlx::PgPool;
+
+use crate::support::Stack;
 
 /// How long a test waits for an event to arrive.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(30);

@@ -8,12 +8,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use crate::support::{eventually, Stack};
 use axum::http::StatusCode;
 use berth_reconciler::pass::PassConfig;
 use reqwest::Method;
 use serde_json::{json, Value};
 use sqlx::PgPool;
+
+use crate::support::{eventually, Stack};
 
 fn repo(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join(path)

@@ -252,7 +252,15 @@ impl Drop for Stack {
         self.hosts.clear();
         drop(self.control_plane.take());
         delete_streams_blocking(&self.subjects);
-        remove_dir_unless_mounted(&self.root);
+        if std::thread::panicking() {
+            // The hostd logs are there.
+            eprintln!(
+                "test failed: its hosts' state and logs are in {}",
+                self.root.display()
+            );
+        } else {
+            remove_dir_unless_mounted(&self.root);
+        }
     }
 }
 
