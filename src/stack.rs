@@ -34,7 +34,7 @@ const HOSTS_POLL: Duration = Duration::from_millis(200);
 #[derive(Debug, Clone)]
 pub enum Reconciler {
     /// The result consumer, the leader loop (the periodic pass) and the fleet gauges.
-    Leader(berth_reconciler::ReconcilerConfig),
+    Leader(Box<berth_reconciler::ReconcilerConfig>),
     /// Only the result consumer: the caller runs passes itself, e.g. to time them.
     ResultsOnly,
 }
@@ -83,9 +83,9 @@ impl StackConfig {
         Self {
             nats_url: nats_url.into(),
             api: berth_api::ApiConfig::new(listen, subjects.clone()),
-            reconciler: Reconciler::Leader(berth_reconciler::ReconcilerConfig::new(
+            reconciler: Reconciler::Leader(Box::new(berth_reconciler::ReconcilerConfig::new(
                 subjects.clone(),
-            )),
+            ))),
             subjects,
             hosts: Vec::new(),
         }
@@ -166,7 +166,7 @@ impl Stack {
             let reconciler = config.reconciler;
             async move {
                 match reconciler {
-                    Reconciler::Leader(config) => berth_reconciler::run(config, db, nats, stop)
+                    Reconciler::Leader(config) => berth_reconciler::run(*config, db, nats, stop)
                         .await
                         .context("reconciler"),
                     Reconciler::ResultsOnly => {

@@ -153,7 +153,7 @@ impl Stack {
         configure(&mut config.api);
         let mut reconciler = berth_reconciler::ReconcilerConfig::new(subjects.clone());
         reconciler.pass = pass;
-        config.reconciler = berth::stack::Reconciler::Leader(reconciler);
+        config.reconciler = berth::stack::Reconciler::Leader(Box::new(reconciler));
         let control_plane = berth::stack::Stack::start(
             config,
             berth::stack::Pools::shared(db.clone()),
