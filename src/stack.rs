@@ -142,38 +142,26 @@ impl Stack {
         let stop = shutdown.child_token();
         let subjects = config.subjects.clone();
         let mut tasks = JoinSet::new();
-        tasks.spawn({
-            let (db, nats, subjects, stop) = (
-                pools.scheduler.clone(),
-                nats.clone(),
-                subjects.clone(),
-                stop.clone(),
-            );
-            async move {
-                let config = berth_scheduler::SchedulerConfig { subjects };
-                berth_scheduler::run(config, db, nats, stop)
-                    .await
-                    .context("scheduler")
-            }
+        let scheduler = berth_scheduler::SchedulerConfig {
+            subjects: subjects.clone(),
+        };
+        let (db, bus, halt) = (pools.scheduler.clone(), nats.clone(), stop.clone());
+        tasks.spawn(async move {
+            berth_scheduler::run(scheduler, db, bus, halt)
+                .await
+                .context("scheduler")
         });
-        tasks.spawn({
-            let (db, nats, subjects, stop) = (
-                pools.reconciler.clone(),
-                nats.clone(),
-                subjects.clone(),
-                stop.clone(),
-            );
-            let reconciler = config.reconciler;
-            async move {
-                match reconciler {
-                    Reconciler::Leader(config) => berth_reconciler::run(*config, db, nats, stop)
+        let (db, bus, halt) = (pools.reconciler.clone(), nats.clone(), stop.clone());
+        let (reconciler, result_subjects) = (config.reconciler, subjects.clone());
+        tasks.spawn(async move {
+            match reconciler {
+                Reconciler::Leader(config) => berth_reconciler::run(*config, db, bus, halt)
+                    .await
+                    .context("reconciler"),
+                Reconciler::ResultsOnly => {
+                    berth_reconciler::results::consume(&result_subjects, &db, bus, halt)
                         .await
-                        .context("reconciler"),
-                    Reconciler::ResultsOnly => {
-                        berth_reconciler::results::consume(&subjects, &db, nats, stop)
-                            .await
-                            .context("result consumer")
-                    }
+                        .context("result consumer")
                 }
             }
         });
