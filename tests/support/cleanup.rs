@@ -174,3 +174,28 @@ pub fn delete_streams_blocking(subjects: &Subjects) {
     })
     .join();
 }
+
+/// Drops the test database `name` (closing its connections), from a thread of its own, so it
+/// works from `Drop` during a panic. `#[sqlx::test]` drops a database only after a test that
+/// passed.
+pub fn drop_database_blocking(name: &str) {
+    let statement = format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)");
+    let _ = std::thread::spawn(move || {
+        let Ok(url) = std::env::var("DATABASE_URL") else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async {
+            use sqlx::Connection as _;
+            if let Ok(mut conn) = sqlx::PgConnection::connect(&url).await {
+                let _ = sqlx::query(&statement).execute(&mut conn).await;
+            }
+        });
+    })
+    .join();
+}

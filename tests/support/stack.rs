@@ -253,6 +253,9 @@ impl Drop for Stack {
         drop(self.control_plane.take());
         delete_streams_blocking(&self.subjects);
         if std::thread::panicking() {
+            if let Some(name) = self.db.connect_options().get_database() {
+                cleanup::drop_database_blocking(name);
+            }
             // The hostd logs are there.
             eprintln!(
                 "test failed: its hosts' state and logs are in {}",
