@@ -11,6 +11,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use berth::stack::{Pools, Stack, StackConfig};
 use clap::Args;
 use sqlx::Row;
 use tokio::process::{Child, Command};
@@ -402,75 +403,36 @@ async fn run_stack(
         }
     };
     let db = crate::connect_db(&database_url).await?;
-    berth_schemas::db::MIGRATOR
-        .run(&db)
-        .await
-        .context("migrate")?;
-    let nats = crate::connect_nats(&nats_url).await?;
     let subjects = berth_schemas::Subjects::new(&args.subject_prefix)?;
-    let js = async_nats::jetstream::new(nats.clone());
-    berth_schemas::streams::ensure_streams(&js, &subjects)
-        .await
-        .context("create JetStream streams")?;
-
-    let mut tasks = tokio::task::JoinSet::new();
-    let stop = shutdown.clone();
-    tasks.spawn({
-        let (db, nats, subjects, stop) = (db.clone(), nats.clone(), subjects.clone(), stop.clone());
-        async move {
-            berth_scheduler::run(
-                berth_scheduler::SchedulerConfig { subjects },
-                db,
-                nats,
-                stop,
-            )
-            .await
-            .context("scheduler")
-        }
-    });
-    tasks.spawn({
-        let (db, nats, subjects, stop) = (db.clone(), nats.clone(), subjects.clone(), stop.clone());
-        async move {
-            berth_reconciler::run(
-                berth_reconciler::ReconcilerConfig::new(subjects),
-                db,
-                nats,
-                stop,
-            )
-            .await
-            .context("reconciler")
-        }
-    });
+    let mut config = StackConfig::new(nats_url.clone(), subjects, args.api_addr);
     let host_name = hostname();
     for i in 0..args.hosts {
-        let mut config = berth_hostd::HostdConfig::new(
+        let mut host = berth_hostd::HostdConfig::new(
             nats_url.clone(),
-            subjects.clone(),
+            config.subjects.clone(),
             state_dir.join("hosts").join(i.to_string()),
             format!("{host_name}-{i}"),
         );
-        config.address_pool = pool_for(args.address_pool, i)?;
-        let stop = stop.clone();
-        tasks.spawn(async move { berth_hostd::run(config, stop).await.context("hostd") });
+        host.address_pool = pool_for(args.address_pool, i)?;
+        config.hosts.push(host);
     }
-    let listener = tokio::net::TcpListener::bind(args.api_addr)
-        .await
-        .with_context(|| format!("bind the API to {}", args.api_addr))?;
-    let api_addr = listener.local_addr()?;
-    let state = berth_api::AppState {
-        db: db.clone(),
-        nats: nats.clone(),
-        subjects: subjects.clone(),
-        config: berth_api::ApiConfig::new(api_addr, subjects.clone()),
-        prometheus: berth_api::metrics::handle(),
+    let mut stack = Stack::start(config, Pools::shared(db.clone()), &shutdown).await?;
+    let api_addr = stack.api_addr;
+    let ready = async {
+        let key = dev_api_key(&db, state_dir).await?;
+        stack
+            .wait_for_hosts(usize::from(args.hosts), HOSTS_READY_TIMEOUT, &shutdown)
+            .await?;
+        anyhow::Ok(key)
+    }
+    .await;
+    let key = match ready {
+        Ok(key) => key,
+        Err(e) => {
+            stack.stop().await;
+            return Err(e);
+        }
     };
-    tasks.spawn({
-        let stop = stop.clone();
-        async move { berth_api::serve(listener, state, stop).await.context("api") }
-    });
-
-    let key = dev_api_key(&db, state_dir).await?;
-    wait_for_hosts(&db, args.hosts, &shutdown, &mut tasks).await?;
     // What clients and `berth bench` need to find this stack.
     std::fs::write(
         state_dir.join("stack.env"),
@@ -487,50 +449,8 @@ async fn run_stack(
 
     let outcome = tokio::select! {
         _ = shutdown.cancelled() => Ok(()),
-        Some(joined) = tasks.join_next() => match joined {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e),
-            Err(e) => Err(e.into()),
-        },
+        exited = stack.exited() => exited,
     };
-    shutdown.cancel();
-    while let Some(joined) = tasks.join_next().await {
-        if let Ok(Err(e)) = joined {
-            warn!(error = %format!("{e:#}"), "component stopped with an error");
-        }
-    }
+    stack.stop().await;
     outcome
-}
-
-async fn wait_for_hosts(
-    db: &sqlx::PgPool,
-    hosts: u8,
-    shutdown: &CancellationToken,
-    tasks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
-) -> anyhow::Result<()> {
-    let deadline = tokio::time::Instant::now() + HOSTS_READY_TIMEOUT;
-    loop {
-        let fresh: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM hosts WHERE state = 'ready' AND last_seen > now() - interval '15 seconds'",
-        )
-        .fetch_one(db)
-        .await?;
-        if fresh >= i64::from(hosts) {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("only {fresh} of {hosts} hosts sent a heartbeat within {HOSTS_READY_TIMEOUT:?}");
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => bail!("interrupted while waiting for hosts"),
-            Some(joined) = tasks.join_next() => {
-                return match joined {
-                    Ok(Ok(())) => Err(anyhow::anyhow!("a component exited during start-up")),
-                    Ok(Err(e)) => Err(e),
-                    Err(e) => Err(e.into()),
-                };
-            }
-            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-        }
-    }
 }

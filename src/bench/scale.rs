@@ -29,6 +29,8 @@ use berth_schemas::wire::Resources;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+use berth::stack::{Pools, Reconciler, Stack, StackConfig};
+
 use super::{ms, Client, Samples};
 use crate::dev::{start_private_nats, start_private_postgres, PrivateService};
 
@@ -268,102 +270,43 @@ async fn measure(
 ) -> anyhow::Result<()> {
     let prometheus = berth_api::metrics::handle();
     // One pool per component, as when each runs as its own process.
-    let db = crate::connect_db(database_url).await?;
-    let scheduler_db = crate::connect_db(database_url).await?;
-    let reconciler_db = crate::connect_db(database_url).await?;
-    berth_schemas::db::MIGRATOR
-        .run(&db)
-        .await
-        .context("migrate")?;
-    let nats = crate::connect_nats(nats_url).await?;
-    let js = async_nats::jetstream::new(nats.clone());
-    berth_schemas::streams::ensure_streams(&js, subjects).await?;
-    let stop = shutdown.child_token();
-    let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn({
-        let (db, nats, subjects, stop) = (
-            scheduler_db.clone(),
-            nats.clone(),
-            subjects.clone(),
-            stop.clone(),
-        );
-        async move {
-            berth_scheduler::run(
-                berth_scheduler::SchedulerConfig { subjects },
-                db,
-                nats,
-                stop,
-            )
-            .await
-            .context("scheduler")
-        }
-    });
-    tasks.spawn({
-        let (db, nats, subjects, stop) = (
-            reconciler_db.clone(),
-            nats.clone(),
-            subjects.clone(),
-            stop.clone(),
-        );
-        async move {
-            berth_reconciler::results::consume(&subjects, &db, nats, stop)
-                .await
-                .context("result consumer")
-        }
-    });
-    let setup_started = Instant::now();
+    let pools = Pools {
+        api: crate::connect_db(database_url).await?,
+        scheduler: crate::connect_db(database_url).await?,
+        reconciler: crate::connect_db(database_url).await?,
+    };
+    let db = pools.api.clone();
+    let listen = "127.0.0.1:0".parse().expect("a socket address");
+    let mut config = StackConfig::new(nats_url, subjects.clone(), listen);
+    // No periodic pass: the only passes are the measured ones.
+    config.reconciler = Reconciler::ResultsOnly;
     for i in 0..args.hosts {
-        let mut config = berth_hostd::HostdConfig::new(
+        let mut host = berth_hostd::HostdConfig::new(
             nats_url.to_owned(),
             subjects.clone(),
             args.sim_hosts_dir.join(i.to_string()),
             format!("sim-{i}"),
         );
-        config.runtimes = vec![berth_hostd::runtime::sim::SIM.to_owned()];
-        config.sim_boot = args.sim_boot;
-        config.capacity = SIM_HOST_CAPACITY;
-        config.heartbeat_interval = args.heartbeat_interval;
-        let stop = stop.clone();
-        tasks.spawn(async move { berth_hostd::run(config, stop).await.context("sim hostd") });
+        host.runtimes = vec![berth_hostd::runtime::sim::SIM.to_owned()];
+        host.sim_boot = args.sim_boot;
+        host.capacity = SIM_HOST_CAPACITY;
+        host.heartbeat_interval = args.heartbeat_interval;
+        config.hosts.push(host);
     }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let api_addr = listener.local_addr()?;
-    let state = berth_api::AppState {
-        db: db.clone(),
-        nats: nats.clone(),
-        subjects: subjects.clone(),
-        config: berth_api::ApiConfig::new(api_addr, subjects.clone()),
-        prometheus: prometheus.clone(),
-    };
-    tasks.spawn({
-        let stop = stop.clone();
-        async move { berth_api::serve(listener, state, stop).await.context("api") }
-    });
+    let setup_started = Instant::now();
+    let mut stack = Stack::start(config, pools, shutdown).await?;
     let (_, key) = berth_api::auth::create_org(&db, "bench").await?;
     let client = Arc::new(Client {
         http: reqwest::Client::new(),
-        api: format!("http://{api_addr}"),
+        api: stack.api_url(),
         key,
     });
 
     let outcome = async {
         // Every host heard from.
-        let deadline = Instant::now() + HOSTS_READY_TIMEOUT;
-        loop {
-            let ready: i64 = sqlx::query_scalar("SELECT count(*) FROM hosts WHERE state = 'ready'")
-                .fetch_one(&db)
-                .await?;
-            if ready as usize >= args.hosts {
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!("only {ready} of {} sim hosts came up", args.hosts);
-            }
-            if let Some(Ok(Err(e))) = tasks.try_join_next() {
-                return Err(e);
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        stack
+            .wait_for_hosts(args.hosts, HOSTS_READY_TIMEOUT, shutdown)
+            .await?;
         let setup = setup_started.elapsed();
         eprintln!("{} sim hosts up in {:.1} s", args.hosts, setup.as_secs_f64());
 
@@ -572,11 +515,6 @@ async fn measure(
         Ok(())
     }
     .await;
-    stop.cancel();
-    while let Some(joined) = tasks.join_next().await {
-        if let Ok(Err(e)) = joined {
-            eprintln!("component stopped with an error: {e:#}");
-        }
-    }
+    stack.stop().await;
     outcome
 }

@@ -5,8 +5,6 @@
 //!
 //! Each test uses its own subject prefix and deletes its streams at the end.
 
-mod inproc;
-
 use std::collections::HashSet;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -19,6 +17,8 @@ use berth_schemas::wire::{self, Command, Resources, SandboxSpec};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
 use futures::{FutureExt, StreamExt};
 use sqlx::PgPool;
+
+use crate::support::inproc;
 
 /// Guards the wait for the watcher's end markers; the test hangs without it if one is lost.
 const WATCH_TIMEOUT: Duration = Duration::from_secs(60);
@@ -213,7 +213,7 @@ async fn a_relay_that_dies_between_the_ack_and_the_mark_leaves_one_copy_in_the_s
             1,
             "the next relay publishes the command again"
         );
-        assert_eq!(publish_state(&db, id).await.0, true);
+        assert!(publish_state(&db, id).await.0);
 
         let stored = outbox.stored().await;
         assert_eq!(

@@ -2,16 +2,15 @@
 //! (replayable, deduplicated by id) and the `GET /v1/events` Server-Sent Events stream
 //! (resumable with `Last-Event-ID`), against the real Postgres, NATS and `berth hostd`.
 
-mod common;
-
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use berth_schemas::{OrgId, SandboxId};
-use common::Stack;
 use futures::StreamExt;
 use serde_json::Value;
 use sqlx::PgPool;
+
+use crate::support::Stack;
 
 /// How long a test waits for an event to arrive.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(30);

@@ -2,8 +2,6 @@
 //! fails on purpose, the real API, Postgres, NATS and `berth hostd`. Backoffs are shrunk to
 //! milliseconds through the API's config.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -12,13 +10,14 @@ use async_nats::jetstream::{self, consumer};
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use berth_api::webhook_delivery::WebhookConfig;
-use common::Stack;
 use futures::StreamExt;
 use hmac::{Hmac, Mac};
 use reqwest::Method;
 use serde_json::{json, Value};
 use sha2::Sha256;
 use sqlx::PgPool;
+
+use crate::support::{inproc, Stack};
 
 /// The secret the tests register (at least 16 bytes).
 const SECRET: &str = "test-secret-0123456789";
@@ -449,4 +448,66 @@ async fn webhook_requests_with_bad_urls_secrets_or_types_are_refused_and_write_n
     assert!(hook["secret"].as_str().unwrap().starts_with("whsec_"));
     assert_eq!(hook["event_types"], json!([]));
     stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[ignore = "known gap (tests/README.md): the purge does not wait for webhook fan-out"]
+async fn a_tombstone_is_kept_until_every_webhook_has_fanned_out_its_events(db: PgPool) {
+    let plane = inproc::Plane::start(db.clone()).await;
+    let hook = plane
+        .api
+        .call(
+            &plane.org.key,
+            axum::http::Method::POST,
+            "/v1/webhooks",
+            None,
+            Some(r#"{"url":"http://127.0.0.1:9/hook"}"#),
+        )
+        .await;
+    assert_eq!(hook.status, 201, "{hook:?}");
+    let id = plane.create().await;
+    for verb in [None, Some("delete")] {
+        if let Some(verb) = verb {
+            plane.request(id, verb).await;
+        }
+        let command = plane.latest(id).await;
+        plane
+            .deliver(&command, inproc::succeeded(command.kind))
+            .await;
+    }
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM events")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+
+    // Every event published; no webhook worker has fanned them out yet when a pass runs.
+    let subjects = inproc::unique_subjects();
+    let js = jetstream::new(async_nats::connect(inproc::nats_url()).await.unwrap());
+    berth_schemas::streams::ensure_streams(&js, &subjects)
+        .await
+        .unwrap();
+    berth_api::event_relay::drain(&db, &js, &subjects)
+        .await
+        .unwrap();
+    let purge_at_once = berth_reconciler::pass::PassConfig {
+        tombstone_retention: Duration::ZERO,
+        ..inproc::eager_timeouts()
+    };
+    let lease = inproc::lease(&db).await;
+    berth_reconciler::pass::run_pass(&db, &purge_at_once, &lease)
+        .await
+        .unwrap();
+    berth_api::webhook_delivery::round(&db, &reqwest::Client::new(), &fast_webhooks(100))
+        .await
+        .unwrap();
+    berth_schemas::streams::delete_streams(&js, &subjects).await;
+
+    let fanned: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(
+        fanned, events,
+        "every event of the sandbox reaches the webhook"
+    );
 }

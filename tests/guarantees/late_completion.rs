@@ -1,8 +1,7 @@
-//! Lifecycle correctness under races, duplicates and late results, against the real Postgres,
-//! NATS and `berth hostd` processes (DESIGN.md guarantees 2–5). A host is made slow or silent
-//! by freezing its process (SIGSTOP) or killing it, never by a mock.
-
-mod common;
+//! Guarantees 2 and 3 under races, duplicates and late results: hostd applies a command at
+//! most once, and a late completion cannot bring a deleted sandbox back. Against the real
+//! Postgres, NATS and `berth hostd` processes; a host is made slow or silent by freezing its
+//! process (SIGSTOP) or killing it, never by a mock.
 
 use std::time::Duration;
 
@@ -10,8 +9,10 @@ use berth_reconciler::pass::PassConfig;
 use berth_schemas::db::insert_command;
 use berth_schemas::wire::{Command, SandboxSpec};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxId};
-use common::{eventually, Stack};
 use sqlx::PgPool;
+
+use crate::support::http::{running_sandbox, stopped_sandbox};
+use crate::support::{eventually, Stack};
 
 /// A pass every 100 ms; command timeouts as given; hosts are never judged lost here.
 fn fast_pass(create: Duration, start: Duration) -> PassConfig {
@@ -29,19 +30,6 @@ async fn events_of(stack: &Stack, id: &str) -> Vec<(String, String)> {
         .fetch_all(&stack.db)
         .await
         .unwrap()
-}
-
-async fn running_sandbox(stack: &Stack) -> String {
-    let id = stack.create().await;
-    stack.wait_state(&id, "running").await;
-    id
-}
-
-async fn stopped_sandbox(stack: &Stack) -> String {
-    let id = running_sandbox(stack).await;
-    assert_eq!(stack.request(&id, "stop").await.0, 202);
-    stack.wait_state(&id, "stopped").await;
-    id
 }
 
 #[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
@@ -240,39 +228,6 @@ async fn stop_and_start_sent_ten_ms_apart_accept_exactly_one_fifty_times(db: PgP
     }
     assert!(conflicts > 0, "the 10 ms race produced conflicts");
     stack.assert_no_capacity_drift().await;
-    assert_eq!(stack.delete(&id).await.0, 202);
-    stack.wait_state(&id, "deleted").await;
-    stack.teardown().await;
-}
-
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
-async fn files_written_before_each_of_five_stops_are_there_after_each_start(db: PgPool) {
-    let stack = Stack::start(db, 1).await;
-    let id = running_sandbox(&stack).await;
-    for cycle in 0..5 {
-        let (status, out) = stack
-            .exec(
-                &id,
-                &[
-                    "sh",
-                    "-c",
-                    &format!("echo cycle{cycle} > /root/file{cycle}"),
-                ],
-            )
-            .await;
-        assert_eq!(
-            (status, &out["exit_code"]),
-            (200, &serde_json::json!(0)),
-            "{out}"
-        );
-        assert_eq!(stack.request(&id, "stop").await.0, 202);
-        stack.wait_state(&id, "stopped").await;
-        assert_eq!(stack.request(&id, "start").await.0, 202);
-        stack.wait_state(&id, "running").await;
-        let (_, out) = stack.exec(&id, &["sh", "-c", "cat /root/file*"]).await;
-        let expected: String = (0..=cycle).map(|c| format!("cycle{c}\n")).collect();
-        assert_eq!(out["stdout"], expected, "after start {cycle}");
-    }
     assert_eq!(stack.delete(&id).await.0, 202);
     stack.wait_state(&id, "deleted").await;
     stack.teardown().await;

@@ -3,73 +3,12 @@
 //! `berth_reconciler::results::apply` on the real Postgres. No hostd: results are synthesized
 //! from the commands the outbox holds.
 
-mod inproc;
-
 use berth_reconciler::pass;
-use berth_reconciler::results::{self, Applied};
-use berth_schemas::wire::{Resources, ResultOutcome};
-use berth_schemas::{CommandKind, HostId, SandboxId, SandboxState};
-use inproc::{Api, Org, OutboxCommand, RowView};
+use berth_reconciler::results::Applied;
+use berth_schemas::{CommandKind, SandboxId, SandboxState};
 use sqlx::PgPool;
 
-const HOST_CAPACITY: Resources = Resources {
-    vcpus: 16,
-    memory_mib: 16_384,
-};
-const SANDBOX: &str = r#"{"vcpus":1,"memory_mib":256}"#;
-
-/// A host, an org and the router on the test's database.
-struct Plane {
-    db: PgPool,
-    api: Api,
-    org: Org,
-    host: HostId,
-}
-
-impl Plane {
-    async fn start(db: PgPool) -> Plane {
-        let host = HostId::new();
-        inproc::heartbeat(&db, host, HOST_CAPACITY).await;
-        let nats = async_nats::connect(inproc::nats_url())
-            .await
-            .expect("connect to NATS");
-        Plane {
-            api: Api::new(db.clone(), nats, inproc::unique_subjects()),
-            org: inproc::org(&db).await,
-            db,
-            host,
-        }
-    }
-
-    async fn create(&self) -> SandboxId {
-        self.api.create(&self.org.key, SANDBOX).await
-    }
-
-    /// A lifecycle request that must be accepted.
-    async fn request(&self, id: SandboxId, verb: &str) {
-        let reply = self.api.lifecycle(&self.org.key, id, verb).await;
-        assert_eq!(reply.status, 202, "{verb} {id}: {}", reply.body);
-    }
-
-    /// The sandbox's newest command.
-    async fn latest(&self, id: SandboxId) -> OutboxCommand {
-        inproc::commands_of(&self.db, id)
-            .await
-            .pop()
-            .expect("the sandbox has a command")
-    }
-
-    async fn deliver(&self, command: &OutboxCommand, outcome: ResultOutcome) -> Applied {
-        results::apply(&self.db, &inproc::result_for(command, outcome))
-            .await
-            .expect("apply a result")
-    }
-
-    async fn assert_capacity_released(&self) {
-        assert_eq!(inproc::reserved(&self.db, self.host).await, (0, 0));
-        assert_eq!(pass::capacity_drift(&self.db).await.unwrap(), (0, 0));
-    }
-}
+use crate::support::inproc::{self, OutboxCommand, Plane, RowView};
 
 /// One step of a history: a request, or the host's report on the newest command.
 #[derive(Debug, Clone, Copy)]

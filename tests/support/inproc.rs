@@ -5,7 +5,6 @@
 //!
 //! Everything here runs against the real Postgres (the test's fresh database) and, where a
 //! part needs it, the real NATS.
-#![allow(dead_code)]
 
 use std::time::Duration;
 
@@ -19,20 +18,8 @@ use serde_json::Value;
 use sqlx::{PgPool, Row};
 use tower::ServiceExt;
 
-/// NATS the tests use.
-pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
-}
-
-/// Twelve random hex characters: a subject prefix, an org name.
-pub fn unique() -> String {
-    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
-}
-
-/// A subject prefix no other test uses (`t<12 hex>`).
-pub fn unique_subjects() -> Subjects {
-    Subjects::new(&format!("t{}", unique())).expect("a hex prefix is valid")
-}
+#[allow(unused_imports)]
+pub use super::env::{nats_url, unique, unique_subjects};
 
 /// Placement and starts only consider hosts heard from within this window; long, so a host
 /// registered at the start of a test stays placeable for all of it.
@@ -346,4 +333,78 @@ pub async fn lease(db: &PgPool) -> berth_reconciler::lease::Lease {
     .await
     .expect("acquire the lease")
     .expect("nobody else holds the lease in a fresh database")
+}
+
+/// What the host of a [`Plane`] offers.
+pub const HOST_CAPACITY: Resources = Resources {
+    vcpus: 16,
+    memory_mib: 16_384,
+};
+/// The create body of [`Plane::create`].
+pub const SANDBOX: &str = r#"{"vcpus":1,"memory_mib":256}"#;
+
+/// A host, an org and the router on the test's database: results are delivered by hand.
+pub struct Plane {
+    pub db: PgPool,
+    pub api: Api,
+    pub org: Org,
+    pub host: HostId,
+}
+
+impl Plane {
+    /// Registers a host of [`HOST_CAPACITY`] and an org on `db`.
+    pub async fn start(db: PgPool) -> Plane {
+        let host = HostId::new();
+        heartbeat(&db, host, HOST_CAPACITY).await;
+        let nats = async_nats::connect(nats_url())
+            .await
+            .expect("connect to NATS");
+        Plane {
+            api: Api::new(db.clone(), nats, unique_subjects()),
+            org: org(&db).await,
+            db,
+            host,
+        }
+    }
+
+    /// Creates a sandbox of [`SANDBOX`]'s size; panics unless accepted.
+    pub async fn create(&self) -> SandboxId {
+        self.api.create(&self.org.key, SANDBOX).await
+    }
+
+    /// A lifecycle request that must be accepted.
+    pub async fn request(&self, id: SandboxId, verb: &str) {
+        let reply = self.api.lifecycle(&self.org.key, id, verb).await;
+        assert_eq!(reply.status, 202, "{verb} {id}: {}", reply.body);
+    }
+
+    /// The sandbox's newest command.
+    pub async fn latest(&self, id: SandboxId) -> OutboxCommand {
+        commands_of(&self.db, id)
+            .await
+            .pop()
+            .expect("the sandbox has a command")
+    }
+
+    /// Applies the host's report on `command` through the reconciler.
+    pub async fn deliver(
+        &self,
+        command: &OutboxCommand,
+        outcome: ResultOutcome,
+    ) -> berth_reconciler::results::Applied {
+        berth_reconciler::results::apply(&self.db, &result_for(command, outcome))
+            .await
+            .expect("apply a result")
+    }
+
+    /// Guarantee 4 once every sandbox let go: nothing reserved, no drift.
+    pub async fn assert_capacity_released(&self) {
+        assert_eq!(reserved(&self.db, self.host).await, (0, 0));
+        assert_eq!(
+            berth_reconciler::pass::capacity_drift(&self.db)
+                .await
+                .unwrap(),
+            (0, 0)
+        );
+    }
 }

@@ -1,0 +1,265 @@
+//! The one in-process control plane: the API (with its command and event relays and the
+//! webhook worker), the scheduler's heartbeat consumer, the reconciler (its result consumer,
+//! and the leader's pass unless the caller runs passes itself) and N hostd, each a task of
+//! this process. `berth dev`, `berth bench --runtime sim` and the end-to-end tests assemble
+//! the control plane through [`Stack::start`] and nowhere else.
+//!
+//! # Guarantees
+//! - [`Stack::start`] returns once the database is migrated, the JetStream streams of the
+//!   subject prefix exist and the API listens; every component then runs until
+//!   [`Stack::stop`], or until one of them exits (see [`Stack::exited`]).
+//! - Dropping a `Stack` without [`Stack::stop`] (a panicking test) cancels and aborts every
+//!   task, so nothing of it outlives its owner.
+//!
+//! # Assumptions
+//! Postgres and NATS are reachable; starting a private Postgres or nats-server when they are
+//! not is `berth dev`'s business (`src/dev.rs`), not the stack's.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use berth_schemas::Subjects;
+use sqlx::PgPool;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+/// How long [`Stack::stop`] waits for a component to finish after cancelling it.
+pub const COMPONENT_STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often [`Stack::wait_for_hosts`] looks at the `hosts` table.
+const HOSTS_POLL: Duration = Duration::from_millis(200);
+
+/// Which parts of the reconciler run.
+#[derive(Debug, Clone)]
+pub enum Reconciler {
+    /// The result consumer, the leader loop (the periodic pass) and the fleet gauges.
+    Leader(Box<berth_reconciler::ReconcilerConfig>),
+    /// Only the result consumer: the caller runs passes itself, e.g. to time them.
+    ResultsOnly,
+}
+
+/// One database pool per component, as when each runs as its own process; or one shared.
+#[derive(Debug, Clone)]
+pub struct Pools {
+    /// The API's pool: handlers, relays, the webhook worker.
+    pub api: PgPool,
+    /// The scheduler's heartbeat consumer.
+    pub scheduler: PgPool,
+    /// The reconciler's result consumer and pass.
+    pub reconciler: PgPool,
+}
+
+impl Pools {
+    /// Every component on the same pool.
+    pub fn shared(db: PgPool) -> Self {
+        Self {
+            api: db.clone(),
+            scheduler: db.clone(),
+            reconciler: db,
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct StackConfig {
+    /// NATS server URL; the hostd of the stack connect to it on their own.
+    pub nats_url: String,
+    /// Subject and stream names (their prefix isolates this stack on a shared NATS).
+    pub subjects: Subjects,
+    /// The API's configuration. `api.listen` is bound by [`Stack::start`] (port 0 takes a free
+    /// port) and then holds the bound address.
+    pub api: berth_api::ApiConfig,
+    /// Which reconciler parts run.
+    pub reconciler: Reconciler,
+    /// One in-process hostd per entry (each with its own state dir and address pool).
+    pub hosts: Vec<berth_hostd::HostdConfig>,
+}
+
+impl StackConfig {
+    /// Defaults for everything: the API on `listen`, the leader reconciler, no hostd.
+    pub fn new(nats_url: impl Into<String>, subjects: Subjects, listen: SocketAddr) -> Self {
+        Self {
+            nats_url: nats_url.into(),
+            api: berth_api::ApiConfig::new(listen, subjects.clone()),
+            reconciler: Reconciler::Leader(Box::new(berth_reconciler::ReconcilerConfig::new(
+                subjects.clone(),
+            ))),
+            subjects,
+            hosts: Vec::new(),
+        }
+    }
+}
+
+/// A running control plane. Stop it with [`Stack::stop`]; dropping it aborts every task.
+pub struct Stack {
+    /// Where the API listens.
+    pub api_addr: SocketAddr,
+    /// The API's pool.
+    pub db: PgPool,
+    /// The stack's NATS connection.
+    pub nats: async_nats::Client,
+    /// The stack's subjects.
+    pub subjects: Subjects,
+    /// Cancelled by [`Stack::stop`]; a child of the token given to [`Stack::start`].
+    pub shutdown: CancellationToken,
+    /// When the stack started, by the database's clock.
+    started_at: chrono::DateTime<chrono::Utc>,
+    tasks: JoinSet<anyhow::Result<()>>,
+}
+
+impl Stack {
+    /// Migrates the database, makes the streams, binds the API and starts every component as a
+    /// task. `shutdown` stops them all (so does [`Stack::stop`]).
+    ///
+    /// Errors: migration, NATS connection, stream creation or binding `config.api.listen`.
+    pub async fn start(
+        mut config: StackConfig,
+        pools: Pools,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<Stack> {
+        berth_schemas::db::MIGRATOR
+            .run(&pools.api)
+            .await
+            .context("migrate")?;
+        let started_at = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&pools.api)
+            .await?;
+        let nats = async_nats::connect(&config.nats_url)
+            .await
+            .with_context(|| format!("connect to NATS at {}", config.nats_url))?;
+        let js = async_nats::jetstream::new(nats.clone());
+        berth_schemas::streams::ensure_streams(&js, &config.subjects)
+            .await
+            .context("create JetStream streams")?;
+        let listener = tokio::net::TcpListener::bind(config.api.listen)
+            .await
+            .with_context(|| format!("bind the API to {}", config.api.listen))?;
+        let api_addr = listener.local_addr()?;
+        config.api.listen = api_addr;
+
+        let stop = shutdown.child_token();
+        let subjects = config.subjects.clone();
+        let mut tasks = JoinSet::new();
+        let scheduler = berth_scheduler::SchedulerConfig {
+            subjects: subjects.clone(),
+        };
+        let (db, bus, halt) = (pools.scheduler.clone(), nats.clone(), stop.clone());
+        tasks.spawn(async move {
+            berth_scheduler::run(scheduler, db, bus, halt)
+                .await
+                .context("scheduler")
+        });
+        let (db, bus, halt) = (pools.reconciler.clone(), nats.clone(), stop.clone());
+        let (reconciler, result_subjects) = (config.reconciler, subjects.clone());
+        tasks.spawn(async move {
+            match reconciler {
+                Reconciler::Leader(config) => berth_reconciler::run(*config, db, bus, halt)
+                    .await
+                    .context("reconciler"),
+                Reconciler::ResultsOnly => {
+                    berth_reconciler::results::consume(&result_subjects, &db, bus, halt)
+                        .await
+                        .context("result consumer")
+                }
+            }
+        });
+        for host in config.hosts {
+            let stop = stop.clone();
+            tasks.spawn(async move { berth_hostd::run(host, stop).await.context("hostd") });
+        }
+        let state = berth_api::AppState {
+            db: pools.api.clone(),
+            nats: nats.clone(),
+            subjects: subjects.clone(),
+            config: config.api,
+            prometheus: berth_api::metrics::handle(),
+        };
+        tasks.spawn({
+            let stop = stop.clone();
+            async move { berth_api::serve(listener, state, stop).await.context("api") }
+        });
+        Ok(Stack {
+            api_addr,
+            db: pools.api,
+            nats,
+            subjects,
+            shutdown: stop,
+            started_at,
+            tasks,
+        })
+    }
+
+    /// `http://<api address>`.
+    pub fn api_url(&self) -> String {
+        format!("http://{}", self.api_addr)
+    }
+
+    /// Waits until `n` hosts are `ready` and heard from since this stack started.
+    ///
+    /// Errors: after `timeout`, when `shutdown` fires, or when a component exits first.
+    pub async fn wait_for_hosts(
+        &mut self,
+        n: usize,
+        timeout: Duration,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let fresh: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM hosts WHERE state = 'ready' AND last_seen >= $1",
+            )
+            .bind(self.started_at)
+            .fetch_one(&self.db)
+            .await?;
+            if fresh >= n as i64 {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("only {fresh} of {n} hosts sent a heartbeat within {timeout:?}");
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => bail!("interrupted while waiting for hosts"),
+                exited = self.exited() => {
+                    exited?;
+                    bail!("a component exited during start-up");
+                }
+                _ = tokio::time::sleep(HOSTS_POLL) => {}
+            }
+        }
+    }
+
+    /// Waits until the first component stops; its error, if it failed. Never returns while
+    /// every component runs.
+    pub async fn exited(&mut self) -> anyhow::Result<()> {
+        match self.tasks.join_next().await {
+            Some(Ok(outcome)) => outcome,
+            Some(Err(e)) => Err(e.into()),
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Cancels every component and waits (at most [`COMPONENT_STOP_TIMEOUT`] in all) for them
+    /// to finish; logs those that failed, aborts those that did not stop.
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        let deadline = tokio::time::Instant::now() + COMPONENT_STOP_TIMEOUT;
+        while let Ok(Some(joined)) = tokio::time::timeout_at(deadline, self.tasks.join_next()).await
+        {
+            match joined {
+                Ok(Err(e)) => warn!(error = %format!("{e:#}"), "component stopped with an error"),
+                Err(e) if e.is_panic() => warn!(error = %e, "component panicked"),
+                _ => {}
+            }
+        }
+        self.tasks.abort_all();
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+        // The JoinSet aborts what is left when it drops.
+    }
+}

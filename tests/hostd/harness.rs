@@ -1,0 +1,440 @@
+//! One hostd under test, in-process (`berth_hostd::run`, with the `berth` binary of this
+//! package as the in-sandbox agent), against the real NATS JetStream (a unique subject prefix
+//! and streams), runc/runsc, overlayfs and network namespaces, plus the NATS handles to drive
+//! it. Everything the hostd made is removed when the harness drops, also after a panic.
+//!
+//! Needs root, runc, iproute2 and `/bin/busybox` (busybox-static), and NATS at `NATS_URL`
+//! (default `nats://127.0.0.1:4222`).
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context as _};
+use async_nats::jetstream::{self, consumer::pull, AckKind};
+use berth_hostd::layout::SandboxNames;
+use berth_hostd::HostdConfig;
+use berth_schemas::wire::{
+    self, AgentOp, AgentReply, AgentRequest, Command, CommandResult, ExecSpec, GuestStatus, Heartbeat, ResultOutcome, SandboxSpec,
+};
+use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
+use futures::StreamExt;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::cleanup;
+use crate::support::env::{init_tracing, is_root, nats_url, path_str, run, run_quietly};
+
+/// How long the test waits for one command result.
+pub(crate) const RESULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long the test waits for a heartbeat showing what it expects.
+pub(crate) const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Heartbeat interval of the hostd under test.
+pub(crate) const TEST_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(500);
+
+/// NATS request timeout for exec.
+pub(crate) const EXEC_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The id of the container the test leaves for hostd's orphan sweep.
+pub(crate) const ORPHAN_CONTAINER: &str = "orphan";
+
+/// Default exec timeout given to the agent.
+pub(crate) const EXEC_TIMEOUT_MS: u64 = 10_000;
+
+/// One hostd under test plus the NATS handles to drive it.
+pub(crate) struct Harness {
+    pub(crate) subjects: Subjects,
+    pub(crate) state_dir: PathBuf,
+    pub(crate) config: HostdConfig,
+    pub(crate) host_id: HostId,
+    pub(crate) nats: async_nats::Client,
+    pub(crate) js: jetstream::Context,
+    pub(crate) results: jetstream::consumer::pull::Stream,
+    pub(crate) unclaimed: VecDeque<CommandResult>,
+    pub(crate) heartbeats: async_nats::Subscriber,
+    pub(crate) hostd: Option<(
+        CancellationToken,
+        JoinHandle<Result<(), berth_hostd::HostdError>>,
+    )>,
+    pub(crate) sandboxes: std::sync::Mutex<Vec<SandboxId>>,
+}
+
+impl Harness {
+    pub(crate) async fn new() -> anyhow::Result<Self> {
+        let subjects = crate::support::unique_subjects();
+        let state_dir = cleanup::fresh_dir("hostd");
+        let mut config = HostdConfig::new(nats_url(), subjects.clone(), &state_dir, "test-host");
+        config.agent_binary = PathBuf::from(env!("CARGO_BIN_EXE_berth"));
+        config.heartbeat_interval = TEST_HEARTBEAT_INTERVAL;
+        config.address_pool = unused_pool().await?;
+        let host_id = berth_hostd::host_id(&state_dir)?;
+        cleanup::register_host(host_id, &state_dir);
+
+        let nats = async_nats::connect(nats_url()).await?;
+        let js = jetstream::new(nats.clone());
+        berth_hostd::ensure_streams(&js, &subjects).await?;
+        let results = js
+            .get_stream(subjects.result_stream())
+            .await?
+            .create_consumer(pull::Config {
+                filter_subject: subjects.result(host_id),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ..Default::default()
+            })
+            .await?
+            .messages()
+            .await?;
+        let heartbeats = nats.subscribe(subjects.heartbeat(host_id)).await?;
+        Ok(Self {
+            subjects,
+            state_dir,
+            config,
+            host_id,
+            nats,
+            js,
+            results,
+            unclaimed: VecDeque::new(),
+            heartbeats,
+            hostd: None,
+            sandboxes: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    pub(crate) fn start_hostd(&mut self) {
+        let token = CancellationToken::new();
+        let task = tokio::spawn(berth_hostd::run(self.config.clone(), token.clone()));
+        self.hostd = Some((token, task));
+    }
+
+    pub(crate) async fn stop_hostd(&mut self) -> anyhow::Result<()> {
+        if let Some((token, task)) = self.hostd.take() {
+            token.cancel();
+            task.await?.context("hostd run")?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn runc_root(&self) -> PathBuf {
+        self.state_dir.join("runc")
+    }
+
+    pub(crate) fn runsc_root(&self) -> PathBuf {
+        self.state_dir.join("runsc")
+    }
+
+    pub(crate) fn names(&self, sandbox: SandboxId) -> SandboxNames {
+        SandboxNames::derive(self.host_id, sandbox)
+    }
+
+    pub(crate) fn command(
+        &self,
+        sandbox: SandboxId,
+        generation: i64,
+        kind: CommandKind,
+    ) -> Command {
+        self.command_with_template(sandbox, generation, kind, "base")
+    }
+
+    pub(crate) fn command_with_template(
+        &self,
+        sandbox: SandboxId,
+        generation: i64,
+        kind: CommandKind,
+        template: &str,
+    ) -> Command {
+        let mut tracked = self.sandboxes.lock().expect("not poisoned");
+        if !tracked.contains(&sandbox) {
+            tracked.push(sandbox);
+        }
+        Command {
+            id: CommandId::new(),
+            sandbox_id: sandbox,
+            generation: Generation(generation),
+            kind,
+            spec: SandboxSpec {
+                org_id: OrgId(uuid::Uuid::nil()),
+                template: template.to_owned(),
+                resources: berth_schemas::wire::Resources {
+                    vcpus: 1,
+                    memory_mib: 256,
+                },
+            },
+        }
+    }
+
+    /// Publishes with `Nats-Msg-Id` = command id, as the outbox relay does.
+    pub(crate) async fn publish(&self, cmd: &Command) -> anyhow::Result<()> {
+        let publish = jetstream::context::Publish::build()
+            .payload(wire::encode(cmd).into())
+            .message_id(cmd.id.to_string());
+        self.js
+            .send_publish(self.subjects.cmd(self.host_id), publish)
+            .await?
+            .await?;
+        Ok(())
+    }
+
+    /// Publishes without a message id: a redelivery the stream's dedup window can't catch.
+    pub(crate) async fn publish_again(&self, cmd: &Command) -> anyhow::Result<()> {
+        self.js
+            .publish(self.subjects.cmd(self.host_id), wire::encode(cmd).into())
+            .await?
+            .await?;
+        Ok(())
+    }
+
+    /// The next result of `command`, acking every result read on the way.
+    pub(crate) async fn result_of(&mut self, command: CommandId) -> anyhow::Result<CommandResult> {
+        if let Some(pos) = self.unclaimed.iter().position(|r| r.command_id == command) {
+            return Ok(self.unclaimed.remove(pos).expect("position is valid"));
+        }
+        let deadline = tokio::time::Instant::now() + RESULT_TIMEOUT;
+        loop {
+            let next = tokio::time::timeout_at(deadline, self.results.next())
+                .await
+                .with_context(|| format!("no result for command {command}"))?
+                .context("result stream ended")?
+                .map_err(|e| anyhow::anyhow!("result stream: {e}"))?;
+            next.ack_with(AckKind::Ack)
+                .await
+                .map_err(|e| anyhow::anyhow!("ack: {e}"))?;
+            let result: CommandResult = wire::decode(&next.payload)?;
+            if result.command_id == command {
+                return Ok(result);
+            }
+            self.unclaimed.push_back(result);
+        }
+    }
+
+    pub(crate) async fn send(&mut self, cmd: &Command) -> anyhow::Result<CommandResult> {
+        self.publish(cmd).await?;
+        let result = self.result_of(cmd.id).await?;
+        ensure!(result.sandbox_id == cmd.sandbox_id && result.host_id == self.host_id);
+        ensure!(result.generation == cmd.generation && result.kind == cmd.kind);
+        Ok(result)
+    }
+
+    /// A plain exec: the agent request's [`AgentOp::Exec`] (it replaced `{p}.exec`).
+    pub(crate) async fn exec(
+        &self,
+        sandbox: SandboxId,
+        argv: &[&str],
+        timeout_ms: u64,
+    ) -> anyhow::Result<AgentReply> {
+        self.agent(sandbox, AgentOp::Exec(exec_spec(argv, timeout_ms)))
+            .await
+    }
+
+    pub(crate) async fn agent(
+        &self,
+        sandbox: SandboxId,
+        op: AgentOp,
+    ) -> anyhow::Result<AgentReply> {
+        let request = AgentRequest {
+            sandbox_id: sandbox,
+            op,
+        };
+        let reply = tokio::time::timeout(
+            EXEC_REQUEST_TIMEOUT,
+            self.nats.request(
+                self.subjects.agent(self.host_id),
+                wire::encode(&request).into(),
+            ),
+        )
+        .await
+        .context("agent request timed out")??;
+        Ok(wire::decode(&reply.payload)?)
+    }
+
+    /// Waits for a heartbeat in which `sandbox` has `status`.
+    pub(crate) async fn heartbeat_with(
+        &mut self,
+        sandbox: SandboxId,
+        status: GuestStatus,
+    ) -> anyhow::Result<Heartbeat> {
+        let deadline = tokio::time::Instant::now() + HEARTBEAT_TIMEOUT;
+        loop {
+            let msg = tokio::time::timeout_at(deadline, self.heartbeats.next())
+                .await
+                .with_context(|| format!("no heartbeat with {sandbox} {status:?}"))?
+                .context("heartbeat subscription ended")?;
+            let hb: Heartbeat = wire::decode(&msg.payload)?;
+            if hb
+                .inventory
+                .iter()
+                .any(|i| i.sandbox_id == sandbox && i.status == status)
+            {
+                return Ok(hb);
+            }
+        }
+    }
+
+    /// Container ids in this hostd's runc root.
+    pub(crate) async fn containers(&self) -> anyhow::Result<Vec<(String, String)>> {
+        let out = run(
+            "runc",
+            &[
+                "--root",
+                &path_str(&self.runc_root()),
+                "list",
+                "--format",
+                "json",
+            ],
+        )
+        .await?;
+        let list: Option<Vec<serde_json::Value>> = serde_json::from_str(&out)?;
+        Ok(list
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| {
+                (
+                    c["id"].as_str().unwrap_or("").to_owned(),
+                    c["status"].as_str().unwrap_or("").to_owned(),
+                )
+            })
+            .collect())
+    }
+
+    pub(crate) fn sandbox_dir(&self, sandbox: SandboxId) -> PathBuf {
+        self.state_dir.join("sandboxes").join(sandbox.to_string())
+    }
+
+    /// Stops hostd gracefully; dropping the harness then removes the rest.
+    pub(crate) async fn teardown(mut self) {
+        if let Err(e) = self.stop_hostd().await {
+            eprintln!("teardown: hostd: {e:#}");
+        }
+    }
+}
+
+impl Drop for Harness {
+    /// Stops hostd if it still runs, then removes everything the test may have left (the
+    /// containers, networks, mounts and nftables table of this host, including those of the
+    /// sandboxes the test tracked), the streams and the state dir.
+    fn drop(&mut self) {
+        if let Some((token, task)) = self.hostd.take() {
+            token.cancel();
+            task.abort();
+        }
+        let tracked = self.sandboxes.lock().map(|s| s.clone()).unwrap_or_default();
+        for sandbox in tracked {
+            let names = self.names(sandbox);
+            run_quietly("ip", &["link", "del", &names.veth_host]);
+            run_quietly("ip", &["netns", "del", &names.netns]);
+        }
+        for what in cleanup::remove_host_leftovers(self.host_id, &self.state_dir) {
+            eprintln!("cleanup: removed {what}");
+        }
+        cleanup::delete_streams_blocking(&self.subjects);
+        if std::thread::panicking() {
+            eprintln!(
+                "test failed: hostd's state is in {}",
+                self.state_dir.display()
+            );
+        } else {
+            cleanup::remove_dir_unless_mounted(&self.state_dir);
+        }
+    }
+}
+
+/// A /16 under 10/8 none of whose addresses is configured on this machine.
+pub(crate) async fn unused_pool() -> anyhow::Result<std::net::Ipv4Addr> {
+    let used = run("ip", &["-o", "-4", "addr", "show"]).await?;
+    for _ in 0..64 {
+        let second: u8 = rand::random_range(64..=250);
+        let prefix = format!(" 10.{second}.");
+        if !used.contains(&prefix) {
+            return Ok(std::net::Ipv4Addr::new(10, second, 0, 0));
+        }
+    }
+    bail!("no unused 10.x.0.0/16 found")
+}
+
+pub(crate) fn finished(reply: &AgentReply) -> anyhow::Result<(i32, String, bool)> {
+    match reply {
+        AgentReply::Exec {
+            exit_code,
+            stdout,
+            timed_out,
+            ..
+        } => Ok((
+            *exit_code,
+            String::from_utf8_lossy(stdout).into_owned(),
+            *timed_out,
+        )),
+        other => bail!("exec failed: {other:?}"),
+    }
+}
+
+pub(crate) fn succeeded_address(result: &CommandResult) -> anyhow::Result<String> {
+    match &result.outcome {
+        ResultOutcome::Succeeded {
+            address: Some(address),
+            last_stop: None,
+        } => Ok(address.clone()),
+        other => bail!("expected success with an address, got {other:?}"),
+    }
+}
+
+pub(crate) fn exec_spec(argv: &[&str], timeout_ms: u64) -> ExecSpec {
+    ExecSpec {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        env: vec![],
+        cwd: None,
+        stdin: vec![],
+        timeout_ms,
+    }
+}
+
+/// No container, netns, veth, mount or sandbox dir of `sandbox` exists.
+pub(crate) async fn assert_nothing_remains(h: &Harness, sandbox: SandboxId) -> anyhow::Result<()> {
+    let names = h.names(sandbox);
+    let containers = h.containers().await?;
+    ensure!(
+        !containers.iter().any(|(id, _)| *id == names.container_id),
+        "container remains: {containers:?}"
+    );
+    let netns = run("ip", &["netns", "list"]).await?;
+    ensure!(
+        !netns.contains(&names.netns),
+        "netns {} remains",
+        names.netns
+    );
+    let links = run("ip", &["link"]).await?;
+    ensure!(
+        !links.contains(&names.veth_host),
+        "veth {} remains",
+        names.veth_host
+    );
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    ensure!(
+        !mounts.contains(&path_str(&h.sandbox_dir(sandbox))),
+        "a mount under the sandbox dir remains"
+    );
+    ensure!(!h.sandbox_dir(sandbox).exists(), "sandbox dir remains");
+    Ok(())
+}
+
+/// A test body over the harness.
+pub(crate) type Body =
+    for<'a> fn(&'a mut Harness) -> futures::future::BoxFuture<'a, anyhow::Result<()>>;
+
+/// Runs `body` on a harness, then tears the harness down even when `body` failed or panicked.
+pub(crate) async fn with_harness(body: Body) -> anyhow::Result<()> {
+    init_tracing("info,async_nats=warn");
+    ensure!(is_root(), "this test needs root");
+    let mut harness = Harness::new().await?;
+    harness.start_hostd();
+    let outcome = {
+        let harness_ref = &mut harness;
+        // Catch panics so the teardown below always runs.
+        futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(body(harness_ref))).await
+    };
+    harness.teardown().await;
+    match outcome {
+        Ok(result) => result,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}

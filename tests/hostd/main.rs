@@ -1,0 +1,13 @@
+//! The host daemon against the real runc/runsc, overlayfs, network namespaces, nftables and
+//! NATS: a sandbox's runtime life, gVisor memory stops, network isolation and egress, agent
+//! requests, and files and exec through the API into a real sandbox.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod agent;
+mod gvisor;
+mod harness;
+mod io;
+mod network;
+mod runc;

@@ -1,0 +1,260 @@
+//! Running a fleet: reconciler leadership and takeover, operators draining and cordoning
+//! hosts, the per-host start cap, and automatic stop and delete of idle sandboxes.
+
+use std::time::Duration;
+
+use berth_reconciler::lease;
+use berth_reconciler::pass::{self, PassConfig};
+use berth_reconciler::ReconcilerConfig;
+use futures::future::join_all;
+use reqwest::Method;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::support::{eventually, Stack};
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn one_of_two_reconcilers_leads_and_the_other_takes_over_when_it_dies(db: PgPool) {
+    berth_schemas::db::MIGRATOR.run(&db).await.unwrap();
+    let mut config = ReconcilerConfig::new(berth_schemas::Subjects::new("unused").unwrap());
+    config.lease_ttl = Duration::from_secs(1);
+    config.pass.interval = Duration::from_millis(100);
+    let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+    let stop = CancellationToken::new();
+    let task_a = tokio::spawn(berth_reconciler::lead(
+        config.clone(),
+        db.clone(),
+        a,
+        stop.clone(),
+    ));
+    let task_b = tokio::spawn(berth_reconciler::lead(
+        config.clone(),
+        db.clone(),
+        b,
+        stop.clone(),
+    ));
+
+    let holder = || async {
+        sqlx::query_as::<_, (Uuid, i64)>(
+            "SELECT holder, term FROM leases WHERE name = 'reconciler'",
+        )
+        .fetch_optional(&db)
+        .await
+        .unwrap()
+    };
+    eventually("someone leads", || async { holder().await.is_some() }).await;
+    let (leader, term) = holder().await.unwrap();
+    assert!(leader == a || leader == b);
+    // kill -9 the leader: its loop stops without giving the lease up.
+    if leader == a {
+        task_a.abort()
+    } else {
+        task_b.abort()
+    }
+    let standby = if leader == a { b } else { a };
+    eventually("the standby takes over", || async {
+        holder().await.map(|(h, _)| h) == Some(standby)
+    })
+    .await;
+    let (_, new_term) = holder().await.unwrap();
+    assert!(new_term > term, "a takeover bumps the term");
+
+    // The deposed leader's term no longer commits anything.
+    let deposed = lease::Lease {
+        name: berth_reconciler::LEASE_NAME,
+        holder: leader,
+        term,
+    };
+    let mut tx = db.begin().await.unwrap();
+    assert!(!deposed.check(&mut tx).await.unwrap());
+    drop(tx);
+    let report = pass::run_pass(&db, &PassConfig::default(), &deposed)
+        .await
+        .unwrap();
+    assert!(
+        report.deposed,
+        "a deposed leader's pass stops at its first write"
+    );
+    stop.cancel();
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn operators_drain_cordon_and_uncordon_hosts_and_org_keys_cannot(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let admin = berth_api::auth::create_admin_key(&stack.db).await.unwrap();
+    let host = stack.hosts[0].host_id;
+    let (status, hosts) = stack.call_as(&admin, Method::GET, "/v1/hosts", None).await;
+    assert_eq!(status, 200, "{hosts}");
+    assert_eq!(hosts[0]["id"], host.to_string());
+    let (status, body) = stack.call(Method::GET, "/v1/hosts", None).await;
+    assert_eq!((status, &body["error"]["code"]), (403, &json!("forbidden")));
+    let (status, body) = stack
+        .call_as(&admin, Method::GET, "/v1/sandboxes", None)
+        .await;
+    assert_eq!(status, 403, "an operator key manages no sandboxes: {body}");
+
+    let stopped = stack.create().await;
+    stack.wait_state(&stopped, "running").await;
+    assert_eq!(stack.request(&stopped, "stop").await.0, 202);
+    stack.wait_state(&stopped, "stopped").await;
+
+    for (action, state) in [("drain", "draining"), ("cordon", "cordoned")] {
+        let (status, body) = stack
+            .call_as(
+                &admin,
+                Method::POST,
+                &format!("/v1/hosts/{host}/{action}"),
+                None,
+            )
+            .await;
+        assert_eq!(
+            (status, body["state"].as_str()),
+            (200, Some(state)),
+            "{body}"
+        );
+        let (status, body) = stack
+            .call(Method::POST, "/v1/sandboxes", Some(json!({})))
+            .await;
+        assert_eq!(
+            (status, &body["error"]["code"]),
+            (503, &json!("no_capacity")),
+            "no new placements when {state}"
+        );
+    }
+    // Its own stopped sandbox still starts there: its disk lives there.
+    assert_eq!(stack.request(&stopped, "start").await.0, 202);
+    stack.wait_state(&stopped, "running").await;
+
+    let (status, body) = stack
+        .call_as(
+            &admin,
+            Method::POST,
+            &format!("/v1/hosts/{host}/uncordon"),
+            None,
+        )
+        .await;
+    assert_eq!((status, body["state"].as_str()), (200, Some("ready")));
+    let id = stack.create().await;
+    stack.wait_state(&id, "running").await;
+    let (status, _) = stack
+        .call_as(
+            &admin,
+            Method::POST,
+            &format!("/v1/hosts/{}/drain", Uuid::now_v7()),
+            None,
+        )
+        .await;
+    assert_eq!(status, 404);
+    for id in [&stopped, &id] {
+        stack.delete(id).await;
+        stack.wait_state(id, "deleted").await;
+    }
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn creates_beyond_a_hosts_start_cap_wait_in_the_outbox_and_all_run(db: PgPool) {
+    let stack = Stack::start_configured(db, 1, PassConfig::default(), |c| {
+        c.max_concurrent_starts = 1;
+    })
+    .await;
+    let body = json!({"template": "base", "vcpus": 1, "memory_mib": 128});
+    let created =
+        join_all((0..4).map(|_| stack.call(Method::POST, "/v1/sandboxes", Some(body.clone()))))
+            .await;
+    let ids: Vec<String> = created
+        .iter()
+        .map(|(s, b)| {
+            assert_eq!(*s, 202, "queued, not refused: {b}");
+            b["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    for id in &ids {
+        stack.wait_state(id, "running").await;
+    }
+    // With a cap of one, each create was published only after the previous one completed.
+    let times: Vec<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT published_at, completed_at FROM commands WHERE kind = 'sandbox.create' ORDER BY published_at",
+    )
+    .fetch_all(&stack.db)
+    .await
+    .unwrap();
+    assert_eq!(times.len(), 4);
+    for pair in times.windows(2) {
+        assert!(
+            pair[1].0 >= pair[0].1,
+            "a create was published while another was in flight: {pair:?}"
+        );
+    }
+    for id in &ids {
+        stack.delete(id).await;
+    }
+    for id in &ids {
+        stack.wait_state(id, "deleted").await;
+    }
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+async fn idle_sandboxes_auto_stop_and_stopped_ones_auto_delete(db: PgPool) {
+    let config = PassConfig {
+        interval: Duration::from_millis(100),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db, 1, config).await;
+    let body = json!({"template": "base", "auto_stop_minutes": 1, "auto_delete_minutes": 1});
+    let (status, created) = stack.call(Method::POST, "/v1/sandboxes", Some(body)).await;
+    assert_eq!(status, 202, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    assert_eq!(
+        stack.state_of(&id).await,
+        "running",
+        "fresh activity keeps it running"
+    );
+
+    // A minute and a half without activity.
+    sqlx::query(
+        "UPDATE sandboxes SET last_activity_at = now() - interval '90 seconds' WHERE id = $1::uuid",
+    )
+    .bind(&id)
+    .execute(&stack.db)
+    .await
+    .unwrap();
+    stack.wait_state(&id, "stopped").await;
+    // Stopped for a minute and a half.
+    sqlx::query(
+        "UPDATE sandboxes SET updated_at = now() - interval '90 seconds' WHERE id = $1::uuid",
+    )
+    .bind(&id)
+    .execute(&stack.db)
+    .await
+    .unwrap();
+    stack.wait_state(&id, "deleted").await;
+    let reasons: Vec<(String, String)> = sqlx::query_as(
+        "SELECT to_state, reason FROM events WHERE sandbox_id = $1::uuid ORDER BY id",
+    )
+    .bind(&id)
+    .fetch_all(&stack.db)
+    .await
+    .unwrap();
+    let reasons: Vec<(&str, &str)> = reasons
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            ("provisioning", "user_request"),
+            ("running", "host_report"),
+            ("stopping", "auto_stop"),
+            ("stopped", "host_report"),
+            ("stopping", "auto_delete"),
+            ("deleted", "host_report"),
+        ]
+    );
+    assert!(stack.leftovers(&id).is_empty());
+    stack.teardown().await;
+}

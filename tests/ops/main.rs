@@ -1,0 +1,12 @@
+//! Operating Berth: lifecycle events on the stream and over SSE, webhooks, metrics and
+//! Prometheus rules, the command relay, and running a fleet (leadership, drain and cordon,
+//! start caps, automatic stop and delete).
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod events;
+mod fleet;
+mod observability;
+mod relay;
+mod webhooks;

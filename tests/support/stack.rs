@@ -1,0 +1,332 @@
+//! The end-to-end stack: the in-process control plane of `berth::stack` on the real Postgres
+//! (a fresh database per test from `#[sqlx::test]`) and the real NATS (a unique subject
+//! prefix and streams per test), with real `berth hostd` child processes running runc.
+//!
+//! Hosts are processes, not tasks, so a test can freeze, kill and restart them. Everything a
+//! stack started is removed when it drops, also when its test panics: the hostd processes
+//! are killed, their containers, networks, mounts and nftables tables removed
+//! ([`super::cleanup`]), the streams deleted and the state dir removed.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use berth_schemas::{HostId, Subjects};
+use sqlx::PgPool;
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use super::cleanup::{self, delete_streams_blocking, remove_dir_unless_mounted};
+use super::env::{init_tracing, nats_url, unique, HTTP_TIMEOUT, SETTLE_TIMEOUT};
+
+/// How long a hostd gets to exit after SIGTERM before SIGKILL.
+const HOST_STOP_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A `berth hostd` child process.
+pub struct HostProcess {
+    pub state_dir: PathBuf,
+    pub child: Option<Child>,
+    pub host_id: HostId,
+    pub address_pool: Ipv4Addr,
+    /// `--vcpus` / `--memory-mib` given to the process, if any.
+    pub capacity: (Option<u32>, Option<u32>),
+    /// Extra `berth hostd` flags, given again on a restart.
+    pub extra_args: Vec<String>,
+}
+
+impl HostProcess {
+    /// The runc root of this host (where its containers are listed).
+    pub fn runc_root(&self) -> PathBuf {
+        self.state_dir.join("runc")
+    }
+
+    /// Freezes the process (SIGSTOP): it neither consumes commands nor heartbeats.
+    pub fn freeze(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// Sends SIGCONT if the process runs (harmless when it is not frozen).
+    pub fn thaw_if_frozen(&self) {
+        if self.child.as_ref().and_then(|c| c.id()).is_some() {
+            self.thaw();
+        }
+    }
+
+    /// Thaws a frozen process (SIGCONT).
+    pub fn thaw(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn signal(&self, sig: nix::sys::signal::Signal) {
+        let pid = self
+            .child
+            .as_ref()
+            .and_then(|c| c.id())
+            .expect("host is running");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
+    }
+
+    /// Stops it with SIGTERM (or SIGKILL when `kill`), by the PID we started.
+    pub async fn stop(&mut self, kill: bool) {
+        if let Some(mut child) = self.child.take() {
+            if let Some(pid) = child.id() {
+                let pid = nix::unistd::Pid::from_raw(pid as i32);
+                let sig = if kill {
+                    nix::sys::signal::Signal::SIGKILL
+                } else {
+                    nix::sys::signal::Signal::SIGTERM
+                };
+                // A frozen process would not act on SIGTERM.
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+                let _ = nix::sys::signal::kill(pid, sig);
+            }
+            if tokio::time::timeout(HOST_STOP_TIMEOUT, child.wait())
+                .await
+                .is_err()
+            {
+                let _ = child.kill().await;
+            }
+        }
+    }
+}
+
+impl Drop for HostProcess {
+    /// Kills the process (by the PID we started) and removes what it left on the machine.
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            if let Some(pid) = child.id() {
+                // Reap it, so its runc children are not mid-create while we clean up.
+                let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None);
+            }
+        }
+        for what in cleanup::remove_host_leftovers(self.host_id, &self.state_dir) {
+            eprintln!("cleanup of host {}: removed {what}", self.host_id);
+        }
+    }
+}
+
+/// A running stack: the control plane in-process, hostd as children.
+pub struct Stack {
+    pub base: String,
+    pub key: String,
+    pub db: PgPool,
+    pub subjects: Subjects,
+    pub nats: async_nats::Client,
+    pub http: reqwest::Client,
+    pub hosts: Vec<HostProcess>,
+    pub root: PathBuf,
+    control_plane: Option<berth::stack::Stack>,
+}
+
+impl Stack {
+    /// Starts a stack with `hosts` hostd processes on the fresh database `db`, and creates an
+    /// org whose key is `self.key`. Returns once every host has sent a heartbeat.
+    pub async fn start(db: PgPool, hosts: usize) -> Stack {
+        Self::start_with(db, hosts, berth_reconciler::pass::PassConfig::default()).await
+    }
+
+    /// Like [`Stack::start`], with the reconciler's pass timing given.
+    pub async fn start_with(
+        db: PgPool,
+        hosts: usize,
+        pass: berth_reconciler::pass::PassConfig,
+    ) -> Stack {
+        Self::start_configured(db, hosts, pass, |_| {}).await
+    }
+
+    /// Like [`Stack::start_with`], with `configure` adjusting the API's config (webhook and
+    /// event stream timing) before it starts.
+    pub async fn start_configured(
+        db: PgPool,
+        hosts: usize,
+        pass: berth_reconciler::pass::PassConfig,
+        configure: impl FnOnce(&mut berth_api::ApiConfig),
+    ) -> Stack {
+        init_tracing("warn");
+        let tag = unique();
+        let subjects = Subjects::new(&format!("t{tag}")).unwrap();
+        let root = cleanup::fresh_dir("stack");
+        let listen = "127.0.0.1:0".parse().unwrap();
+        let mut config = berth::stack::StackConfig::new(nats_url(), subjects.clone(), listen);
+        configure(&mut config.api);
+        let mut reconciler = berth_reconciler::ReconcilerConfig::new(subjects.clone());
+        reconciler.pass = pass;
+        config.reconciler = berth::stack::Reconciler::Leader(Box::new(reconciler));
+        let control_plane = berth::stack::Stack::start(
+            config,
+            berth::stack::Pools::shared(db.clone()),
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("start the control plane");
+        let (_, key) = berth_api::auth::create_org(&db, &format!("org-{tag}"))
+            .await
+            .unwrap();
+        let mut stack = Stack {
+            base: control_plane.api_url(),
+            key,
+            db,
+            subjects,
+            nats: control_plane.nats.clone(),
+            // A route that never answers fails its test instead of hanging the run.
+            http: reqwest::Client::builder()
+                .timeout(HTTP_TIMEOUT)
+                .build()
+                .unwrap(),
+            hosts: Vec::new(),
+            root,
+            control_plane: Some(control_plane),
+        };
+        for _ in 0..hosts {
+            stack.add_host().await;
+        }
+        stack
+    }
+
+    /// Starts one more `berth hostd` and waits for its first heartbeat.
+    pub async fn add_host(&mut self) -> usize {
+        self.add_host_with((None, None)).await
+    }
+
+    /// Like [`Stack::add_host`], offering `(vcpus, memory_mib)` instead of the machine's size.
+    pub async fn add_host_with(&mut self, capacity: (Option<u32>, Option<u32>)) -> usize {
+        self.add_host_with_args(capacity, &[]).await
+    }
+
+    /// Like [`Stack::add_host_with`], with extra `berth hostd` flags (e.g. `--metrics-addr`).
+    pub async fn add_host_with_args(
+        &mut self,
+        capacity: (Option<u32>, Option<u32>),
+        extra_args: &[String],
+    ) -> usize {
+        let index = self.hosts.len();
+        let state_dir = self.root.join(format!("host{index}"));
+        std::fs::create_dir_all(&state_dir).unwrap();
+        // A random /16 in 10.64.0.0/10, unlikely to meet another test's.
+        let address_pool = Ipv4Addr::new(10, 64 + rand::random::<u8>() % 64, 0, 0);
+        let mut host = HostProcess {
+            state_dir,
+            child: None,
+            host_id: HostId::new(),
+            address_pool,
+            capacity,
+            extra_args: extra_args.to_vec(),
+        };
+        self.spawn_host(&mut host).await;
+        self.hosts.push(host);
+        index
+    }
+
+    /// Restarts the process of host `index` (after [`HostProcess::stop`]).
+    pub async fn restart_host(&mut self, index: usize) {
+        let (db, subjects) = (self.db.clone(), self.subjects.clone());
+        spawn_hostd(&db, &subjects, &mut self.hosts[index]).await;
+    }
+
+    /// (Re)starts the hostd process of `host` and waits until its heartbeat is in `hosts`.
+    pub async fn spawn_host(&self, host: &mut HostProcess) {
+        spawn_hostd(&self.db, &self.subjects, host).await
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Stops everything this stack started, hosts first and gracefully; then what `Drop`
+    /// removes (leftovers, streams, files).
+    pub async fn teardown(mut self) {
+        for host in &mut self.hosts {
+            host.stop(false).await;
+        }
+        if let Some(control_plane) = self.control_plane.take() {
+            control_plane.stop().await;
+        }
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        // Hosts first (each removes what it left), then the control plane, streams, files.
+        self.hosts.clear();
+        drop(self.control_plane.take());
+        delete_streams_blocking(&self.subjects);
+        if std::thread::panicking() {
+            if let Some(name) = self.db.connect_options().get_database() {
+                cleanup::drop_database_blocking(name);
+            }
+            // The hostd logs are there.
+            eprintln!(
+                "test failed: its hosts' state and logs are in {}",
+                self.root.display()
+            );
+        } else {
+            remove_dir_unless_mounted(&self.root);
+        }
+    }
+}
+
+/// (Re)starts the hostd process of `host` and waits until its heartbeat is in `hosts`.
+async fn spawn_hostd(db: &PgPool, subjects: &Subjects, host: &mut HostProcess) {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(host.state_dir.with_extension("log"))
+        .unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
+    command.arg("hostd");
+    if let Some(v) = host.capacity.0 {
+        command.arg("--vcpus").arg(v.to_string());
+    }
+    if let Some(m) = host.capacity.1 {
+        command.arg("--memory-mib").arg(m.to_string());
+    }
+    let child = command
+        .arg("--state-dir")
+        .arg(&host.state_dir)
+        .arg("--address-pool")
+        .arg(host.address_pool.to_string())
+        .arg("--name")
+        .arg(host.state_dir.file_name().unwrap())
+        .args(&host.extra_args)
+        .env("NATS_URL", nats_url())
+        .env("BERTH_SUBJECT_PREFIX", subjects.prefix())
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn berth hostd");
+    host.child = Some(child);
+    let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
+    let mut registered = false;
+    loop {
+        if let Ok(id) = berth_hostd::host_id(&host.state_dir) {
+            host.host_id = id;
+            if !registered {
+                cleanup::register_host(id, &host.state_dir);
+                registered = true;
+            }
+            let seen: Option<i64> =
+                sqlx::query_scalar("SELECT 1::int8 FROM hosts WHERE id = $1 AND state = 'ready'")
+                    .bind(id)
+                    .fetch_optional(db)
+                    .await
+                    .unwrap();
+            if seen.is_some() {
+                return;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "hostd in {} sent no heartbeat; see its log",
+            host.state_dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
