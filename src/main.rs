@@ -388,14 +388,14 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             println!("template {name}: {}", rootfs.display());
             if let Some(url) = database_url {
                 let db = connect_db(&url).await?;
-                berth_schemas::db::MIGRATOR.run(&db).await?;
+                berth_store::MIGRATOR.run(&db).await?;
                 berth_api::templates::register(&db, &name, &description, &runtime).await?;
                 println!("template {name} registered ({runtime})");
             }
         }
         Cmd::Migrate { database_url } => {
             let db = connect_db(&database_url).await?;
-            berth_schemas::db::MIGRATOR.run(&db).await?;
+            berth_store::MIGRATOR.run(&db).await?;
             println!("migrations applied");
         }
         Cmd::Admin {
@@ -403,7 +403,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             command,
         } => {
             let db = connect_db(&database_url).await?;
-            berth_schemas::db::MIGRATOR.run(&db).await?;
+            berth_store::MIGRATOR.run(&db).await?;
             match command {
                 AdminCmd::CreateOrg { name } => {
                     let (org, key) = berth_api::auth::create_org(&db, &name).await?;

@@ -119,7 +119,7 @@ impl Stack {
         pools: Pools,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<Stack> {
-        berth_schemas::db::MIGRATOR
+        berth_store::MIGRATOR
             .run(&pools.api)
             .await
             .context("migrate")?;

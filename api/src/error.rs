@@ -5,6 +5,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_schemas::SandboxState;
+use berth_store::StoreError;
 use serde_json::json;
 use tracing::error;
 
@@ -49,6 +50,10 @@ pub enum ApiError {
     /// 409 `conflict` for a host operator action; carries the host's state.
     #[error("{message}")]
     HostConflict { state: String, message: String },
+    /// A fenced write found the sandbox moved on (someone else's transition won): 409
+    /// `conflict`; the client reads the sandbox again.
+    #[error("{0}")]
+    Fenced(String),
     /// 503 `host_unavailable`: the sandbox's host did not answer.
     #[error("host unavailable: {0}")]
     HostUnavailable(String),
@@ -74,7 +79,7 @@ impl ApiError {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
             ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
-            ApiError::Conflict { .. } | ApiError::HostConflict { .. } => {
+            ApiError::Conflict { .. } | ApiError::HostConflict { .. } | ApiError::Fenced(_) => {
                 (StatusCode::CONFLICT, "conflict")
             }
             ApiError::HostUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),
@@ -111,6 +116,24 @@ impl From<ServiceError> for ApiError {
             e @ ServiceError::TooManyWebhooks { .. } => ApiError::invalid("url", e.to_string()),
             ServiceError::Internal(cause) => ApiError::Internal(cause),
             ServiceError::Database(e) => e.into(),
+            ServiceError::Store(e) => e.into(),
+        }
+    }
+}
+
+/// The store's typed errors: a fence miss is a 409 and a missing row a 404, never a 500.
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Fenced { .. } => ApiError::Fenced(e.to_string()),
+            StoreError::NotFound { what, id } => ApiError::NotFound(format!("{what} {id}")),
+            StoreError::NoCapacity { need, .. } => ApiError::NoCapacity {
+                vcpus: need.vcpus,
+                memory_mib: need.memory_mib,
+            },
+            StoreError::Corrupt { .. } | StoreError::Database { .. } => {
+                ApiError::Internal(e.to_string())
+            }
         }
     }
 }

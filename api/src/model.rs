@@ -2,14 +2,12 @@
 
 use berth_schemas::wire::Resources;
 use berth_schemas::{Generation, HostId, SandboxId, SandboxState};
+use berth_store::SandboxRow;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::PgRow;
-use sqlx::Row;
 use utoipa::ToSchema;
 
 use crate::error::ApiError;
-use crate::service::ServiceError;
 
 /// The template used when a create names none.
 pub const DEFAULT_TEMPLATE: &str = "base";
@@ -176,40 +174,30 @@ pub struct Sandbox {
     pub auto_delete_minutes: Option<i32>,
 }
 
-/// The columns [`Sandbox::from_row`] reads.
-pub const SANDBOX_COLUMNS: &str = "id, state, state_reason, template, host_id, generation, vcpus, \
-     memory_mib, metadata, address, last_stop, created_at, updated_at, deleted_at, \
-     auto_stop_minutes, auto_delete_minutes";
+impl From<SandboxRow> for Sandbox {
+    fn from(row: SandboxRow) -> Self {
+        Sandbox {
+            id: row.id,
+            state: row.state,
+            state_reason: row.state_reason,
+            template: row.template,
+            host_id: row.host_id,
+            generation: row.generation,
+            vcpus: row.resources.vcpus,
+            memory_mib: row.resources.memory_mib,
+            metadata: row.metadata,
+            address: row.address,
+            last_stop: row.last_stop.map(|m| m.as_str().to_owned()),
+            created_at: row.created_at,
+            updated_at: row.updated_at,
+            deleted_at: row.deleted_at,
+            auto_stop_minutes: row.auto_stop_minutes,
+            auto_delete_minutes: row.auto_delete_minutes,
+        }
+    }
+}
 
 impl Sandbox {
-    /// Reads a row selected with [`SANDBOX_COLUMNS`].
-    ///
-    /// Errors: [`ServiceError::Database`] for a missing column, [`ServiceError::Internal`] for
-    /// a state Berth does not write.
-    pub fn from_row(row: &PgRow) -> Result<Self, ServiceError> {
-        let state: String = row.try_get("state")?;
-        Ok(Sandbox {
-            id: row.try_get("id")?,
-            state: state
-                .parse()
-                .map_err(|e| ServiceError::Internal(format!("row state: {e}")))?,
-            state_reason: row.try_get("state_reason")?,
-            template: row.try_get("template")?,
-            host_id: row.try_get("host_id")?,
-            generation: row.try_get("generation")?,
-            vcpus: u32::try_from(row.try_get::<i32, _>("vcpus")?).unwrap_or(0),
-            memory_mib: u32::try_from(row.try_get::<i32, _>("memory_mib")?).unwrap_or(0),
-            metadata: row.try_get("metadata")?,
-            address: row.try_get("address")?,
-            last_stop: row.try_get("last_stop")?,
-            created_at: row.try_get("created_at")?,
-            updated_at: row.try_get("updated_at")?,
-            deleted_at: row.try_get("deleted_at")?,
-            auto_stop_minutes: row.try_get("auto_stop_minutes")?,
-            auto_delete_minutes: row.try_get("auto_delete_minutes")?,
-        })
-    }
-
     /// The resources the sandbox reserves on its host when it holds capacity.
     pub fn resources(&self) -> Resources {
         Resources {

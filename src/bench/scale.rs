@@ -345,7 +345,7 @@ async fn measure(
 
         // Let every host report its full inventory before the passes.
         tokio::time::sleep(args.heartbeat_interval * 2).await;
-        let lease = berth_reconciler::lease::acquire(
+        let lease = berth_store::leases::acquire(
             &db,
             berth_reconciler::LEASE_NAME,
             uuid::Uuid::now_v7(),
@@ -370,7 +370,7 @@ async fn measure(
                     .join(","),
             );
         }
-        berth_reconciler::lease::release(&db, &lease).await?;
+        berth_store::leases::release(&db, &lease).await?;
 
         // Reads.
         let mut list_page = Samples::default();

@@ -7,7 +7,7 @@ use sqlx::PgPool;
 
 use crate::support::Stack;
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_sandbox_runs_stops_keeps_its_files_starts_and_is_deleted_without_a_trace(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = stack.create().await;
@@ -89,7 +89,7 @@ async fn a_sandbox_runs_stops_keeps_its_files_starts_and_is_deleted_without_a_tr
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn listing_is_paginated_newest_first_and_filters_by_state(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let mut ids = Vec::new();
@@ -156,7 +156,7 @@ async fn listing_is_paginated_newest_first_and_filters_by_state(db: PgPool) {
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn exec_edge_cases_answer_at_once_with_a_clear_result(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = stack.create().await;

@@ -7,7 +7,7 @@ use sqlx::PgPool;
 
 use crate::support::{inproc, Stack};
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let cases = [
@@ -150,7 +150,7 @@ const FAIL_EVENT_INSERTS: &str = "
     CREATE TRIGGER berth_test_fail_events BEFORE INSERT ON events
         FOR EACH ROW EXECUTE FUNCTION berth_test_fail_insert();";
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_create_whose_transaction_fails_at_its_last_insert_leaves_no_row_command_event_or_reservation(
     db: PgPool,
 ) {

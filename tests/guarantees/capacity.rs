@@ -10,7 +10,7 @@ use sqlx::PgPool;
 use crate::support::http::host_of;
 use crate::support::{inproc, Stack};
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_host_without_free_capacity_is_never_chosen(db: PgPool) {
     let mut stack = Stack::start(db, 0).await;
     let small = stack.add_host_with((Some(8), Some(128))).await; // less than one sandbox's memory
@@ -40,7 +40,7 @@ async fn a_host_without_free_capacity_is_never_chosen(db: PgPool) {
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn quotas_hold_under_twenty_concurrent_creates_and_deleting_rows_do_not_count(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let org: String = sqlx::query_scalar("SELECT name FROM orgs")
@@ -124,7 +124,7 @@ async fn report(plane: &inproc::Plane, id: SandboxId, succeeded: bool) {
     plane.deliver(&command, outcome).await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn guarantee_4_reserved_capacity_equals_the_sum_over_capacity_holding_sandboxes_at_every_step(
     db: PgPool,
 ) {

@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use berth_reconciler::pass::PassConfig;
-use berth_schemas::db::insert_command;
 use berth_schemas::wire::{Command, SandboxSpec};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxId};
+use berth_store::commands::insert as insert_command;
 use sqlx::PgPool;
 
 use crate::support::http::{running_sandbox, stopped_sandbox};
@@ -32,7 +32,7 @@ async fn events_of(stack: &Stack, id: &str) -> Vec<(String, String)> {
         .unwrap()
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_late_running_after_delete_leaves_the_row_deleted_and_no_container(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = stopped_sandbox(&stack).await;
@@ -66,7 +66,7 @@ async fn a_late_running_after_delete_leaves_the_row_deleted_and_no_container(db:
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_create_that_times_out_and_then_succeeds_is_destroyed_and_stays_failed(db: PgPool) {
     let stack = Stack::start_with(
         db,
@@ -127,7 +127,7 @@ async fn a_create_that_times_out_and_then_succeeds_is_destroyed_and_stays_failed
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_start_with_an_old_generation_that_arrives_after_a_newer_stop_is_refused(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = stopped_sandbox(&stack).await; // generation 2
@@ -145,7 +145,7 @@ async fn a_start_with_an_old_generation_that_arrives_after_a_newer_stop_is_refus
         sandbox_id: sandbox,
         generation: Generation(3),
         kind: CommandKind::Start,
-        spec: SandboxSpec {
+        spec: Some(SandboxSpec {
             org_id: sqlx::query_scalar("SELECT org_id FROM sandboxes WHERE id = $1")
                 .bind(sandbox)
                 .fetch_one(&stack.db)
@@ -156,7 +156,8 @@ async fn a_start_with_an_old_generation_that_arrives_after_a_newer_stop_is_refus
                 vcpus: 1,
                 memory_mib: 256,
             },
-        },
+            runtime: berth_schemas::wire::Runtime::Runc,
+        }),
     };
     let mut tx = stack.db.begin().await.unwrap();
     insert_command(&mut tx, host, &late).await.unwrap();
@@ -188,7 +189,7 @@ async fn a_start_with_an_old_generation_that_arrives_after_a_newer_stop_is_refus
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn stop_and_start_sent_ten_ms_apart_accept_exactly_one_fifty_times(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = running_sandbox(&stack).await;
@@ -233,7 +234,7 @@ async fn stop_and_start_sent_ten_ms_apart_accept_exactly_one_fifty_times(db: PgP
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_start_the_host_never_answers_times_out_and_delete_is_accepted_from_starting_and_failed_start(
     db: PgPool,
 ) {
@@ -278,7 +279,7 @@ async fn a_start_the_host_never_answers_times_out_and_delete_is_accepted_from_st
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_delete_published_while_its_host_is_down_is_applied_when_it_returns(db: PgPool) {
     let mut stack = Stack::start(db, 1).await;
     let id = running_sandbox(&stack).await;

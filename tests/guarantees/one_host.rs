@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use berth_reconciler::lease;
 use berth_reconciler::pass::{self, PassConfig};
+use berth_store::leases;
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -36,7 +36,7 @@ async fn wait_silent(stack: &Stack, host: Uuid, age: Duration) {
     .await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_silent_host_is_lost_its_sandboxes_fail_and_it_comes_back_ready_without_duplicates(
     db: PgPool,
 ) {
@@ -111,7 +111,7 @@ async fn a_silent_host_is_lost_its_sandboxes_fail_and_it_comes_back_ready_withou
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn when_every_host_is_silent_at_once_a_pass_changes_nothing(db: PgPool) {
     // The stack's own reconciler passes once at start and then not for an hour.
     let idle = PassConfig {
@@ -129,7 +129,7 @@ async fn when_every_host_is_silent_at_once_a_pass_changes_nothing(db: PgPool) {
         inventory_grace: Duration::ZERO,
         ..PassConfig::default()
     };
-    let test_lease = lease::acquire(
+    let test_lease = leases::acquire(
         &stack.db,
         "test-pass",
         Uuid::now_v7(),
@@ -154,7 +154,7 @@ async fn when_every_host_is_silent_at_once_a_pass_changes_nothing(db: PgPool) {
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_hostd_killed_mid_create_and_restarted_converges_without_duplicates(db: PgPool) {
     let mut stack = Stack::start(db, 1).await;
     let ids = vec![
@@ -193,7 +193,7 @@ async fn a_hostd_killed_mid_create_and_restarted_converges_without_duplicates(db
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_running_sandbox_whose_guest_dies_becomes_failed_start_and_can_start_again(db: PgPool) {
     let config = PassConfig {
         interval: Duration::from_millis(100),
@@ -222,7 +222,7 @@ async fn a_running_sandbox_whose_guest_dies_becomes_failed_start_and_can_start_a
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_hostd_killed_with_three_sandboxes_running_leaves_no_orphan_and_rows_converge(
     db: PgPool,
 ) {
@@ -310,7 +310,7 @@ async fn a_hostd_killed_with_three_sandboxes_running_leaves_no_orphan_and_rows_c
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_sandbox_placed_on_another_host_is_destroyed_on_the_old_one(db: PgPool) {
     // Fast passes that judge inventory 1 s after a row changes; hosts are never lost here.
     let pass = PassConfig {

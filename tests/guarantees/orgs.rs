@@ -6,7 +6,7 @@ use sqlx::PgPool;
 
 use crate::support::Stack;
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn another_orgs_sandbox_is_not_found_on_every_route(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = stack.create().await;

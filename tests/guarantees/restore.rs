@@ -10,7 +10,7 @@ use sqlx::PgPool;
 use crate::support::http::running_sandbox;
 use crate::support::Stack;
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn files_written_before_each_of_five_stops_are_there_after_each_start(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = running_sandbox(&stack).await;
@@ -43,7 +43,7 @@ async fn files_written_before_each_of_five_stops_are_there_after_each_start(db: 
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_gvisor_sandbox_stopped_through_the_api_keeps_its_processes(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     // The API lists the templates hostd knows, with the runtimes hostd uses for them.
@@ -121,7 +121,7 @@ async fn a_gvisor_sandbox_stopped_through_the_api_keeps_its_processes(db: PgPool
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_python_sandbox_runs_python3_and_keeps_its_interpreter_across_a_stop(db: PgPool) {
     // Built once per machine (debootstrap from apt's mirror); a no-op when cached.
     let cache = std::path::Path::new(berth_hostd::template::DEFAULT_TEMPLATE_CACHE);

@@ -62,7 +62,7 @@ async fn command_shapes(db: &PgPool, id: SandboxId) -> Vec<(CommandKind, i64)> {
         .collect()
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn every_result_delivered_twice_leaves_the_same_states_as_delivered_once(db: PgPool) {
     let plane = Plane::start(db).await;
     let histories: [&[Step]; 2] = [
@@ -106,7 +106,7 @@ async fn every_result_delivered_twice_leaves_the_same_states_as_delivered_once(d
     plane.assert_capacity_released().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn results_delivered_in_reverse_order_leave_the_same_states_as_in_order(db: PgPool) {
     let plane = Plane::start(db).await;
     // create → stop → start → delete. The create's and the stop's results are needed before
@@ -167,7 +167,7 @@ async fn results_delivered_in_reverse_order_leave_the_same_states_as_in_order(db
     plane.assert_capacity_released().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_late_create_success_after_a_timeout_leaves_failed_start_and_destroys_the_container(
     db: PgPool,
 ) {
@@ -221,7 +221,7 @@ async fn a_late_create_success_after_a_timeout_leaves_failed_start_and_destroys_
     plane.assert_capacity_released().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_create_success_contradicting_its_reported_failure_queues_one_delete(db: PgPool) {
     let plane = Plane::start(db).await;
     let id = plane.create().await;
@@ -253,7 +253,7 @@ async fn a_create_success_contradicting_its_reported_failure_queues_one_delete(d
     plane.assert_capacity_released().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_second_pass_after_a_start_timeout_changes_nothing(db: PgPool) {
     let plane = Plane::start(db).await;
     let lease = inproc::lease(&plane.db).await;

@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Context as _};
 use berth_schemas::wire::{
-    self, AgentFailure, AgentOp, AgentReply, AgentRequest, FileKind,
-    GuestStatus, ResultOutcome,
+    self, AgentFailure, AgentOp, AgentReply, AgentRequest, FileKind, GuestStatus, ResultOutcome,
 };
 use berth_schemas::{CommandKind, SandboxId};
 use futures::StreamExt;

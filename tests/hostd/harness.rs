@@ -15,7 +15,8 @@ use async_nats::jetstream::{self, consumer::pull, AckKind};
 use berth_hostd::layout::SandboxNames;
 use berth_hostd::HostdConfig;
 use berth_schemas::wire::{
-    self, AgentOp, AgentReply, AgentRequest, Command, CommandResult, ExecSpec, GuestStatus, Heartbeat, ResultOutcome, SandboxSpec,
+    self, AgentOp, AgentReply, AgentRequest, Command, CommandResult, ExecSpec, GuestStatus,
+    Heartbeat, ResultOutcome, SandboxSpec,
 };
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
 use futures::StreamExt;
@@ -153,14 +154,20 @@ impl Harness {
             sandbox_id: sandbox,
             generation: Generation(generation),
             kind,
-            spec: SandboxSpec {
-                org_id: OrgId(uuid::Uuid::nil()),
+            spec: Some(SandboxSpec {
+                org_id: OrgId::new(),
                 template: template.to_owned(),
                 resources: berth_schemas::wire::Resources {
                     vcpus: 1,
                     memory_mib: 256,
                 },
-            },
+                // What Postgres names for the built-in template (the API copies it from
+                // `templates.runtime` at create).
+                runtime: berth_hostd::template::lookup(template)
+                    .map_or("runc", |def| def.runtime)
+                    .parse()
+                    .expect("a built-in template names a known runtime"),
+            }),
         }
     }
 

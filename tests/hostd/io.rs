@@ -29,7 +29,7 @@ fn files_url(stack: &Stack, id: &str, path: &str) -> String {
     stack.url(&format!("/v1/sandboxes/{id}/files?path={path}"))
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_one_mib_file_round_trips_through_the_api_and_exec_takes_env_cwd_and_stdin(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = stack.create().await;
@@ -148,7 +148,7 @@ async fn a_one_mib_file_round_trips_through_the_api_and_exec_takes_env_cwd_and_s
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_template_imported_from_a_rootfs_tarball_runs_sandboxes(db: PgPool) {
     // A root filesystem: the host's static busybox, a shell link and a marker file.
     let work = std::env::temp_dir().join(format!("berth-import-{}", uuid::Uuid::new_v4()));
@@ -202,7 +202,7 @@ async fn a_template_imported_from_a_rootfs_tarball_runs_sandboxes(db: PgPool) {
     let _ = std::fs::remove_dir_all(&work);
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_streamed_exec_sends_output_while_the_process_runs(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = stack.create().await;

@@ -171,7 +171,10 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
     );
     assert_nothing_remains(h, sandbox).await?;
     let gone = h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?;
-    ensure!(gone == AgentReply::Failed(AgentFailure::NotFound), "{gone:?}");
+    ensure!(
+        gone == AgentReply::Failed(AgentFailure::NotFound),
+        "{gone:?}"
+    );
 
     // Deleting again succeeds; a late create for the deleted sandbox is refused.
     let cmd = h.command(sandbox, 4, CommandKind::Delete);

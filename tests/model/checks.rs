@@ -48,8 +48,13 @@ impl<'a> Case<'a> {
                 .position(|s| s.id == oc.sandbox_id)
                 .ok_or_else(|| fail(format!("a command for an unknown sandbox: {oc:?}")))?;
             prop_assert_eq!(oc.host_id, self.host);
-            prop_assert_eq!(oc.command.spec.org_id, self.org.id);
-            prop_assert_eq!(oc.command.spec.resources, self.model.sandboxes[i].resources);
+            let spec = oc
+                .command
+                .spec
+                .as_ref()
+                .ok_or_else(|| fail(format!("a command without a spec: {oc:?}")))?;
+            prop_assert_eq!(spec.org_id, self.org.id);
+            prop_assert_eq!(spec.resources, self.model.sandboxes[i].resources);
             let known = self.model.commands.iter().position(|m| m.id == Some(oc.id));
             let m = match known {
                 Some(m) => m,

@@ -31,13 +31,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
 use axum::http::Method;
-use berth_reconciler::lease::Lease;
 use berth_reconciler::pass::{self, PassConfig};
 use berth_reconciler::results::{self, Applied};
 use berth_scheduler::placement::Overcommit;
 use berth_schemas::state::Request;
 use berth_schemas::wire::{CommandResult, Resources, ResultOutcome};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxId, SandboxState};
+use berth_store::leases::Lease;
 use chrono::{DateTime, Utc};
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -63,7 +63,7 @@ async fn run_case(env: &Env, ops: Vec<Op>) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn random_requests_results_and_passes_keep_every_observable_guarantee(
     pool: PgPoolOptions,
     connect: PgConnectOptions,

@@ -94,7 +94,7 @@ async fn read_stream(
     out
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn lifecycle_events_are_on_the_event_stream_as_cloudevents_with_stable_ids(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let mut commands = stack
@@ -309,7 +309,7 @@ impl SseClient {
     }
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn an_sse_client_that_reconnects_with_last_event_id_misses_no_event_and_sees_none_twice(
     db: PgPool,
 ) {

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use berth_reconciler::lease;
 use berth_reconciler::pass::{self, PassConfig};
 use berth_reconciler::ReconcilerConfig;
+use berth_store::leases;
 use futures::future::join_all;
 use reqwest::Method;
 use serde_json::json;
@@ -15,9 +15,9 @@ use uuid::Uuid;
 
 use crate::support::{eventually, Stack};
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn one_of_two_reconcilers_leads_and_the_other_takes_over_when_it_dies(db: PgPool) {
-    berth_schemas::db::MIGRATOR.run(&db).await.unwrap();
+    berth_store::MIGRATOR.run(&db).await.unwrap();
     let mut config = ReconcilerConfig::new(berth_schemas::Subjects::new("unused").unwrap());
     config.lease_ttl = Duration::from_secs(1);
     config.pass.interval = Duration::from_millis(100);
@@ -62,7 +62,7 @@ async fn one_of_two_reconcilers_leads_and_the_other_takes_over_when_it_dies(db: 
     assert!(new_term > term, "a takeover bumps the term");
 
     // The deposed leader's term no longer commits anything.
-    let deposed = lease::Lease {
+    let deposed = leases::Lease {
         name: berth_reconciler::LEASE_NAME,
         holder: leader,
         term,
@@ -80,7 +80,7 @@ async fn one_of_two_reconcilers_leads_and_the_other_takes_over_when_it_dies(db: 
     stop.cancel();
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn operators_drain_cordon_and_uncordon_hosts_and_org_keys_cannot(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let admin = berth_api::auth::create_admin_key(&stack.db).await.unwrap();
@@ -154,7 +154,7 @@ async fn operators_drain_cordon_and_uncordon_hosts_and_org_keys_cannot(db: PgPoo
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn creates_beyond_a_hosts_start_cap_wait_in_the_outbox_and_all_run(db: PgPool) {
     let stack = Stack::start_configured(db, 1, PassConfig::default(), |c| {
         c.max_concurrent_starts = 1;
@@ -197,7 +197,7 @@ async fn creates_beyond_a_hosts_start_cap_wait_in_the_outbox_and_all_run(db: PgP
     stack.teardown().await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn idle_sandboxes_auto_stop_and_stopped_ones_auto_delete(db: PgPool) {
     let config = PassConfig {
         interval: Duration::from_millis(100),

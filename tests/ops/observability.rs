@@ -135,7 +135,7 @@ async fn scrape(http: &reqwest::Client, url: &str) -> String {
     resp.text().await.unwrap()
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn every_metric_the_alerts_and_dashboard_name_is_exported_after_an_end_to_end_run(
     db: PgPool,
 ) {

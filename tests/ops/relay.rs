@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, message::StreamMessage};
 use berth_api::relay::{self, RelayError};
-use berth_schemas::db::insert_command;
-use berth_schemas::wire::{self, Command, Resources, SandboxSpec};
+use berth_schemas::wire::{self, Command, Resources, Runtime, SandboxSpec};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, OrgId, SandboxId, Subjects};
+use berth_store::commands::insert as insert_command;
 use futures::{FutureExt, StreamExt};
 use sqlx::PgPool;
 
@@ -73,14 +73,15 @@ impl Outbox {
                 sandbox_id: SandboxId::new(),
                 generation: Generation::INITIAL,
                 kind,
-                spec: SandboxSpec {
+                spec: Some(SandboxSpec {
                     org_id: OrgId::new(),
                     template: "base".into(),
                     resources: Resources {
                         vcpus: 1,
                         memory_mib: 256,
                     },
-                },
+                    runtime: Runtime::Runc,
+                }),
             };
             insert_command(&mut tx, self.host, &command).await.unwrap();
             ids.push(command.id);
@@ -153,7 +154,7 @@ fn msg_id(headers: Option<&async_nats::HeaderMap>) -> String {
         .unwrap_or_default()
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_command_committed_while_no_relay_runs_is_published_once_a_relay_drains(db: PgPool) {
     with_outbox(db.clone(), |outbox| async move {
         let api = inproc::Api::new(db.clone(), outbox.nats.clone(), outbox.subjects.clone());
@@ -194,7 +195,7 @@ async fn a_command_committed_while_no_relay_runs_is_published_once_a_relay_drain
     .await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_relay_that_dies_between_the_ack_and_the_mark_leaves_one_copy_in_the_stream(db: PgPool) {
     with_outbox(db.clone(), |outbox| async move {
         outbox.ensure_streams().await;
@@ -226,7 +227,7 @@ async fn a_relay_that_dies_between_the_ack_and_the_mark_leaves_one_copy_in_the_s
     .await;
 }
 
-#[sqlx::test(migrator = "berth_schemas::db::MIGRATOR")]
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn two_relays_draining_at_once_publish_each_command_exactly_once(db: PgPool) {
     // More than two batches, so the relays overlap on the table. Stops: the per-host cap on
     // boots in flight does not hold them back.

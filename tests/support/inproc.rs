@@ -323,8 +323,8 @@ pub fn eager_timeouts() -> berth_reconciler::pass::PassConfig {
 }
 
 /// Takes the reconciler lease for the whole test.
-pub async fn lease(db: &PgPool) -> berth_reconciler::lease::Lease {
-    berth_reconciler::lease::acquire(
+pub async fn lease(db: &PgPool) -> berth_store::leases::Lease {
+    berth_store::leases::acquire(
         db,
         berth_reconciler::LEASE_NAME,
         uuid::Uuid::now_v7(),

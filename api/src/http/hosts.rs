@@ -8,12 +8,12 @@
 
 use axum::extract::{Path, State};
 use axum::Json;
-use berth_schemas::HostId;
+use berth_schemas::{HostEvent, HostId};
 
 use super::extract::parse_path_id;
 use crate::auth::Admin;
 use crate::error::ApiError;
-use crate::service::hosts::{self, Action, Host};
+use crate::service::hosts::{self, Host};
 use crate::AppState;
 
 /// `GET /v1/hosts`
@@ -24,7 +24,7 @@ pub async fn list(State(app): State<AppState>, _admin: Admin) -> Result<Json<Vec
     Ok(Json(hosts::list(&app.db).await?))
 }
 
-async fn set_state(app: &AppState, id: &str, action: Action) -> Result<Json<Host>, ApiError> {
+async fn set_state(app: &AppState, id: &str, action: HostEvent) -> Result<Json<Host>, ApiError> {
     let id: HostId = parse_path_id(id, "host")?;
     Ok(Json(hosts::set_state(&app.db, id, action).await?))
 }
@@ -49,18 +49,18 @@ macro_rules! host_action {
 host_action!(
     drain,
     "/v1/hosts/{id}/drain",
-    Action::Drain,
+    HostEvent::Drain,
     "Drain: no new sandboxes are placed here; its own sandboxes still start here."
 );
 host_action!(
     cordon,
     "/v1/hosts/{id}/cordon",
-    Action::Cordon,
+    HostEvent::Cordon,
     "Cordon: no new sandboxes are placed here."
 );
 host_action!(
     uncordon,
     "/v1/hosts/{id}/uncordon",
-    Action::Uncordon,
+    HostEvent::Uncordon,
     "Uncordon: the host takes new sandboxes again."
 );

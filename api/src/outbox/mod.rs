@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use async_nats::HeaderMap;
-use berth_schemas::db::OUTBOX_CHANNEL;
 use berth_schemas::Subjects;
+use berth_store::commands::OUTBOX_CHANNEL;
 use bytes::Bytes;
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;

@@ -5,10 +5,12 @@
 //! backup store, which does not exist yet); `lost` is set by the reconciler when a host is
 //! silent and cleared by its next heartbeat.
 
-use berth_schemas::HostId;
+use berth_schemas::host_state::HostRefusal;
+use berth_schemas::{HostEvent, HostId};
+use berth_store::hosts::{self, HostChange, HostRow};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 use utoipa::ToSchema;
 
 use super::ServiceError;
@@ -34,84 +36,49 @@ pub struct Host {
     pub heartbeat_age_seconds: f64,
 }
 
-const HOST_SELECT: &str = "SELECT h.id, h.name, h.state, h.capacity_vcpus, h.capacity_memory_mib,
-        h.reserved_vcpus, h.reserved_memory_mib, h.runtimes, h.memory_snapshot, h.last_seen,
-        EXTRACT(EPOCH FROM now() - h.last_seen)::float8 AS age,
-        (SELECT count(*) FROM sandboxes s WHERE s.host_id = h.id AND s.holds_capacity) AS sandboxes
-   FROM hosts h";
-
-fn host_from_row(r: &sqlx::postgres::PgRow) -> Result<Host, sqlx::Error> {
-    Ok(Host {
-        id: r.try_get("id")?,
-        name: r.try_get("name")?,
-        state: r.try_get("state")?,
-        capacity_vcpus: r.try_get("capacity_vcpus")?,
-        capacity_memory_mib: r.try_get("capacity_memory_mib")?,
-        reserved_vcpus: r.try_get("reserved_vcpus")?,
-        reserved_memory_mib: r.try_get("reserved_memory_mib")?,
-        runtimes: r.try_get("runtimes")?,
-        memory_snapshot: r.try_get("memory_snapshot")?,
-        sandboxes: r.try_get("sandboxes")?,
-        last_seen: r.try_get("last_seen")?,
-        heartbeat_age_seconds: r.try_get("age")?,
-    })
+impl From<HostRow> for Host {
+    fn from(h: HostRow) -> Self {
+        let (capacity, reserved) = (h.capacity, h.reserved);
+        Host {
+            id: h.id,
+            name: h.name,
+            state: h.state.as_str().to_owned(),
+            capacity_vcpus: i32::try_from(capacity.vcpus).unwrap_or(i32::MAX),
+            capacity_memory_mib: i64::from(capacity.memory_mib),
+            reserved_vcpus: i32::try_from(reserved.vcpus).unwrap_or(i32::MAX),
+            reserved_memory_mib: i64::from(reserved.memory_mib),
+            runtimes: h.runtimes,
+            memory_snapshot: h.memory_snapshot,
+            sandboxes: h.sandboxes,
+            last_seen: h.last_seen,
+            heartbeat_age_seconds: h.heartbeat_age_seconds,
+        }
+    }
 }
 
 /// Every host, by name.
 pub async fn list(db: &PgPool) -> Result<Vec<Host>, ServiceError> {
-    let rows = sqlx::query(&format!("{HOST_SELECT} ORDER BY h.name, h.id"))
-        .fetch_all(db)
-        .await?;
-    Ok(rows.iter().map(host_from_row).collect::<Result<_, _>>()?)
+    Ok(hosts::list(db).await?.into_iter().map(Host::from).collect())
 }
 
-/// An operator action on a host.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// No new sandboxes are placed here; its own sandboxes still start here.
-    Drain,
-    /// No new sandboxes are placed here.
-    Cordon,
-    /// The host takes new sandboxes again.
-    Uncordon,
-}
-
-/// Applies an operator action; repeating one changes nothing. Returns the host as it is now.
+/// Applies an operator action ([`HostEvent::Drain`], [`HostEvent::Cordon`] or
+/// [`HostEvent::Uncordon`]) as the host state machine decides; repeating one changes nothing.
+/// Returns the host as it is now.
 ///
 /// Errors: [`ServiceError::NotFound`]; [`ServiceError::HostConflict`] when the host's state
 /// refuses the action (it is `lost`).
-pub async fn set_state(db: &PgPool, id: HostId, action: Action) -> Result<Host, ServiceError> {
-    let (to, from): (&str, &[&str]) = match action {
-        Action::Drain => ("draining", &["ready", "cordoned", "draining"]),
-        Action::Cordon => ("cordoned", &["ready", "draining", "cordoned"]),
-        Action::Uncordon => ("ready", &["draining", "cordoned", "ready"]),
-    };
-    let from: Vec<String> = from.iter().map(|s| s.to_string()).collect();
-    let updated = sqlx::query(
-        "UPDATE hosts SET state = $2,
-                state_changed_at = CASE WHEN state = $2 THEN state_changed_at ELSE now() END
-          WHERE id = $1 AND state = ANY($3) RETURNING id",
-    )
-    .bind(id)
-    .bind(to)
-    .bind(&from)
-    .fetch_optional(db)
-    .await?;
-    let row = sqlx::query(&format!("{HOST_SELECT} WHERE h.id = $1"))
-        .bind(id)
-        .fetch_optional(db)
-        .await?
-        .ok_or_else(|| ServiceError::NotFound(format!("host {id}")))?;
-    let host = host_from_row(&row)?;
-    if updated.is_none() {
-        return Err(ServiceError::HostConflict {
-            state: host.state,
-            message: format!(
-                "cannot {action:?} a host that is {}",
-                row.try_get::<String, _>("state")?
-            )
-            .to_lowercase(),
-        });
+pub async fn set_state(db: &PgPool, id: HostId, action: HostEvent) -> Result<Host, ServiceError> {
+    let mut conn = db.acquire().await?;
+    match hosts::apply_event(&mut conn, id, action).await? {
+        None => Err(ServiceError::NotFound(format!("host {id}"))),
+        Some(HostChange::Applied(host)) => Ok(host.into()),
+        Some(HostChange::Refused(host)) => Err(ServiceError::HostConflict {
+            message: HostRefusal {
+                state: host.state,
+                event: action,
+            }
+            .to_string(),
+            state: host.state.as_str().to_owned(),
+        }),
     }
-    Ok(host)
 }

@@ -50,9 +50,12 @@ pub enum ServiceError {
     /// A broken invariant; logged, never shown.
     #[error("{0}")]
     Internal(String),
-    /// Postgres failed.
+    /// Postgres failed (a query on a table only the API owns).
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
+    /// The store refused or failed (fenced, not found, no capacity, database).
+    #[error(transparent)]
+    Store(#[from] berth_store::StoreError),
 }
 
 /// Whether Postgres answers a trivial query (`GET /readyz`).

@@ -12,7 +12,9 @@
 
 use berth_schemas::wire::Resources;
 use berth_schemas::OrgId;
-use sqlx::{PgConnection, Row};
+use berth_store::orgs::{self, Quota};
+use berth_store::{sandboxes, StoreError};
+use sqlx::PgConnection;
 
 use super::ServiceError;
 
@@ -26,49 +28,26 @@ pub async fn check(
     org: OrgId,
     adding: Resources,
 ) -> Result<(), ServiceError> {
-    let unlimited: bool = sqlx::query_scalar(
-        "SELECT max_running IS NULL AND max_vcpus IS NULL AND max_memory_mib IS NULL
-           FROM orgs WHERE id = $1",
-    )
-    .bind(org)
-    .fetch_one(&mut *conn)
-    .await?;
-    if unlimited {
+    let quota = orgs::lock_quota(&mut *conn, org).await?;
+    if quota.is_unlimited() {
         return Ok(());
     }
-    let limits = sqlx::query(
-        "SELECT max_running, max_vcpus, max_memory_mib FROM orgs WHERE id = $1
-            FOR NO KEY UPDATE",
-    )
-    .bind(org)
-    .fetch_one(&mut *conn)
-    .await?;
-    let max_running: Option<i32> = limits.try_get("max_running")?;
-    let max_vcpus: Option<i32> = limits.try_get("max_vcpus")?;
-    let max_memory: Option<i64> = limits.try_get("max_memory_mib")?;
-    let used = sqlx::query(
-        "SELECT count(*) AS running, COALESCE(sum(vcpus), 0)::int8 AS vcpus,
-                COALESCE(sum(memory_mib), 0)::int8 AS memory
-           FROM sandboxes WHERE org_id = $1 AND holds_capacity AND deleted_at IS NULL",
-    )
-    .bind(org)
-    .fetch_one(&mut *conn)
-    .await?;
+    let used = sandboxes::org_usage(conn, org).await?;
     let checks = [
         (
             "max_running",
-            max_running.map(i64::from),
-            used.try_get::<i64, _>("running")? + 1,
+            quota.max_running.map(i64::from),
+            used.sandboxes + 1,
         ),
         (
             "max_vcpus",
-            max_vcpus.map(i64::from),
-            used.try_get::<i64, _>("vcpus")? + i64::from(adding.vcpus),
+            quota.max_vcpus.map(i64::from),
+            used.vcpus + i64::from(adding.vcpus),
         ),
         (
             "max_memory_mib",
-            max_memory,
-            used.try_get::<i64, _>("memory")? + i64::from(adding.memory_mib),
+            quota.max_memory_mib,
+            used.memory_mib + i64::from(adding.memory_mib),
         ),
     ];
     for (limit, max, wanted) in checks {
@@ -81,22 +60,22 @@ pub async fn check(
     Ok(())
 }
 
-/// Sets an org's quotas (`None` = unlimited). Returns whether the org exists.
+/// Sets the quota of the org named `org_name` (`None`: unlimited); whether the org exists.
 pub async fn set(
     db: &sqlx::PgPool,
     org_name: &str,
     max_running: Option<i32>,
     max_vcpus: Option<i32>,
     max_memory_mib: Option<i64>,
-) -> Result<bool, sqlx::Error> {
-    let updated = sqlx::query(
-        "UPDATE orgs SET max_running = $2, max_vcpus = $3, max_memory_mib = $4 WHERE name = $1",
+) -> Result<bool, StoreError> {
+    orgs::set_quota(
+        db,
+        org_name,
+        Quota {
+            max_running,
+            max_vcpus,
+            max_memory_mib,
+        },
     )
-    .bind(org_name)
-    .bind(max_running)
-    .bind(max_vcpus)
-    .bind(max_memory_mib)
-    .execute(db)
-    .await?;
-    Ok(updated.rows_affected() == 1)
+    .await
 }

@@ -5,19 +5,16 @@
 use std::time::Duration;
 
 use berth_scheduler::placement;
-use berth_schemas::db::{
-    insert_command, insert_event, write_transition, NewEvent, SandboxSnapshot, Transition,
-    SNAPSHOT_COLUMNS,
-};
 use berth_schemas::state::{on_request, Decision, Reason, Refusal, Request};
-use berth_schemas::wire::{Command, SandboxSpec};
-use berth_schemas::{CommandId, CommandKind, Generation, OrgId, SandboxId, SandboxState};
-use sqlx::{PgConnection, PgPool};
+use berth_schemas::{Capacity, OrgId, SandboxId, SandboxState};
+use berth_store::sandboxes::{self, NewSandbox, Transition};
+use berth_store::templates;
+use sqlx::PgPool;
 use tracing::{info, instrument};
 
 use super::idempotency::{self, IdempotencyKey, Replayable, StoredResponse};
 use super::ServiceError;
-use crate::model::{Sandbox, ValidCreate, SANDBOX_COLUMNS};
+use crate::model::{Sandbox, ValidCreate};
 
 /// Where placement may put a new sandbox, and how far it may overcommit.
 #[derive(Debug, Clone, Copy)]
@@ -49,13 +46,9 @@ pub async fn create(
             return Ok(Replayable::Replayed(stored));
         }
     }
-    let known = sqlx::query("SELECT 1 FROM templates WHERE name = $1")
-        .bind(&req.template)
-        .fetch_optional(&mut *tx)
-        .await?;
-    if known.is_none() {
-        return Err(ServiceError::UnknownTemplate(req.template));
-    }
+    let template = templates::get(&mut *tx, &req.template)
+        .await?
+        .ok_or_else(|| ServiceError::UnknownTemplate(req.template.clone()))?;
     super::quota::check(&mut tx, org, req.resources).await?;
     let Some(host) = placement::place(
         &mut tx,
@@ -71,54 +64,22 @@ pub async fn create(
             memory_mib: req.resources.memory_mib,
         });
     };
-    let id = SandboxId::new();
-    let generation = Generation::INITIAL;
-    let row = sqlx::query(&format!(
-        "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
-                                memory_mib, holds_capacity, metadata, auto_stop_minutes,
-                                auto_delete_minutes)
-         VALUES ($1, $2, $3, $4, 'provisioning', $5, $6, $7, true, $8, $9, $10)
-         RETURNING {SANDBOX_COLUMNS}"
-    ))
-    .bind(id)
-    .bind(org)
-    .bind(&req.template)
-    .bind(host)
-    .bind(generation)
-    .bind(i32::try_from(req.resources.vcpus).unwrap_or(i32::MAX))
-    .bind(i32::try_from(req.resources.memory_mib).unwrap_or(i32::MAX))
-    .bind(&req.metadata)
-    .bind(req.auto_stop_minutes)
-    .bind(req.auto_delete_minutes)
-    .fetch_one(&mut *tx)
-    .await?;
-    let command = Command {
-        id: CommandId::new(),
-        sandbox_id: id,
-        generation,
-        kind: CommandKind::Create,
-        spec: SandboxSpec {
-            org_id: org,
-            template: req.template,
-            resources: req.resources,
-        },
-    };
-    insert_command(&mut tx, host, &command).await?;
-    insert_event(
+    let (row, _command) = sandboxes::create(
         &mut tx,
-        &NewEvent {
-            sandbox_id: id,
+        NewSandbox {
             org_id: org,
-            from: None,
-            to: SandboxState::Provisioning,
-            reason: Reason::UserRequest,
-            generation,
-            command_id: Some(command.id),
-            message: None,
+            runtime: template.runtime()?,
+            template: template.name,
+            host_id: host,
+            resources: req.resources,
+            metadata: req.metadata,
+            auto_stop_minutes: req.auto_stop_minutes,
+            auto_delete_minutes: req.auto_delete_minutes,
         },
     )
     .await?;
-    let sandbox = Sandbox::from_row(&row)?;
+    let id = row.id;
+    let sandbox = Sandbox::from(row);
     let response = idempotency::commit(tx, db, org, key, render(&sandbox)?).await?;
     metrics::counter!("berth_sandboxes_created_total").increment(1);
     info!(sandbox_id = %id, host_id = %host, "sandbox placed");
@@ -129,15 +90,10 @@ pub async fn create(
 ///
 /// Errors: [`ServiceError::NotFound`].
 pub async fn get(db: &PgPool, org: OrgId, id: SandboxId) -> Result<Sandbox, ServiceError> {
-    let row = sqlx::query(&format!(
-        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = $1 AND org_id = $2"
-    ))
-    .bind(id)
-    .bind(org)
-    .fetch_optional(db)
-    .await?
-    .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
-    Sandbox::from_row(&row)
+    sandboxes::get(db, org, id)
+        .await?
+        .map(Sandbox::from)
+        .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))
 }
 
 /// Which sandboxes a list wants.
@@ -162,24 +118,15 @@ pub struct Page {
 
 /// `org`'s sandboxes that pass `filter`, newest first.
 pub async fn list(db: &PgPool, org: OrgId, filter: ListFilter) -> Result<Page, ServiceError> {
-    let rows = sqlx::query(&format!(
-        "SELECT {SANDBOX_COLUMNS} FROM sandboxes
-          WHERE org_id = $1
-            AND ($2::text IS NULL AND state <> 'deleted' OR state = $2)
-            AND ($3::uuid IS NULL OR id < $3)
-          ORDER BY id DESC
-          LIMIT $4"
-    ))
-    .bind(org)
-    .bind(filter.state.map(SandboxState::as_str))
-    .bind(filter.before)
-    .bind(i64::from(filter.limit) + 1)
-    .fetch_all(db)
+    let rows = sandboxes::list(
+        db,
+        org,
+        filter.state,
+        filter.before,
+        i64::from(filter.limit) + 1,
+    )
     .await?;
-    let mut sandboxes = rows
-        .iter()
-        .map(Sandbox::from_row)
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut sandboxes: Vec<Sandbox> = rows.into_iter().map(Sandbox::from).collect();
     let next = if sandboxes.len() > filter.limit as usize {
         sandboxes.truncate(filter.limit as usize);
         sandboxes.last().map(|s| s.id)
@@ -220,93 +167,53 @@ pub async fn lifecycle(
             return Ok(Replayable::Replayed(stored));
         }
     }
-    let row = sqlx::query(&format!(
-        "SELECT {SNAPSHOT_COLUMNS} FROM sandboxes WHERE id = $1 AND org_id = $2 FOR UPDATE"
-    ))
-    .bind(id)
-    .bind(org)
-    .fetch_optional(&mut *tx)
-    .await?
-    .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
-    let snap = SandboxSnapshot::from_row(&row)?;
+    let row = sandboxes::lock(&mut tx, id, Some(org))
+        .await?
+        .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
     let decision =
-        on_request(snap.state, snap.deleting, request).map_err(|refusal| match refusal {
+        on_request(row.state, row.deleting(), request).map_err(|refusal| match refusal {
             Refusal::Conflict { state, .. } => ServiceError::Conflict {
                 state,
                 message: refusal.to_string(),
             },
         })?;
-    let (to, kind) = match decision {
-        Decision::Unchanged => {
-            let outcome = LifecycleOutcome::Unchanged(read_in(&mut tx, id).await?);
-            let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
-            return Ok(Replayable::Fresh(outcome, response));
-        }
-        Decision::Transition { to, command } => (to, command),
+    let Decision::Transition {
+        to,
+        command,
+        capacity,
+    } = decision
+    else {
+        let outcome = LifecycleOutcome::Unchanged(Sandbox::from(row));
+        let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
+        return Ok(Replayable::Fresh(outcome, response));
     };
-    let host = snap
-        .host_id
-        .ok_or_else(|| ServiceError::Internal(format!("sandbox {id} has no host")))?;
-    let mut holds_capacity = snap.holds_capacity;
-    if kind == CommandKind::Start && !holds_capacity {
-        super::quota::check(&mut tx, org, snap.resources).await?;
-        let admitted = placement::reserve(
-            &mut tx,
-            host,
-            snap.resources,
-            overcommit,
-            placement::Admit::ResidentSandbox,
-        )
-        .await?;
-        if !admitted {
-            return Err(ServiceError::NoCapacity {
-                vcpus: snap.resources.vcpus,
-                memory_mib: snap.resources.memory_mib,
-            });
-        }
-        holds_capacity = true;
+    if capacity == Capacity::Reserve && !row.holds_capacity {
+        super::quota::check(&mut tx, org, row.resources).await?;
     }
-    let (generation, command_id) = write_transition(
+    let written = sandboxes::write_transition(
         &mut tx,
-        &snap,
+        &row,
         &Transition {
             to,
-            command: Some(kind),
+            command: Some(command),
+            capacity,
             reason: Reason::UserRequest,
-            holds_capacity,
-            delete: kind == CommandKind::Delete,
+            delete: request == Request::Delete,
             message: None,
+            activity: true,
+            overcommit,
         },
     )
     .await?;
-    touch(&mut tx, id).await?;
-    let outcome = LifecycleOutcome::Accepted(read_in(&mut tx, id).await?);
+    let command_id = written.command_id;
+    let generation = written.row.generation;
+    let outcome = LifecycleOutcome::Accepted(Sandbox::from(written.row));
     let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
     info!(command_id = ?command_id, generation = %generation, to = %to, "lifecycle request accepted");
     Ok(Replayable::Fresh(outcome, response))
 }
 
-async fn read_in(conn: &mut PgConnection, id: SandboxId) -> Result<Sandbox, ServiceError> {
-    let row = sqlx::query(&format!(
-        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE id = $1"
-    ))
-    .bind(id)
-    .fetch_one(conn)
-    .await?;
-    Sandbox::from_row(&row)
-}
-
-/// Sets `last_activity_at`, the clock of auto-stop.
-async fn touch(conn: &mut PgConnection, id: SandboxId) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE sandboxes SET last_activity_at = now() WHERE id = $1")
-        .bind(id)
-        .execute(conn)
-        .await?;
-    Ok(())
-}
-
 /// Marks a sandbox active now (an exec counts as activity for auto-stop).
 pub async fn mark_active(db: &PgPool, id: SandboxId) -> Result<(), ServiceError> {
-    let mut conn = db.acquire().await?;
-    Ok(touch(&mut conn, id).await?)
+    Ok(sandboxes::touch(db, id).await?)
 }

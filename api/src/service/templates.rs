@@ -1,7 +1,9 @@
 //! The `templates` table: a template imported on the hosts (`berth template import`) is
 //! registered here so creates may name it; [`list`] serves `GET /v1/templates`.
 
-use sqlx::{PgPool, Row};
+use berth_store::templates::{self, TemplateRow};
+use berth_store::StoreError;
+use sqlx::PgPool;
 
 use super::ServiceError;
 use crate::model::Template;
@@ -11,39 +13,33 @@ use crate::model::Template;
 /// The template's root filesystem must exist on every host that may be chosen for it (hostd
 /// finds imported templates in its machine's template cache); placement does not check.
 ///
-/// Errors: [`sqlx::Error`].
+/// Errors: [`StoreError`] (a runtime other than `runc` or `runsc` breaks the table's CHECK).
 pub async fn register(
     db: &PgPool,
     name: &str,
     description: &str,
     runtime: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO templates (name, description, runtime) VALUES ($1, $2, $3)
-         ON CONFLICT (name) DO UPDATE SET description = EXCLUDED.description,
-                                          runtime = EXCLUDED.runtime",
+) -> Result<(), StoreError> {
+    templates::upsert(
+        db,
+        &TemplateRow {
+            name: name.to_owned(),
+            description: description.to_owned(),
+            runtime: runtime.to_owned(),
+        },
     )
-    .bind(name)
-    .bind(description)
-    .bind(runtime)
-    .execute(db)
-    .await?;
-    Ok(())
+    .await
 }
 
 /// Every registered template, by name.
 pub async fn list(db: &PgPool) -> Result<Vec<Template>, ServiceError> {
-    let rows = sqlx::query("SELECT name, description, runtime FROM templates ORDER BY name")
-        .fetch_all(db)
-        .await?;
-    Ok(rows
-        .iter()
-        .map(|r| {
-            Ok(Template {
-                name: r.try_get("name")?,
-                description: r.try_get("description")?,
-                runtime: r.try_get("runtime")?,
-            })
+    Ok(templates::list(db)
+        .await?
+        .into_iter()
+        .map(|t| Template {
+            name: t.name,
+            description: t.description,
+            runtime: t.runtime,
         })
-        .collect::<Result<Vec<_>, sqlx::Error>>()?)
+        .collect())
 }
