@@ -258,3 +258,61 @@ async fn idle_sandboxes_auto_stop_and_stopped_ones_auto_delete(db: PgPool) {
     assert!(stack.leftovers(&id).is_empty());
     stack.teardown().await;
 }
+
+/// Auto-stop measures idleness from `last_activity_at`; reading or writing a sandbox's files is
+/// activity, as an exec is (it used to be only the exec).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn reading_or_writing_files_counts_as_activity_for_auto_stop(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let body = json!({"template": "base", "auto_stop_minutes": 60});
+    let (status, created) = stack.call(Method::POST, "/v1/sandboxes", Some(body)).await;
+    assert_eq!(status, 202, "{created}");
+    let id = created["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    let idle_for = |stack: &Stack, id: String| {
+        let db = stack.db.clone();
+        async move {
+            sqlx::query_scalar::<_, f64>(
+                "SELECT EXTRACT(EPOCH FROM now() - last_activity_at)::float8
+                   FROM sandboxes WHERE id = $1::uuid",
+            )
+            .bind(id)
+            .fetch_one(&db)
+            .await
+            .unwrap()
+        }
+    };
+    let url = stack.url(&format!("/v1/sandboxes/{id}/files?path=/root/note"));
+    let put = |stack: &Stack| {
+        stack
+            .http
+            .put(url.clone())
+            .bearer_auth(&stack.key)
+            .body("noted")
+            .send()
+    };
+    let get = |stack: &Stack| stack.http.get(url.clone()).bearer_auth(&stack.key).send();
+    for (route, call) in [("PUT", 0), ("GET", 1)] {
+        sqlx::query(
+            "UPDATE sandboxes SET last_activity_at = now() - interval '2 hours' WHERE id = $1::uuid",
+        )
+        .bind(&id)
+        .execute(&stack.db)
+        .await
+        .unwrap();
+        assert!(idle_for(&stack, id.clone()).await > 3600.0);
+        let response = if call == 0 {
+            put(&stack).await
+        } else {
+            get(&stack).await
+        }
+        .unwrap();
+        assert_eq!(response.status(), 200, "{route} files");
+        let idle = idle_for(&stack, id.clone()).await;
+        assert!(
+            idle < 600.0,
+            "{route} /files stamped last_activity_at (idle {idle} s after it)"
+        );
+    }
+    stack.teardown().await;
+}

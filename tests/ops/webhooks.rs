@@ -451,7 +451,6 @@ async fn webhook_requests_with_bad_urls_secrets_or_types_are_refused_and_write_n
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-#[ignore = "known gap (tests/README.md): the purge does not wait for webhook fan-out"]
 async fn a_tombstone_is_kept_until_every_webhook_has_fanned_out_its_events(db: PgPool) {
     let plane = inproc::Plane::start(db.clone()).await;
     let hook = plane

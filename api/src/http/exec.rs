@@ -11,14 +11,13 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest, ExecSpec};
-use berth_schemas::{HostId, SandboxId, SandboxState};
+use berth_schemas::{HostId, SandboxId};
 use tracing::instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::http::extract::json_error;
 use crate::http::idempotency::Idempotency;
-use crate::http::sandboxes::{fetch, parse_id};
 use crate::model::{ExecBody, ExecOutput, Sandbox};
 use crate::AppState;
 
@@ -182,13 +181,7 @@ pub(crate) async fn running_host(
     caller: &Caller,
     id: &str,
 ) -> Result<(Sandbox, HostId), ApiError> {
-    let sandbox = fetch(app, caller, parse_id(id)?).await?;
-    if sandbox.state != SandboxState::Running || sandbox.deleted_at.is_some() {
-        return Err(not_running(&sandbox));
-    }
-    let host = sandbox.host_id.ok_or_else(|| not_running(&sandbox))?;
-    crate::service::sandboxes::mark_active(&app.db, sandbox.id).await?;
-    Ok((sandbox, host))
+    crate::http::sandboxes::running_and_active(app, caller, id, not_running).await
 }
 
 /// Runs an exec through the host's agent subject (`{p}.agent.<host>`), which also reports OOM

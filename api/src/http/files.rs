@@ -19,14 +19,13 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest, FileKind};
-use berth_schemas::{HostId, SandboxState};
+use berth_schemas::HostId;
 use serde::{Deserialize, Serialize};
 use tracing::instrument;
 use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::http::sandboxes::{fetch, parse_id};
 use crate::model::Sandbox;
 use crate::AppState;
 
@@ -260,14 +259,10 @@ fn not_running(sandbox: &Sandbox) -> ApiError {
     }
 }
 
-/// The caller's sandbox `id` and its host, when it runs.
+/// The caller's sandbox `id` and its host, when it runs; marks it active (reading or writing
+/// its files counts as activity for auto-stop, as an exec does).
 async fn running(app: &AppState, caller: &Caller, id: &str) -> Result<(Sandbox, HostId), ApiError> {
-    let sandbox = fetch(app, caller, parse_id(id)?).await?;
-    if sandbox.state != SandboxState::Running || sandbox.deleted_at.is_some() {
-        return Err(not_running(&sandbox));
-    }
-    let host = sandbox.host_id.ok_or_else(|| not_running(&sandbox))?;
-    Ok((sandbox, host))
+    crate::http::sandboxes::running_and_active(app, caller, id, not_running).await
 }
 
 /// One agent request through the sandbox's host; failures become API errors.

@@ -8,7 +8,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::Json;
 use berth_schemas::state::Request;
-use berth_schemas::{SandboxId, SandboxState};
+use berth_schemas::{HostId, SandboxId, SandboxState};
 use serde::Deserialize;
 
 use super::extract::json_error;
@@ -72,6 +72,27 @@ pub(crate) async fn fetch(
     id: SandboxId,
 ) -> Result<Sandbox, ApiError> {
     Ok(sandboxes::get(&app.db, caller.org_id, id).await?)
+}
+
+/// The caller's sandbox `id` (a path segment) and its host when it runs, marked active for
+/// auto-stop: exec, streamed exec and both files routes go through here, so each counts as
+/// activity. `not_running` words the 409 for the route.
+///
+/// Errors: [`ApiError::NotFound`]; `not_running(sandbox)` when it is not `running` or is
+/// being deleted.
+pub(crate) async fn running_and_active(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+    not_running: fn(&Sandbox) -> ApiError,
+) -> Result<(Sandbox, HostId), ApiError> {
+    let sandbox = fetch(app, caller, parse_id(id)?).await?;
+    if sandbox.state != SandboxState::Running || sandbox.deleted_at.is_some() {
+        return Err(not_running(&sandbox));
+    }
+    let host = sandbox.host_id.ok_or_else(|| not_running(&sandbox))?;
+    sandboxes::mark_active(&app.db, sandbox.id).await?;
+    Ok((sandbox, host))
 }
 
 /// `GET /v1/sandboxes/{id}`

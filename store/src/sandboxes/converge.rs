@@ -199,7 +199,8 @@ pub async fn lock_expired(
 }
 
 /// Deletes up to `batch` tombstones (`deleted` for longer than `retention`) whose events are
-/// all published (purging cascades to them); returns their ids.
+/// all published and fanned out to every live webhook of the org (purging cascades to them);
+/// returns their ids.
 pub async fn purge_tombstones(
     conn: &mut PgConnection,
     retention: Duration,
@@ -214,6 +215,14 @@ pub async fn purge_tombstones(
                     AND NOT EXISTS (SELECT 1 FROM events e
                                      WHERE e.sandbox_id = sandboxes.id
                                        AND e.published_at IS NULL)
+                    -- ... and every live webhook of its org has fanned them out (the
+                    -- webhook worker reads them from this table, after the relay).
+                    AND NOT EXISTS (SELECT 1 FROM events e
+                                      JOIN webhooks w ON w.org_id = e.org_id
+                                                     AND w.disabled_at IS NULL
+                                                     AND w.deleted_at IS NULL
+                                     WHERE e.sandbox_id = sandboxes.id
+                                       AND e.seq > w.cursor_seq)
                   LIMIT $2 FOR UPDATE SKIP LOCKED)
              RETURNING id",
         )
