@@ -165,3 +165,109 @@ pub async fn latency(db: impl PgExecutor<'_>, id: CommandId) -> Result<Option<f6
     )
     .await
 }
+
+/// The kinds that boot a sandbox (`sandbox.create`, `sandbox.start`): the relay holds them back
+/// beyond a host's cap of in-flight boots.
+const BOOT_KINDS: [CommandKind; 2] = [CommandKind::Create, CommandKind::Start];
+
+/// An unpublished command as the relay publishes it.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct OutboxCommand {
+    /// The command id (`Nats-Msg-Id`).
+    pub id: CommandId,
+    /// Its sandbox.
+    pub sandbox_id: SandboxId,
+    /// The host whose subject it goes to.
+    pub host_id: HostId,
+    /// `commands.kind` (`sandbox.create`, …).
+    pub kind: String,
+    /// The postcard envelope, exactly as committed.
+    pub payload: Vec<u8>,
+}
+
+/// Locks (skipping rows another relay holds) up to `batch` unpublished commands, oldest first.
+/// Creates and starts beyond a host's `max_boots` in-flight boots (published, not completed)
+/// wait in the outbox (queued, not refused); other kinds pass — the generation fence keeps a
+/// stop or delete that overtakes a queued start correct (the host refuses the older start).
+pub async fn claim_publishable(
+    conn: &mut PgConnection,
+    batch: i64,
+    max_boots: i64,
+) -> Result<Vec<OutboxCommand>, StoreError> {
+    let boots: Vec<&str> = BOOT_KINDS.iter().map(|k| k.as_str()).collect();
+    let eligible: Vec<CommandId> = timed(
+        Op::CommandClaim,
+        sqlx::query_scalar(
+            "WITH in_flight AS (
+                 SELECT host_id, count(*) AS n FROM commands
+                  WHERE published_at IS NOT NULL AND completed_at IS NULL AND kind = ANY($3)
+                  GROUP BY host_id),
+             queued AS (
+                 SELECT id, host_id, kind, created_at,
+                        row_number() OVER (PARTITION BY host_id, kind = ANY($3)
+                                           ORDER BY created_at) AS rn
+                   FROM commands WHERE published_at IS NULL)
+             SELECT q.id FROM queued q LEFT JOIN in_flight f ON f.host_id = q.host_id
+              WHERE NOT (q.kind = ANY($3)) OR q.rn + COALESCE(f.n, 0) <= $2
+              ORDER BY q.created_at
+              LIMIT $1",
+        )
+        .bind(batch)
+        .bind(max_boots)
+        .bind(&boots)
+        .fetch_all(&mut *conn),
+    )
+    .await?;
+    timed(
+        Op::CommandClaim,
+        sqlx::query_as(
+            "SELECT id, sandbox_id, host_id, kind, payload FROM commands
+              WHERE id = ANY($1) AND published_at IS NULL
+              ORDER BY created_at
+              FOR UPDATE SKIP LOCKED",
+        )
+        .bind(&eligible)
+        .fetch_all(conn),
+    )
+    .await
+}
+
+/// Marks `published` (acked by JetStream) published, and counts one more publish attempt on
+/// the rest of `claimed`.
+pub async fn mark_published(
+    conn: &mut PgConnection,
+    published: &[CommandId],
+    claimed: &[CommandId],
+) -> Result<(), StoreError> {
+    timed(
+        Op::CommandMarkPublished,
+        sqlx::query("UPDATE commands SET published_at = now() WHERE id = ANY($1)")
+            .bind(published)
+            .execute(&mut *conn),
+    )
+    .await?;
+    timed(
+        Op::CommandMarkPublished,
+        sqlx::query(
+            "UPDATE commands SET publish_attempts = publish_attempts + 1
+              WHERE published_at IS NULL AND id = ANY($1)",
+        )
+        .bind(claimed)
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The command outbox's backlog: (unpublished rows, age of the oldest in seconds).
+pub async fn backlog(db: impl PgExecutor<'_>) -> Result<(i64, f64), StoreError> {
+    timed(
+        Op::CommandBacklog,
+        sqlx::query_as(
+            "SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8
+               FROM commands WHERE published_at IS NULL",
+        )
+        .fetch_one(db),
+    )
+    .await
+}

@@ -99,10 +99,23 @@ ops! {
     CommandNotify => "command_notify",
     /// [`crate::commands::latency`]: seconds from a command's insert to its completion.
     CommandLatency => "command_latency",
+    /// [`crate::commands::claim_publishable`]: the command relay's batch.
+    CommandClaim => "command_claim",
+    /// [`crate::commands::mark_published`]: acked commands marked, failed ones counted.
+    CommandMarkPublished => "command_mark_published",
+    /// [`crate::commands::backlog`]: the command outbox's size and age.
+    CommandBacklog => "command_backlog",
     /// [`crate::events::insert`]: an event row in the state change's transaction.
     EventInsert => "event_insert",
-    /// [`crate::events::list_for_sandbox`]: a sandbox's events.
+    /// [`crate::events::list_for_sandbox`], [`crate::events::published_after`] and the other
+    /// reads of published events.
     EventList => "event_list",
+    /// [`crate::events::claim_unpublished`]: the event relay's batch.
+    EventClaim => "event_claim",
+    /// [`crate::events::mark_published`]: acked events marked, with their `seq`.
+    EventMarkPublished => "event_mark_published",
+    /// [`crate::events::backlog`]: the event outbox's size and age.
+    EventBacklog => "event_backlog",
     /// [`crate::leases::acquire`]: takes or renews a lease.
     LeaseAcquire => "lease_acquire",
     /// [`crate::leases::Lease::check`]: the fencing check of a lease.
@@ -119,6 +132,8 @@ ops! {
     IdempotencyPurge => "idempotency_purge",
     /// [`crate::orgs::lock_quota`] and `set_quota`: an org's quota row.
     OrgQuota => "org_quota",
+    /// [`crate::orgs::create`]: a new org.
+    OrgCreate => "org_create",
     /// [`crate::orgs::count`]: how many orgs exist.
     OrgCount => "org_count",
 }

@@ -97,3 +97,17 @@ pub async fn count(db: impl PgExecutor<'_>) -> Result<i64, StoreError> {
     )
     .await
 }
+
+/// Creates the org `name`; its id, or `None` when an org of that name exists.
+pub async fn create(db: impl PgExecutor<'_>, name: &str) -> Result<Option<OrgId>, StoreError> {
+    let org = OrgId::new();
+    let inserted = timed(
+        Op::OrgCreate,
+        sqlx::query("INSERT INTO orgs (id, name) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
+            .bind(org)
+            .bind(name)
+            .execute(db),
+    )
+    .await?;
+    Ok((inserted.rows_affected() == 1).then_some(org))
+}

@@ -8,10 +8,10 @@
 //!   acked it; a crash in between re-publishes it with the same `Nats-Msg-Id` (= event id),
 //!   which JetStream drops within its duplicate window. Consumers deduplicate by the
 //!   CloudEvent `id` beyond it.
-//! - Publish order: marking takes the advisory transaction lock [`EVENTS_SEQ_LOCK`] and
-//!   stamps `seq` from `events_seq` under it, so seq values commit in increasing order (the
-//!   property [`crate::service::events`] readers rely on). The lock is held only for the `UPDATE` and
-//!   the commit, never across a publish.
+//! - Publish order: [`berth_store::events::mark_published`] stamps `seq` under an advisory
+//!   transaction lock held only for that `UPDATE` and the commit, never across a publish, so
+//!   seq values commit in increasing order (the property [`crate::service::events`] readers
+//!   rely on).
 //! - Several relays may run: rows are claimed with `FOR UPDATE SKIP LOCKED`.
 
 use std::time::Duration;
@@ -20,22 +20,24 @@ use async_nats::jetstream;
 use async_nats::HeaderMap;
 use berth_schemas::cloudevents::{self, CloudEvent, WebhookDisabledData};
 use berth_schemas::{EventId, Subjects, WebhookId};
+use berth_store::{events, StoreError};
 use sqlx::{PgPool, Row};
 use tracing::{debug, Span};
 
 use super::{msg_id_headers, Outgoing};
-use crate::service::events::{EventRecord, EVENT_COLUMNS};
 
 /// Events claimed per batch.
 pub const BATCH_SIZE: i64 = 256;
-/// The `pg_advisory_xact_lock` key under which `events.seq` is assigned (ASCII "BERTHSEQ").
-pub const EVENTS_SEQ_LOCK: i64 = 0x4245_5254_4853_4551;
 
 /// Errors of one event batch.
 #[derive(Debug, thiserror::Error)]
 pub enum EventRelayError {
+    /// A query on a table only the API owns (the webhooks' disabled events) failed.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
+    /// The event outbox's rows could not be claimed or marked.
+    #[error(transparent)]
+    Store(#[from] StoreError),
     #[error("publish of event {event_id}: {message}")]
     Publish { event_id: EventId, message: String },
 }
@@ -91,59 +93,23 @@ async fn drain_sandbox_events(
 ) -> Result<usize, EventRelayError> {
     let mut total = 0;
     loop {
-        let mut tx = db.begin().await?;
-        let rows = sqlx::query(&format!(
-            "SELECT {EVENT_COLUMNS} FROM events
-              WHERE published_at IS NULL
-              ORDER BY at, id
-              LIMIT $1
-              FOR UPDATE SKIP LOCKED"
-        ))
-        .bind(BATCH_SIZE)
-        .fetch_all(&mut *tx)
-        .await?;
+        let mut tx = db.begin().await.map_err(StoreError::from)?;
+        let rows = events::claim_unpublished(&mut tx, BATCH_SIZE).await?;
         if rows.is_empty() {
             return Ok(total);
         }
         let batch = rows
-            .iter()
+            .into_iter()
             .map(|row| {
-                let ev = EventRecord::from_row(row)?.event;
+                let ev = row.event;
                 let subject = subjects.sandbox_events(ev.data.org_id, ev.data.sandbox_id);
-                Ok((ev.id, subject, ev.to_json()))
+                (ev.id, subject, ev.to_json())
             })
-            .collect::<Result<Vec<_>, sqlx::Error>>()?;
+            .collect();
         let (acked, failure) = publish_all(js, batch).await;
-        if !acked.is_empty() {
-            // Serialize seq assignment with every other relay until this commit (see the
-            // module's guarantees). Only this UPDATE and the commit run under the lock.
-            sqlx::query("SELECT pg_advisory_xact_lock($1)")
-                .bind(EVENTS_SEQ_LOCK)
-                .execute(&mut *tx)
-                .await?;
-            let count = i64::try_from(acked.len()).expect("a batch fits in i64");
-            let first: i64 = sqlx::query_scalar("SELECT nextval('events_seq')")
-                .fetch_one(&mut *tx)
-                .await?;
-            if count > 1 {
-                sqlx::query("SELECT setval('events_seq', $1)")
-                    .bind(first + count - 1)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            let seqs: Vec<i64> = (first..first + count).collect();
-            let ids: Vec<uuid::Uuid> = acked.iter().map(EventId::as_uuid).collect();
-            sqlx::query(
-                "UPDATE events e SET published_at = now(), seq = u.seq
-                   FROM unnest($1::uuid[], $2::int8[]) AS u(id, seq)
-                  WHERE e.id = u.id",
-            )
-            .bind(&ids)
-            .bind(&seqs)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
+        // Stamps `seq` under the store's advisory lock, held until this commit.
+        events::mark_published(&mut tx, &acked).await?;
+        tx.commit().await.map_err(StoreError::from)?;
         metrics::counter!("berth_events_published_total", "kind" => "sandbox")
             .increment(acked.len() as u64);
         total += acked.len();
@@ -213,16 +179,10 @@ async fn drain_webhook_events(
 }
 
 /// Sets `berth_event_outbox_pending` and `berth_event_outbox_oldest_age_seconds`.
-async fn record_backlog(db: &PgPool) -> Result<(), sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT count(*) AS pending,
-                COALESCE(EXTRACT(EPOCH FROM now() - min(at)), 0)::float8 AS oldest
-           FROM events WHERE published_at IS NULL",
-    )
-    .fetch_one(db)
-    .await?;
-    metrics::gauge!("berth_event_outbox_pending").set(row.get::<i64, _>("pending") as f64);
-    metrics::gauge!("berth_event_outbox_oldest_age_seconds").set(row.get::<f64, _>("oldest"));
+async fn record_backlog(db: &PgPool) -> Result<(), StoreError> {
+    let (pending, oldest) = events::backlog(db).await?;
+    metrics::gauge!("berth_event_outbox_pending").set(pending as f64);
+    metrics::gauge!("berth_event_outbox_oldest_age_seconds").set(oldest);
     Ok(())
 }
 

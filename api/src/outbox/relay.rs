@@ -10,8 +10,9 @@
 
 use async_nats::jetstream;
 use berth_schemas::trace::{TraceParent, TRACEPARENT};
-use berth_schemas::{CommandId, HostId, SandboxId, Subjects};
-use sqlx::{PgPool, Row};
+use berth_schemas::{CommandId, Subjects};
+use berth_store::{commands, StoreError};
+use sqlx::PgPool;
 use tracing::info_span;
 
 use super::{msg_id_headers, publish_all, Outgoing};
@@ -25,8 +26,9 @@ pub const DEFAULT_MAX_CONCURRENT_STARTS: i64 = 8;
 /// Errors of one relay batch.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    /// The outbox's rows could not be claimed or marked.
+    #[error(transparent)]
+    Store(#[from] StoreError),
     #[error("publish of command {command_id}: {message}")]
     Publish {
         command_id: CommandId,
@@ -44,62 +46,28 @@ pub async fn drain(
 ) -> Result<usize, RelayError> {
     let mut total = 0;
     loop {
-        let mut tx = db.begin().await?;
-        // Creates and starts beyond a host's cap of in-flight boots wait in the outbox (queued,
-        // not refused). Other kinds pass; the generation fence keeps a stop or delete that
-        // overtakes a queued start correct (the host refuses the older start).
-        let eligible: Vec<uuid::Uuid> = sqlx::query_scalar(
-            "WITH in_flight AS (
-                 SELECT host_id, count(*) AS n FROM commands
-                  WHERE published_at IS NOT NULL AND completed_at IS NULL
-                    AND kind IN ('sandbox.create', 'sandbox.start')
-                  GROUP BY host_id),
-             queued AS (
-                 SELECT id, host_id, kind, created_at,
-                        row_number() OVER (PARTITION BY host_id,
-                            kind IN ('sandbox.create', 'sandbox.start') ORDER BY created_at) AS rn
-                   FROM commands WHERE published_at IS NULL)
-             SELECT q.id FROM queued q LEFT JOIN in_flight f ON f.host_id = q.host_id
-              WHERE q.kind NOT IN ('sandbox.create', 'sandbox.start')
-                 OR q.rn + COALESCE(f.n, 0) <= $2
-              ORDER BY q.created_at
-              LIMIT $1",
-        )
-        .bind(BATCH_SIZE)
-        .bind(max_concurrent_starts)
-        .fetch_all(&mut *tx)
-        .await?;
-        let rows = sqlx::query(
-            "SELECT id, sandbox_id, host_id, kind, payload FROM commands
-              WHERE id = ANY($1) AND published_at IS NULL
-              ORDER BY created_at
-              FOR UPDATE SKIP LOCKED",
-        )
-        .bind(&eligible)
-        .fetch_all(&mut *tx)
-        .await?;
+        let mut tx = db.begin().await.map_err(StoreError::from)?;
+        let rows = commands::claim_publishable(&mut tx, BATCH_SIZE, max_concurrent_starts).await?;
         if rows.is_empty() {
             return Ok(total);
         }
+        let claimed: Vec<CommandId> = rows.iter().map(|r| r.id).collect();
         let batch = rows
-            .iter()
+            .into_iter()
             .map(|row| {
-                let id: CommandId = row.get("id");
-                let host: HostId = row.get("host_id");
-                let kind: String = row.get("kind");
-                let payload: Vec<u8> = row.get("payload");
-                let mut headers = msg_id_headers(id);
-                // Trace context for hostd and the reconciler: the trace id is the command id.
-                let trace = TraceParent::for_command(id, rand::random());
+                let mut headers = msg_id_headers(row.id);
+                // Trace context for hostd and the reconciler: the trace id is the command id,
+                // the parent id this publish span's.
+                let trace = TraceParent::for_command(row.id, rand::random());
                 headers.insert(TRACEPARENT, trace.to_header().as_str());
-                let sandbox: SandboxId = row.get("sandbox_id");
-                let span = info_span!("command.publish", command_id = %id, sandbox_id = %sandbox,
-                    host_id = %host, kind = %kind, trace_id = %trace.trace_id_hex());
+                let span = info_span!("command.publish", command_id = %row.id,
+                    sandbox_id = %row.sandbox_id, host_id = %row.host_id, kind = %row.kind,
+                    trace_id = %trace.trace_id_hex(), span_id = %trace.parent_id_hex());
                 Outgoing {
-                    key: (id, kind),
-                    subject: subjects.cmd(host),
+                    key: (row.id, row.kind),
+                    subject: subjects.cmd(row.host_id),
                     headers,
-                    payload: payload.into(),
+                    payload: row.payload.into(),
                     span,
                 }
             })
@@ -113,24 +81,10 @@ pub async fn drain(
         let mut published = Vec::with_capacity(acked.len());
         for (id, kind) in acked {
             metrics::counter!("berth_commands_published_total", "kind" => kind).increment(1);
-            published.push(id.as_uuid());
+            published.push(id);
         }
-        sqlx::query("UPDATE commands SET published_at = now() WHERE id = ANY($1)")
-            .bind(&published)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "UPDATE commands SET publish_attempts = publish_attempts + 1
-              WHERE published_at IS NULL AND id = ANY($1)",
-        )
-        .bind(
-            rows.iter()
-                .map(|r| r.get::<uuid::Uuid, _>("id"))
-                .collect::<Vec<_>>(),
-        )
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
+        commands::mark_published(&mut tx, &published, &claimed).await?;
+        tx.commit().await.map_err(StoreError::from)?;
         total += published.len();
         if let Some(error) = failure {
             return Err(error);
@@ -139,15 +93,9 @@ pub async fn drain(
 }
 
 /// Sets `berth_outbox_pending` and `berth_outbox_oldest_age_seconds`.
-pub(crate) async fn record_backlog(db: &PgPool) -> Result<(), sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT count(*) AS pending,
-                COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest
-           FROM commands WHERE published_at IS NULL",
-    )
-    .fetch_one(db)
-    .await?;
-    metrics::gauge!("berth_outbox_pending").set(row.get::<i64, _>("pending") as f64);
-    metrics::gauge!("berth_outbox_oldest_age_seconds").set(row.get::<f64, _>("oldest"));
+pub(crate) async fn record_backlog(db: &PgPool) -> Result<(), StoreError> {
+    let (pending, oldest) = commands::backlog(db).await?;
+    metrics::gauge!("berth_outbox_pending").set(pending as f64);
+    metrics::gauge!("berth_outbox_oldest_age_seconds").set(oldest);
     Ok(())
 }

@@ -38,6 +38,9 @@ pub enum CreateOrgError {
     InvalidName,
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
+    /// The org row could not be written.
+    #[error(transparent)]
+    Store(#[from] berth_store::StoreError),
 }
 
 /// Creates an org and its first API key; returns the org id and the key, which is shown only
@@ -48,16 +51,9 @@ pub async fn create_org(db: &PgPool, name: &str) -> Result<(OrgId, String), Crea
         return Err(CreateOrgError::InvalidName);
     }
     let mut tx = db.begin().await?;
-    let org = OrgId::new();
-    let inserted =
-        sqlx::query("INSERT INTO orgs (id, name) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING")
-            .bind(org)
-            .bind(name)
-            .execute(&mut *tx)
-            .await?;
-    if inserted.rows_affected() == 0 {
+    let Some(org) = berth_store::orgs::create(&mut *tx, name).await? else {
         return Err(CreateOrgError::Exists(name.to_owned()));
-    }
+    };
     let key = create_key_in(&mut tx, org).await?;
     tx.commit().await?;
     Ok((org, key))

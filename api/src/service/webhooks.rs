@@ -38,7 +38,7 @@ pub async fn create(
             max: MAX_WEBHOOKS_PER_ORG,
         });
     }
-    let cursor = super::events::latest_seq(&mut tx).await?;
+    let cursor = super::events::latest_seq(&mut *tx).await?;
     let secret = valid.secret.clone().unwrap_or_else(generate_secret);
     let mut webhook = store::insert(&mut tx, org, &valid, &secret, cursor).await?;
     webhook.secret = Some(secret);

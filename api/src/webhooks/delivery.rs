@@ -103,6 +103,9 @@ pub fn retry_delay(config: &WebhookConfig, failed_attempts: u32, jitter: f64) ->
 pub enum DeliveryError {
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
+    /// The published events could not be read.
+    #[error(transparent)]
+    Store(#[from] berth_store::StoreError),
     #[error("http client: {0}")]
     Client(#[from] reqwest::Error),
 }
@@ -211,13 +214,13 @@ pub async fn round(
 /// Queues, for every active webhook, the published events after its cursor that it subscribes
 /// to, and advances the cursor past everything read. Returns the most events read for one
 /// webhook (a full batch means more are waiting).
-async fn fan_out(db: &PgPool, batch: i64) -> Result<usize, sqlx::Error> {
+async fn fan_out(db: &PgPool, batch: i64) -> Result<usize, DeliveryError> {
     let mut tx = db.begin().await?;
     let hooks = store::lock_active(&mut tx).await?;
     let mut most = 0;
     for hook in &hooks {
         let records = published_after(
-            &mut tx,
+            &mut *tx,
             hook.org_id,
             hook.cursor_seq,
             &EventFilter::default(),
