@@ -1,14 +1,19 @@
 //! Berth's scheduler: placement and the heartbeat consumer that keeps `hosts` current.
 //!
-//! - [`placement`]: a pure scoring function plus the SQL that reserves capacity on the chosen
-//!   host inside the caller's transaction (so placement commits with the sandbox row, its
-//!   command and its event: guarantee 1).
-//! - [`heartbeat`]: consumes `{p}.hb.*` and upserts host rows on the database clock.
+//! - [`placement`]: a pure scoring function ([`placement::rank`]), and [`placement::place`],
+//!   which reserves capacity on the best host through the store inside the caller's
+//!   transaction (so placement commits with the sandbox row, its command and its event:
+//!   guarantee 1).
+//! - [`heartbeat`]: consumes `{p}.hb.*` and has the store upsert host rows on the database
+//!   clock.
+//!
+//! No SQL here: the queries are [`berth_store::hosts`]'.
 //!
 //! # Guarantees
-//! - A reservation never takes a host past its capacity: the `UPDATE` re-checks headroom under
-//!   the row lock, so concurrent placements on one host serialize.
-//! - Only `ready` hosts whose last heartbeat is younger than the freshness window are chosen.
+//! - A reservation never takes a host past its capacity: the store's `UPDATE` re-checks
+//!   headroom under the row lock, so concurrent placements on one host serialize.
+//! - Only hosts that admit new sandboxes (`ready`) whose last heartbeat is younger than the
+//!   freshness window are chosen.
 
 pub mod heartbeat;
 pub mod placement;
