@@ -63,7 +63,7 @@ impl HostState {
     ];
 
     /// The database and API spelling.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             HostState::Ready => "ready",
             HostState::Draining => "draining",

@@ -288,9 +288,10 @@ pub async fn liveness(db: impl PgExecutor<'_>, window: Duration) -> Result<(i64,
         sqlx::query_as(
             "SELECT count(*) FILTER (WHERE last_seen > now() - make_interval(secs => $1)),
                     count(*)
-               FROM hosts WHERE state <> 'lost'",
+               FROM hosts WHERE state <> $2",
         )
         .bind(window.as_secs_f64())
+        .bind(HostState::Lost.as_str())
         .fetch_one(db),
     )
     .await
@@ -501,7 +502,7 @@ pub async fn unwanted_containers(
                FROM hosts h
               CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
                LEFT JOIN sandboxes s ON s.id = (i->>'sandbox_id')::uuid
-              WHERE h.state <> 'lost' AND i->>'status' = ANY($3)
+              WHERE h.state <> $5 AND i->>'status' = ANY($3)
                 AND (s.id IS NULL OR s.host_id IS DISTINCT FROM h.id OR s.state = ANY($4))
                 AND (s.id IS NULL OR h.last_seen > s.updated_at + make_interval(secs => $1))
                 AND NOT EXISTS (SELECT 1 FROM commands c
@@ -513,6 +514,7 @@ pub async fn unwanted_containers(
         .bind(batch)
         .bind(&live[..])
         .bind(&unwanted)
+        .bind(HostState::Lost.as_str())
         .fetch_all(conn),
     )
     .await?;

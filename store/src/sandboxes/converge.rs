@@ -6,12 +6,15 @@
 use std::time::Duration;
 
 use berth_schemas::state::{GuestFailure, STRANDED_ON_LOST_HOST, TIMED_COMMANDS};
-use berth_schemas::{CommandKind, SandboxId, SandboxState};
+use berth_schemas::{CommandKind, HostState, SandboxId, SandboxState};
 use sqlx::{PgConnection, PgExecutor, Row};
 
 use super::{columns_of, corrupt, rows, SandboxRow, COLUMNS};
 use crate::op::{timed, Op};
 use crate::StoreError;
+
+/// The host state whose sandboxes are stranded (never spelled by hand in SQL).
+const LOST: &str = HostState::Lost.as_str();
 
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
@@ -100,7 +103,7 @@ pub async fn lock_failed_guests(
                     EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
                              WHERE i->>'sandbox_id' = s.id::text) AS listed
                FROM sandboxes s JOIN hosts h ON h.id = s.host_id
-              WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> 'lost'
+              WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> '{LOST}'
                 AND h.last_seen > s.updated_at + make_interval(secs => $1)
                 AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
                                  WHERE i->>'sandbox_id' = s.id::text
@@ -143,7 +146,7 @@ pub async fn lock_stranded(
         sqlx::query(&format!(
             "SELECT {cols}
                FROM sandboxes s JOIN hosts h ON h.id = s.host_id
-              WHERE h.state = 'lost' AND s.deleted_at IS NULL
+              WHERE h.state = '{LOST}' AND s.deleted_at IS NULL
                 AND h.last_seen < now() - make_interval(secs => $1)
                 AND s.state = ANY($2)
               LIMIT $3
