@@ -17,7 +17,9 @@ use crate::AppState;
 /// The authenticated caller of a request.
 #[derive(Debug, Clone, Copy)]
 pub struct Caller {
+    /// The org the key belongs to; every sandbox route is scoped to it.
     pub org_id: OrgId,
+    /// The key that authenticated the request.
     pub key_id: ApiKeyId,
 }
 
@@ -55,6 +57,7 @@ impl FromRequestParts<AppState> for Caller {
 /// An operator: the caller of the `/v1/hosts` routes (an admin key).
 #[derive(Debug, Clone, Copy)]
 pub struct Admin {
+    /// The admin key that authenticated the request.
     pub key_id: ApiKeyId,
 }
 

@@ -22,14 +22,21 @@ pub enum ApiError {
     Forbidden(String),
     /// 429 `quota_exceeded`: the org's quota `limit` (e.g. `max_running`) would be passed.
     #[error("org quota {limit} = {value} reached")]
-    QuotaExceeded { limit: &'static str, value: i64 },
+    QuotaExceeded {
+        /// The quota's column name (`max_running`, …).
+        limit: &'static str,
+        /// The org's value of that quota.
+        value: i64,
+    },
     /// 404 `not_found`: no such resource in the caller's org (another org's looks the same).
     #[error("{0} not found")]
     NotFound(String),
     /// 400 `invalid_request`: malformed JSON or a value out of range; `field` names it.
     #[error("{message}")]
     InvalidRequest {
+        /// The offending JSON field or query parameter; `None` when the body as a whole is bad.
         field: Option<String>,
+        /// What is wrong, for the client.
         message: String,
     },
     /// 422 `unknown_template`.
@@ -40,16 +47,28 @@ pub enum ApiError {
     IdempotencyKeyReused(String),
     /// 503 `no_capacity`: no ready host with a recent heartbeat has the headroom.
     #[error("no host has capacity for {vcpus} vCPUs and {memory_mib} MiB")]
-    NoCapacity { vcpus: u32, memory_mib: u32 },
+    NoCapacity {
+        /// The vCPUs asked for (whole vCPUs).
+        vcpus: u32,
+        /// The memory asked for, in MiB.
+        memory_mib: u32,
+    },
     /// 409 `conflict`: a conflicting transition is in flight; carries the current state.
     #[error("{message}")]
     Conflict {
+        /// The sandbox's state now, returned so the client can decide what to do.
         state: SandboxState,
+        /// What conflicted, for the client.
         message: String,
     },
     /// 409 `conflict` for a host operator action; carries the host's state.
     #[error("{message}")]
-    HostConflict { state: String, message: String },
+    HostConflict {
+        /// The host's state now, in its API spelling (`ready`, `draining`, …).
+        state: String,
+        /// What conflicted, for the operator.
+        message: String,
+    },
     /// A fenced write found the sandbox moved on (someone else's transition won): 409
     /// `conflict`; the client reads the sandbox again.
     #[error("{0}")]

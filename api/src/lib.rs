@@ -43,21 +43,30 @@ use tracing::info;
 /// Shared state of every route.
 #[derive(Clone)]
 pub struct AppState {
+    /// The Postgres pool every use case runs its transaction on.
     pub db: PgPool,
+    /// The NATS client: agent requests (exec, files), the relays started by [`run`], readiness.
     pub nats: async_nats::Client,
+    /// Subject and stream names under this deployment's prefix.
     pub subjects: Subjects,
+    /// Limits and defaults of the API.
     pub config: ApiConfig,
+    /// Renders this process's metrics for `GET /metrics`.
     pub prometheus: PrometheusHandle,
 }
 
 /// Errors of [`run`].
 #[derive(Debug, thiserror::Error)]
 pub enum ApiRunError {
+    /// The listen address could not be bound (in use, or not permitted).
     #[error("bind {addr}: {source}")]
     Bind {
+        /// The address asked for.
         addr: SocketAddr,
+        /// The operating system's error.
         source: std::io::Error,
     },
+    /// The HTTP server stopped with an I/O error.
     #[error("serve: {0}")]
     Serve(std::io::Error),
 }

@@ -55,11 +55,15 @@ pub async fn track(req: Request, next: Next) -> Response {
 /// Errors of [`serve`].
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsServeError {
+    /// The metrics address could not be bound (in use, or not permitted).
     #[error("bind the metrics address {addr}: {source}")]
     Bind {
+        /// The address asked for.
         addr: std::net::SocketAddr,
+        /// The operating system's error.
         source: std::io::Error,
     },
+    /// The metrics server stopped with an I/O error.
     #[error("serve metrics: {0}")]
     Serve(std::io::Error),
 }

@@ -48,10 +48,15 @@ pub struct CreateSandbox {
 /// A validated create request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidCreate {
+    /// Template name, 1 to 64 bytes, no NUL; [`DEFAULT_TEMPLATE`] when the request named none.
     pub template: String,
+    /// Whole vCPUs and MiB, within the API's bounds, defaults applied.
     pub resources: Resources,
+    /// A JSON object of string values (empty when absent).
     pub metadata: serde_json::Value,
+    /// Minutes without activity before an auto-stop; `None`: never.
     pub auto_stop_minutes: Option<i32>,
+    /// Minutes stopped before an auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
 }
 
@@ -147,30 +152,41 @@ impl CreateSandbox {
 /// A sandbox as the API shows it.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Sandbox {
+    /// The sandbox's id.
     #[schema(value_type = String, format = Uuid)]
     pub id: SandboxId,
+    /// Its lifecycle state (see the state table in the API description).
     pub state: SandboxState,
     /// Why the sandbox is in its state, when the host or the reconciler said (e.g. a boot error).
     pub state_reason: Option<String>,
+    /// The template it was created from.
     pub template: String,
+    /// The host it is placed on; `None` before placement.
     #[schema(value_type = Option<String>, format = Uuid)]
     pub host_id: Option<HostId>,
     /// The fencing generation, bumped by every state-changing request.
     #[schema(value_type = i64)]
     pub generation: Generation,
+    /// Whole vCPUs.
     pub vcpus: u32,
+    /// Memory in MiB.
     pub memory_mib: u32,
+    /// The string key/value pairs given at create (`{}` when none).
     #[schema(value_type = Object)]
     pub metadata: serde_json::Value,
     /// The sandbox's IPv4 address on its host, while running.
     pub address: Option<String>,
     /// How the last stop kept the sandbox: `memory` or `disk`.
     pub last_stop: Option<String>,
+    /// When the create was accepted.
     pub created_at: DateTime<Utc>,
+    /// When the row last changed (a request, a host's result or the reconciler).
     pub updated_at: DateTime<Utc>,
     /// Set when a delete was accepted.
     pub deleted_at: Option<DateTime<Utc>>,
+    /// Minutes without activity before an auto-stop; `None`: never.
     pub auto_stop_minutes: Option<i32>,
+    /// Minutes stopped before an auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
 }
 
@@ -210,6 +226,7 @@ impl Sandbox {
 /// `GET /v1/sandboxes` response: newest first.
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 pub struct SandboxList {
+    /// One page of the caller's sandboxes, newest first.
     pub sandboxes: Vec<Sandbox>,
     /// Pass as `cursor` to get the next page; absent on the last page.
     pub next_cursor: Option<String>,
@@ -239,7 +256,9 @@ pub struct ExecBody {
 pub struct ExecOutput {
     /// The exit status, or 128 + signal number when killed by a signal.
     pub exit_code: i32,
+    /// Everything the process wrote to stdout.
     pub stdout: String,
+    /// Everything the process wrote to stderr.
     pub stderr: String,
     /// Whether the process was killed at `timeout_ms`.
     pub timed_out: bool,
@@ -251,28 +270,38 @@ pub struct ExecOutput {
 /// A lifecycle event.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Event {
+    /// The event's id (unique; the CloudEvents `id` of its webhook delivery).
     #[schema(value_type = String, format = Uuid)]
     pub id: uuid::Uuid,
+    /// The sandbox it is about.
     #[schema(value_type = String, format = Uuid)]
     pub sandbox_id: SandboxId,
     /// `sandbox.<state>`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// The state before; `None` for the first event of a sandbox.
     pub from: Option<String>,
+    /// The state after.
     pub to: String,
     /// `user_request`, `host_report`, `timeout`, `auto_stop`, `host_lost`, `runtime_error`,
     /// `compensation`.
     pub reason: String,
+    /// The sandbox's generation after the transition.
     pub generation: i64,
+    /// Detail from the host or the reconciler (e.g. a runtime error); `None` when there is none.
     pub message: Option<String>,
+    /// When the transition was committed (database clock).
     pub at: DateTime<Utc>,
 }
 
 /// A template sandboxes can be created from.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Template {
+    /// The name a create passes as `template` (`base`, …).
     pub name: String,
+    /// What the template holds, for people.
     pub description: String,
+    /// The OCI runtime its sandboxes run in: `runc` or `runsc`.
     pub runtime: String,
 }
 

@@ -34,7 +34,6 @@
 //! iproute2, nftables, util-linux's `unshare` and a static busybox at `/bin/busybox`. Several
 //! hostd may share one machine if their state dirs and address pools differ.
 
-#![warn(missing_docs)]
 pub mod address;
 pub mod adopt;
 pub mod agent;

@@ -36,6 +36,7 @@ impl Subjects {
         }
     }
 
+    /// The validated prefix every subject starts with (`{p}`, e.g. `berth`).
     pub fn prefix(&self) -> &str {
         &self.prefix
     }

@@ -23,15 +23,23 @@ pub const WIRE_VERSION: u16 = 2;
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Envelope<T> {
+    /// The wire version the body was encoded at; [`decode`] refuses any but [`WIRE_VERSION`].
     pub version: u16,
+    /// The message itself, postcard-encoded after the version.
     pub body: T,
 }
 
 /// Errors of [`decode`].
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
+    /// The envelope names a version other than [`WIRE_VERSION`] (a peer of another build).
     #[error("unsupported wire version {found} (this build reads {WIRE_VERSION})")]
-    UnsupportedVersion { found: u16 },
+    UnsupportedVersion {
+        /// The version the envelope carried.
+        found: u16,
+    },
+    /// The bytes are not a postcard envelope of the expected type (truncated or of another
+    /// message).
     #[error("malformed message: {0}")]
     Malformed(#[from] postcard::Error),
 }
@@ -64,7 +72,9 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, WireError> {
 /// Resources in the units the API uses: whole vCPUs and MiB of memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Resources {
+    /// Whole vCPUs.
     pub vcpus: u32,
+    /// Memory in MiB.
     pub memory_mib: u32,
 }
 
@@ -119,10 +129,14 @@ pub struct SandboxSpec {
 /// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Command {
+    /// The command's id (`commands.id`), also its `Nats-Msg-Id` for JetStream dedup; the
+    /// result echoes it.
     pub id: CommandId,
+    /// The sandbox the command acts on.
     pub sandbox_id: SandboxId,
     /// The sandbox generation this command was issued at (the fence).
     pub generation: Generation,
+    /// What to do: create, start, stop (with its mode) or delete.
     pub kind: CommandKind,
     /// The sandbox's spec: a host needs it for `Create`, and for `Start` when it has no local
     /// record (for instance a start after a failed create). `None` only for a `Delete` of a
@@ -154,24 +168,38 @@ impl StopMode {
 pub enum ResultOutcome {
     /// The work is done. `address` is the sandbox's IPv4 address when it runs.
     Succeeded {
+        /// The sandbox's IPv4 address (dotted quad) after a create or start; `None` otherwise.
         address: Option<String>,
+        /// How a stop kept the sandbox; `None` for every kind but a stop.
         last_stop: Option<StopMode>,
     },
     /// The runtime failed; `reason` is a human-readable cause.
-    Failed { reason: String },
+    Failed {
+        /// The runtime's error, for the event and the operator; not parsed.
+        reason: String,
+    },
     /// The host refused the command without acting: its generation is older than the last the
     /// host applied for that sandbox.
-    RefusedStale { applied: Generation },
+    RefusedStale {
+        /// The newest generation the host applied for this sandbox.
+        applied: Generation,
+    },
 }
 
 /// A command's result, published on `{p}.result.<host_id>` after the work is done.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommandResult {
+    /// The [`Command::id`] this answers.
     pub command_id: CommandId,
+    /// The command's sandbox.
     pub sandbox_id: SandboxId,
+    /// The host that did the work (the subject's `<host_id>`).
     pub host_id: HostId,
+    /// The command's generation, echoed so the reconciler can fence the result.
     pub generation: Generation,
+    /// The command's kind, echoed.
     pub kind: CommandKind,
+    /// What the host did.
     pub outcome: ResultOutcome,
 }
 
@@ -200,8 +228,11 @@ impl GuestStatus {
 /// One inventory line of a heartbeat.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InventoryItem {
+    /// A sandbox the host holds (running or stopped).
     pub sandbox_id: SandboxId,
+    /// The last generation the host applied for it.
     pub generation: Generation,
+    /// Its status on the host.
     pub status: GuestStatus,
 }
 
@@ -217,6 +248,7 @@ pub struct RuntimeInfo {
 /// A host's heartbeat, published every few seconds on `{p}.hb.<host_id>`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
+    /// The sending host (also the subject's `<host_id>`).
     pub host_id: HostId,
     /// Human-readable host name (hostname plus index in `berth dev`).
     pub name: String,
@@ -227,7 +259,9 @@ pub struct Heartbeat {
     /// What its running sandboxes use, as the host counts them (informational; the control
     /// plane's reservation is authoritative).
     pub used: Resources,
+    /// The OCI runtimes the host can run (at least runc).
     pub runtimes: Vec<RuntimeInfo>,
+    /// Every sandbox the host holds, one line each; the reconciler compares it with Postgres.
     pub inventory: Vec<InventoryItem>,
 }
 
@@ -237,7 +271,9 @@ pub struct Heartbeat {
 /// [`AgentOp`] variants at the end.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentRequest {
+    /// The sandbox whose agent answers; the host refuses one it does not hold.
     pub sandbox_id: SandboxId,
+    /// What to ask of the agent.
     pub op: AgentOp,
 }
 
@@ -247,22 +283,44 @@ pub enum AgentOp {
     /// Run a process (see [`ExecSpec`]); answered with [`AgentReply::Exec`].
     Exec(ExecSpec),
     /// Describe a path; answered with [`AgentReply::Stat`].
-    Stat { path: String },
+    Stat {
+        /// Absolute path in the sandbox.
+        path: String,
+    },
     /// Read at most `len` bytes of a file from `offset`; answered with [`AgentReply::Data`].
-    Read { path: String, offset: u64, len: u32 },
+    Read {
+        /// Absolute path of the file in the sandbox.
+        path: String,
+        /// Byte offset to start from.
+        offset: u64,
+        /// Most bytes to return.
+        len: u32,
+    },
     /// Write `data` at `offset`, creating the file (mode 0644) and its parent dirs; with
     /// `truncate`, the file is first cut to `offset`. Answered with [`AgentReply::Written`].
     Write {
+        /// Absolute path of the file in the sandbox.
         path: String,
+        /// Byte offset to write at.
         offset: u64,
+        /// The bytes to write.
         data: Vec<u8>,
+        /// Cut the file to `offset` before writing.
         truncate: bool,
     },
     /// List a directory; answered with [`AgentReply::Listing`].
-    List { path: String },
+    List {
+        /// Absolute path of the directory in the sandbox.
+        path: String,
+    },
     /// Rename `from` to `to` (same filesystem, replacing `to`); answered with
     /// [`AgentReply::Done`].
-    Rename { from: String, to: String },
+    Rename {
+        /// Absolute path of the existing entry.
+        from: String,
+        /// Absolute path it gets.
+        to: String,
+    },
     /// Run a process and stream its output: the host publishes [`AgentReply::Output`]
     /// messages to the request's reply subject as output arrives, then one final
     /// [`AgentReply::Exec`] (without output) or [`AgentReply::Failed`]. The requester
@@ -288,15 +346,20 @@ pub struct ExecSpec {
 /// What a file is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FileKind {
+    /// A regular file.
     File,
+    /// A directory.
     Dir,
+    /// A symbolic link.
     Symlink,
+    /// Anything else (device, socket, FIFO).
     Other,
 }
 
 /// A path's metadata.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileStat {
+    /// What the path is.
     pub kind: FileKind,
     /// Bytes.
     pub size: u64,
@@ -309,7 +372,9 @@ pub struct FileStat {
 /// One directory entry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DirEntry {
+    /// The entry's file name (no directory part).
     pub name: String,
+    /// Its metadata.
     pub stat: FileStat,
 }
 
@@ -323,7 +388,10 @@ pub enum AgentFailure {
     /// The path does not exist in the sandbox.
     NoSuchPath,
     /// The request exceeds a size limit (`limit` bytes or entries).
-    TooLarge { limit: u64 },
+    TooLarge {
+        /// The limit that was exceeded, in bytes (or entries, for a listing).
+        limit: u64,
+    },
     /// Anything else the agent or the host reported (spawn failed, not a directory, …).
     Agent(String),
 }
@@ -335,27 +403,42 @@ pub enum AgentReply {
     /// status, or 128 + signal number when killed by a signal. `oom_killed`: the sandbox's
     /// memory cgroup killed a process during the exec (the host counted an OOM kill).
     Exec {
+        /// Exit status, or 128 + signal number when killed by a signal.
         exit_code: i32,
+        /// Everything the process wrote to stdout (empty in a streamed exec's final reply).
         stdout: Vec<u8>,
+        /// Everything the process wrote to stderr (empty in a streamed exec's final reply).
         stderr: Vec<u8>,
+        /// The process was killed at its [`ExecSpec::timeout_ms`].
         timed_out: bool,
+        /// The sandbox's memory cgroup killed a process during the exec.
         oom_killed: bool,
     },
+    /// The answer to [`AgentOp::Stat`].
     Stat(FileStat),
-    /// `eof`: the file ends after `data`.
+    /// The answer to [`AgentOp::Read`].
     Data {
+        /// At most the requested `len` bytes from the requested offset.
         data: Vec<u8>,
+        /// The file ends after `data`.
         eof: bool,
     },
+    /// The answer to [`AgentOp::Write`].
     Written {
+        /// How many bytes were written.
         bytes: u64,
     },
+    /// The answer to [`AgentOp::List`]: the directory's entries.
     Listing(Vec<DirEntry>),
+    /// The answer to an operation with nothing to return ([`AgentOp::Rename`]).
     Done,
+    /// The operation failed, for the reason given.
     Failed(AgentFailure),
     /// A piece of a streamed exec's output: `fd` 1 is stdout, 2 is stderr.
     Output {
+        /// 1 for stdout, 2 for stderr.
         fd: u8,
+        /// The bytes, in the order the process wrote them on that fd.
         data: Vec<u8>,
     },
 }

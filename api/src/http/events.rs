@@ -55,7 +55,9 @@ pub const LAST_EVENT_ID: &str = "last-event-id";
 /// Timing of the SSE stream.
 #[derive(Debug, Clone)]
 pub struct EventStreamConfig {
+    /// How often an open stream looks for newly published events.
     pub poll_interval: Duration,
+    /// The most events read per look.
     pub batch: i64,
 }
 

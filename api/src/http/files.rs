@@ -50,6 +50,7 @@ pub struct FileQuery {
 /// One entry of a directory listing.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct FileEntry {
+    /// The entry's file name (no directory part).
     pub name: String,
     /// `file`, `dir`, `symlink` or `other`.
     #[serde(rename = "type")]
@@ -65,13 +66,16 @@ pub struct FileEntry {
 /// `GET …/files` of a directory.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct DirectoryListing {
+    /// The directory listed, as requested.
     pub path: String,
+    /// Its entries, as the agent returned them.
     pub entries: Vec<FileEntry>,
 }
 
 /// `PUT …/files` response.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct FileWritten {
+    /// The file written, as requested.
     pub path: String,
     /// Bytes written.
     pub size: u64,

@@ -18,19 +18,28 @@ use super::ServiceError;
 /// A host as operators see it.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Host {
+    /// The host's id, as its heartbeats carry it.
     #[schema(value_type = String, format = Uuid)]
     pub id: HostId,
+    /// Human-readable name from its heartbeat (hostname plus index in `berth dev`).
     pub name: String,
     /// `ready`, `draining`, `cordoned` or `lost`.
     pub state: String,
+    /// Whole vCPUs the host offers to sandboxes.
     pub capacity_vcpus: i32,
+    /// MiB of memory the host offers to sandboxes.
     pub capacity_memory_mib: i64,
+    /// Whole vCPUs reserved by sandboxes placed here (the control plane's count).
     pub reserved_vcpus: i32,
+    /// MiB of memory reserved by sandboxes placed here.
     pub reserved_memory_mib: i64,
+    /// The OCI runtimes it offers (`runc`, `runsc`).
     pub runtimes: Vec<String>,
+    /// Whether a stop can keep memory on this host (checkpoint/restore).
     pub memory_snapshot: bool,
     /// Sandboxes placed here that hold capacity.
     pub sandboxes: i64,
+    /// When the last heartbeat was recorded (database clock).
     pub last_seen: DateTime<Utc>,
     /// Seconds since the last heartbeat (database clock).
     pub heartbeat_age_seconds: f64,

@@ -32,10 +32,13 @@ pub fn generate_key() -> String {
 /// Errors of [`create_org`].
 #[derive(Debug, thiserror::Error)]
 pub enum CreateOrgError {
+    /// Org names are unique; carries the name.
     #[error("an org named {0:?} already exists")]
     Exists(String),
+    /// The name, trimmed, is empty or longer than 64 characters.
     #[error("org name must be 1 to 64 characters")]
     InvalidName,
+    /// Postgres failed; nothing was created.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     /// The org row could not be written.
@@ -85,9 +88,11 @@ async fn create_key_in(
 /// Who a key belongs to.
 #[derive(Debug, Clone, Copy)]
 pub struct Principal {
+    /// The key that matched.
     pub key_id: ApiKeyId,
     /// The org of an org key; `None` for an operator (admin) key.
     pub org_id: Option<OrgId>,
+    /// The key may use the operator routes (`/v1/hosts`).
     pub is_admin: bool,
 }
 

@@ -25,7 +25,12 @@ pub enum ServiceError {
     NotFound(String),
     /// The org's quota `limit` (e.g. `max_running`) would be passed.
     #[error("org quota {limit} = {value} reached")]
-    QuotaExceeded { limit: &'static str, value: i64 },
+    QuotaExceeded {
+        /// The quota's column name (`max_running`, …).
+        limit: &'static str,
+        /// The org's value of that quota.
+        value: i64,
+    },
     /// The create names a template that is not registered.
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
@@ -34,19 +39,34 @@ pub enum ServiceError {
     IdempotencyKeyReused(String),
     /// No ready host with a recent heartbeat has the headroom.
     #[error("no host has capacity for {vcpus} vCPUs and {memory_mib} MiB")]
-    NoCapacity { vcpus: u32, memory_mib: u32 },
+    NoCapacity {
+        /// The vCPUs asked for (whole vCPUs).
+        vcpus: u32,
+        /// The memory asked for, in MiB.
+        memory_mib: u32,
+    },
     /// A conflicting sandbox transition is in flight; carries the current state.
     #[error("{message}")]
     Conflict {
+        /// The sandbox's state now.
         state: SandboxState,
+        /// What conflicted, for the client.
         message: String,
     },
     /// A host operator action the host's state refuses; carries that state.
     #[error("{message}")]
-    HostConflict { state: String, message: String },
+    HostConflict {
+        /// The host's state now, in its API spelling (`ready`, `draining`, …).
+        state: String,
+        /// What conflicted, for the operator.
+        message: String,
+    },
     /// The org already has its maximum number of webhooks.
     #[error("an org has at most {max} webhooks; delete one first")]
-    TooManyWebhooks { max: i64 },
+    TooManyWebhooks {
+        /// The most webhooks an org may have.
+        max: i64,
+    },
     /// A broken invariant; logged, never shown.
     #[error("{0}")]
     Internal(String),

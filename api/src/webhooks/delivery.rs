@@ -61,13 +61,19 @@ const USER_AGENT: &str = concat!("berth-webhooks/", env!("CARGO_PKG_VERSION"));
 /// Timing and limits of webhook delivery. Tests shrink every duration.
 #[derive(Debug, Clone)]
 pub struct WebhookConfig {
+    /// The pause between rounds when no work is waiting ([`DEFAULT_POLL_INTERVAL`]).
     pub poll_interval: Duration,
+    /// The wait after a delivery's first failure, doubled per failure ([`retry_delay`]).
     pub backoff_initial: Duration,
+    /// The longest wait between two attempts of one delivery.
     pub backoff_max: Duration,
+    /// The HTTP timeout of one attempt; a claim lasts this plus a safety margin.
     pub attempt_timeout: Duration,
     /// Failed attempts in a row that disable a webhook.
     pub disable_after: u32,
+    /// The most events fanned out per webhook, and deliveries claimed, in one round.
     pub batch: i64,
+    /// How long finished deliveries (and their attempts) are kept before pruning.
     pub delivery_retention: Duration,
 }
 
@@ -101,11 +107,13 @@ pub fn retry_delay(config: &WebhookConfig, failed_attempts: u32, jitter: f64) ->
 /// Errors of one round.
 #[derive(Debug, thiserror::Error)]
 pub enum DeliveryError {
+    /// Postgres failed; the round's uncommitted work is retried next round.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
     /// The published events could not be read.
     #[error(transparent)]
     Store(#[from] berth_store::StoreError),
+    /// The HTTP client failed outside an attempt (an attempt's own failure is its outcome).
     #[error("http client: {0}")]
     Client(#[from] reqwest::Error),
 }
@@ -246,12 +254,19 @@ async fn fan_out(db: &PgPool, batch: i64) -> Result<usize, DeliveryError> {
 /// A delivery this worker holds the claim of.
 #[derive(Debug, Clone)]
 pub struct Claim {
+    /// The claimed delivery.
     pub delivery_id: DeliveryId,
+    /// The webhook it goes to.
     pub webhook_id: WebhookId,
+    /// The event it carries (sent in the event-id header).
     pub event_id: EventId,
+    /// This attempt's number, 1 for the first (sent in the attempt header).
     pub attempt: i32,
+    /// The receiver's URL (http or https, no credentials).
     pub url: String,
+    /// The webhook's signing secret.
     pub secret: String,
+    /// The CloudEvent JSON, exactly the bytes that are signed and sent.
     pub body: String,
 }
 
@@ -263,9 +278,11 @@ async fn claim(db: &PgPool, config: &WebhookConfig) -> Result<Vec<Claim>, sqlx::
 /// How one attempt ended.
 #[derive(Debug, Clone)]
 pub struct AttemptOutcome {
+    /// The receiver's HTTP status; `None` when it did not answer (connect error, timeout).
     pub status_code: Option<u16>,
     /// `None` on success (a 2xx answer).
     pub error: Option<String>,
+    /// From sending the request to the answer or the failure.
     pub duration: Duration,
 }
 

@@ -46,14 +46,18 @@ pub struct CreateWebhook {
 /// A webhook.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Webhook {
+    /// The webhook's id.
     #[schema(value_type = String, format = Uuid)]
     pub id: WebhookId,
+    /// Where deliveries are POSTed (http or https).
     pub url: String,
     /// Empty: every type.
     pub event_types: Vec<String>,
+    /// When it was created.
     pub created_at: DateTime<Utc>,
     /// Set when the webhook was disabled after a run of failed deliveries.
     pub disabled_at: Option<DateTime<Utc>>,
+    /// Why it was disabled (the last failure); `None` while active.
     pub disabled_reason: Option<String>,
     /// Failed attempts since the last successful one.
     pub consecutive_failures: i32,
@@ -65,16 +69,21 @@ pub struct Webhook {
 /// One event sent (or being sent) to one webhook, with its attempts.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct Delivery {
+    /// The delivery's id (sent in the delivery-id header).
     #[schema(value_type = String, format = Uuid)]
     pub id: DeliveryId,
+    /// The event delivered (the CloudEvent's `id`).
     #[schema(value_type = String, format = Uuid)]
     pub event_id: EventId,
+    /// The CloudEvent `type` (`dev.berth.sandbox.running`, …).
     pub event_type: String,
     /// `pending`, `succeeded`, or `abandoned` (the webhook was disabled or deleted first).
     pub state: String,
     /// When the next attempt is due (pending only).
     pub next_attempt_at: Option<DateTime<Utc>>,
+    /// When the event was queued for this webhook.
     pub created_at: DateTime<Utc>,
+    /// When it succeeded or was abandoned; `None` while pending.
     pub completed_at: Option<DateTime<Utc>>,
     /// Every attempt, first first.
     pub attempts: Vec<Attempt>,
@@ -85,20 +94,24 @@ pub struct Delivery {
 pub struct Attempt {
     /// 1 for the first.
     pub attempt: i32,
+    /// When the attempt ended.
     pub at: DateTime<Utc>,
     /// The receiver's status, when it answered.
     pub status_code: Option<i32>,
     /// Why it failed; `null` on success.
     pub error: Option<String>,
+    /// How long it took, in milliseconds.
     pub duration_ms: i32,
 }
 
 /// A validated create.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidWebhook {
+    /// The parsed URL, re-serialized (http or https, a host, no credentials).
     pub url: String,
     /// `None`: generate one.
     pub secret: Option<String>,
+    /// Full CloudEvent types, deduplicated (short forms expanded); empty: every type.
     pub event_types: Vec<String>,
 }
 

@@ -39,10 +39,18 @@ pub fn sign(secret: &str, timestamp: i64, body: &[u8]) -> String {
 /// Why [`verify`] refused a signature.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SignatureError {
+    /// The header has no integer `t=`, or a `v1=` value that is not hex.
     #[error("malformed signature header")]
     Malformed,
+    /// The signed timestamp is too far from `now` (a replay, or a skewed clock).
     #[error("timestamp {timestamp} is outside the tolerance of {tolerance_secs} s")]
-    Stale { timestamp: i64, tolerance_secs: i64 },
+    Stale {
+        /// The header's `t`, in Unix seconds.
+        timestamp: i64,
+        /// The most distance from `now` accepted, in seconds.
+        tolerance_secs: i64,
+    },
+    /// No `v1` value is the HMAC-SHA256 of `<t>.<body>` under the secret (or there is none).
     #[error("no v1 signature matches")]
     Mismatch,
 }
