@@ -38,8 +38,14 @@ pub enum EventRelayError {
     /// The event outbox's rows could not be claimed or marked.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// JetStream did not take (or ack) the event; it stays unpublished and is retried.
     #[error("publish of event {event_id}: {message}")]
-    Publish { event_id: EventId, message: String },
+    Publish {
+        /// The first event that failed.
+        event_id: EventId,
+        /// Why, as NATS said it.
+        message: String,
+    },
 }
 
 /// Publishes everything unpublished (sandbox events, then webhook-disabled events) and updates

@@ -29,9 +29,12 @@ pub enum RelayError {
     /// The outbox's rows could not be claimed or marked.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// JetStream did not take (or ack) the command; it stays unpublished and is retried.
     #[error("publish of command {command_id}: {message}")]
     Publish {
+        /// The first command that failed.
         command_id: CommandId,
+        /// Why, as NATS said it.
         message: String,
     },
 }
