@@ -379,19 +379,23 @@ async fn measure(
         let (_, first) = client
             .send(reqwest::Method::GET, "/v1/sandboxes?limit=50", None)
             .await?;
-        let cursor = first["next_cursor"].as_str().unwrap_or_default().to_owned();
+        // With 50 sandboxes or fewer there is no second page to time.
+        let cursor = first["next_cursor"].as_str().map(str::to_owned);
         for _ in 0..READ_SAMPLES {
-            for (samples, path) in [
+            let mut reads = vec![
                 (&mut list_page, "/v1/sandboxes?limit=50".to_owned()),
                 (
                     &mut list_filtered,
                     "/v1/sandboxes?state=running&limit=50".to_owned(),
                 ),
-                (
+            ];
+            if let Some(cursor) = &cursor {
+                reads.push((
                     &mut list_next,
                     format!("/v1/sandboxes?limit=50&cursor={cursor}"),
-                ),
-            ] {
+                ));
+            }
+            for (samples, path) in reads {
                 let t = Instant::now();
                 let (status, page) = client.send(reqwest::Method::GET, &path, None).await?;
                 if status != 200 {
