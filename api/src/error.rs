@@ -226,3 +226,49 @@ pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Ne
     }
     fixed
 }
+
+#[cfg(test)]
+mod tests {
+    use berth_schemas::wire::Resources;
+    use berth_schemas::{Generation, HostId, SandboxId};
+    use berth_store::Op;
+
+    use super::*;
+
+    #[test]
+    fn store_errors_map_to_409_404_503_and_only_the_rest_to_500() {
+        let status = |e: StoreError| ApiError::from(e).status_and_code();
+        assert_eq!(
+            status(StoreError::Fenced {
+                sandbox: SandboxId::new(),
+                expected: Generation(3),
+            }),
+            (StatusCode::CONFLICT, "conflict"),
+            "a fence miss is a conflict, never a 500"
+        );
+        assert_eq!(
+            status(StoreError::NotFound {
+                what: "host",
+                id: "x".into(),
+            }),
+            (StatusCode::NOT_FOUND, "not_found")
+        );
+        assert_eq!(
+            status(StoreError::NoCapacity {
+                host: HostId::new(),
+                need: Resources {
+                    vcpus: 1,
+                    memory_mib: 512,
+                },
+            }),
+            (StatusCode::SERVICE_UNAVAILABLE, "no_capacity")
+        );
+        assert_eq!(
+            status(StoreError::Database {
+                op: Op::SandboxLock,
+                source: sqlx::Error::PoolTimedOut,
+            }),
+            (StatusCode::INTERNAL_SERVER_ERROR, "internal")
+        );
+    }
+}

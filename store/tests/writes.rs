@@ -1,0 +1,269 @@
+//! The store's writes against a real Postgres (a fresh database per test, `#[sqlx::test]`):
+//! the generation fence is a typed error, capacity moves only with the state write, and a
+//! transaction Postgres aborts is run again.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use berth_schemas::wire::{Heartbeat, Resources, Runtime, RuntimeInfo};
+use berth_schemas::{Capacity, CommandKind, HostId, OrgId, Reason, SandboxState};
+use berth_store::hosts::{self, Admit, Overcommit};
+use berth_store::sandboxes::{self, NewSandbox, Transition};
+use berth_store::{orgs, SandboxRow, StoreError};
+use sqlx::PgPool;
+
+const HOST_CAPACITY: Resources = Resources {
+    vcpus: 2,
+    memory_mib: 1024,
+};
+const SIZE: Resources = Resources {
+    vcpus: 1,
+    memory_mib: 512,
+};
+
+/// A host heard from just now, with [`HOST_CAPACITY`].
+async fn host(db: &PgPool) -> HostId {
+    let id = HostId::new();
+    hosts::upsert_heartbeat(
+        db,
+        &Heartbeat {
+            host_id: id,
+            name: "store-test".into(),
+            seq: 1,
+            capacity: HOST_CAPACITY,
+            used: Resources::default(),
+            runtimes: vec![RuntimeInfo {
+                name: "runc".into(),
+                memory_snapshot: false,
+            }],
+            inventory: vec![],
+        },
+    )
+    .await
+    .unwrap();
+    id
+}
+
+/// A `provisioning` sandbox placed on `host`, holding its reservation (as a create leaves it).
+async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
+    let org = orgs::create(db, &format!("org-{}", OrgId::new()))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut tx = db.begin().await.unwrap();
+    assert!(hosts::reserve(
+        &mut tx,
+        host,
+        SIZE,
+        Overcommit::default(),
+        Admit::NewSandbox
+    )
+    .await
+    .unwrap());
+    let (row, _) = sandboxes::create(
+        &mut tx,
+        NewSandbox {
+            org_id: org,
+            template: "base".into(),
+            runtime: Runtime::Runc,
+            host_id: host,
+            resources: SIZE,
+            metadata: serde_json::json!({}),
+            auto_stop_minutes: None,
+            auto_delete_minutes: None,
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    row
+}
+
+fn transition(to: SandboxState, command: CommandKind, capacity: Capacity) -> Transition<'static> {
+    Transition {
+        to,
+        command: Some(command),
+        capacity,
+        reason: Reason::UserRequest,
+        delete: false,
+        message: None,
+        activity: true,
+        overcommit: Overcommit {
+            cpu: 1.0,
+            memory: 1.0,
+        },
+    }
+}
+
+async fn reserved(db: &PgPool, host: HostId) -> Resources {
+    let row = hosts::get(db, host).await.unwrap().unwrap();
+    row.reserved
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_write_at_a_generation_the_row_has_left_is_fenced_not_a_missing_row(db: PgPool) {
+    let host = host(&db).await;
+    let row = placed(&db, host).await;
+    let mut tx = db.begin().await.unwrap();
+    sandboxes::write_transition(
+        &mut tx,
+        &row,
+        &transition(SandboxState::Stopping, CommandKind::Delete, Capacity::Keep),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    // The same (now stale) read again: the generation moved on.
+    let mut tx = db.begin().await.unwrap();
+    let stale = sandboxes::write_transition(
+        &mut tx,
+        &row,
+        &transition(SandboxState::Stopping, CommandKind::Stop, Capacity::Keep),
+    )
+    .await;
+    match stale {
+        Err(StoreError::Fenced { sandbox, expected }) => {
+            assert_eq!((sandbox, expected), (row.id, row.generation));
+        }
+        other => panic!("expected a fence miss, got {other:?}"),
+    }
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn capacity_is_released_and_reserved_only_with_the_state_write(db: PgPool) {
+    let host = host(&db).await;
+    let row = placed(&db, host).await;
+    assert_eq!(reserved(&db, host).await, SIZE);
+    assert_eq!(sandboxes::capacity_drift(&db).await.unwrap(), (0, 0));
+
+    // A stop that settles releases the reservation with the row's flag.
+    let mut tx = db.begin().await.unwrap();
+    let written = sandboxes::write_transition(
+        &mut tx,
+        &row,
+        &transition(SandboxState::Stopped, CommandKind::Stop, Capacity::Release),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert!(!written.row.holds_capacity);
+    assert_eq!(reserved(&db, host).await, Resources::default());
+    assert_eq!(sandboxes::capacity_drift(&db).await.unwrap(), (0, 0));
+
+    // Releasing again changes nothing.
+    let mut tx = db.begin().await.unwrap();
+    let again = sandboxes::write_transition(
+        &mut tx,
+        &written.row,
+        &transition(SandboxState::Stopped, CommandKind::Stop, Capacity::Release),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(reserved(&db, host).await, Resources::default());
+
+    // A start reserves it again.
+    let mut tx = db.begin().await.unwrap();
+    let started = sandboxes::write_transition(
+        &mut tx,
+        &again.row,
+        &transition(
+            SandboxState::Starting,
+            CommandKind::Start,
+            Capacity::Reserve,
+        ),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert!(started.row.holds_capacity);
+    assert_eq!(reserved(&db, host).await, SIZE);
+    assert_eq!(sandboxes::capacity_drift(&db).await.unwrap(), (0, 0));
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_start_that_does_not_fit_is_refused_and_writes_nothing(db: PgPool) {
+    let host = host(&db).await;
+    let first = placed(&db, host).await;
+    // Stop the first, fill the host with two others, then try to start the first again.
+    let mut tx = db.begin().await.unwrap();
+    let stopped = sandboxes::write_transition(
+        &mut tx,
+        &first,
+        &transition(SandboxState::Stopped, CommandKind::Stop, Capacity::Release),
+    )
+    .await
+    .unwrap()
+    .row;
+    tx.commit().await.unwrap();
+    placed(&db, host).await;
+    placed(&db, host).await;
+    assert_eq!(reserved(&db, host).await, HOST_CAPACITY);
+
+    let mut tx = db.begin().await.unwrap();
+    let refused = sandboxes::write_transition(
+        &mut tx,
+        &stopped,
+        &transition(
+            SandboxState::Starting,
+            CommandKind::Start,
+            Capacity::Reserve,
+        ),
+    )
+    .await;
+    assert!(
+        matches!(refused, Err(StoreError::NoCapacity { host: h, need }) if h == host && need == SIZE),
+        "{refused:?}"
+    );
+    drop(tx);
+    let now = sandboxes::get(&db, stopped.org_id, stopped.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (now.state, now.generation, now.holds_capacity),
+        (SandboxState::Stopped, stopped.generation, false)
+    );
+    assert_eq!(reserved(&db, host).await, HOST_CAPACITY);
+    assert_eq!(sandboxes::capacity_drift(&db).await.unwrap(), (0, 0));
+}
+
+/// Two transactions that lock two sandbox rows in opposite orders deadlock; Postgres aborts
+/// one, and `retry_transaction` runs it again, so both commit.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_transaction_postgres_aborts_for_a_deadlock_is_run_again(db: PgPool) {
+    let host = host(&db).await;
+    let (a, b) = (placed(&db, host).await, placed(&db, host).await);
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
+    let attempts = std::sync::Arc::new(AtomicUsize::new(0));
+    let run = |first: SandboxRow, second: SandboxRow| {
+        let (db, barrier, attempts) = (db.clone(), barrier.clone(), attempts.clone());
+        async move {
+            berth_store::retry_transaction(|| {
+                let (db, barrier, attempts) = (db.clone(), barrier.clone(), attempts.clone());
+                let (first, second) = (first.id, second.id);
+                async move {
+                    let attempt = attempts.fetch_add(1, Ordering::SeqCst);
+                    let mut tx = db.begin().await?;
+                    sandboxes::lock(&mut tx, first, None).await?;
+                    if attempt < 2 {
+                        // Only the first two attempts meet: they lock in opposite orders.
+                        barrier.wait().await;
+                    }
+                    sandboxes::lock(&mut tx, second, None).await?;
+                    tx.commit().await?;
+                    Ok::<_, StoreError>(())
+                }
+            })
+            .await
+        }
+    };
+    let (one, two) = tokio::join!(run(a.clone(), b.clone()), run(b, a));
+    one.unwrap();
+    two.unwrap();
+    assert_eq!(
+        attempts.load(Ordering::SeqCst),
+        3,
+        "one of the two deadlocked transactions ran again"
+    );
+}
