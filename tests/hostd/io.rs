@@ -85,6 +85,40 @@ async fn a_one_mib_file_round_trips_through_the_api_and_exec_takes_env_cwd_and_s
     assert_eq!(entries[0]["type"], "file");
     assert_eq!(entries[0]["size"], ROUND_TRIP_BYTES as u64);
 
+    // A PUT onto a directory, or with a name too long to write aside first, is refused
+    // before anything is written: no temporary sibling is left behind.
+    for (path, why) in [
+        ("/root/data".to_owned(), "a directory"),
+        (format!("/root/data/{}", "n".repeat(250)), "a name too long"),
+    ] {
+        let put = stack
+            .http
+            .put(files_url(&stack, &id, &path))
+            .bearer_auth(&stack.key)
+            .body("x")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(put.status(), 400, "a PUT onto {why}");
+    }
+    let (_, listing) = stack
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files?path=/root"),
+            None,
+        )
+        .await;
+    let names: Vec<&str> = listing["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.iter().all(|n| !n.contains("berth-upload")),
+        "{names:?}"
+    );
+
     // Missing paths are 404, relative ones 400.
     let (status, body) = stack
         .call(

@@ -193,11 +193,29 @@ pub async fn put(
         Some((dir, name)) if !name.is_empty() => (name.to_owned(), dir.to_owned()),
         _ => return Err(ApiError::invalid("path", "path must name a file")),
     };
-    let (sandbox, host) = running(&app, &caller, &id).await?;
     let temporary = format!(
         "{dir}/.{name}.berth-upload-{}",
         uuid::Uuid::new_v4().simple()
     );
+    if temporary.len() - dir.len() - 1 > MAX_NAME_BYTES {
+        return Err(ApiError::invalid(
+            "path",
+            format!(
+                "the file name is longer than {} bytes",
+                MAX_NAME_BYTES - (temporary.len() - dir.len() - 1 - name.len())
+            ),
+        ));
+    }
+    let (sandbox, host) = running(&app, &caller, &id).await?;
+    // A directory cannot be replaced by a file: refuse before writing the temporary sibling,
+    // which the failed rename would otherwise leave behind. A missing path is the usual case.
+    match call(&app, &sandbox, host, AgentOp::Stat { path: path.clone() }).await {
+        Ok(AgentReply::Stat(stat)) if stat.kind == FileKind::Dir => {
+            return Err(ApiError::invalid("path", "path names a directory"));
+        }
+        Ok(_) | Err(ApiError::NotFound(_)) => {}
+        Err(error) => return Err(error),
+    }
     let mut offset = 0usize;
     loop {
         let end = (offset + FILE_CHUNK_BYTES as usize).min(body.len());
@@ -232,6 +250,10 @@ pub async fn put(
     };
     Ok((StatusCode::OK, Json(written)).into_response())
 }
+
+/// The longest file name Linux takes (`NAME_MAX`); an upload's temporary sibling
+/// (`.<name>.berth-upload-<32 hex>`) must fit in it too.
+const MAX_NAME_BYTES: usize = 255;
 
 /// The path, when absolute and free of NUL bytes.
 fn absolute(path: String) -> Result<String, ApiError> {
