@@ -18,10 +18,12 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::HeaderMap;
-use berth_schemas::cloudevents::{self, CloudEvent, WebhookDisabledData};
+use berth_schemas::cloudevents::{self, CloudEvent};
 use berth_schemas::{EventId, Subjects, WebhookId};
 use berth_store::{events, StoreError};
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
+
+use crate::webhooks::store;
 use tracing::{debug, Span};
 
 use super::{msg_id_headers, Outgoing};
@@ -131,50 +133,26 @@ async fn drain_webhook_events(
     subjects: &Subjects,
 ) -> Result<usize, EventRelayError> {
     let mut tx = db.begin().await?;
-    let rows = sqlx::query(
-        "SELECT id, org_id, url, consecutive_failures, disabled_reason, disabled_at,
-                disabled_event_id
-           FROM webhooks
-          WHERE disabled_event_id IS NOT NULL AND disabled_published_at IS NULL
-          ORDER BY disabled_at
-          LIMIT $1
-          FOR UPDATE SKIP LOCKED",
-    )
-    .bind(BATCH_SIZE)
-    .fetch_all(&mut *tx)
-    .await?;
-    if rows.is_empty() {
+    let disabled = store::claim_unpublished_disabled(&mut tx, BATCH_SIZE).await?;
+    if disabled.is_empty() {
         return Ok(0);
     }
-    let mut batch = Vec::with_capacity(rows.len());
-    let mut webhook_of = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let webhook: WebhookId = row.try_get("id")?;
-        let event_id: EventId = row.try_get("disabled_event_id")?;
-        let data = WebhookDisabledData {
-            webhook_id: webhook,
-            org_id: row.try_get("org_id")?,
-            url: row.try_get("url")?,
-            consecutive_failures: row.try_get("consecutive_failures")?,
-            reason: row
-                .try_get::<Option<String>, _>("disabled_reason")?
-                .unwrap_or_default(),
-        };
+    let mut batch = Vec::with_capacity(disabled.len());
+    let mut webhook_of = Vec::with_capacity(disabled.len());
+    for (event_id, at, data) in disabled {
+        let webhook = data.webhook_id;
         let subject = subjects.webhook_events(data.org_id, webhook);
-        let event = CloudEvent::webhook_disabled(event_id, row.try_get("disabled_at")?, data);
+        let event = CloudEvent::webhook_disabled(event_id, at, data);
         batch.push((event_id, subject, event.to_json()));
         webhook_of.push((event_id, webhook));
     }
     let (acked, failure) = publish_all(js, batch).await;
-    let done: Vec<uuid::Uuid> = webhook_of
+    let done: Vec<WebhookId> = webhook_of
         .iter()
         .filter(|(e, _)| acked.contains(e))
-        .map(|(_, w)| w.as_uuid())
+        .map(|(_, w)| *w)
         .collect();
-    sqlx::query("UPDATE webhooks SET disabled_published_at = now() WHERE id = ANY($1)")
-        .bind(&done)
-        .execute(&mut *tx)
-        .await?;
+    store::mark_disabled_published(&mut tx, &done).await?;
     tx.commit().await?;
     metrics::counter!("berth_events_published_total", "kind" => "webhook")
         .increment(done.len() as u64);

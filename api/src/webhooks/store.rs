@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
+use berth_schemas::cloudevents::WebhookDisabledData;
 use berth_schemas::{DeliveryId, EventId, OrgId, WebhookId};
+use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, PgPool, Row};
 
@@ -410,4 +412,54 @@ pub async fn pending_backlog(db: &PgPool) -> Result<(i64, f64), sqlx::Error> {
     .fetch_one(db)
     .await?;
     Ok((row.try_get("pending")?, row.try_get("oldest")?))
+}
+
+/// Locks (skipping rows another relay holds) up to `batch` webhooks disabled since the last
+/// round whose `dev.berth.webhook.disabled` event is not yet published (this table is that
+/// event's outbox): each as (event id, when it was disabled, the event's data).
+pub async fn claim_unpublished_disabled(
+    conn: &mut PgConnection,
+    batch: i64,
+) -> Result<Vec<(EventId, DateTime<Utc>, WebhookDisabledData)>, sqlx::Error> {
+    let rows = sqlx::query(
+        "SELECT id, org_id, url, consecutive_failures, disabled_reason, disabled_at,
+                disabled_event_id
+           FROM webhooks
+          WHERE disabled_event_id IS NOT NULL AND disabled_published_at IS NULL
+          ORDER BY disabled_at
+          LIMIT $1
+          FOR UPDATE SKIP LOCKED",
+    )
+    .bind(batch)
+    .fetch_all(conn)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            Ok((
+                row.try_get("disabled_event_id")?,
+                row.try_get("disabled_at")?,
+                WebhookDisabledData {
+                    webhook_id: row.try_get("id")?,
+                    org_id: row.try_get("org_id")?,
+                    url: row.try_get("url")?,
+                    consecutive_failures: row.try_get("consecutive_failures")?,
+                    reason: row
+                        .try_get::<Option<String>, _>("disabled_reason")?
+                        .unwrap_or_default(),
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Marks the `webhook.disabled` events of `webhooks` published (JetStream acked them).
+pub async fn mark_disabled_published(
+    conn: &mut PgConnection,
+    webhooks: &[WebhookId],
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE webhooks SET disabled_published_at = now() WHERE id = ANY($1)")
+        .bind(webhooks)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
