@@ -24,7 +24,7 @@ use berth_schemas::wire::Command;
 use berth_schemas::{CommandId, CommandKind, Generation, Reason};
 use berth_store::hosts::{self, Overcommit};
 use berth_store::leases::Lease;
-use berth_store::sandboxes::{self, CommandTimeouts, Transition};
+use berth_store::sandboxes::{self, CommandTimeouts, Due, Transition};
 use berth_store::{commands, idempotency, SandboxRow, StoreError};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tracing::{info, warn};
@@ -361,11 +361,11 @@ async fn auto_lifecycle(
     let mut tx = fenced(db, lease).await?;
     let (rows, reason) = match request {
         Request::Stop => (
-            sandboxes::lock_idle(&mut tx, config.batch).await?,
+            sandboxes::lock_due(&mut tx, Due::AutoStop, config.batch).await?,
             Reason::AutoStop,
         ),
         Request::Delete => (
-            sandboxes::lock_expired(&mut tx, config.batch).await?,
+            sandboxes::lock_due(&mut tx, Due::AutoDelete, config.batch).await?,
             Reason::AutoDelete,
         ),
         Request::Start => return Ok(0),

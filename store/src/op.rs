@@ -57,9 +57,10 @@ ops! {
     SandboxUnhealthy => "sandbox_unhealthy",
     /// [`crate::sandboxes::lock_stranded`]: rows on a host that was lost.
     SandboxStranded => "sandbox_stranded",
-    /// [`crate::sandboxes::lock_idle`]: `running` rows idle past `auto_stop_minutes`.
+    /// [`crate::sandboxes::lock_due`] with `Due::AutoStop`: `running` rows idle past `auto_stop_minutes`.
     SandboxAutoStop => "sandbox_auto_stop",
-    /// [`crate::sandboxes::lock_expired`]: `stopped`/`failed-start` rows past `auto_delete_minutes`.
+    /// [`crate::sandboxes::lock_due`] with `Due::AutoDelete`: `stopped`/`failed-start` rows past
+    /// `auto_delete_minutes`.
     SandboxAutoDelete => "sandbox_auto_delete",
     /// [`crate::sandboxes::purge_tombstones`]: deletes old `deleted` rows.
     SandboxPurge => "sandbox_purge",

@@ -307,7 +307,7 @@ pub fn exec(argv: &[String], timeout_ms: u64) -> Result<ExecOutput, String> {
 
 /// Runs a process, capturing output, killing the process group at `timeout_ms` (clamped to
 /// [`MAX_EXEC_TIMEOUT_MS`]). When the process exits but a background descendant keeps its
-/// output pipes open, the answer comes [`READER_GRACE`] later with what was read by then; the
+/// output pipes open, the answer comes `READER_GRACE` later with what was read by then; the
 /// descendant keeps running.
 ///
 /// Errors: a message when `argv` is empty, stdin is over [`MAX_STDIN_BYTES`], or the process

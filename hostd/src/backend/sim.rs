@@ -119,7 +119,7 @@ fn echo(argv: &[String]) -> Vec<u8> {
     format!("{}\n", argv.get(1..).unwrap_or_default().join(" ")).into_bytes()
 }
 
-/// A sim agent operation: an exec exits 0 with stdout [`echo`] of argv and stderr
+/// A sim agent operation: an exec exits 0 with stdout `echo` of argv and stderr
 /// [`SIM_EXEC_STDERR`]; file operations fail, since a sim sandbox has no filesystem.
 pub fn agent(op: &AgentOp) -> AgentReply {
     match op {

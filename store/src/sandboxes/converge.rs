@@ -162,36 +162,38 @@ pub async fn lock_stranded(
     rows(&found)
 }
 
-/// Locks up to `batch` `running` sandboxes idle for their `auto_stop_minutes`.
-pub async fn lock_idle(conn: &mut PgConnection, batch: i64) -> Result<Vec<SandboxRow>, StoreError> {
-    let found = timed(
-        Op::SandboxAutoStop,
-        sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM sandboxes
-              WHERE deleted_at IS NULL AND state = 'running' AND auto_stop_minutes IS NOT NULL
-                AND last_activity_at < now() - make_interval(mins => auto_stop_minutes)
-              LIMIT $1 FOR UPDATE SKIP LOCKED"
-        ))
-        .bind(batch)
-        .fetch_all(conn),
-    )
-    .await?;
-    rows(&found)
+/// An automatic request a sandbox can be due for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// `running` and idle (no activity) for its `auto_stop_minutes`.
+    AutoStop,
+    /// `stopped` or `failed-start` for its `auto_delete_minutes`.
+    AutoDelete,
 }
 
-/// Locks up to `batch` `stopped` or `failed-start` sandboxes left so for their
-/// `auto_delete_minutes`.
-pub async fn lock_expired(
+/// Locks up to `batch` sandboxes, not being deleted, that are `due` for an automatic request.
+pub async fn lock_due(
     conn: &mut PgConnection,
+    due: Due,
     batch: i64,
 ) -> Result<Vec<SandboxRow>, StoreError> {
+    let (op, filter) = match due {
+        Due::AutoStop => (
+            Op::SandboxAutoStop,
+            "state = 'running' AND auto_stop_minutes IS NOT NULL
+             AND last_activity_at < now() - make_interval(mins => auto_stop_minutes)",
+        ),
+        Due::AutoDelete => (
+            Op::SandboxAutoDelete,
+            "state IN ('stopped', 'failed-start') AND auto_delete_minutes IS NOT NULL
+             AND updated_at < now() - make_interval(mins => auto_delete_minutes)",
+        ),
+    };
     let found = timed(
-        Op::SandboxAutoDelete,
+        op,
         sqlx::query(&format!(
             "SELECT {COLUMNS} FROM sandboxes
-              WHERE deleted_at IS NULL AND state IN ('stopped', 'failed-start')
-                AND auto_delete_minutes IS NOT NULL
-                AND updated_at < now() - make_interval(mins => auto_delete_minutes)
+              WHERE deleted_at IS NULL AND {filter}
               LIMIT $1 FOR UPDATE SKIP LOCKED"
         ))
         .bind(batch)

@@ -5,7 +5,7 @@
 //! - Fenced: [`write_transition`] and [`write_result`] update a row only at the generation the
 //!   caller read (`WHERE id = $1 AND generation = $2`); a miss is [`StoreError::Fenced`].
 //! - Capacity (guarantee 4): the hold on the host's capacity changes only here, as the
-//!   decision's [`Capacity`] says, in the same transaction as the state write, the command and
+//!   decision's [`Capacity`](berth_schemas::Capacity) says, in the same transaction as the state write, the command and
 //!   the event (guarantee 1).
 //! - Org scoping (guarantee 7): [`get`], [`lock`] and [`list`] take the caller's org.
 
@@ -362,8 +362,8 @@ mod converge;
 mod write;
 
 pub use converge::{
-    capacity_drift, count_by_state, lock_expired, lock_failed_guests, lock_idle, lock_stranded,
-    lock_timed_out, purge_tombstones, CommandTimeouts,
+    capacity_drift, count_by_state, lock_due, lock_failed_guests, lock_stranded, lock_timed_out,
+    purge_tombstones, CommandTimeouts, Due,
 };
 pub use write::{write_result, write_transition, ResultWrite, Transition, Written};
 
