@@ -51,6 +51,10 @@ pub struct DevArgs {
     /// NATS to use; unset → a private `nats-server -js`.
     #[arg(long, env = "NATS_URL")]
     nats_url: Option<String>,
+    /// Let webhooks deliver to loopback, private and link-local addresses (a receiver on this
+    /// machine); refused by default.
+    #[arg(long, env = "BERTH_WEBHOOK_ALLOW_PRIVATE_TARGETS")]
+    webhook_allow_private_targets: bool,
 }
 
 /// The machine's host name, for host names in heartbeats.
@@ -405,6 +409,7 @@ async fn run_stack(
     let db = crate::connect_db(&database_url).await?;
     let subjects = berth_schemas::Subjects::new(&args.subject_prefix)?;
     let mut config = StackConfig::new(nats_url.clone(), subjects, args.api_addr);
+    config.api.webhooks.allow_private_targets = args.webhook_allow_private_targets;
     let host_name = hostname();
     for i in 0..args.hosts {
         let mut host = berth_hostd::HostdConfig::new(

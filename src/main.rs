@@ -47,6 +47,10 @@ enum Cmd {
         /// Listen address.
         #[arg(long, env = "BERTH_API_ADDR", default_value = berth_api::DEFAULT_LISTEN)]
         listen: SocketAddr,
+        /// Let webhooks deliver to loopback, private and link-local addresses (an on-premise
+        /// receiver); refused by default.
+        #[arg(long, env = "BERTH_WEBHOOK_ALLOW_PRIVATE_TARGETS")]
+        webhook_allow_private_targets: bool,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -283,7 +287,11 @@ fn subjects(prefix: &str) -> anyhow::Result<Subjects> {
 
 async fn run(command: Cmd) -> anyhow::Result<()> {
     match command {
-        Cmd::Api { conn, listen } => {
+        Cmd::Api {
+            conn,
+            listen,
+            webhook_allow_private_targets,
+        } => {
             let db = connect_db(&conn.database_url).await?;
             let nats = connect_nats(&conn.nats.nats_url).await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
@@ -291,7 +299,11 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 db,
                 nats,
                 subjects: subjects.clone(),
-                config: berth_api::ApiConfig::new(listen, subjects),
+                config: {
+                    let mut config = berth_api::ApiConfig::new(listen, subjects);
+                    config.webhooks.allow_private_targets = webhook_allow_private_targets;
+                    config
+                },
                 prometheus: berth_api::metrics::handle(),
             };
             berth_api::run(state, shutdown_on_signal()).await?;

@@ -32,6 +32,8 @@ fn fast_webhooks(disable_after: u32) -> WebhookConfig {
         backoff_max: Duration::from_secs(2),
         attempt_timeout: Duration::from_secs(5),
         disable_after,
+        // The test receivers listen on loopback.
+        allow_private_targets: true,
         ..Default::default()
     }
 }
@@ -508,5 +510,68 @@ async fn a_tombstone_is_kept_until_every_webhook_has_fanned_out_its_events(db: P
     assert_eq!(
         fanned, events,
         "every event of the sandbox reaches the webhook"
+    );
+}
+
+/// Issue 11 item 6: without the operator's `allow_private_targets`, a delivery never reaches a
+/// loopback receiver, whether the URL names it by address (in any spelling) or by a name that
+/// resolves to it; the attempt log says only that the target was refused.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn deliveries_to_loopback_are_refused_in_every_spelling_without_the_operator_flag(
+    db: PgPool,
+) {
+    let receiver = Receiver::start(0, StatusCode::OK).await;
+    let port = receiver.addr.port();
+    let plane = inproc::Plane::start(db.clone()).await;
+    let urls = [
+        receiver.url(),
+        format!("http://localhost:{port}/hook"),
+        format!("http://2130706433:{port}/hook"),
+        format!("http://[::ffff:127.0.0.1]:{port}/hook"),
+    ];
+    for url in &urls {
+        let hook = plane
+            .api
+            .call(
+                &plane.org.key,
+                axum::http::Method::POST,
+                "/v1/webhooks",
+                None,
+                Some(&json!({ "url": url }).to_string()),
+            )
+            .await;
+        assert_eq!(hook.status, 201, "{hook:?}");
+    }
+    plane.create().await;
+    let subjects = inproc::unique_subjects();
+    let js = jetstream::new(async_nats::connect(inproc::nats_url()).await.unwrap());
+    berth_schemas::streams::ensure_streams(&js, &subjects)
+        .await
+        .unwrap();
+    berth_api::outbox::event_relay::drain(&db, &js, &subjects)
+        .await
+        .unwrap();
+
+    let refusing = WebhookConfig {
+        allow_private_targets: false,
+        ..fast_webhooks(100)
+    };
+    let http = berth_api::webhook_delivery::client(&refusing).unwrap();
+    berth_api::webhook_delivery::round(&db, &http, &refusing)
+        .await
+        .unwrap();
+    berth_schemas::streams::delete_streams(&js, &subjects).await;
+
+    assert!(receiver.calls().is_empty(), "{:?}", receiver.calls());
+    let errors: Vec<Option<String>> = sqlx::query_scalar("SELECT error FROM webhook_attempts")
+        .fetch_all(&db)
+        .await
+        .unwrap();
+    assert_eq!(errors.len(), urls.len(), "one attempt per webhook");
+    assert!(
+        errors
+            .iter()
+            .all(|e| e.as_deref() == Some(berth_api::webhooks::target::REFUSED_TARGET)),
+        "{errors:?}"
     );
 }

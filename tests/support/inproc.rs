@@ -87,6 +87,8 @@ impl Api {
         let addr = "127.0.0.1:0".parse().expect("a socket address");
         let mut config = berth_api::ApiConfig::new(addr, subjects.clone());
         config.heartbeat_freshness = TEST_HEARTBEAT_FRESHNESS;
+        // The tests' webhook receivers listen on loopback.
+        config.webhooks.allow_private_targets = true;
         let state = berth_api::AppState {
             db,
             nats,

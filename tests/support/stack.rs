@@ -150,6 +150,8 @@ impl Stack {
         let root = cleanup::fresh_dir("stack");
         let listen = "127.0.0.1:0".parse().unwrap();
         let mut config = berth::stack::StackConfig::new(nats_url(), subjects.clone(), listen);
+        // The tests' webhook receivers listen on loopback.
+        config.api.webhooks.allow_private_targets = true;
         configure(&mut config.api);
         let mut reconciler = berth_reconciler::ReconcilerConfig::new(subjects.clone());
         reconciler.pass = pass;

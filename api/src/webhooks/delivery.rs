@@ -75,6 +75,9 @@ pub struct WebhookConfig {
     pub batch: i64,
     /// How long finished deliveries (and their attempts) are kept before pruning.
     pub delivery_retention: Duration,
+    /// Whether deliveries may go to loopback, private, link-local and other special-use
+    /// addresses ([`super::target`]); off by default, on for an on-premise receiver.
+    pub allow_private_targets: bool,
 }
 
 impl Default for WebhookConfig {
@@ -87,7 +90,27 @@ impl Default for WebhookConfig {
             disable_after: DEFAULT_DISABLE_AFTER,
             batch: DEFAULT_BATCH,
             delivery_retention: DEFAULT_DELIVERY_RETENTION,
+            allow_private_targets: false,
         }
+    }
+}
+
+/// The delivery HTTP client: no redirects (a receiver could redirect to a refused target),
+/// the attempt timeout, and, unless `allow_private_targets`, a resolver that drops refused
+/// addresses ([`super::target::GuardedResolver`]).
+///
+/// Errors: reqwest's, when the TLS backend cannot start.
+pub fn client(config: &WebhookConfig) -> reqwest::Result<reqwest::Client> {
+    let builder = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(config.attempt_timeout)
+        .user_agent(USER_AGENT);
+    if config.allow_private_targets {
+        builder.build()
+    } else {
+        builder
+            .dns_resolver(std::sync::Arc::new(super::target::GuardedResolver))
+            .build()
     }
 }
 
@@ -120,12 +143,7 @@ pub enum DeliveryError {
 
 /// Runs the worker until `shutdown` fires. Errors are logged and retried next round.
 pub async fn run(db: PgPool, config: WebhookConfig, shutdown: CancellationToken) {
-    let http = match reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .timeout(config.attempt_timeout)
-        .user_agent(USER_AGENT)
-        .build()
-    {
+    let http = match client(&config) {
         Ok(c) => c,
         Err(error) => {
             warn!(%error, "webhook delivery cannot start: no HTTP client");
@@ -205,8 +223,9 @@ pub async fn round(
     let fanned = fan_out(db, config.batch).await?;
     let claimed = claim(db, config).await?;
     let n = claimed.len();
+    let allow_private = config.allow_private_targets;
     let outcomes = join_all(claimed.into_iter().map(|c| async move {
-        let outcome = attempt(http, &c).await;
+        let outcome = attempt(http, &c, allow_private).await;
         (c, outcome)
     }))
     .await;
@@ -289,8 +308,17 @@ pub struct AttemptOutcome {
 /// Sends one signed attempt.
 #[instrument(skip_all, fields(webhook_id = %claim.webhook_id, event_id = %claim.event_id,
     delivery_id = %claim.delivery_id, attempt = claim.attempt))]
-async fn attempt(http: &reqwest::Client, claim: &Claim) -> AttemptOutcome {
+async fn attempt(http: &reqwest::Client, claim: &Claim, allow_private: bool) -> AttemptOutcome {
     let started = Instant::now();
+    let refused = !allow_private
+        && reqwest::Url::parse(&claim.url).is_ok_and(|url| super::target::literal_is_refused(&url));
+    if refused {
+        return finish(
+            started,
+            None,
+            Some(super::target::REFUSED_TARGET.to_owned()),
+        );
+    }
     let timestamp = chrono::Utc::now().timestamp();
     let signature = sign(&claim.secret, timestamp, claim.body.as_bytes());
     let sent = http
@@ -318,9 +346,13 @@ async fn attempt(http: &reqwest::Client, claim: &Claim) -> AttemptOutcome {
             Some(resp.status().as_u16()),
             Some(format!("receiver answered {}", resp.status())),
         ),
-        Err(e) if e.is_timeout() => (None, Some("timed out".to_owned())),
-        Err(e) => (None, Some(error_chain(&e))),
+        Err(e) => (None, Some(failure_class(&e).to_owned())),
     };
+    finish(started, status_code, error)
+}
+
+/// Records an attempt's metrics and outcome.
+fn finish(started: Instant, status_code: Option<u16>, error: Option<String>) -> AttemptOutcome {
     let duration = started.elapsed();
     let outcome = if error.is_none() {
         "succeeded"
@@ -337,15 +369,23 @@ async fn attempt(http: &reqwest::Client, claim: &Claim) -> AttemptOutcome {
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
+/// What an attempt's log says about a failed request: a class only, never the underlying
+/// error (which would tell a tenant whether a port is open, a name resolves or a TLS peer
+/// exists: a port scanner for the networks the control plane reaches).
+fn failure_class(e: &reqwest::Error) -> &'static str {
+    let refused = std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| {
+        e.source()
+    })
+    .any(|e| e.to_string() == super::target::REFUSED_TARGET);
+    if refused {
+        super::target::REFUSED_TARGET
+    } else if e.is_timeout() {
+        "timed out"
+    } else if e.is_connect() {
+        "could not connect"
+    } else {
+        "request failed"
     }
-    text
 }
 
 /// Logs the attempt and moves the delivery and its webhook on, in one transaction.
