@@ -126,6 +126,20 @@ impl Drop for Receiver {
     }
 }
 
+/// Publishes every committed event once, as the relay does, on streams of their own (delete
+/// them with `delete_streams` at the end).
+async fn publish_events(db: &PgPool) -> (jetstream::Context, berth_schemas::Subjects) {
+    let subjects = inproc::unique_subjects();
+    let js = jetstream::new(async_nats::connect(inproc::nats_url()).await.unwrap());
+    berth_schemas::streams::ensure_streams(&js, &subjects)
+        .await
+        .unwrap();
+    berth_api::outbox::event_relay::drain(db, &js, &subjects)
+        .await
+        .unwrap();
+    (js, subjects)
+}
+
 fn header<'a>(call: &'a Call, name: &str) -> &'a str {
     call.headers
         .get(name)
@@ -482,14 +496,7 @@ async fn a_tombstone_is_kept_until_every_webhook_has_fanned_out_its_events(db: P
         .unwrap();
 
     // Every event published; no webhook worker has fanned them out yet when a pass runs.
-    let subjects = inproc::unique_subjects();
-    let js = jetstream::new(async_nats::connect(inproc::nats_url()).await.unwrap());
-    berth_schemas::streams::ensure_streams(&js, &subjects)
-        .await
-        .unwrap();
-    berth_api::outbox::event_relay::drain(&db, &js, &subjects)
-        .await
-        .unwrap();
+    let (js, subjects) = publish_events(&db).await;
     let purge_at_once = berth_reconciler::pass::PassConfig {
         tombstone_retention: Duration::ZERO,
         ..inproc::eager_timeouts()
@@ -543,14 +550,7 @@ async fn deliveries_to_loopback_are_refused_in_every_spelling_without_the_operat
         assert_eq!(hook.status, 201, "{hook:?}");
     }
     plane.create().await;
-    let subjects = inproc::unique_subjects();
-    let js = jetstream::new(async_nats::connect(inproc::nats_url()).await.unwrap());
-    berth_schemas::streams::ensure_streams(&js, &subjects)
-        .await
-        .unwrap();
-    berth_api::outbox::event_relay::drain(&db, &js, &subjects)
-        .await
-        .unwrap();
+    let (js, subjects) = publish_events(&db).await;
 
     let refusing = WebhookConfig {
         allow_private_targets: false,
