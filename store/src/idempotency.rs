@@ -1,9 +1,11 @@
-//! Retention of the `idempotency_keys` table. The API owns the replay and the store of each
-//! response; the reconciler's pass purges old keys through [`purge`].
+//! The `idempotency_keys` table: the response stored for each `(org, Idempotency-Key)`
+//! ([`find`], [`insert`], written by the API in the transaction of the request it answers), and
+//! its retention ([`purge`], by the reconciler's pass).
 
 use std::time::Duration;
 
-use sqlx::PgExecutor;
+use berth_schemas::OrgId;
+use sqlx::{PgExecutor, Row};
 
 use crate::op::{timed, Op};
 use crate::StoreError;
@@ -20,4 +22,69 @@ pub async fn purge(db: impl PgExecutor<'_>, retention: Duration) -> Result<u64, 
     )
     .await?;
     Ok(done.rows_affected())
+}
+
+/// A stored response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredKey {
+    /// The SHA-256 of the request the key was first used for.
+    pub fingerprint: Vec<u8>,
+    /// The HTTP status answered.
+    pub status: i32,
+    /// The JSON body answered.
+    pub response: serde_json::Value,
+}
+
+/// The response stored under the org's `key`, if any.
+pub async fn find(
+    db: impl PgExecutor<'_>,
+    org: OrgId,
+    key: &str,
+) -> Result<Option<StoredKey>, StoreError> {
+    let row = timed(
+        Op::IdempotencyFind,
+        sqlx::query(
+            "SELECT fingerprint, status, response FROM idempotency_keys
+              WHERE org_id = $1 AND key = $2",
+        )
+        .bind(org)
+        .bind(key)
+        .fetch_optional(db),
+    )
+    .await?;
+    let get = StoreError::database(Op::IdempotencyFind);
+    row.map(|r| {
+        Ok(StoredKey {
+            fingerprint: r.try_get("fingerprint").map_err(get)?,
+            status: r.try_get("status").map_err(get)?,
+            response: r.try_get("response").map_err(get)?,
+        })
+    })
+    .transpose()
+}
+
+/// Stores `stored` under the org's `key`; `false` when another request with the same key
+/// stored first (the caller rolls back and replays that one).
+pub async fn insert(
+    db: impl PgExecutor<'_>,
+    org: OrgId,
+    key: &str,
+    stored: &StoredKey,
+) -> Result<bool, StoreError> {
+    let inserted = timed(
+        Op::IdempotencyInsert,
+        sqlx::query(
+            "INSERT INTO idempotency_keys (org_id, key, fingerprint, status, response)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (org_id, key) DO NOTHING",
+        )
+        .bind(org)
+        .bind(key)
+        .bind(&stored.fingerprint)
+        .bind(stored.status)
+        .bind(&stored.response)
+        .execute(db),
+    )
+    .await?;
+    Ok(inserted.rows_affected() == 1)
 }

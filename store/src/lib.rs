@@ -9,11 +9,11 @@
 //! - [`events`]: lifecycle event rows.
 //! - [`leases`]: leader leases with fencing terms.
 //! - [`templates`]: the template registry (name → runtime).
-//! - [`idempotency`]: retention of stored idempotent responses.
+//! - [`idempotency`]: stored idempotent responses and their retention.
+//! - [`api_keys`]: hashed API keys.
 //! - [`orgs`]: tenants' quotas.
 //!
-//! Tables one component owns alone stay with it (the API's keys, idempotency replay and
-//! webhooks).
+//! Tables one component owns alone stay with it: the API's webhooks, deliveries and attempts.
 //!
 //! # Guarantees
 //! - Every write that races is fenced (`WHERE generation = $g`) and a miss is
@@ -28,6 +28,7 @@
 //! # Errors
 //! [`StoreError`]: `Fenced`, `NotFound`, `NoCapacity`, `Corrupt`, `Database { op, .. }`.
 
+pub mod api_keys;
 pub mod commands;
 pub mod error;
 pub mod events;
@@ -48,6 +49,13 @@ use tracing::warn;
 pub use error::StoreError;
 pub use op::Op;
 pub use sandboxes::SandboxRow;
+
+/// Whether Postgres answers a trivial query (readiness checks).
+pub async fn ping(db: impl sqlx::PgExecutor<'_>) -> bool {
+    op::timed(Op::Ping, sqlx::query("SELECT 1").execute(db))
+        .await
+        .is_ok()
+}
 
 /// Every migration in `store/migrations`, embedded at build time.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

@@ -131,6 +131,16 @@ ops! {
     TemplateUpsert => "template_upsert",
     /// [`crate::idempotency::purge`]: deletes expired idempotency keys.
     IdempotencyPurge => "idempotency_purge",
+    /// [`crate::idempotency::find`]: the response stored under a key.
+    IdempotencyFind => "idempotency_find",
+    /// [`crate::idempotency::insert`]: a response stored under a key.
+    IdempotencyInsert => "idempotency_insert",
+    /// [`crate::api_keys::insert`]: a new API key's hash.
+    ApiKeyInsert => "api_key_insert",
+    /// [`crate::api_keys::find_active`]: the key a request presents.
+    ApiKeyFind => "api_key_find",
+    /// [`crate::ping`]: readiness.
+    Ping => "ping",
     /// [`crate::orgs::lock_quota`] and `set_quota`: an org's quota row.
     OrgQuota => "org_quota",
     /// [`crate::orgs::create`]: a new org.

@@ -9,8 +9,9 @@
 //! the IETF draft "The Idempotency-Key HTTP Header Field".
 
 use berth_schemas::OrgId;
+use berth_store::idempotency::{self, StoredKey};
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgPool, Postgres, Row, Transaction};
+use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use super::ServiceError;
 
@@ -54,25 +55,15 @@ pub async fn replay(
     org: OrgId,
     key: &IdempotencyKey,
 ) -> Result<Option<StoredResponse>, ServiceError> {
-    let Some(row) = sqlx::query(
-        "SELECT fingerprint, status, response FROM idempotency_keys
-          WHERE org_id = $1 AND key = $2",
-    )
-    .bind(org)
-    .bind(&key.key)
-    .fetch_optional(conn)
-    .await?
-    else {
+    let Some(stored) = idempotency::find(conn, org, &key.key).await? else {
         return Ok(None);
     };
-    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
-    if fingerprint != key.fingerprint {
+    if stored.fingerprint != key.fingerprint {
         return Err(ServiceError::IdempotencyKeyReused(key.key.clone()));
     }
-    let status: i32 = row.try_get("status")?;
     Ok(Some(StoredResponse {
-        status: u16::try_from(status).unwrap_or(500),
-        body: row.try_get("response")?,
+        status: u16::try_from(stored.status).unwrap_or(500),
+        body: stored.response,
     }))
 }
 
@@ -94,19 +85,17 @@ pub async fn store(
     key: &IdempotencyKey,
     response: &StoredResponse,
 ) -> Result<bool, ServiceError> {
-    let inserted = sqlx::query(
-        "INSERT INTO idempotency_keys (org_id, key, fingerprint, status, response)
-         VALUES ($1, $2, $3, $4, $5)
-         ON CONFLICT (org_id, key) DO NOTHING",
+    Ok(idempotency::insert(
+        conn,
+        org,
+        &key.key,
+        &StoredKey {
+            fingerprint: key.fingerprint.clone(),
+            status: i32::from(response.status),
+            response: response.body.clone(),
+        },
     )
-    .bind(org)
-    .bind(&key.key)
-    .bind(&key.fingerprint)
-    .bind(i32::from(response.status))
-    .bind(&response.body)
-    .execute(conn)
-    .await?;
-    Ok(inserted.rows_affected() == 1)
+    .await?)
 }
 
 /// [`store`] outside a transaction, for a use case that is not transactional (exec: stored

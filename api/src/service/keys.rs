@@ -6,9 +6,11 @@
 
 use base64::Engine;
 use berth_schemas::{ApiKeyId, OrgId};
+use berth_store::api_keys::{self, NewKey};
+use berth_store::StoreError;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
-use sqlx::{PgPool, Row};
+use sqlx::{PgExecutor, PgPool};
 
 /// Every key starts with this.
 pub const KEY_PREFIX: &str = "berth_";
@@ -57,31 +59,29 @@ pub async fn create_org(db: &PgPool, name: &str) -> Result<(OrgId, String), Crea
     let Some(org) = berth_store::orgs::create(&mut *tx, name).await? else {
         return Err(CreateOrgError::Exists(name.to_owned()));
     };
-    let key = create_key_in(&mut tx, org).await?;
+    let key = store_new_key(&mut *tx, Some(org)).await?;
     tx.commit().await?;
     Ok((org, key))
 }
 
 /// Creates another key for an existing org; returns it (shown once).
-pub async fn create_key(db: &PgPool, org: OrgId) -> Result<String, sqlx::Error> {
-    let mut tx = db.begin().await?;
-    let key = create_key_in(&mut tx, org).await?;
-    tx.commit().await?;
-    Ok(key)
+pub async fn create_key(db: &PgPool, org: OrgId) -> Result<String, StoreError> {
+    store_new_key(db, Some(org)).await
 }
 
-async fn create_key_in(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    org: OrgId,
-) -> Result<String, sqlx::Error> {
+/// Generates a key for `org` (`None`: an operator key), stores its hash, and returns it.
+async fn store_new_key(db: impl PgExecutor<'_>, org: Option<OrgId>) -> Result<String, StoreError> {
     let key = generate_key();
-    sqlx::query("INSERT INTO api_keys (id, org_id, key_hash, prefix) VALUES ($1, $2, $3, $4)")
-        .bind(ApiKeyId::new())
-        .bind(org)
-        .bind(hash(&key))
-        .bind(&key[..SHOWN_PREFIX_LEN])
-        .execute(&mut **tx)
-        .await?;
+    api_keys::insert(
+        db,
+        &NewKey {
+            org_id: org,
+            hash: &hash(&key),
+            prefix: &key[..SHOWN_PREFIX_LEN],
+            is_admin: org.is_none(),
+        },
+    )
+    .await?;
     Ok(key)
 }
 
@@ -97,32 +97,18 @@ pub struct Principal {
 }
 
 /// Resolves a key; `None` for an unknown or revoked key.
-pub async fn authenticate(db: &PgPool, key: &str) -> Result<Option<Principal>, sqlx::Error> {
-    let row = sqlx::query(
-        "SELECT id, org_id, is_admin FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL",
-    )
-    .bind(hash(key))
-    .fetch_optional(db)
-    .await?;
-    Ok(row.map(|r| Principal {
-        key_id: r.get("id"),
-        org_id: r.get("org_id"),
-        is_admin: r.get("is_admin"),
+pub async fn authenticate(db: &PgPool, key: &str) -> Result<Option<Principal>, StoreError> {
+    let found = api_keys::find_active(db, &hash(key)).await?;
+    Ok(found.map(|(key_id, org_id, is_admin)| Principal {
+        key_id,
+        org_id,
+        is_admin,
     }))
 }
 
 /// Creates an operator key (no org; only the `/v1/hosts` routes accept it). Shown once.
-pub async fn create_admin_key(db: &PgPool) -> Result<String, sqlx::Error> {
-    let key = generate_key();
-    sqlx::query(
-        "INSERT INTO api_keys (id, org_id, key_hash, prefix, is_admin) VALUES ($1, NULL, $2, $3, true)",
-    )
-    .bind(ApiKeyId::new())
-    .bind(hash(&key))
-    .bind(&key[..SHOWN_PREFIX_LEN])
-    .execute(db)
-    .await?;
-    Ok(key)
+pub async fn create_admin_key(db: &PgPool) -> Result<String, StoreError> {
+    store_new_key(db, None).await
 }
 
 #[cfg(test)]

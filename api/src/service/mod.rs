@@ -80,5 +80,5 @@ pub enum ServiceError {
 
 /// Whether Postgres answers a trivial query (`GET /readyz`).
 pub async fn database_answers(db: &sqlx::PgPool) -> bool {
-    sqlx::query("SELECT 1").execute(db).await.is_ok()
+    berth_store::ping(db).await
 }
