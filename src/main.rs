@@ -51,6 +51,8 @@ enum Cmd {
         /// receiver); refused by default.
         #[arg(long, env = "BERTH_WEBHOOK_ALLOW_PRIVATE_TARGETS")]
         webhook_allow_private_targets: bool,
+        #[command(flatten)]
+        disk: DiskArgs,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -107,6 +109,17 @@ enum Cmd {
     Agent {
         #[arg(long, default_value = "0.0.0.0:18047")]
         listen: SocketAddr,
+    },
+    /// Writes a sandbox's console (this process's stdin) to a log file capped at `max_bytes`,
+    /// keeping one rotated file; hostd starts one beside each container.
+    #[command(hide = true)]
+    ConsoleLog {
+        /// The log file; the rotated one is `<path>.1`.
+        #[arg(long)]
+        path: PathBuf,
+        /// The cap of one file, in bytes.
+        #[arg(long)]
+        max_bytes: u64,
     },
     /// API, scheduler, reconciler and N hostd in one process.
     Dev(dev::DevArgs),
@@ -208,6 +221,12 @@ fn main() -> anyhow::Result<()> {
         berth_hostd::agent::main(listen).context("agent")?;
         return Ok(());
     }
+    if let Cmd::ConsoleLog { path, max_bytes } = &cli.command {
+        // One per sandbox for its life: std only, no runtime, no threads.
+        berth_hostd::console::copy_capped(&mut std::io::stdin().lock(), path, *max_bytes)
+            .context("console log")?;
+        return Ok(());
+    }
     init_tracing(cli.log_format);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -281,6 +300,27 @@ async fn serve_metrics(
     Ok(())
 }
 
+/// The operator's bounds on a sandbox's `disk_mib` (`berth api`, `berth dev`).
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct DiskArgs {
+    /// The writable disk of a sandbox whose create names no `disk_mib`, in MiB.
+    #[arg(long, env = "BERTH_SANDBOX_DISK_DEFAULT_MIB", default_value_t = berth_api::model::DEFAULT_DISK_MIB)]
+    sandbox_disk_default_mib: u32,
+    /// The largest `disk_mib` a create may ask for, in MiB.
+    #[arg(long, env = "BERTH_SANDBOX_DISK_MAX_MIB", default_value_t = berth_api::model::DEFAULT_MAX_DISK_MIB)]
+    sandbox_disk_max_mib: u32,
+}
+
+impl DiskArgs {
+    /// The limits, checked.
+    pub(crate) fn limits(&self) -> anyhow::Result<berth_api::model::DiskLimits> {
+        Ok(berth_api::model::DiskLimits::new(
+            self.sandbox_disk_default_mib,
+            self.sandbox_disk_max_mib,
+        )?)
+    }
+}
+
 fn subjects(prefix: &str) -> anyhow::Result<Subjects> {
     Ok(Subjects::new(prefix)?)
 }
@@ -291,7 +331,9 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             conn,
             listen,
             webhook_allow_private_targets,
+            disk,
         } => {
+            let disk = disk.limits()?;
             let db = connect_db(&conn.database_url).await?;
             let nats = connect_nats(&conn.nats.nats_url).await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
@@ -302,6 +344,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 config: {
                     let mut config = berth_api::ApiConfig::new(listen, subjects);
                     config.webhooks.allow_private_targets = webhook_allow_private_targets;
+                    config.disk = disk;
                     config
                 },
                 prometheus: berth_api::metrics::handle(),
@@ -360,7 +403,9 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             serve_metrics(metrics_addr, &shutdown).await?;
             berth_hostd::run(config, shutdown).await?;
         }
-        Cmd::Agent { .. } => unreachable!("handled before the runtime starts"),
+        Cmd::Agent { .. } | Cmd::ConsoleLog { .. } => {
+            unreachable!("handled before the runtime starts")
+        }
         Cmd::Dev(args) => dev::run(args).await?,
         Cmd::Bench(args) => bench::run(args).await?,
         Cmd::Template {
