@@ -6,6 +6,7 @@
 mod support;
 
 mod agent;
+mod disk;
 mod gvisor;
 mod harness;
 mod io;

@@ -29,7 +29,7 @@ use crate::oci::{self, ContainerConfig};
 use crate::record::{write_json_atomic, SandboxRecord};
 use crate::runtime::cli::console_tail;
 use crate::runtime::{ContainerStatus, RunRequest, RuntimeDriver};
-use crate::{netns, overlay, HostdConfig};
+use crate::{netns, overlay, volume, HostdConfig};
 
 /// How long a started container's agent has to answer its first ping.
 pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -115,6 +115,15 @@ impl OciBackend {
         netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
         self.admit_to_firewall(host, &link).await?;
 
+        let disk_mib = record.spec.disk_mib;
+        if fresh || (disk_mib > 0 && !overlay::is_mounted(&paths.disk_mount())?) {
+            let paths = paths.clone();
+            cleanup.push("disk mount", move || async move {
+                volume::release(&paths).await
+            });
+        }
+        volume::ensure(&paths, disk_mib).await?;
+
         let rootfs = paths.rootfs();
         if fresh || !overlay::is_mounted(&rootfs)? {
             let rootfs = rootfs.clone();
@@ -123,7 +132,8 @@ impl OciBackend {
                 move || async move { unmount(rootfs).await },
             );
         }
-        let (upper, work, merged) = (paths.upper(), paths.work(), rootfs.clone());
+        let (upper, work) = volume::overlay_dirs(&paths, disk_mib);
+        let merged = rootfs.clone();
         blocking(move || overlay::mount_overlay(&lower, &upper, &work, &merged)).await?;
 
         let write_spec = || -> Result<(), HostdError> {
@@ -153,9 +163,11 @@ impl OciBackend {
             });
         }
         if status != Some(ContainerStatus::Running) {
+            // Each boot's console starts empty, so a failed boot quotes only its own output.
             let console_log = paths.console_log();
             std::fs::File::create(&console_log)
                 .map_err(HostdError::io(format!("create {}", console_log.display())))?;
+            remove_file_if_present(&crate::console::rotated(&console_log))?;
             let request = RunRequest {
                 container_id: &container_id,
                 bundle: paths.dir(),
@@ -214,7 +226,9 @@ impl Backend for OciBackend {
     ) -> BoxFuture<'a, Result<(), HostdError>> {
         async move {
             let names = host.names(sandbox);
-            unmount(host.layout.sandbox(sandbox).rootfs()).await?;
+            let paths = host.layout.sandbox(sandbox);
+            unmount(paths.rootfs()).await?;
+            volume::release(&paths).await?;
             if let Some(link) = link {
                 self.firewall.remove(&link).await?;
             }
@@ -263,6 +277,16 @@ impl Backend for OciBackend {
             }
         }
         .boxed()
+    }
+}
+
+/// Removes a file; succeeds when it is already gone.
+fn remove_file_if_present(path: &std::path::Path) -> Result<(), HostdError> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(HostdError::io(format!("remove {}", path.display()))(e))
+        }
+        _ => Ok(()),
     }
 }
 
