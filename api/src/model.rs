@@ -68,7 +68,9 @@ pub struct DiskLimits {
 
 /// Why [`DiskLimits::new`] refused the operator's settings.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("sandbox disk limits need {MIN_DISK_MIB} <= default ({default_mib}) <= max ({max_mib}) MiB")]
+#[error(
+    "sandbox disk limits need {MIN_DISK_MIB} <= default ({default_mib}) <= max ({max_mib}) MiB"
+)]
 pub struct InvalidDiskLimits {
     /// The default asked for.
     pub default_mib: u32,
@@ -405,7 +407,9 @@ mod tests {
 
     #[test]
     fn an_empty_create_gets_the_defaults() {
-        let v = CreateSandbox::default().validate(DiskLimits::default()).unwrap();
+        let v = CreateSandbox::default()
+            .validate(DiskLimits::default())
+            .unwrap();
         assert_eq!(v.template, "base");
         assert_eq!(v.disk_mib, DEFAULT_DISK_MIB);
         assert_eq!(

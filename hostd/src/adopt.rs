@@ -101,7 +101,11 @@ pub async fn sweep(host: &Host, firewall: &Firewall) -> Result<Swept, HostdError
     let sandboxes_dir = host.layout.sandboxes_dir();
     let table = std::fs::read_to_string("/proc/self/mountinfo")
         .map_err(HostdError::io("read /proc/self/mountinfo"))?;
-    for point in overlay::mount_points(&table).collect::<Vec<_>>().into_iter().rev() {
+    for point in overlay::mount_points(&table)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+    {
         if let Some(id) = stray_mount(&sandboxes_dir, &point, &live) {
             tracing::warn!(sandbox_id = %id, mount = %point.display(), "unmounting a stray mount");
             match tokio::task::spawn_blocking(move || overlay::unmount(&point)).await {
@@ -163,11 +167,7 @@ pub async fn sweep(host: &Host, firewall: &Firewall) -> Result<Swept, HostdError
 
 /// The sandbox whose overlay or disk mount `point` is, when it lies directly in
 /// `sandboxes_dir` as `<id>/rootfs` or `<id>/disk` and `id` is not live.
-fn stray_mount(
-    sandboxes_dir: &Path,
-    point: &Path,
-    live: &HashSet<SandboxId>,
-) -> Option<SandboxId> {
+fn stray_mount(sandboxes_dir: &Path, point: &Path, live: &HashSet<SandboxId>) -> Option<SandboxId> {
     let rest = point.strip_prefix(sandboxes_dir).ok()?;
     let mut parts = rest.components();
     let id: SandboxId = parts.next()?.as_os_str().to_str()?.parse().ok()?;

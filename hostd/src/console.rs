@@ -147,7 +147,10 @@ impl ConsoleWriter {
             .process_group(0)
             .kill_on_drop(false)
             .spawn()
-            .map_err(HostdError::io(format!("spawn {} {WRITER_SUBCOMMAND}", berth.display())))?;
+            .map_err(HostdError::io(format!(
+                "spawn {} {WRITER_SUBCOMMAND}",
+                berth.display()
+            )))?;
         Ok(Self {
             pipe: write,
             child,

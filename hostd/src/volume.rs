@@ -91,7 +91,11 @@ pub async fn ensure(paths: &SandboxPaths, disk_mib: u32) -> Result<(), HostdErro
         .await?;
     }
     let (image, point) = (path_arg(&image), path_arg(&mount_point));
-    tool::run("mount", &["-t", "ext4", "-o", MOUNT_OPTIONS, &image, &point]).await?;
+    tool::run(
+        "mount",
+        &["-t", "ext4", "-o", MOUNT_OPTIONS, &image, &point],
+    )
+    .await?;
     Ok(())
 }
 

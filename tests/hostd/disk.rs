@@ -79,7 +79,10 @@ async fn fill_the_disk(
             },
         "{stopped:?}"
     );
-    ensure!(!is_mounted(&dir.join("disk"))?, "the disk is mounted while stopped");
+    ensure!(
+        !is_mounted(&dir.join("disk"))?,
+        "the disk is mounted while stopped"
+    );
     ensure!(
         loop_devices_below(&dir).is_empty(),
         "a loop device is attached while stopped"

@@ -476,10 +476,13 @@ pub(crate) async fn assert_nothing_remains(h: &Harness, sandbox: SandboxId) -> a
     ensure!(loops.is_empty(), "loop devices remain: {loops:?}");
     // A console writer ends once the last holder of its pipe (the container) is gone.
     let dir = h.sandbox_dir(sandbox);
-    crate::support::env::eventually("no process names the sandbox dir (its console writer)", || {
-        let none = processes_naming(&dir).is_empty();
-        async move { none }
-    })
+    crate::support::env::eventually(
+        "no process names the sandbox dir (its console writer)",
+        || {
+            let none = processes_naming(&dir).is_empty();
+            async move { none }
+        },
+    )
     .await;
     ensure!(!h.sandbox_dir(sandbox).exists(), "sandbox dir remains");
     Ok(())

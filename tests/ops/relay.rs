@@ -81,7 +81,7 @@ impl Outbox {
                         memory_mib: 256,
                     },
                     runtime: Runtime::Runc,
-                disk_mib: 256,
+                    disk_mib: 256,
                 }),
             };
             insert_command(&mut tx, self.host, &command).await.unwrap();
