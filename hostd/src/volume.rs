@@ -21,10 +21,18 @@
 //!   is not mounted succeeds.
 //! - An image is made aside and renamed into place once formatted, so a crash mid-format
 //!   leaves no half-made image that [`ensure`] would mount.
+//! - An image is never attached twice (two loop devices on one ext4 image would corrupt it):
+//!   [`release`] unmounts for real, never lazily, waiting while the runtime's last processes
+//!   still hold the disk, and returns once the loop device is gone; [`ensure`] refuses to mount
+//!   an image a loop device still holds.
 //! - A sandbox without a limit (`disk_mib` 0: a record from before disk limits) keeps the
 //!   older layout: its upper and work dirs directly in the sandbox dir, on the host filesystem.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::mount::{umount2, MntFlags};
 
 use crate::disk::blocking;
 use crate::error::HostdError;
@@ -54,6 +62,17 @@ const MOUNT_OPTIONS: &str = "loop,noinit_itable,discard";
 /// Bytes in a MiB.
 const MIB: u64 = 1024 * 1024;
 
+/// How long [`release`] waits for a busy disk (a runtime's processes still closing its files
+/// after `delete`) to unmount and its loop device to go, and [`ensure`] for an image still
+/// attached, before giving up.
+pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Pause between attempts while waiting for a busy disk.
+const RELEASE_POLL: Duration = Duration::from_millis(20);
+
+/// Where the kernel lists block devices (`loopN/loop/backing_file` for loop devices).
+const SYS_BLOCK: &str = "/sys/block";
+
 /// The overlay's upper and work dirs of a sandbox whose disk is `disk_mib` MiB: inside the
 /// disk's mount, or (no limit) directly in the sandbox dir.
 pub fn overlay_dirs(paths: &SandboxPaths, disk_mib: u32) -> (PathBuf, PathBuf) {
@@ -79,7 +98,10 @@ pub async fn ensure(paths: &SandboxPaths, disk_mib: u32) -> Result<(), HostdErro
         return Ok(());
     }
     let image = paths.disk_image();
-    if !image.is_file() {
+    if image.is_file() {
+        let image = image.clone();
+        blocking(move || wait_detached(&image, Instant::now() + RELEASE_TIMEOUT)).await?;
+    } else {
         make_image(&image, disk_mib).await?;
     }
     {
@@ -99,13 +121,82 @@ pub async fn ensure(paths: &SandboxPaths, disk_mib: u32) -> Result<(), HostdErro
     Ok(())
 }
 
-/// Unmounts the sandbox's disk (which detaches its loop device); succeeds when it is not
-/// mounted. The image stays: a stopped sandbox keeps its disk. Unmount the overlay first.
+/// Unmounts the sandbox's disk and waits for its loop device to detach; succeeds when it is
+/// not mounted. While the disk is busy (the overlay above it, or the runtime's last
+/// processes, not yet gone) it tries again for up to [`RELEASE_TIMEOUT`]. The image stays: a
+/// stopped sandbox keeps its disk. Unmount the overlay first.
 ///
-/// Errors: [`HostdError`] from [`overlay::unmount`].
+/// Errors: [`HostdError::Mount`] when the disk stays busy or cannot be unmounted;
+/// [`HostdError::Io`] when its loop device does not go.
 pub async fn release(paths: &SandboxPaths) -> Result<(), HostdError> {
-    let mount_point = paths.disk_mount();
-    blocking(move || overlay::unmount(&mount_point)).await
+    let (mount_point, image) = (paths.disk_mount(), paths.disk_image());
+    blocking(move || {
+        let deadline = Instant::now() + RELEASE_TIMEOUT;
+        while overlay::is_mounted(&mount_point)? {
+            match umount2(&mount_point, MntFlags::empty()) {
+                Ok(()) => {}
+                Err(Errno::EBUSY) if Instant::now() < deadline => std::thread::sleep(RELEASE_POLL),
+                Err(source) => {
+                    return Err(HostdError::Mount {
+                        operation: "unmount",
+                        path: mount_point,
+                        source,
+                    })
+                }
+            }
+        }
+        wait_detached(&image, deadline)
+    })
+    .await
+}
+
+/// Waits until no loop device is backed by `image`, polling until `deadline`.
+///
+/// Errors: [`HostdError::Io`] (`ResourceBusy`) when one still is at the deadline.
+fn wait_detached(image: &Path, deadline: Instant) -> Result<(), HostdError> {
+    loop {
+        let devices = loop_devices_of(image);
+        if devices.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(HostdError::Io {
+                context: format!(
+                    "disk image {} still attached to {}",
+                    image.display(),
+                    devices.join(", ")
+                ),
+                source: std::io::ErrorKind::ResourceBusy.into(),
+            });
+        }
+        std::thread::sleep(RELEASE_POLL);
+    }
+}
+
+/// The loop devices (`loopN`) whose backing file is `image` (also after it was unlinked: the
+/// kernel then shows its path with ` (deleted)`).
+pub fn loop_devices_of(image: &Path) -> Vec<String> {
+    // The kernel shows the path it resolved; resolve ours the same way (the dir still exists
+    // when the image does not).
+    let resolved = match (image.parent(), image.file_name()) {
+        (Some(dir), Some(name)) => std::fs::canonicalize(dir)
+            .map(|d| d.join(name))
+            .unwrap_or_else(|_| image.to_path_buf()),
+        _ => image.to_path_buf(),
+    };
+    let Ok(entries) = std::fs::read_dir(SYS_BLOCK) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let backing = std::fs::read_to_string(entry.path().join("loop/backing_file")).ok()?;
+            let backing = backing.trim_end_matches('\n');
+            let backing = backing.strip_suffix(" (deleted)").unwrap_or(backing);
+            (Path::new(backing) == resolved)
+                .then(|| entry.file_name().to_string_lossy().into_owned())
+        })
+        .collect()
 }
 
 /// Formats a sparse `disk_mib` MiB ext4 image beside `image` and renames it into place.
@@ -146,6 +237,11 @@ mod tests {
     use super::*;
     use crate::layout::StateLayout;
     use berth_schemas::SandboxId;
+
+    #[test]
+    fn an_image_no_loop_device_holds_has_none() {
+        assert!(loop_devices_of(Path::new("/nonexistent/berth/disk.img")).is_empty());
+    }
 
     #[test]
     fn a_limited_disk_keeps_its_overlay_dirs_inside_the_mount() {

@@ -112,9 +112,6 @@ impl OciBackend {
                 netns::teardown(&names).await
             });
         }
-        netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
-        self.admit_to_firewall(host, &link).await?;
-
         let disk_mib = record.spec.disk_mib;
         if fresh || (disk_mib > 0 && !overlay::is_mounted(&paths.disk_mount())?) {
             let paths = paths.clone();
@@ -122,7 +119,14 @@ impl OciBackend {
                 volume::release(&paths).await
             });
         }
-        volume::ensure(&paths, disk_mib).await?;
+        // The network and the disk are independent; both undo steps are pushed already.
+        let network = async {
+            netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
+            self.admit_to_firewall(host, &link).await
+        };
+        let (network, disk) = tokio::join!(network, volume::ensure(&paths, disk_mib));
+        network?;
+        disk?;
 
         let rootfs = paths.rootfs();
         if fresh || !overlay::is_mounted(&rootfs)? {
