@@ -138,6 +138,10 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
     {
         assert_eq!(param["in"], "query", "{param}");
     }
+    for schema in ["CreateSandbox", "Sandbox"] {
+        let disk = &doc["components"]["schemas"][schema]["properties"]["disk_mib"];
+        assert!(disk.is_object(), "{schema} documents disk_mib");
+    }
 
     let (status, body) = stack
         .call(
