@@ -14,8 +14,8 @@
 //!   costs little at create: `mkfs.ext4` writes only its metadata (lazy inode tables and
 //!   journal), and `mount -o loop` attaches the device with autoclear, so unmounting also
 //!   detaches it: about 5 ms and 3 ms for a 2 GiB image, and an empty one takes 1.2 MiB of
-//!   the host's disk. `berth bench` measured create→running p50 1.11× of the run before
-//!   (`tests/bench/RESULTS.md`, 2026-12-01 13:15).
+//!   the host's disk. `berth bench` put create→running p50 at 1.01–1.15× of the run before,
+//!   about +14 ms over the runtime's floor (`tests/bench/RESULTS.md`, 2026-12-01 13:15).
 //!
 //! # Guarantees
 //! - [`ensure`] and [`release`] are idempotent: a mounted disk is left as it is, an image that
