@@ -22,6 +22,10 @@ const DISK_MIB: u32 = 64;
 /// How long a fill may take (gVisor's ptrace platform on a loaded machine is slow).
 const FILL_TIMEOUT_MS: u64 = 120_000;
 
+/// What the image of a sandbox that deleted its big file may still take on the host: ext4's
+/// metadata and the few small files the test writes.
+const FREED_IMAGE_BYTES: u64 = 16 << 20;
+
 /// The console cap of the console test, in bytes; the sandbox writes 64 times as much.
 const CONSOLE_CAP: u64 = 64 * 1024;
 
@@ -68,8 +72,18 @@ async fn fill_the_disk(
         outside <= 2 * berth_hostd::console::DEFAULT_CONSOLE_LOG_MAX_BYTES + (1 << 20),
         "the sandbox dir holds {outside} bytes outside its image"
     );
-    // Space freed inside is writable again.
+    // Space freed inside is writable again, and goes back to the host (`discard` punches
+    // holes in the image once ext4 commits the delete).
     exec_ok(h, sandbox, "rm /big && echo kept > /root/kept").await?;
+    let image_path = dir.join("disk.img");
+    eventually(
+        "the image to give the freed blocks back to the host",
+        || {
+            let small = allocated(&image_path).is_ok_and(|bytes| bytes < FREED_IMAGE_BYTES);
+            async move { small }
+        },
+    )
+    .await;
 
     // A stop keeps the disk and releases its mount and loop device; the start mounts it again.
     let stopped = h.send(&h.command(sandbox, 2, CommandKind::Stop)).await?;
