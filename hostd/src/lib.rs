@@ -21,6 +21,7 @@
 //! - [`adopt`]: at start, adopts what a previous run left and sweeps strays (OCI only).
 //! - [`runtime`]: the runtime driver trait, runc, runsc and the sim driver.
 //! - [`netns`], [`firewall`], [`overlay`], [`disk`], [`template`], [`bundle`], [`oci`],
+//!   [`seccomp`], [`isolation`] (the user namespace of runc sandboxes),
 //!   [`address`], [`cgroup`], [`gate`], [`cleanup`], [`record`], [`layout`]: the pieces.
 //! - [`agent`]: the in-sandbox agent and hostd's client of it.
 //!
@@ -53,9 +54,11 @@ pub mod metrics;
 pub mod nats;
 pub mod netns;
 pub mod oci;
+pub mod isolation;
 pub mod overlay;
 pub mod record;
 pub mod runtime;
+pub mod seccomp;
 pub mod template;
 pub mod tool;
 

@@ -6,6 +6,7 @@
 mod support;
 
 mod agent;
+mod boundary;
 mod gvisor;
 mod harness;
 mod io;

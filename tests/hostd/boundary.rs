@@ -1,0 +1,242 @@
+//! The sandbox boundary, probed from inside real sandboxes (issue 11, item 2): the seccomp
+//! filter, the unprivileged user namespace, no raw sockets, masked and read-only paths, and
+//! the agent's memory out of reach — on runc, and what of it applies on gVisor.
+
+use anyhow::{bail, ensure};
+use berth_schemas::wire::AgentReply;
+use berth_schemas::{CommandKind, SandboxId};
+use std::os::unix::fs::MetadataExt;
+
+use crate::harness::*;
+use crate::support::env::run;
+
+/// The host id of sandbox id 0 (`berth_hostd::isolation::SANDBOX_IDS`).
+const BASE: u32 = 1 << 30;
+
+/// `CAP_NET_RAW` and `CAP_SYS_ADMIN` as bits of `/proc/<pid>/status` capability masks.
+const CAP_NET_RAW_BIT: u64 = 1 << 13;
+const CAP_SYS_ADMIN_BIT: u64 = 1 << 21;
+
+/// Runs `script` with `sh -c` in the sandbox: (exit code, stdout, stderr).
+async fn sh(h: &Harness, sandbox: SandboxId, script: &str) -> anyhow::Result<(i32, String, String)> {
+    match h.exec(sandbox, &["sh", "-c", script], EXEC_TIMEOUT_MS).await? {
+        AgentReply::Exec {
+            exit_code,
+            stdout,
+            stderr,
+            ..
+        } => Ok((
+            exit_code,
+            String::from_utf8_lossy(&stdout).into_owned(),
+            String::from_utf8_lossy(&stderr).into_owned(),
+        )),
+        other => bail!("exec {script:?} failed: {other:?}"),
+    }
+}
+
+/// `script` must fail, saying `Operation not permitted` or `Permission denied`.
+async fn refused(h: &Harness, sandbox: SandboxId, script: &str) -> anyhow::Result<()> {
+    let (code, out, err) = sh(h, sandbox, script).await?;
+    ensure!(
+        code != 0 && (err.contains("not permitted") || err.contains("denied")),
+        "{script:?} was not refused: exit {code}, stdout {out:?}, stderr {err:?}"
+    );
+    Ok(())
+}
+
+/// The value of field `name` of `/proc/self/status` as the sandbox's shell sees it.
+fn status_field<'a>(status: &'a str, name: &str) -> anyhow::Result<&'a str> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+        .ok_or_else(|| anyhow::anyhow!("no {name} in {status}"))
+}
+
+/// Probes both kinds of sandbox agree on: the seccomp filter, no raw sockets, namespace and
+/// mount syscalls refused, the agent's memory not readable, `/proc/kcore` masked.
+async fn common_probes(h: &Harness, sandbox: SandboxId) -> anyhow::Result<()> {
+    let (_, status, _) = sh(h, sandbox, "cat /proc/self/status").await?;
+    ensure!(status_field(&status, "Seccomp")? == "2", "{status}");
+    ensure!(status_field(&status, "NoNewPrivs")? == "1", "{status}");
+    for set in ["CapBnd", "CapEff", "CapPrm"] {
+        let mask = u64::from_str_radix(status_field(&status, set)?, 16)?;
+        ensure!(
+            mask & (CAP_NET_RAW_BIT | CAP_SYS_ADMIN_BIT) == 0,
+            "{set} {mask:x} holds NET_RAW or SYS_ADMIN"
+        );
+    }
+
+    // New namespaces and mounts: the seccomp filter (and the missing CAP_SYS_ADMIN).
+    refused(h, sandbox, "unshare -U true").await?;
+    refused(h, sandbox, "unshare -m true").await?;
+    refused(h, sandbox, "unshare -n true").await?;
+    refused(h, sandbox, "mount -t tmpfs none /tmp").await?;
+
+    // Raw sockets: traceroute opens socket(AF_INET, SOCK_RAW, IPPROTO_ICMP), arping an
+    // AF_PACKET socket; both need CAP_NET_RAW.
+    refused(h, sandbox, "traceroute -n -m 1 -q 1 -w 1 127.0.0.1").await?;
+    refused(h, sandbox, "arping -c 1 -w 1 -I eth0 127.0.0.1").await?;
+
+    // The agent (pid 1, and the server process that runs this shell) is not dumpable, so its
+    // memory cannot be opened; the shell's own can (the probe itself works).
+    let (code, out, err) = sh(h, sandbox, "exec 3</proc/self/mem && echo opened").await?;
+    ensure!(code == 0 && out == "opened\n", "control: {code} {out:?} {err:?}");
+    refused(h, sandbox, "exec 3</proc/1/mem && echo opened").await?;
+    refused(h, sandbox, "exec 3</proc/$PPID/mem && echo opened").await?;
+
+    // A masked path reads empty.
+    let (code, out, err) = sh(h, sandbox, "wc -c < /proc/kcore").await?;
+    ensure!(
+        code != 0 || out.trim() == "0",
+        "/proc/kcore readable: {code} {out:?} {err:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runc_sandbox_is_confined_by_seccomp_an_unprivileged_user_namespace_and_masked_paths(
+) -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(runc_boundary(h))).await
+}
+
+async fn runc_boundary(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    let created = h.send(&h.command(sandbox, 1, CommandKind::Create)).await?;
+    succeeded_address(&created)?;
+    common_probes(h, sandbox).await?;
+
+    // Sandbox root is host uid 1073741824, not 0: inside, and as the host sees the container.
+    let (_, maps, _) = sh(h, sandbox, "cat /proc/self/uid_map /proc/self/gid_map").await?;
+    let expected = format!("0 {BASE} 65536");
+    let lines: Vec<String> = maps
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    ensure!(lines == [expected.clone(), expected], "maps: {maps:?}");
+    let state = run(
+        "runc",
+        &[
+            "--root",
+            &h.runc_root().to_string_lossy(),
+            "state",
+            &h.names(sandbox).container_id,
+        ],
+    )
+    .await?;
+    let pid = serde_json::from_str::<serde_json::Value>(&state)?["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let host_status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let uids: Vec<&str> = status_field(&host_status, "Uid")?.split_whitespace().collect();
+    ensure!(uids.iter().all(|u| *u == BASE.to_string()), "host uids {uids:?}");
+
+    // Unprivileged ICMP sockets work (ping_group_range), raw ones do not (above).
+    let (code, out, err) = sh(h, sandbox, "ping -c 1 -W 5 127.0.0.1").await?;
+    ensure!(code == 0, "ping: {code} {out:?} {err:?}");
+
+    // Read-only kernel tunables; /sys is an empty read-only tmpfs, /proc/keys is masked.
+    let (_, mounts, _) = sh(h, sandbox, "cat /proc/self/mounts").await?;
+    for path in ["/proc/sys", "/proc/sysrq-trigger", "/sys"] {
+        let options = mounts
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some(path))
+            .and_then(|l| l.split_whitespace().nth(3))
+            .unwrap_or("");
+        ensure!(
+            options.split(',').any(|o| o == "ro"),
+            "{path} not read-only: {options:?}"
+        );
+    }
+    refused(h, sandbox, "echo 1 > /proc/sys/kernel/panic").await?;
+    let (_, out, _) = sh(h, sandbox, "cat /proc/keys /proc/timer_list; ls -A /sys").await?;
+    ensure!(out.is_empty(), "masked paths show {out:?}");
+
+    // Files keep their owners inside; new ones belong to the sandbox's ids on the host.
+    let (code, out, err) = sh(
+        h,
+        sandbox,
+        "stat -c %u:%g / /bin/busybox /etc/passwd && touch /root/mine && \
+         chown 1000:100 /root/mine && stat -c %u:%g /root/mine && ls -ld /root | cut -c1-10",
+    )
+    .await?;
+    ensure!(
+        code == 0 && out == "0:0\n0:0\n0:0\n1000:100\ndrwx------\n",
+        "ownership inside: {code} {out:?} {err:?}"
+    );
+    let upper = h.sandbox_dir(sandbox).join("upper");
+    let mine = std::fs::metadata(upper.join("root/mine"))?;
+    ensure!((mine.uid(), mine.gid()) == (BASE + 1000, BASE + 100));
+    ensure!(std::fs::metadata(&upper)?.uid() == BASE);
+
+    // Stop and start: the same files, the same owners.
+    let stopped = h.send(&h.command(sandbox, 2, CommandKind::Stop)).await?;
+    ensure!(h.containers().await?.is_empty(), "{stopped:?}");
+    succeeded_address(&h.send(&h.command(sandbox, 3, CommandKind::Start)).await?)?;
+    let (_, out, _) = sh(h, sandbox, "stat -c %u:%g /root/mine").await?;
+    ensure!(out == "1000:100\n", "after a restart: {out:?}");
+
+    // A disk written before sandboxes had a user namespace (owned by host root) is shifted
+    // once at the next start, and stays usable.
+    h.send(&h.command(sandbox, 4, CommandKind::Stop)).await?;
+    run("chown", &["-R", "0:0", &upper.to_string_lossy()]).await?;
+    succeeded_address(&h.send(&h.command(sandbox, 5, CommandKind::Start)).await?)?;
+    let (code, out, err) = sh(
+        h,
+        sandbox,
+        "echo more >> /root/mine && stat -c %u:%g /root/mine && cat /root/mine",
+    )
+    .await?;
+    ensure!(code == 0 && out == "0:0\nmore\n", "legacy disk: {code} {out:?} {err:?}");
+    ensure!(std::fs::metadata(upper.join("root/mine"))?.uid() == BASE);
+
+    let deleted = h.send(&h.command(sandbox, 6, CommandKind::Delete)).await?;
+    ensure!(
+        matches!(
+            deleted.outcome,
+            berth_schemas::wire::ResultOutcome::Succeeded { .. }
+        ),
+        "{deleted:?}"
+    );
+    assert_nothing_remains(h, sandbox).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gvisor_sandbox_refuses_the_same_probes_where_they_apply() -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(gvisor_boundary(h))).await
+}
+
+async fn gvisor_boundary(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    let create = h.command_with_template(sandbox, 1, CommandKind::Create, "base-gvisor");
+    succeeded_address(&h.send(&create).await?)?;
+    common_probes(h, sandbox).await?;
+
+    // gVisor's own user namespace: its sandbox process is not host root.
+    let state = run(
+        "runsc",
+        &[
+            "--root",
+            &h.runsc_root().to_string_lossy(),
+            "state",
+            &h.names(sandbox).container_id,
+        ],
+    )
+    .await?;
+    let pid = serde_json::from_str::<serde_json::Value>(&state)?["pid"]
+        .as_i64()
+        .unwrap_or(0);
+    let host_status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let uid = status_field(&host_status, "Uid")?;
+    ensure!(!uid.starts_with("0\t") && !uid.starts_with("0 "), "sentry uid {uid:?}");
+
+    let deleted = h.send(&h.command(sandbox, 2, CommandKind::Delete)).await?;
+    ensure!(
+        matches!(
+            deleted.outcome,
+            berth_schemas::wire::ResultOutcome::Succeeded { .. }
+        ),
+        "{deleted:?}"
+    );
+    assert_nothing_remains(h, sandbox).await
+}
