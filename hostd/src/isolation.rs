@@ -220,12 +220,13 @@ pub fn own_upper(upper: &Path, range: IdRange) -> Result<bool, HostdError> {
 pub fn allow_ping_sockets(netns_path: &Path) -> Result<(), HostdError> {
     let path = netns_path.to_path_buf();
     std::thread::spawn(move || -> Result<(), HostdError> {
-        let ns = fs::File::open(&path).map_err(HostdError::io(format!("open {}", path.display())))?;
+        let ns =
+            fs::File::open(&path).map_err(HostdError::io(format!("open {}", path.display())))?;
         nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
             .map_err(|e| HostdError::io(format!("join {}", path.display()))(e.into()))?;
-        fs::write("/proc/sys/net/ipv4/ping_group_range", PING_GROUP_RANGE).map_err(
-            HostdError::io(format!("set ping_group_range in {}", path.display())),
-        )
+        fs::write("/proc/sys/net/ipv4/ping_group_range", PING_GROUP_RANGE).map_err(HostdError::io(
+            format!("set ping_group_range in {}", path.display()),
+        ))
     })
     .join()
     .map_err(|_| HostdError::Io {
@@ -275,7 +276,10 @@ mod tests {
         let base = 1u32 << 30;
         let m = |p: &str| fs::symlink_metadata(shifted.join(p)).unwrap();
         assert_eq!((m("").uid(), m("").gid()), (base, base));
-        assert_eq!((m("home/user").uid(), m("home/user").gid()), (base + 1000, base + 100));
+        assert_eq!(
+            (m("home/user").uid(), m("home/user").gid()),
+            (base + 1000, base + 100)
+        );
         assert_eq!(m("suid").uid(), base);
         assert_eq!(m("suid").permissions().mode() & 0o7777, 0o4755);
         assert_eq!(m("suid").ino(), m("suid-link").ino());

@@ -16,8 +16,8 @@ use berth_schemas::wire::Resources;
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroupBuilder,
     LinuxIdMappingBuilder, LinuxMemoryBuilder, LinuxNamespace, LinuxNamespaceBuilder,
-    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccomp, Mount,
-    MountBuilder, ProcessBuilder, RootBuilder, Spec, UserBuilder,
+    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccomp, Mount, MountBuilder,
+    ProcessBuilder, RootBuilder, Spec, UserBuilder,
 };
 
 use crate::bundle::{AgentBundle, AGENT_MOUNT};
@@ -151,13 +151,13 @@ pub fn build_spec(cfg: &ContainerConfig<'_>) -> Result<Spec, HostdError> {
     let namespaces = own
         .into_iter()
         .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build())
-    .chain(std::iter::once(
-        LinuxNamespaceBuilder::default()
-            .typ(LinuxNamespaceType::Network)
-            .path(cfg.netns_path.clone())
-            .build(),
-    ))
-    .collect::<Result<Vec<LinuxNamespace>, _>>()?;
+        .chain(std::iter::once(
+            LinuxNamespaceBuilder::default()
+                .typ(LinuxNamespaceType::Network)
+                .path(cfg.netns_path.clone())
+                .build(),
+        ))
+        .collect::<Result<Vec<LinuxNamespace>, _>>()?;
 
     let mut resources = LinuxResourcesBuilder::default()
         .devices(vec![LinuxDeviceCgroupBuilder::default()
@@ -183,7 +183,12 @@ pub fn build_spec(cfg: &ContainerConfig<'_>) -> Result<Spec, HostdError> {
         .resources(resources.build()?)
         .cgroups_path(PathBuf::from(cfg.cgroups_path))
         .seccomp(cfg.seccomp.clone())
-        .masked_paths(MASKED_PATHS.iter().map(|p| (*p).to_owned()).collect::<Vec<_>>())
+        .masked_paths(
+            MASKED_PATHS
+                .iter()
+                .map(|p| (*p).to_owned())
+                .collect::<Vec<_>>(),
+        )
         .readonly_paths(
             READONLY_PATHS
                 .iter()
@@ -273,9 +278,12 @@ mod tests {
 
     fn spec_with(resources: Resources, user_namespace: Option<IdRange>) -> Spec {
         let agent = agent();
-        let seccomp =
-            crate::seccomp::profile(&crate::seccomp::arch_family("x86_64").unwrap(), (6, 1))
-                .unwrap();
+        let seccomp = crate::seccomp::profile(
+            &crate::seccomp::arch_family("x86_64").unwrap(),
+            (6, 1),
+            crate::seccomp::Target::Linux,
+        )
+        .unwrap();
         build_spec(&ContainerConfig {
             rootfs: Path::new("/state/sandboxes/s/rootfs"),
             hostname: "sb",
@@ -379,7 +387,12 @@ mod tests {
                 oci_spec::runtime::LinuxSeccompAction::ScmpActErrno
             );
             let masked = linux.masked_paths().as_ref().unwrap();
-            for p in ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"] {
+            for p in [
+                "/proc/kcore",
+                "/proc/keys",
+                "/proc/timer_list",
+                "/sys/firmware",
+            ] {
                 assert!(masked.contains(&p.to_owned()), "{p} not masked");
             }
             let ro = linux.readonly_paths().as_ref().unwrap();

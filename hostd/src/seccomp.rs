@@ -22,6 +22,13 @@
 //! `ptrace` can no longer bypass seccomp), refused before, as in Docker's profile; a sandbox
 //! may debug its own processes, but not its agent (pid 1), which makes itself non-dumpable.
 //!
+//! gVisor: runsc (`--oci-seccomp`) loads the same filter for the sandbox's processes against
+//! gVisor's kernel, except that `clone3` is left to that kernel ([`Target::Gvisor`]): this
+//! runsc applies the filter's default `EPERM` instead of a rule's `errnoRet`, so the `ENOSYS`
+//! that makes libc fall back to `clone` would reach programs as `EPERM`, and every thread
+//! creation would fail; gVisor's kernel (release 20221219) answers `clone3` with `ENOSYS`
+//! itself, and namespaces there are the sentry's, not the host's.
+//!
 //! Architectures: the native one plus those the kernel runs in the same process model
 //! (x86-64 with x86 and x32; aarch64 with arm), as in Docker's `archMap`; a syscall of any other
 //! architecture is killed by the filter's architecture check (runc and libseccomp).
@@ -58,60 +65,351 @@ pub const PTRACE_MIN_KERNEL: (u32, u32) = (4, 8);
 /// Syscalls allowed on every architecture, whatever their arguments: Docker's unconditional
 /// allow-list without `io_uring_enter`, `io_uring_register` and `io_uring_setup`.
 pub const ALLOWED: &[&str] = &[
-    "accept", "accept4", "access", "adjtimex", "alarm", "bind", "brk", "capget", "capset",
-    "chdir", "chmod", "chown", "chown32", "clock_adjtime", "clock_adjtime64", "clock_getres",
-    "clock_getres_time64", "clock_gettime", "clock_gettime64", "clock_nanosleep",
-    "clock_nanosleep_time64", "close", "close_range", "connect", "copy_file_range", "creat",
-    "dup", "dup2", "dup3", "epoll_create", "epoll_create1", "epoll_ctl", "epoll_ctl_old",
-    "epoll_pwait", "epoll_pwait2", "epoll_wait", "epoll_wait_old", "eventfd", "eventfd2",
-    "execve", "execveat", "exit", "exit_group", "faccessat", "faccessat2", "fadvise64",
-    "fadvise64_64", "fallocate", "fanotify_mark", "fchdir", "fchmod", "fchmodat", "fchown",
-    "fchown32", "fchownat", "fcntl", "fcntl64", "fdatasync", "fgetxattr", "flistxattr", "flock",
-    "fork", "fremovexattr", "fsetxattr", "fstat", "fstat64", "fstatat64", "fstatfs",
-    "fstatfs64", "fsync", "ftruncate", "ftruncate64", "futex", "futex_time64", "futex_waitv",
-    "futimesat", "getcpu", "getcwd", "getdents", "getdents64", "getegid", "getegid32",
-    "geteuid", "geteuid32", "getgid", "getgid32", "getgroups", "getgroups32", "getitimer",
-    "getpeername", "getpgid", "getpgrp", "getpid", "getppid", "getpriority", "getrandom",
-    "getresgid", "getresgid32", "getresuid", "getresuid32", "getrlimit", "get_robust_list",
-    "getrusage", "getsid", "getsockname", "getsockopt", "get_thread_area", "gettid",
-    "gettimeofday", "getuid", "getuid32", "getxattr", "inotify_add_watch", "inotify_init",
-    "inotify_init1", "inotify_rm_watch", "io_cancel", "ioctl", "io_destroy", "io_getevents",
-    "io_pgetevents", "io_pgetevents_time64", "ioprio_get", "ioprio_set", "io_setup",
-    "io_submit", "ipc", "kill", "landlock_add_rule", "landlock_create_ruleset",
-    "landlock_restrict_self", "lchown", "lchown32", "lgetxattr", "link", "linkat", "listen",
-    "listxattr", "llistxattr", "_llseek", "lremovexattr", "lseek", "lsetxattr", "lstat",
-    "lstat64", "madvise", "membarrier", "memfd_create", "memfd_secret", "mincore", "mkdir",
-    "mkdirat", "mknod", "mknodat", "mlock", "mlock2", "mlockall", "mmap", "mmap2", "mprotect",
-    "mq_getsetattr", "mq_notify", "mq_open", "mq_timedreceive", "mq_timedreceive_time64",
-    "mq_timedsend", "mq_timedsend_time64", "mq_unlink", "mremap", "msgctl", "msgget", "msgrcv",
-    "msgsnd", "msync", "munlock", "munlockall", "munmap", "name_to_handle_at", "nanosleep",
-    "newfstatat", "_newselect", "open", "openat", "openat2", "pause", "pidfd_open",
-    "pidfd_send_signal", "pipe", "pipe2", "pkey_alloc", "pkey_free", "pkey_mprotect", "poll",
-    "ppoll", "ppoll_time64", "prctl", "pread64", "preadv", "preadv2", "prlimit64",
-    "process_mrelease", "pselect6", "pselect6_time64", "pwrite64", "pwritev", "pwritev2",
-    "read", "readahead", "readlink", "readlinkat", "readv", "recv", "recvfrom", "recvmmsg",
-    "recvmmsg_time64", "recvmsg", "remap_file_pages", "removexattr", "rename", "renameat",
-    "renameat2", "restart_syscall", "rmdir", "rseq", "rt_sigaction", "rt_sigpending",
-    "rt_sigprocmask", "rt_sigqueueinfo", "rt_sigreturn", "rt_sigsuspend", "rt_sigtimedwait",
-    "rt_sigtimedwait_time64", "rt_tgsigqueueinfo", "sched_getaffinity", "sched_getattr",
-    "sched_getparam", "sched_get_priority_max", "sched_get_priority_min",
-    "sched_getscheduler", "sched_rr_get_interval", "sched_rr_get_interval_time64",
-    "sched_setaffinity", "sched_setattr", "sched_setparam", "sched_setscheduler",
-    "sched_yield", "seccomp", "select", "semctl", "semget", "semop", "semtimedop",
-    "semtimedop_time64", "send", "sendfile", "sendfile64", "sendmmsg", "sendmsg", "sendto",
-    "setfsgid", "setfsgid32", "setfsuid", "setfsuid32", "setgid", "setgid32", "setgroups",
-    "setgroups32", "setitimer", "setpgid", "setpriority", "setregid", "setregid32",
-    "setresgid", "setresgid32", "setresuid", "setresuid32", "setreuid", "setreuid32",
-    "setrlimit", "set_robust_list", "setsid", "setsockopt", "set_thread_area",
-    "set_tid_address", "setuid", "setuid32", "setxattr", "shmat", "shmctl", "shmdt", "shmget",
-    "shutdown", "sigaltstack", "signalfd", "signalfd4", "sigprocmask", "sigreturn",
-    "socketcall", "socketpair", "splice", "stat", "stat64", "statfs", "statfs64", "statx",
-    "symlink", "symlinkat", "sync", "sync_file_range", "syncfs", "sysinfo", "tee", "tgkill",
-    "time", "timer_create", "timer_delete", "timer_getoverrun", "timer_gettime",
-    "timer_gettime64", "timer_settime", "timer_settime64", "timerfd_create", "timerfd_gettime",
-    "timerfd_gettime64", "timerfd_settime", "timerfd_settime64", "times", "tkill", "truncate",
-    "truncate64", "ugetrlimit", "umask", "uname", "unlink", "unlinkat", "utime", "utimensat",
-    "utimensat_time64", "utimes", "vfork", "vmsplice", "wait4", "waitid", "waitpid", "write",
+    "accept",
+    "accept4",
+    "access",
+    "adjtimex",
+    "alarm",
+    "bind",
+    "brk",
+    "capget",
+    "capset",
+    "chdir",
+    "chmod",
+    "chown",
+    "chown32",
+    "clock_adjtime",
+    "clock_adjtime64",
+    "clock_getres",
+    "clock_getres_time64",
+    "clock_gettime",
+    "clock_gettime64",
+    "clock_nanosleep",
+    "clock_nanosleep_time64",
+    "close",
+    "close_range",
+    "connect",
+    "copy_file_range",
+    "creat",
+    "dup",
+    "dup2",
+    "dup3",
+    "epoll_create",
+    "epoll_create1",
+    "epoll_ctl",
+    "epoll_ctl_old",
+    "epoll_pwait",
+    "epoll_pwait2",
+    "epoll_wait",
+    "epoll_wait_old",
+    "eventfd",
+    "eventfd2",
+    "execve",
+    "execveat",
+    "exit",
+    "exit_group",
+    "faccessat",
+    "faccessat2",
+    "fadvise64",
+    "fadvise64_64",
+    "fallocate",
+    "fanotify_mark",
+    "fchdir",
+    "fchmod",
+    "fchmodat",
+    "fchown",
+    "fchown32",
+    "fchownat",
+    "fcntl",
+    "fcntl64",
+    "fdatasync",
+    "fgetxattr",
+    "flistxattr",
+    "flock",
+    "fork",
+    "fremovexattr",
+    "fsetxattr",
+    "fstat",
+    "fstat64",
+    "fstatat64",
+    "fstatfs",
+    "fstatfs64",
+    "fsync",
+    "ftruncate",
+    "ftruncate64",
+    "futex",
+    "futex_time64",
+    "futex_waitv",
+    "futimesat",
+    "getcpu",
+    "getcwd",
+    "getdents",
+    "getdents64",
+    "getegid",
+    "getegid32",
+    "geteuid",
+    "geteuid32",
+    "getgid",
+    "getgid32",
+    "getgroups",
+    "getgroups32",
+    "getitimer",
+    "getpeername",
+    "getpgid",
+    "getpgrp",
+    "getpid",
+    "getppid",
+    "getpriority",
+    "getrandom",
+    "getresgid",
+    "getresgid32",
+    "getresuid",
+    "getresuid32",
+    "getrlimit",
+    "get_robust_list",
+    "getrusage",
+    "getsid",
+    "getsockname",
+    "getsockopt",
+    "get_thread_area",
+    "gettid",
+    "gettimeofday",
+    "getuid",
+    "getuid32",
+    "getxattr",
+    "inotify_add_watch",
+    "inotify_init",
+    "inotify_init1",
+    "inotify_rm_watch",
+    "io_cancel",
+    "ioctl",
+    "io_destroy",
+    "io_getevents",
+    "io_pgetevents",
+    "io_pgetevents_time64",
+    "ioprio_get",
+    "ioprio_set",
+    "io_setup",
+    "io_submit",
+    "ipc",
+    "kill",
+    "landlock_add_rule",
+    "landlock_create_ruleset",
+    "landlock_restrict_self",
+    "lchown",
+    "lchown32",
+    "lgetxattr",
+    "link",
+    "linkat",
+    "listen",
+    "listxattr",
+    "llistxattr",
+    "_llseek",
+    "lremovexattr",
+    "lseek",
+    "lsetxattr",
+    "lstat",
+    "lstat64",
+    "madvise",
+    "membarrier",
+    "memfd_create",
+    "memfd_secret",
+    "mincore",
+    "mkdir",
+    "mkdirat",
+    "mknod",
+    "mknodat",
+    "mlock",
+    "mlock2",
+    "mlockall",
+    "mmap",
+    "mmap2",
+    "mprotect",
+    "mq_getsetattr",
+    "mq_notify",
+    "mq_open",
+    "mq_timedreceive",
+    "mq_timedreceive_time64",
+    "mq_timedsend",
+    "mq_timedsend_time64",
+    "mq_unlink",
+    "mremap",
+    "msgctl",
+    "msgget",
+    "msgrcv",
+    "msgsnd",
+    "msync",
+    "munlock",
+    "munlockall",
+    "munmap",
+    "name_to_handle_at",
+    "nanosleep",
+    "newfstatat",
+    "_newselect",
+    "open",
+    "openat",
+    "openat2",
+    "pause",
+    "pidfd_open",
+    "pidfd_send_signal",
+    "pipe",
+    "pipe2",
+    "pkey_alloc",
+    "pkey_free",
+    "pkey_mprotect",
+    "poll",
+    "ppoll",
+    "ppoll_time64",
+    "prctl",
+    "pread64",
+    "preadv",
+    "preadv2",
+    "prlimit64",
+    "process_mrelease",
+    "pselect6",
+    "pselect6_time64",
+    "pwrite64",
+    "pwritev",
+    "pwritev2",
+    "read",
+    "readahead",
+    "readlink",
+    "readlinkat",
+    "readv",
+    "recv",
+    "recvfrom",
+    "recvmmsg",
+    "recvmmsg_time64",
+    "recvmsg",
+    "remap_file_pages",
+    "removexattr",
+    "rename",
+    "renameat",
+    "renameat2",
+    "restart_syscall",
+    "rmdir",
+    "rseq",
+    "rt_sigaction",
+    "rt_sigpending",
+    "rt_sigprocmask",
+    "rt_sigqueueinfo",
+    "rt_sigreturn",
+    "rt_sigsuspend",
+    "rt_sigtimedwait",
+    "rt_sigtimedwait_time64",
+    "rt_tgsigqueueinfo",
+    "sched_getaffinity",
+    "sched_getattr",
+    "sched_getparam",
+    "sched_get_priority_max",
+    "sched_get_priority_min",
+    "sched_getscheduler",
+    "sched_rr_get_interval",
+    "sched_rr_get_interval_time64",
+    "sched_setaffinity",
+    "sched_setattr",
+    "sched_setparam",
+    "sched_setscheduler",
+    "sched_yield",
+    "seccomp",
+    "select",
+    "semctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "semtimedop_time64",
+    "send",
+    "sendfile",
+    "sendfile64",
+    "sendmmsg",
+    "sendmsg",
+    "sendto",
+    "setfsgid",
+    "setfsgid32",
+    "setfsuid",
+    "setfsuid32",
+    "setgid",
+    "setgid32",
+    "setgroups",
+    "setgroups32",
+    "setitimer",
+    "setpgid",
+    "setpriority",
+    "setregid",
+    "setregid32",
+    "setresgid",
+    "setresgid32",
+    "setresuid",
+    "setresuid32",
+    "setreuid",
+    "setreuid32",
+    "setrlimit",
+    "set_robust_list",
+    "setsid",
+    "setsockopt",
+    "set_thread_area",
+    "set_tid_address",
+    "setuid",
+    "setuid32",
+    "setxattr",
+    "shmat",
+    "shmctl",
+    "shmdt",
+    "shmget",
+    "shutdown",
+    "sigaltstack",
+    "signalfd",
+    "signalfd4",
+    "sigprocmask",
+    "sigreturn",
+    "socketcall",
+    "socketpair",
+    "splice",
+    "stat",
+    "stat64",
+    "statfs",
+    "statfs64",
+    "statx",
+    "symlink",
+    "symlinkat",
+    "sync",
+    "sync_file_range",
+    "syncfs",
+    "sysinfo",
+    "tee",
+    "tgkill",
+    "time",
+    "timer_create",
+    "timer_delete",
+    "timer_getoverrun",
+    "timer_gettime",
+    "timer_gettime64",
+    "timer_settime",
+    "timer_settime64",
+    "timerfd_create",
+    "timerfd_gettime",
+    "timerfd_gettime64",
+    "timerfd_settime",
+    "timerfd_settime64",
+    "times",
+    "tkill",
+    "truncate",
+    "truncate64",
+    "ugetrlimit",
+    "umask",
+    "uname",
+    "unlink",
+    "unlinkat",
+    "utime",
+    "utimensat",
+    "utimensat_time64",
+    "utimes",
+    "vfork",
+    "vmsplice",
+    "wait4",
+    "waitid",
+    "waitpid",
+    "write",
     "writev",
     // Docker allows this with CAP_SYS_CHROOT, which the sandbox keeps.
     "chroot",
@@ -195,10 +493,24 @@ pub fn running_kernel() -> (u32, u32) {
         .unwrap_or((0, 0))
 }
 
-/// The filter for architecture family `family` on kernel `kernel` (`major.minor`).
+/// The kernel the filter's syscalls reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The host's Linux (runc).
+    Linux,
+    /// gVisor's kernel (runsc): `clone3` is allowed (see the module docs).
+    Gvisor,
+}
+
+/// The filter for architecture family `family` on kernel `kernel` (`major.minor`), for
+/// `target`.
 ///
 /// Errors: [`HostdError::Oci`] when a builder refuses a value.
-pub fn profile(family: &ArchFamily, kernel: (u32, u32)) -> Result<LinuxSeccomp, HostdError> {
+pub fn profile(
+    family: &ArchFamily,
+    kernel: (u32, u32),
+    target: Target,
+) -> Result<LinuxSeccomp, HostdError> {
     let mut names: Vec<String> = ALLOWED
         .iter()
         .chain(family.extra)
@@ -233,13 +545,14 @@ pub fn profile(family: &ArchFamily, kernel: (u32, u32)) -> Result<LinuxSeccomp, 
         .value_two(0u64)
         .build()?;
     syscalls.push(allow("clone", vec![no_namespaces])?);
-    syscalls.push(
-        LinuxSyscallBuilder::default()
+    syscalls.push(match target {
+        Target::Linux => LinuxSyscallBuilder::default()
             .names(vec!["clone3".to_owned()])
             .action(LinuxSeccompAction::ScmpActErrno)
             .errno_ret(ENOSYS)
             .build()?,
-    );
+        Target::Gvisor => allow("clone3", vec![])?,
+    });
     syscalls.push(allow(
         "socket",
         vec![arg(0, LinuxSeccompOperator::ScmpCmpNe, AF_VSOCK)?],
@@ -258,11 +571,15 @@ pub fn profile(family: &ArchFamily, kernel: (u32, u32)) -> Result<LinuxSeccomp, 
         .build()?)
 }
 
-/// The filter for this machine (its architecture and running kernel).
+/// The filter for this machine (its architecture and running kernel) and `target`.
 ///
 /// Errors: as [`arch_family`] and [`profile`].
-pub fn host_profile() -> Result<LinuxSeccomp, HostdError> {
-    profile(&arch_family(std::env::consts::ARCH)?, running_kernel())
+pub fn host_profile(target: Target) -> Result<LinuxSeccomp, HostdError> {
+    profile(
+        &arch_family(std::env::consts::ARCH)?,
+        running_kernel(),
+        target,
+    )
 }
 
 #[cfg(test)]
@@ -281,29 +598,70 @@ mod tests {
 
     #[test]
     fn docker_deny_set_and_io_uring_are_not_allowed() {
-        let p = profile(&arch_family("x86_64").unwrap(), (6, 18)).unwrap();
+        let p = profile(&arch_family("x86_64").unwrap(), (6, 18), Target::Linux).unwrap();
         assert_eq!(p.default_action(), LinuxSeccompAction::ScmpActErrno);
         assert_eq!(p.default_errno_ret(), Some(EPERM));
         let names = allowed(&p);
         for denied in [
-            "unshare", "setns", "clone3", "mount", "umount2", "fsopen", "fsconfig", "fsmount",
-            "fspick", "open_tree", "move_mount", "mount_setattr", "pivot_root", "keyctl",
-            "add_key", "request_key", "bpf", "userfaultfd", "perf_event_open", "kexec_load",
-            "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
-            "swapon", "quotactl", "syslog", "settimeofday", "clock_settime",
-            "open_by_handle_at", "kcmp", "pidfd_getfd", "iopl", "ioperm", "sethostname",
-            "io_uring_setup", "io_uring_enter", "io_uring_register", "acct", "lookup_dcookie",
+            "unshare",
+            "setns",
+            "clone3",
+            "mount",
+            "umount2",
+            "fsopen",
+            "fsconfig",
+            "fsmount",
+            "fspick",
+            "open_tree",
+            "move_mount",
+            "mount_setattr",
+            "pivot_root",
+            "keyctl",
+            "add_key",
+            "request_key",
+            "bpf",
+            "userfaultfd",
+            "perf_event_open",
+            "kexec_load",
+            "kexec_file_load",
+            "init_module",
+            "finit_module",
+            "delete_module",
+            "reboot",
+            "swapon",
+            "quotactl",
+            "syslog",
+            "settimeofday",
+            "clock_settime",
+            "open_by_handle_at",
+            "kcmp",
+            "pidfd_getfd",
+            "iopl",
+            "ioperm",
+            "sethostname",
+            "io_uring_setup",
+            "io_uring_enter",
+            "io_uring_register",
+            "acct",
+            "lookup_dcookie",
         ] {
             assert!(!names.iter().any(|n| n == denied), "{denied} allowed");
         }
-        for needed in ["read", "execve", "socketpair", "arch_prctl", "chroot", "ptrace"] {
+        for needed in [
+            "read",
+            "execve",
+            "socketpair",
+            "arch_prctl",
+            "chroot",
+            "ptrace",
+        ] {
             assert!(names.iter().any(|n| n == needed), "{needed} refused");
         }
     }
 
     #[test]
     fn clone_is_allowed_only_without_namespace_flags_and_clone3_falls_back() {
-        let p = profile(&arch_family("x86_64").unwrap(), (6, 18)).unwrap();
+        let p = profile(&arch_family("x86_64").unwrap(), (6, 18), Target::Linux).unwrap();
         let rules = p.syscalls().as_ref().unwrap();
         let clone = rules
             .iter()
@@ -322,7 +680,7 @@ mod tests {
             .unwrap();
         assert_eq!(clone3.action(), LinuxSeccompAction::ScmpActErrno);
         assert_eq!(clone3.errno_ret(), Some(ENOSYS));
-        let s390 = profile(&arch_family("s390x").unwrap(), (6, 1)).unwrap();
+        let s390 = profile(&arch_family("s390x").unwrap(), (6, 1), Target::Linux).unwrap();
         let clone = s390
             .syscalls()
             .as_ref()
@@ -332,17 +690,27 @@ mod tests {
             .unwrap()
             .clone();
         assert_eq!(clone.args().as_ref().unwrap()[0].index(), 1);
+        let gvisor = profile(&arch_family("x86_64").unwrap(), (6, 1), Target::Gvisor).unwrap();
+        let clone3 = gvisor
+            .syscalls()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|s| s.names() == &["clone3".to_owned()])
+            .unwrap()
+            .clone();
+        assert_eq!(clone3.action(), LinuxSeccompAction::ScmpActAllow);
     }
 
     #[test]
     fn architectures_follow_docker_arch_map_and_ptrace_needs_4_8() {
-        let x86 = profile(&arch_family("x86_64").unwrap(), (4, 7)).unwrap();
+        let x86 = profile(&arch_family("x86_64").unwrap(), (4, 7), Target::Linux).unwrap();
         assert_eq!(
             x86.architectures().as_ref().unwrap(),
             &[Arch::ScmpArchX86_64, Arch::ScmpArchX86, Arch::ScmpArchX32]
         );
         assert!(!allowed(&x86).iter().any(|n| n == "ptrace"));
-        let arm = profile(&arch_family("aarch64").unwrap(), (6, 1)).unwrap();
+        let arm = profile(&arch_family("aarch64").unwrap(), (6, 1), Target::Linux).unwrap();
         assert_eq!(
             arm.architectures().as_ref().unwrap(),
             &[Arch::ScmpArchAarch64, Arch::ScmpArchArm]
@@ -356,7 +724,7 @@ mod tests {
 
     #[test]
     fn the_filter_serializes_as_the_oci_spec_spells_it() {
-        let p = profile(&arch_family("x86_64").unwrap(), (6, 18)).unwrap();
+        let p = profile(&arch_family("x86_64").unwrap(), (6, 18), Target::Linux).unwrap();
         let json = serde_json::to_value(&p).unwrap();
         assert_eq!(json["defaultAction"], "SCMP_ACT_ERRNO");
         assert_eq!(json["defaultErrnoRet"], 1);

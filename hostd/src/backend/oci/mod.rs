@@ -31,6 +31,7 @@ use crate::layout::firewall_table;
 use crate::oci::{self, ContainerConfig};
 use crate::record::{write_json_atomic, SandboxRecord};
 use crate::runtime::cli::console_tail;
+use crate::runtime::runsc::RUNSC;
 use crate::runtime::{ContainerStatus, RunRequest, RuntimeDriver};
 use crate::{isolation, netns, overlay, seccomp, HostdConfig};
 
@@ -99,7 +100,10 @@ impl OciBackend {
             lower = blocking(move || isolation::shifted_template(&lower, ids)).await?;
         }
         let bundle = self.bundles.ensure().await?;
-        let seccomp = seccomp::host_profile()?;
+        let seccomp = seccomp::host_profile(match runtime.name() {
+            RUNSC => seccomp::Target::Gvisor,
+            _ => seccomp::Target::Linux,
+        })?;
 
         if fresh {
             let (host, paths) = (host.clone(), paths.clone());
