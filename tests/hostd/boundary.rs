@@ -1,9 +1,15 @@
 //! The sandbox boundary, probed from inside real sandboxes (issue 11, item 2): the seccomp
 //! filter, the unprivileged user namespace, no raw sockets, masked and read-only paths, and
 //! the agent's memory out of reach — on runc, and what of it applies on gVisor.
+//!
+//! The syscall probe (`syscall_probe.c`) is built by the test with the host's `cc -static`
+//! (the C toolchain Rust links with, plus glibc's static `libc.a` from `libc6-dev`) and is
+//! x86-64 only.
 
-use anyhow::{bail, ensure};
-use berth_schemas::wire::AgentReply;
+use std::collections::BTreeMap;
+
+use anyhow::{bail, ensure, Context as _};
+use berth_schemas::wire::{AgentOp, AgentReply};
 use berth_schemas::{CommandKind, SandboxId};
 use std::os::unix::fs::MetadataExt;
 
@@ -79,6 +85,91 @@ fn status_field<'a>(status: &'a str, name: &str) -> anyhow::Result<&'a str> {
         .ok_or_else(|| anyhow::anyhow!("no {name} in {status}"))
 }
 
+/// Syscalls the probe tries that the filter must refuse with `EPERM` (on runc).
+const DENIED_SYSCALLS: &[&str] = &[
+    "unshare_user",
+    "unshare_mount",
+    "clone_newuser",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsmount",
+    "mount_setattr",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "userfaultfd",
+    "perf_event_open",
+    "io_uring_setup",
+    "kexec_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "socket_vsock",
+    "personality_no_aslr",
+];
+
+/// Calls the probe makes that must work (so a probe that cannot run fails the test).
+const ALLOWED_SYSCALLS: &[&str] = &["fork", "socket_tcp", "personality_query"];
+
+/// Builds `syscall_probe.c` with the host's C compiler (static), copies it into the sandbox
+/// through the agent and runs it: each try's name and its errno (`0` = it succeeded, `sig<N>`
+/// = it was killed).
+async fn syscall_probe(
+    h: &Harness,
+    sandbox: SandboxId,
+) -> anyhow::Result<BTreeMap<String, String>> {
+    let dir = std::env::temp_dir().join(format!("berth-probe-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir)?;
+    let source = dir.join("probe.c");
+    let binary = dir.join("probe");
+    std::fs::write(&source, include_str!("syscall_probe.c"))?;
+    let built = run(
+        "cc",
+        &[
+            "-static",
+            "-O1",
+            "-o",
+            &binary.to_string_lossy(),
+            &source.to_string_lossy(),
+        ],
+    )
+    .await
+    .context("build the syscall probe (needs cc and a static libc)");
+    let bytes = built.and_then(|_| Ok(std::fs::read(&binary)?));
+    std::fs::remove_dir_all(&dir)?;
+    let bytes = bytes?;
+    for (i, chunk) in bytes.chunks(512 * 1024).enumerate() {
+        let reply = h
+            .agent(
+                sandbox,
+                AgentOp::Write {
+                    path: "/root/probe".into(),
+                    offset: (i * 512 * 1024) as u64,
+                    data: chunk.to_vec(),
+                    truncate: i == 0,
+                },
+            )
+            .await?;
+        ensure!(
+            matches!(reply, AgentReply::Written { .. }),
+            "upload: {reply:?}"
+        );
+    }
+    let (code, out, err) = sh(h, sandbox, "chmod +x /root/probe && /root/probe").await?;
+    ensure!(code == 0, "probe: {code} {out:?} {err:?}");
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect())
+}
+
 /// Probes both kinds of sandbox agree on: the seccomp filter, no raw sockets, namespace and
 /// mount syscalls refused, the agent's memory not readable, `/proc/kcore` masked.
 async fn common_probes(h: &Harness, sandbox: SandboxId) -> anyhow::Result<()> {
@@ -149,6 +240,32 @@ async fn runc_boundary(h: &mut Harness) -> anyhow::Result<()> {
     let created = h.send(&h.command(sandbox, 1, CommandKind::Create)).await?;
     succeeded_address(&created)?;
     common_probes(h, sandbox).await?;
+
+    // Docker's deny set, syscall by syscall: EPERM; clone3 ENOSYS (so libc falls back to
+    // clone, whose flags the filter sees); a 32-bit syscall refused (only the native
+    // architecture is admitted); the controls work.
+    let tries = syscall_probe(h, sandbox).await?;
+    for name in DENIED_SYSCALLS {
+        ensure!(
+            tries.get(*name).map(String::as_str) == Some("1"),
+            "{name}: {:?} (all: {tries:?})",
+            tries.get(*name)
+        );
+    }
+    ensure!(
+        tries.get("clone3_newuser").map(String::as_str) == Some("38"),
+        "{tries:?}"
+    );
+    ensure!(
+        tries.get("int80_getpid").is_some_and(|v| v != "0"),
+        "{tries:?}"
+    );
+    for name in ALLOWED_SYSCALLS {
+        ensure!(
+            tries.get(*name).map(String::as_str) == Some("0"),
+            "{name}: {tries:?}"
+        );
+    }
 
     // Sandbox root is host uid 1073741824, not 0: inside, and as the host sees the container.
     let (_, maps, _) = sh(h, sandbox, "cat /proc/self/uid_map /proc/self/gid_map").await?;
@@ -306,6 +423,27 @@ async fn gvisor_boundary(h: &mut Harness) -> anyhow::Result<()> {
     let create = h.command_with_template(sandbox, 1, CommandKind::Create, "base-gvisor");
     succeeded_address(&h.send(&create).await?)?;
     common_probes(h, sandbox).await?;
+
+    // The same syscalls are refused (by the filter inside the sandbox or by gVisor's kernel,
+    // which implements few of them); the controls work (but `personality(0xffffffff)`, which
+    // gVisor does not implement).
+    let tries = syscall_probe(h, sandbox).await?;
+    for name in DENIED_SYSCALLS
+        .iter()
+        .chain(&["clone3_newuser", "int80_getpid"])
+    {
+        ensure!(
+            tries.get(*name).is_some_and(|v| v != "0"),
+            "{name}: {:?} (all: {tries:?})",
+            tries.get(*name)
+        );
+    }
+    for name in ["fork", "socket_tcp"] {
+        ensure!(
+            tries.get(name).map(String::as_str) == Some("0"),
+            "{name}: {tries:?}"
+        );
+    }
 
     // gVisor's own user namespace: its sandbox process is not host root.
     let state = run(
