@@ -31,7 +31,7 @@
 //! disk-only stop keeps files only); each module's docs say how it keeps them.
 //!
 //! # Assumptions
-//! hostd runs as root in the root network namespace with runc (and runsc, optionally),
+//! hostd runs as root in the root network namespace with runc (and runsc, optionally), `cp`,
 //! iproute2, nftables, util-linux's `unshare` and a static busybox at `/bin/busybox`. Several
 //! hostd may share one machine if their state dirs and address pools differ.
 
