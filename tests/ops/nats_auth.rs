@@ -255,8 +255,9 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
         .await
         .expect("the server answers a request on A's own consumer subject");
     let reply: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
-    assert!(
-        reply.get("error").is_some(),
+    // JSConsumerCreateFilterSubjectMismatchErr: the server compares the body with the subject.
+    assert_eq!(
+        reply["error"]["err_code"], 10131,
         "a consumer named A's but filtering B's commands was made: {reply}"
     );
     let mut names = cp_js
