@@ -334,10 +334,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .ok()
         .or_else(|| lookup("BERTH_NATS_CREDS"));
     let js_floor = match nats_url {
-        Some(url) => js_floor(&url, nats_creds.as_deref()).await.unwrap_or_else(|e| {
-            eprintln!("JetStream floor not measured: {e:#}");
-            Samples::default()
-        }),
+        Some(url) => js_floor(&url, nats_creds.as_deref())
+            .await
+            .unwrap_or_else(|e| {
+                eprintln!("JetStream floor not measured: {e:#}");
+                Samples::default()
+            }),
         None => Samples::default(),
     };
 

@@ -93,11 +93,7 @@ async fn a_client_without_credentials_or_with_an_unknown_key_is_refused() {
     let subjects = unique_subjects();
     let control_plane = Creds::generate(Role::ControlPlane);
     let host = Creds::generate(Role::Host(HostId::new()));
-    let auth = server_auth_config(
-        &subjects,
-        &control_plane.public_key(),
-        &[host_user(&host)],
-    );
+    let auth = server_auth_config(&subjects, &control_plane.public_key(), &[host_user(&host)]);
     let server = NatsServer::start(Some(&auth), None).await;
 
     let anonymous = connect_spec(&server, None).connect().await;
@@ -176,7 +172,10 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
     }
     reported(
         &errors,
-        &format!("permissions violation for publish to \"{}\"", subjects.result(b)),
+        &format!(
+            "permissions violation for publish to \"{}\"",
+            subjects.result(b)
+        ),
     )
     .await;
 
@@ -260,11 +259,7 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
         reply["error"]["err_code"], 10131,
         "a consumer named A's but filtering B's commands was made: {reply}"
     );
-    let mut names = cp_js
-        .get_stream(&stream)
-        .await
-        .unwrap()
-        .consumer_names();
+    let mut names = cp_js.get_stream(&stream).await.unwrap().consumer_names();
     while let Some(name) = names.next().await {
         let name = name.unwrap();
         let info = cp_js
@@ -330,10 +325,13 @@ async fn heartbeats_of_an_unregistered_host_or_on_another_hosts_subject_are_not_
                 .unwrap();
         }
     };
-    eventually("the scheduler applies a registered host's heartbeat", || async {
-        publish(subjects.heartbeat(a), heartbeat(a)).await;
-        row(a).await
-    })
+    eventually(
+        "the scheduler applies a registered host's heartbeat",
+        || async {
+            publish(subjects.heartbeat(a), heartbeat(a)).await;
+            row(a).await
+        },
+    )
     .await;
 
     // B's heartbeat sent on A's subject, and a stranger's on its own; then B's own, rightly.
@@ -352,8 +350,14 @@ async fn heartbeats_of_an_unregistered_host_or_on_another_hosts_subject_are_not_
             == "after the forgeries"
     })
     .await;
-    assert!(!row(b).await, "a heartbeat for B on A's subject made B's row");
-    assert!(!row(stranger).await, "an unregistered host's heartbeat made a row");
+    assert!(
+        !row(b).await,
+        "a heartbeat for B on A's subject made B's row"
+    );
+    assert!(
+        !row(stranger).await,
+        "an unregistered host's heartbeat made a row"
+    );
 
     publish(subjects.heartbeat(b), heartbeat(b)).await;
     eventually("B's own heartbeat is applied", || row(b)).await;
@@ -413,7 +417,12 @@ async fn with_auth_on_a_host_added_by_the_cli_runs_a_sandbox_end_to_end(db: PgPo
     let host_file = dir.join("host.creds");
     let printed = berth_cli(
         &db,
-        &["admin", "add-host", "--creds-out", host_file.to_str().unwrap()],
+        &[
+            "admin",
+            "add-host",
+            "--creds-out",
+            host_file.to_str().unwrap(),
+        ],
     );
     let host: HostId = printed.trim().parse().expect("add-host prints the host id");
     let auth_file = dir.join("auth.conf");
@@ -432,10 +441,16 @@ async fn with_auth_on_a_host_added_by_the_cli_runs_a_sandbox_end_to_end(db: PgPo
     );
     let host_creds = nats_access::load(&host_file).unwrap();
     assert_eq!(host_creds.role, Role::Host(host));
-    assert!(connect_spec(&server, Some(&host_creds)).connect().await.is_err());
+    assert!(connect_spec(&server, Some(&host_creds))
+        .connect()
+        .await
+        .is_err());
     server.reload(Some(&std::fs::read_to_string(&auth_file).unwrap()));
     eventually("the reloaded server lets the new host in", || async {
-        connect_spec(&server, Some(&host_creds)).connect().await.is_ok()
+        connect_spec(&server, Some(&host_creds))
+            .connect()
+            .await
+            .is_ok()
     })
     .await;
 
@@ -502,7 +517,10 @@ async fn a_tls_connection_with_the_test_ca_works_and_a_client_without_it_is_refu
         .await
         .unwrap_or_else(|e| panic!("TLS with the test CA: {e}\n{}", server.log()));
     let mut sub = client.subscribe("tls.check").await.unwrap();
-    client.publish("tls.check", "over tls".into()).await.unwrap();
+    client
+        .publish("tls.check", "over tls".into())
+        .await
+        .unwrap();
     assert_eq!(&sub.next().await.unwrap().payload[..], b"over tls");
 
     let without_ca = NatsConnect {

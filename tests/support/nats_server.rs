@@ -109,7 +109,10 @@ impl Drop for NatsServer {
             let _ = child.wait();
         }
         if std::thread::panicking() {
-            eprintln!("test failed: its nats-server's log is in {}", self.dir.display());
+            eprintln!(
+                "test failed: its nats-server's log is in {}",
+                self.dir.display()
+            );
         } else {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
