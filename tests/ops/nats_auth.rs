@@ -137,47 +137,48 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
         .unwrap();
     let (host_a, errors) = watched(&server, &creds_a).await;
 
-    // Publishing: host A forges B's result and heartbeat, then sends its own.
-    let mut results = cp.subscribe(subjects.result_all()).await.unwrap();
-    let mut heartbeats = cp.subscribe(subjects.heartbeat_all()).await.unwrap();
+    // Publishing: host A forges B's result and heartbeat, sends agent requests (exec as root
+    // in a sandbox) and commands to B and to itself, and an event; then its own result and
+    // heartbeat. The control plane sees everything under the prefix.
+    let mut everything = cp
+        .subscribe(format!("{}.>", subjects.prefix()))
+        .await
+        .unwrap();
     cp.flush().await.unwrap();
-    host_a
-        .publish(subjects.result(b), "forged".into())
-        .await
-        .unwrap();
-    host_a
-        .publish(subjects.heartbeat(b), "forged".into())
-        .await
-        .unwrap();
-    host_a
-        .publish(subjects.result(a), "mine".into())
-        .await
-        .unwrap();
-    host_a
-        .publish(subjects.heartbeat(a), "mine".into())
-        .await
-        .unwrap();
-    host_a.flush().await.unwrap();
-    for (what, sub, own) in [
-        ("result", &mut results, subjects.result(a)),
-        ("heartbeat", &mut heartbeats, subjects.heartbeat(a)),
-    ] {
-        let first = sub.next().await.unwrap();
-        assert_eq!(
-            first.subject.as_str(),
-            own,
-            "host A's {what} for host B was delivered"
-        );
-        assert_eq!(&first.payload[..], b"mine");
+    let forged = [
+        subjects.result(b),
+        subjects.heartbeat(b),
+        subjects.agent(b),
+        subjects.cmd(b),
+        subjects.agent(a),
+        subjects.cmd(a),
+        format!("{}.events.sandbox.x.y", subjects.prefix()),
+    ];
+    for subject in &forged {
+        host_a
+            .publish(subject.clone(), "forged".into())
+            .await
+            .unwrap();
     }
-    reported(
-        &errors,
-        &format!(
-            "permissions violation for publish to \"{}\"",
-            subjects.result(b)
-        ),
-    )
-    .await;
+    for subject in [subjects.result(a), subjects.heartbeat(a)] {
+        host_a.publish(subject, "mine".into()).await.unwrap();
+    }
+    host_a.flush().await.unwrap();
+    for own in [subjects.result(a), subjects.heartbeat(a)] {
+        let next = everything.next().await.unwrap();
+        assert_eq!(
+            (next.subject.as_str(), &next.payload[..]),
+            (own.as_str(), &b"mine"[..]),
+            "host A's forged message was delivered"
+        );
+    }
+    for subject in &forged {
+        reported(
+            &errors,
+            &format!("permissions violation for publish to \"{subject}\""),
+        )
+        .await;
+    }
 
     // Subscribing: to B's agent requests and commands, and to anyone's replies.
     let forbidden = [
