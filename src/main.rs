@@ -194,6 +194,12 @@ enum AdminCmd {
         #[arg(long)]
         creds_out: PathBuf,
     },
+    /// Forget a host's registration: the scheduler drops its heartbeats from now on, and the
+    /// next `nats-config` leaves its key out (reload nats-server to shut it out of NATS).
+    RemoveHost {
+        /// The host's id.
+        host_id: HostId,
+    },
     /// Render nats-server's `authorization` block: the control plane's key and every
     /// registered host's, each with its permissions. Include it in the server's config and
     /// reload the server (`nats-server --signal reload`) after each `add-host`.
@@ -523,6 +529,15 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                         creds_out.display()
                     );
                     println!("{host}");
+                }
+                AdminCmd::RemoveHost { host_id } => {
+                    if !berth_store::hosts::unregister(&db, host_id).await? {
+                        anyhow::bail!("host {host_id} is not registered");
+                    }
+                    eprintln!(
+                        "host {host_id} unregistered; now re-render the server's users \
+                         (berth admin nats-config) and reload nats-server"
+                    );
                 }
                 AdminCmd::NatsConfig {
                     control_plane_creds,

@@ -241,8 +241,11 @@ async fn run_as(
         source: std::io::Error::other(e),
     })?;
     let _ = heartbeats.await;
-    if let Err(e) = nats.flush().await {
-        tracing::debug!(error = %e, "flush at shutdown failed");
+    // A server that no longer lets this host in (its key removed) never answers a flush.
+    match tokio::time::timeout(SHUTDOWN_FLUSH_TIMEOUT, nats.flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "flush at shutdown failed"),
+        Err(_) => tracing::warn!(timeout = ?SHUTDOWN_FLUSH_TIMEOUT, "NATS not flushed at shutdown"),
     }
     holder.backend.shut_down(&holder).await;
     tracing::info!(%host_id, "hostd stopped");
@@ -281,6 +284,9 @@ fn backend_for(
         Arc::new(OciBackend::new(host_id, config)),
     ))
 }
+
+/// How long hostd waits at shutdown for NATS to take what it still buffers.
+const SHUTDOWN_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often hostd looks for the command stream the control plane has not made yet.
 const STREAM_LOOKUP_INTERVAL: Duration = Duration::from_secs(1);

@@ -414,6 +414,21 @@ pub async fn register(
     Ok(())
 }
 
+/// Forgets `host`'s registration (its heartbeats are dropped from now on, and the next
+/// rendered NATS user list leaves its key out). Returns whether it was registered.
+///
+/// Errors: [`StoreError`].
+pub async fn unregister(db: impl PgExecutor<'_>, host: HostId) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::HostRegister,
+        sqlx::query("DELETE FROM host_registrations WHERE host_id = $1")
+            .bind(host)
+            .execute(db),
+    )
+    .await?;
+    Ok(done.rows_affected() > 0)
+}
+
 /// Which of `hosts` are registered (one query for a batch of heartbeats).
 ///
 /// Errors: [`StoreError`].

@@ -390,7 +390,9 @@ fn berth_cli(db: &PgPool, args: &[&str]) -> String {
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn with_auth_on_a_host_added_by_the_cli_runs_a_sandbox_end_to_end(db: PgPool) {
+async fn with_auth_on_a_host_added_by_the_cli_runs_a_sandbox_end_to_end_until_it_is_removed(
+    db: PgPool,
+) {
     berth_store::MIGRATOR.run(&db).await.unwrap();
     let subjects = Subjects::new(&format!("t{}", crate::support::unique())).unwrap();
     let dir = crate::support::cleanup::fresh_dir("nats-auth");
@@ -468,6 +470,27 @@ async fn with_auth_on_a_host_added_by_the_cli_runs_a_sandbox_end_to_end(db: PgPo
     assert_eq!(status, 202);
     stack.wait_state(&id, "deleted").await;
     stack.assert_no_capacity_drift().await;
+
+    // Removing the host shuts its key out once the users are re-rendered and reloaded.
+    berth_cli(&db, &["admin", "remove-host", &host.to_string()]);
+    let render = [
+        "admin",
+        "nats-config",
+        "--control-plane-creds",
+        cp_file.to_str().unwrap(),
+        "--subject-prefix",
+        subjects.prefix(),
+    ];
+    let users = berth_cli(&db, &render);
+    assert!(!users.contains(&host_creds.public_key()), "{users}");
+    server.reload(Some(&users));
+    eventually("the reloaded server refuses the removed host", || async {
+        connect_spec(&server, Some(&host_creds))
+            .connect()
+            .await
+            .is_err()
+    })
+    .await;
     stack.teardown().await;
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
