@@ -37,8 +37,18 @@ impl NatsServer {
         };
         server.write_config(auth);
         let log = std::fs::File::create(server.dir.join("nats.log")).unwrap();
+        let mut command = Command::new("nats-server");
+        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec. A test
+        // process killed from outside (no Drop) takes its server with it.
+        unsafe {
+            use std::os::unix::process::CommandExt as _;
+            command.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)
+                    .map_err(std::io::Error::from)
+            });
+        }
         server.child = Some(
-            Command::new("nats-server")
+            command
                 .arg("-c")
                 .arg(server.config_file())
                 .stdin(Stdio::null())
