@@ -14,7 +14,7 @@ use berth_schemas::wire::{
 use berth_schemas::{CommandKind, SandboxId};
 
 use crate::harness::*;
-use crate::support::env::{eventually, path_str};
+use crate::support::env::{eventually, path_str, run};
 
 /// The disk of the sandboxes these tests fill, in MiB.
 const DISK_MIB: u32 = 64;
@@ -164,16 +164,31 @@ async fn failed_after_the_disk(h: &mut Harness) -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_console_written_far_past_its_cap_keeps_at_most_the_cap_per_file_on_runc(
 ) -> anyhow::Result<()> {
-    with_harness(|h| Box::pin(console_cap(h, "base"))).await
+    with_harness(|h| Box::pin(console_cap(h, "base", ConsoleWriter::HostSide))).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_console_written_far_past_its_cap_keeps_at_most_the_cap_per_file_on_gvisor(
 ) -> anyhow::Result<()> {
-    with_harness(|h| Box::pin(console_cap(h, "base-gvisor"))).await
+    with_harness(|h| Box::pin(console_cap(h, "base-gvisor", ConsoleWriter::Inside))).await
 }
 
-async fn console_cap(h: &mut Harness, template: &'static str) -> anyhow::Result<()> {
+/// Who floods a sandbox's console.
+#[derive(Clone, Copy)]
+enum ConsoleWriter {
+    /// An exec inside the sandbox, through `/proc/1/fd/1` (gVisor lets its root reach it).
+    Inside,
+    /// The test, from the host, through the container init's `/proc/<pid>/fd/1`: inside a
+    /// runc sandbox the agent is not dumpable and its user namespace not the host's, so
+    /// `/proc/1/fd` is refused there; what the agent itself writes takes the same pipe.
+    HostSide,
+}
+
+async fn console_cap(
+    h: &mut Harness,
+    template: &'static str,
+    writer: ConsoleWriter,
+) -> anyhow::Result<()> {
     h.stop_hostd().await?;
     h.config.console_log_max_bytes = CONSOLE_CAP;
     h.start_hostd();
@@ -182,13 +197,33 @@ async fn console_cap(h: &mut Harness, template: &'static str) -> anyhow::Result<
     succeeded_address(&h.send(&create).await?)?;
 
     // 4 MiB into the agent's stdout (the console), then a last line on its stderr.
-    exec_ok(
-        h,
-        sandbox,
-        "dd if=/dev/zero bs=1024 count=4096 2>/dev/null | tr '\\0' x > /proc/1/fd/1 \
-         && echo console-end > /proc/1/fd/2",
-    )
-    .await?;
+    let flood = |fd: &str| {
+        format!(
+            "dd if=/dev/zero bs=1024 count=4096 2>/dev/null | tr '\\0' x > {fd}/1 \
+             && echo console-end > {fd}/2"
+        )
+    };
+    match writer {
+        ConsoleWriter::Inside => {
+            exec_ok(h, sandbox, &flood("/proc/1/fd")).await?;
+        }
+        ConsoleWriter::HostSide => {
+            let state = run(
+                "runc",
+                &[
+                    "--root",
+                    &path_str(&h.runc_root()),
+                    "state",
+                    &h.names(sandbox).container_id,
+                ],
+            )
+            .await?;
+            let pid = serde_json::from_str::<serde_json::Value>(&state)?["pid"]
+                .as_i64()
+                .context("the container's init pid")?;
+            run("sh", &["-c", &flood(&format!("/proc/{pid}/fd"))]).await?;
+        }
+    }
     let log = h.sandbox_dir(sandbox).join("console.log");
     let end = log.clone();
     eventually("the console's last line to reach the log", || {
