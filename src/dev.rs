@@ -55,6 +55,8 @@ pub struct DevArgs {
     /// machine); refused by default.
     #[arg(long, env = "BERTH_WEBHOOK_ALLOW_PRIVATE_TARGETS")]
     webhook_allow_private_targets: bool,
+    #[command(flatten)]
+    limits: crate::limits_args::ApiLimitArgs,
 }
 
 /// The machine's host name, for host names in heartbeats.
@@ -410,6 +412,7 @@ async fn run_stack(
     let subjects = berth_schemas::Subjects::new(&args.subject_prefix)?;
     let mut config = StackConfig::new(nats_url.clone(), subjects, args.api_addr);
     config.api.webhooks.allow_private_targets = args.webhook_allow_private_targets;
+    config.api.limits = args.limits.config();
     let host_name = hostname();
     for i in 0..args.hosts {
         let mut host = berth_hostd::HostdConfig::new(

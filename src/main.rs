@@ -3,6 +3,7 @@
 
 mod bench;
 mod dev;
+mod limits_args;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -51,6 +52,8 @@ enum Cmd {
         /// receiver); refused by default.
         #[arg(long, env = "BERTH_WEBHOOK_ALLOW_PRIVATE_TARGETS")]
         webhook_allow_private_targets: bool,
+        #[command(flatten)]
+        limits: limits_args::ApiLimitArgs,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -164,8 +167,12 @@ enum TemplateCmd {
 
 #[derive(Subcommand)]
 enum AdminCmd {
-    /// Create an org and print its first API key (shown once).
-    CreateOrg { name: String },
+    /// Create an org with the default quota and print its first API key (shown once).
+    CreateOrg {
+        name: String,
+        #[command(flatten)]
+        quota: limits_args::DefaultQuotaArgs,
+    },
     /// Create an operator key for the `/v1/hosts` routes and print it (shown once).
     CreateAdminKey,
     /// Set an org's quotas; an omitted limit becomes unlimited.
@@ -291,21 +298,21 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             conn,
             listen,
             webhook_allow_private_targets,
+            limits,
         } => {
             let db = connect_db(&conn.database_url).await?;
             let nats = connect_nats(&conn.nats.nats_url).await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
-            let state = berth_api::AppState {
+            let mut config = berth_api::ApiConfig::new(listen, subjects.clone());
+            config.webhooks.allow_private_targets = webhook_allow_private_targets;
+            config.limits = limits.config();
+            let state = berth_api::AppState::new(
                 db,
                 nats,
-                subjects: subjects.clone(),
-                config: {
-                    let mut config = berth_api::ApiConfig::new(listen, subjects);
-                    config.webhooks.allow_private_targets = webhook_allow_private_targets;
-                    config
-                },
-                prometheus: berth_api::metrics::handle(),
-            };
+                subjects,
+                config,
+                berth_api::metrics::handle(),
+            );
             berth_api::run(state, shutdown_on_signal()).await?;
         }
         Cmd::Scheduler { conn, metrics_addr } => {
@@ -417,8 +424,9 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let db = connect_db(&database_url).await?;
             berth_store::MIGRATOR.run(&db).await?;
             match command {
-                AdminCmd::CreateOrg { name } => {
-                    let (org, key) = berth_api::auth::create_org(&db, &name).await?;
+                AdminCmd::CreateOrg { name, quota } => {
+                    let (org, key) =
+                        berth_api::auth::create_org_with_quota(&db, &name, quota.quota()).await?;
                     eprintln!("created org {name} ({org}); the key is shown only now");
                     println!("{key}");
                 }

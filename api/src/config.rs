@@ -6,6 +6,7 @@ use std::time::Duration;
 use berth_schemas::Subjects;
 
 use crate::http::events::EventStreamConfig;
+use crate::limits::LimitsConfig;
 use crate::webhooks::delivery::WebhookConfig;
 
 /// Default listen address of the API.
@@ -28,13 +29,15 @@ pub struct ApiConfig {
     pub events: EventStreamConfig,
     /// Timing and limits of webhook delivery.
     pub webhooks: WebhookConfig,
+    /// Connection, timeout, rate, size and concurrency limits (see [`LimitsConfig`]).
+    pub limits: LimitsConfig,
 }
 
 impl ApiConfig {
     /// Defaults for everything but the listen address and the subjects:
     /// [`berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS`], the default overcommit,
     /// [`crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS`], and the defaults of the event
-    /// stream and of webhook delivery.
+    /// stream and of webhook delivery, and [`LimitsConfig::default`].
     pub fn new(listen: SocketAddr, subjects: Subjects) -> Self {
         Self {
             listen,
@@ -44,6 +47,7 @@ impl ApiConfig {
             max_concurrent_starts: crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS,
             events: Default::default(),
             webhooks: Default::default(),
+            limits: Default::default(),
         }
     }
 }

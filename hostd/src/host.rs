@@ -34,8 +34,10 @@ use crate::runtime::{ContainerStatus, RuntimeDriver, Runtimes};
 use crate::template::Templates;
 use crate::HostdConfig;
 
-/// Chunks of a streamed exec's output (`(fd, bytes)`), as they come from the agent.
-pub type OutputSender = tokio::sync::mpsc::UnboundedSender<(u8, Vec<u8>)>;
+/// Chunks of a streamed exec's output (`(fd, bytes)`), as they come from the agent. Bounded:
+/// while it is full, hostd stops reading the agent's connection, so a slow consumer slows
+/// the process (its pipe fills) instead of growing a buffer.
+pub type OutputSender = tokio::sync::mpsc::Sender<(u8, Vec<u8>)>;
 
 /// Everything a real host and a sim host do differently: the machine-facing half of each
 /// use case. The use cases (`apply`, `nats`) call these and never ask which backend runs.
@@ -221,6 +223,23 @@ impl Host {
             .await
             .ok()??;
         crate::cgroup::oom_counter_of(pid)
+    }
+
+    /// Whether the sandbox's container runs now; `true` when that cannot be told (no record
+    /// or runtime), so an unknown is never taken for a stop.
+    pub async fn container_running(&self, sandbox: SandboxId) -> bool {
+        let Some(record) = self.live(sandbox) else {
+            return true;
+        };
+        let Ok(runtime) = self.runtime_of(&record) else {
+            return true;
+        };
+        match runtime.status(&self.names(sandbox).container_id).await {
+            Ok(Some(status)) => status == ContainerStatus::Running,
+            // Gone.
+            Ok(None) => false,
+            Err(_) => true,
+        }
     }
 
     /// Resolves once the sandbox's container no longer runs (polled every `interval`); never

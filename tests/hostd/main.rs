@@ -6,6 +6,7 @@
 mod support;
 
 mod agent;
+mod bounds;
 mod gvisor;
 mod harness;
 mod io;
