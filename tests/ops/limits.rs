@@ -57,6 +57,7 @@ async fn healthz_answers(address: &str) -> bool {
 async fn a_slow_loris_connection_is_closed_after_the_header_timeout(db: PgPool) {
     let stack = Stack::start_configured(db, 0, Default::default(), |config| {
         config.limits.header_read_timeout = Duration::from_secs(1);
+        config.limits.body_idle_timeout = Duration::from_secs(1);
     })
     .await;
     let address = address(&stack);
@@ -71,6 +72,21 @@ async fn a_slow_loris_connection_is_closed_after_the_header_timeout(db: PgPool) 
     // A connection that sends nothing at all is closed too (the keep-alive idle case).
     let mut idle = TcpStream::connect(&address).await.unwrap();
     until_closed(&mut idle).await;
+    // A body that stops halfway fails the request and the connection is closed.
+    let mut stalled_body = TcpStream::connect(&address).await.unwrap();
+    stalled_body
+        .write_all(
+            format!(
+                "POST /v1/sandboxes HTTP/1.1\r\nHost: {address}\r\nAuthorization: Bearer {}\r\n\
+                 Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"templ",
+                stack.key
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let answer = until_closed(&mut stalled_body).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     // A whole request is served.
     assert!(healthz_answers(&address).await);
     stack.teardown().await;
