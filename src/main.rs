@@ -306,13 +306,8 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let mut config = berth_api::ApiConfig::new(listen, subjects.clone());
             config.webhooks.allow_private_targets = webhook_allow_private_targets;
             config.limits = limits.config();
-            let state = berth_api::AppState::new(
-                db,
-                nats,
-                subjects,
-                config,
-                berth_api::metrics::handle(),
-            );
+            let state =
+                berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
             berth_api::run(state, shutdown_on_signal()).await?;
         }
         Cmd::Scheduler { conn, metrics_addr } => {

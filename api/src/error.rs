@@ -121,7 +121,9 @@ impl ApiError {
             ApiError::TooManyConcurrent { .. } => {
                 (StatusCode::TOO_MANY_REQUESTS, "too_many_concurrent")
             }
-            ApiError::PayloadTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            ApiError::PayloadTooLarge { .. } => {
+                (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")
+            }
             ApiError::InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
             ApiError::UnknownTemplate(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unknown_template"),
             ApiError::IdempotencyKeyReused(_) => {

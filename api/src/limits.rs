@@ -440,7 +440,7 @@ mod tests {
             .concurrency(OrgId(uuid::Uuid::new_v4()), Concurrent::Execs)
             .unwrap();
         drop(a);
-        guards.concurrency(org, Concurrent::Execs).unwrap();
+        let _again = guards.concurrency(org, Concurrent::Execs).unwrap();
     }
 
     #[test]

@@ -57,9 +57,7 @@ pub async fn serve(
     }));
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
-        .header_read_timeout(
-            Some(limits.header_read_timeout).filter(|timeout| !timeout.is_zero()),
-        )
+        .header_read_timeout(Some(limits.header_read_timeout).filter(|timeout| !timeout.is_zero()))
         .keep_alive(true);
     let graceful = GracefulShutdown::new();
     loop {

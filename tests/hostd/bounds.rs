@@ -62,7 +62,11 @@ async fn a_stalled_exec_stream_reader_does_not_grow_the_api_process(db: PgPool) 
         .unwrap();
     assert_eq!(warm.status(), 200);
     let text = warm.text().await.unwrap();
-    assert!(text.contains("\"exit_code\":0"), "{}", &text[text.len() - 200..]);
+    assert!(
+        text.contains("\"exit_code\":0"),
+        "{}",
+        &text[text.len() - 200..]
+    );
     let baseline = api.rss_bytes();
     let (peak, stop_watch) = watch_peak_rss(api.pid);
 
@@ -86,10 +90,13 @@ async fn a_stalled_exec_stream_reader_does_not_grow_the_api_process(db: PgPool) 
     })
     .await;
     // It ends at its timeout (the agent kills it), whether its output went anywhere or not.
-    eventually("the stalled stream's process ended at its timeout", || async {
-        let (_, out) = stack.exec(&id, &["pidof", "yes"]).await;
-        out["exit_code"] == 1
-    })
+    eventually(
+        "the stalled stream's process ended at its timeout",
+        || async {
+            let (_, out) = stack.exec(&id, &["pidof", "yes"]).await;
+            out["exit_code"] == 1
+        },
+    )
     .await;
     stop_watch.cancel();
     let now = api.rss_bytes();
@@ -317,7 +324,12 @@ async fn uploads_over_the_limit_devices_fifos_deletes_mid_exec_and_the_stream_ca
     };
     eventually("the exec runs", || async {
         let (_, out) = stack.exec(&id, &["pidof", "sleep"]).await;
-        out["stdout"].as_str().unwrap_or_default().split_whitespace().count() >= 2
+        out["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .split_whitespace()
+            .count()
+            >= 2
     })
     .await;
     let (status, _) = stack.delete(&id).await;

@@ -63,8 +63,7 @@ async fn a_slow_loris_connection_is_closed_after_the_header_timeout(db: PgPool) 
     let address = address(&stack);
     // Half a request head, then nothing.
     let mut slow = TcpStream::connect(&address).await.unwrap();
-    slow.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {address}\r\nX-A: ")
-        .as_bytes())
+    slow.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {address}\r\nX-A: ").as_bytes())
         .await
         .unwrap();
     let answer = until_closed(&mut slow).await;
@@ -160,7 +159,12 @@ async fn requests_over_the_key_or_address_rate_get_429_with_retry_after(db: PgPo
     // Unauthenticated requests from the same address spend the address's rate.
     let mut limit = None;
     for _ in 0..1000 {
-        let response = stack.http.get(stack.url("/v1/templates")).send().await.unwrap();
+        let response = stack
+            .http
+            .get(stack.url("/v1/templates"))
+            .send()
+            .await
+            .unwrap();
         if response.status() == 429 {
             let body: serde_json::Value = response.json().await.unwrap();
             limit = Some(body["error"]["limit"].clone());
@@ -179,7 +183,12 @@ async fn a_bad_key_flood_stops_reaching_postgres_and_good_keys_are_cached(db: Pg
     let stack = Stack::start(db, 0).await;
     let api = ApiProcess::spawn(
         &stack,
-        &["--key-lookups-per-ip", "1", "--key-lookups-per-ip-burst", "5"],
+        &[
+            "--key-lookups-per-ip",
+            "1",
+            "--key-lookups-per-ip-burst",
+            "5",
+        ],
     )
     .await;
     const LOOKUPS: &str = "berth_db_query_duration_seconds_count{op=\"api_key_find\"}";
@@ -211,17 +220,20 @@ async fn a_bad_key_flood_stops_reaching_postgres_and_good_keys_are_cached(db: Pg
     );
     // The address's lookup budget is spent for good keys too, until it refills; then a good
     // key is looked up once and served from the cache (its own rate is far from spent).
-    eventually("the address's lookup budget refills for a good key", || async {
-        stack
-            .http
-            .get(api.url("/v1/sandboxes"))
-            .bearer_auth(&stack.key)
-            .send()
-            .await
-            .unwrap()
-            .status()
-            == 200
-    })
+    eventually(
+        "the address's lookup budget refills for a good key",
+        || async {
+            stack
+                .http
+                .get(api.url("/v1/sandboxes"))
+                .bearer_auth(&stack.key)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                == 200
+        },
+    )
     .await;
     let before = api.metric(LOOKUPS).await;
     let mut served = 0;
@@ -238,7 +250,10 @@ async fn a_bad_key_flood_stops_reaching_postgres_and_good_keys_are_cached(db: Pg
         }
     }
     let lookups = api.metric(LOOKUPS).await - before;
-    assert_eq!(served, 20, "a cached good key is not limited by the lookup budget");
+    assert_eq!(
+        served, 20,
+        "a cached good key is not limited by the lookup budget"
+    );
     assert!(
         lookups < served as f64,
         "{lookups} lookups for {served} requests with one good key: no cache"
@@ -302,7 +317,10 @@ async fn a_new_org_gets_the_default_quota(db: PgPool) {
     // An operator's default applies to the org's creates.
     let small = format!("small-{}", crate::support::unique());
     let key = admin_create_org(&stack, &small, &[("BERTH_DEFAULT_ORG_MAX_RUNNING", "1")]).await;
-    assert_eq!(quota_of(&db, &small).await, (Some(1), Some(20), Some(20_480)));
+    assert_eq!(
+        quota_of(&db, &small).await,
+        (Some(1), Some(20), Some(20_480))
+    );
     inproc::heartbeat(
         &db,
         HostId::new(),

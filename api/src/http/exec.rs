@@ -179,7 +179,11 @@ pub(crate) fn not_running(sandbox: &Sandbox) -> ApiError {
 
 /// 409 for a sandbox that stopped (or was deleted) while a request ran in it, with the state
 /// it has now; 404 when it is gone altogether.
-pub(crate) async fn stopped_meanwhile(app: &AppState, caller: &Caller, sandbox: &Sandbox) -> ApiError {
+pub(crate) async fn stopped_meanwhile(
+    app: &AppState,
+    caller: &Caller,
+    sandbox: &Sandbox,
+) -> ApiError {
     match crate::http::sandboxes::fetch(app, caller, sandbox.id).await {
         Ok(now) => ApiError::Conflict {
             state: now.state,

@@ -122,7 +122,9 @@ pub async fn get(
     Query(query): Query<FileQuery>,
 ) -> Result<Response, ApiError> {
     let path = absolute(query.path)?;
-    let permit = app.guards.concurrency(caller.org_id, Concurrent::Transfers)?;
+    let permit = app
+        .guards
+        .concurrency(caller.org_id, Concurrent::Transfers)?;
     let (sandbox, host) = running(&app, &caller, &id).await?;
     let stat = match call(&app, &sandbox, host, AgentOp::Stat { path: path.clone() }).await? {
         AgentReply::Stat(stat) => stat,
@@ -282,7 +284,9 @@ pub async fn put(
     if declared.is_some_and(|length| length > limit) {
         return Err(ApiError::PayloadTooLarge { limit });
     }
-    let _permit = app.guards.concurrency(caller.org_id, Concurrent::Transfers)?;
+    let _permit = app
+        .guards
+        .concurrency(caller.org_id, Concurrent::Transfers)?;
     let (sandbox, host) = running(&app, &caller, &id).await?;
     // A directory cannot be replaced by a file: refuse before writing the temporary sibling,
     // which the failed rename would otherwise leave behind. A missing path is the usual case.
@@ -331,9 +335,8 @@ impl Upload<'_> {
         let mut pending = BytesMut::with_capacity(chunk);
         let mut body = body.into_data_stream();
         while let Some(piece) = body.next().await {
-            let piece = piece.map_err(|e| {
-                ApiError::invalid("body", format!("the upload broke off: {e}"))
-            })?;
+            let piece = piece
+                .map_err(|e| ApiError::invalid("body", format!("the upload broke off: {e}")))?;
             if self.written + (pending.len() + piece.len()) as u64 > limit {
                 return Err(ApiError::PayloadTooLarge { limit });
             }

@@ -18,8 +18,8 @@ use nix::unistd::Pid;
 use super::protocol::{
     DataReply, Entry, ErrorReply, ExecOutput, Kind, ListReply, OutputChunk, PingReply, Request,
     Response, Stat, StatReply, WrittenReply, CODE_NOT_FOUND, CODE_NOT_REGULAR, CODE_TOO_LARGE,
-    MAX_CAPTURED_OUTPUT,
-    MAX_DIR_ENTRIES, MAX_EXEC_TIMEOUT_MS, MAX_FILE_CHUNK, MAX_LINE_BYTES, MAX_STDIN_BYTES,
+    MAX_CAPTURED_OUTPUT, MAX_DIR_ENTRIES, MAX_EXEC_TIMEOUT_MS, MAX_FILE_CHUNK, MAX_LINE_BYTES,
+    MAX_STDIN_BYTES,
 };
 use crate::oci::GUEST_PATH;
 
@@ -609,10 +609,16 @@ mod tests {
         assert_eq!(zero.code.as_deref(), Some(CODE_NOT_REGULAR));
         let path = dir.join("f").to_string_lossy().into_owned();
         write(&path, 0, b"x", true).unwrap();
-        assert!(matches!(answer(Request::Remove { path: path.clone() }), Response::Ping(_)));
+        assert!(matches!(
+            answer(Request::Remove { path: path.clone() }),
+            Response::Ping(_)
+        ));
         assert!(stat(&path).is_err(), "removed");
         // Removing what is gone is not an error.
-        assert!(matches!(answer(Request::Remove { path }), Response::Ping(_)));
+        assert!(matches!(
+            answer(Request::Remove { path }),
+            Response::Ping(_)
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

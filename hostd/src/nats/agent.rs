@@ -137,13 +137,7 @@ fn control(flows: &Flows, message: &Message) {
 }
 
 /// Answers one request on `reply_to`.
-async fn answer(
-    host: Arc<Host>,
-    nats: Client,
-    flows: Flows,
-    message: Message,
-    reply_to: Subject,
-) {
+async fn answer(host: Arc<Host>, nats: Client, flows: Flows, message: Message, reply_to: Subject) {
     let reply = match wire::decode::<AgentRequest>(&message.payload) {
         Ok(request) => {
             let span = tracing::info_span!(
@@ -152,7 +146,9 @@ async fn answer(
                 sandbox_id = %request.sandbox_id,
             );
             let output = match &request.op {
-                AgentOp::ExecStream(_) => Some(forward_output(nats.clone(), reply_to.clone(), None)),
+                AgentOp::ExecStream(_) => {
+                    Some(forward_output(nats.clone(), reply_to.clone(), None))
+                }
                 AgentOp::ExecStreamWindowed { window, .. } => {
                     let flow = flows.open(reply_to.as_str(), *window);
                     Some(forward_output(nats.clone(), reply_to.clone(), Some(flow)))

@@ -46,10 +46,9 @@ pub async fn run(
     }
     let outcome = match (op, output) {
         (AgentOp::Exec(spec), _) => return exec(host, sandbox, address, spec, None).await,
-        (
-            AgentOp::ExecStream(spec) | AgentOp::ExecStreamWindowed { spec, .. },
-            Some(output),
-        ) => return exec(host, sandbox, address, spec, Some(output)).await,
+        (AgentOp::ExecStream(spec) | AgentOp::ExecStreamWindowed { spec, .. }, Some(output)) => {
+            return exec(host, sandbox, address, spec, Some(output)).await
+        }
         // Its output would have nowhere to go.
         (AgentOp::ExecStream(_) | AgentOp::ExecStreamWindowed { .. }, None) => {
             return AgentReply::Failed(AgentFailure::Agent(
@@ -136,13 +135,7 @@ async fn exec(
     } = spec;
     let call: futures::future::BoxFuture<'_, Result<ExecResult, HostdError>> = match &output {
         Some(output) => Box::pin(client::exec_stream(
-            address,
-            argv,
-            env,
-            cwd,
-            stdin,
-            timeout_ms,
-            output,
+            address, argv, env, cwd, stdin, timeout_ms, output,
         )),
         None => Box::pin(client::exec_with(
             address, argv, env, cwd, stdin, timeout_ms,
