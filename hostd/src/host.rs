@@ -225,23 +225,6 @@ impl Host {
         crate::cgroup::oom_counter_of(pid)
     }
 
-    /// Whether the sandbox's container runs now; `true` when that cannot be told (no record
-    /// or runtime), so an unknown is never taken for a stop.
-    pub async fn container_running(&self, sandbox: SandboxId) -> bool {
-        let Some(record) = self.live(sandbox) else {
-            return true;
-        };
-        let Ok(runtime) = self.runtime_of(&record) else {
-            return true;
-        };
-        match runtime.status(&self.names(sandbox).container_id).await {
-            Ok(Some(status)) => status == ContainerStatus::Running,
-            // Gone.
-            Ok(None) => false,
-            Err(_) => true,
-        }
-    }
-
     /// Resolves once the sandbox's container no longer runs (polled every `interval`); never
     /// while it runs.
     pub async fn stopped_running(&self, sandbox: SandboxId, interval: std::time::Duration) {

@@ -154,9 +154,13 @@ async fn exec(
                     timed_out: false,
                     oom_killed,
                 }
-            } else {
+            } else if !still_meant_to_run(host, sandbox) {
                 // Stopped or deleted meanwhile: the requester's conflict, not an agent fault.
                 AgentReply::Failed(AgentFailure::NotRunning)
+            } else {
+                AgentReply::Failed(AgentFailure::Agent(
+                    "the sandbox stopped during the exec".into(),
+                ))
             };
         }
     };
@@ -182,9 +186,9 @@ async fn exec(
             }
         }
         Ok(ExecResult::Refused(reason)) => AgentReply::Failed(AgentFailure::Agent(reason)),
-        // A connection cut mid-exec is most often the sandbox going away under it (a stop or
-        // a delete kills the agent): say so, rather than pass on the broken read.
-        Err(e) if !still_running(host, sandbox).await => {
+        // A connection cut mid-exec by a stop or a delete taking the sandbox down: say so,
+        // rather than pass on the broken read.
+        Err(e) if !still_meant_to_run(host, sandbox) => {
             tracing::info!(error = %e.report(), "the sandbox stopped during an exec");
             AgentReply::Failed(AgentFailure::NotRunning)
         }
@@ -192,13 +196,11 @@ async fn exec(
     }
 }
 
-/// Whether the sandbox is still meant to run here (its record says running and its gate is
-/// open) and its container runs.
-async fn still_running(host: &Host, sandbox: SandboxId) -> bool {
-    let Ok((_, _permit)) = host.exec_target(sandbox) else {
-        return false;
-    };
-    host.container_running(sandbox).await
+/// Whether the sandbox is still meant to run here: its record says running and no stop or
+/// delete has closed its gate. A sandbox that crashed on its own still is (its exec failed:
+/// an agent fault); one a stop or delete is taking down is not.
+fn still_meant_to_run(host: &Host, sandbox: SandboxId) -> bool {
+    host.exec_target(sandbox).is_ok()
 }
 
 /// Sends a file request and maps the agent's answer.
