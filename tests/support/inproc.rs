@@ -84,6 +84,16 @@ impl Reply {
 impl Api {
     /// The router with a real NATS client (used only by exec) and a long heartbeat freshness.
     pub fn new(db: PgPool, nats: async_nats::Client, subjects: Subjects) -> Self {
+        Self::configured(db, nats, subjects, |_| {})
+    }
+
+    /// [`Api::new`] with `adjust` applied to its configuration last.
+    pub fn configured(
+        db: PgPool,
+        nats: async_nats::Client,
+        subjects: Subjects,
+        adjust: impl FnOnce(&mut berth_api::ApiConfig),
+    ) -> Self {
         let addr = "127.0.0.1:0".parse().expect("a socket address");
         let mut config = berth_api::ApiConfig::new(addr, subjects.clone());
         config.heartbeat_freshness = TEST_HEARTBEAT_FRESHNESS;
@@ -91,6 +101,7 @@ impl Api {
         config.webhooks.allow_private_targets = true;
         // Scenarios drive one key much faster than a client should.
         config.limits = berth_api::limits::LimitsConfig::without_rate_limits();
+        adjust(&mut config);
         let state =
             berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
         Self {
