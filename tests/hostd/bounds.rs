@@ -1,7 +1,8 @@
 //! The API's memory stays bounded whatever a client or a sandbox does (issue 11 item 5): a
 //! stalled `exec/stream` reader and a file larger than the old 64 MiB limit, measured on a
 //! spawned `berth api` process's resident memory; uploads over the limit; reads of devices
-//! and FIFOs; a delete during an exec; the per-org cap on concurrent streams.
+//! and FIFOs; a delete during an exec; the per-org caps on concurrent streams, transfers and
+//! execs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -206,7 +207,7 @@ async fn a_file_larger_than_the_old_limit_round_trips_without_growing_the_api(db
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn uploads_over_the_limit_devices_fifos_deletes_mid_exec_and_the_stream_cap(db: PgPool) {
+async fn uploads_over_the_limit_devices_fifos_deletes_mid_exec_and_the_org_caps(db: PgPool) {
     let stack = Stack::start_configured(
         db,
         1,
@@ -214,6 +215,8 @@ async fn uploads_over_the_limit_devices_fifos_deletes_mid_exec_and_the_stream_ca
         |config| {
             config.limits.max_file_bytes = MIB;
             config.limits.org_max_streams = 1;
+            config.limits.org_max_transfers = 1;
+            config.limits.org_max_execs = 2;
         },
     )
     .await;
@@ -262,6 +265,46 @@ async fn uploads_over_the_limit_devices_fifos_deletes_mid_exec_and_the_stream_ca
         (put.status(), put.text().await.unwrap())
     };
     assert_eq!(status, 200, "{body}");
+
+    // One transfer at a time: an upload whose body stalls holds the org's slot, and a
+    // download meanwhile is 429; once the upload's connection closes, downloads pass again.
+    let mut stalled_upload = tokio::net::TcpStream::connect(&address).await.unwrap();
+    stalled_upload
+        .write_all(
+            format!(
+                "PUT /v1/sandboxes/{id}/files?path=/root/up/slow.bin HTTP/1.1\r\nHost: {address}\r\n\
+                 Authorization: Bearer {}\r\nContent-Length: 1000\r\n\r\n0123456789",
+                stack.key
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let download = format!("/v1/sandboxes/{id}/files?path=/root/up/at.bin");
+    let refused = std::sync::Mutex::new(None);
+    eventually(
+        "a download is refused while the upload holds the slot",
+        || async {
+            let (status, body) = stack.call(Method::GET, &download, None).await;
+            if status == 429 {
+                *refused.lock().unwrap() = Some(body);
+            }
+            status == 429
+        },
+    )
+    .await;
+    let refused = refused.into_inner().unwrap().unwrap();
+    assert_eq!(refused["error"]["code"], "too_many_concurrent", "{refused}");
+    assert_eq!(
+        refused["error"]["limit"], "max_concurrent_transfers",
+        "{refused}"
+    );
+    drop(stalled_upload);
+    eventually("a download passes once the upload is gone", || async {
+        let (status, _) = stack.call(Method::GET, &download, None).await;
+        status == 200
+    })
+    .await;
 
     // A device or a FIFO is refused at once, not read for 512 KiB or waited on for 30 s.
     let (_, out) = stack.exec(&id, &["mkfifo", "/root/fifo"]).await;
@@ -332,8 +375,47 @@ async fn uploads_over_the_limit_devices_fifos_deletes_mid_exec_and_the_stream_ca
             >= 2
     })
     .await;
+    // Two execs at a time: with a second long one in flight, a third is 429. (Seen by a file
+    // it writes, not by an exec, which would itself take a slot.)
+    let second = {
+        let http = stack.http.clone();
+        let url = stack.url(&format!("/v1/sandboxes/{id}/exec"));
+        let key = stack.key.clone();
+        tokio::spawn(async move {
+            let response = http
+                .post(url)
+                .bearer_auth(key)
+                .json(&json!({
+                    "cmd": ["sh", "-c", "touch /root/second; exec sleep 600"],
+                    "timeout_ms": 600_000
+                }))
+                .send()
+                .await
+                .unwrap();
+            response.status().as_u16()
+        })
+    };
+    eventually("the second exec runs", || async {
+        let (status, _) = stack
+            .call(
+                Method::GET,
+                &format!("/v1/sandboxes/{id}/files?path=/root/second"),
+                None,
+            )
+            .await;
+        status == 200
+    })
+    .await;
+    let (status, refused) = stack.exec(&id, &["true"]).await;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(refused["error"]["code"], "too_many_concurrent", "{refused}");
+    assert_eq!(
+        refused["error"]["limit"], "max_concurrent_execs",
+        "{refused}"
+    );
     let (status, _) = stack.delete(&id).await;
     assert_eq!(status, 202);
+    assert_eq!(second.await.unwrap(), 409);
     let (status, body) = exec.await.unwrap();
     assert_eq!(status, 409, "{body}");
     assert_eq!(body["error"]["code"], "conflict", "{body}");
