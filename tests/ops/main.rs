@@ -8,6 +8,7 @@ mod support;
 mod events;
 mod fleet;
 mod limits;
+mod nats_auth;
 mod observability;
 mod relay;
 mod webhooks;
