@@ -55,6 +55,10 @@ enum Cmd {
         webhook_allow_private_targets: bool,
         #[command(flatten)]
         limits: limits_args::ApiLimitArgs,
+        /// Serve Prometheus metrics (`GET /metrics`) on this address instead of the API's own
+        /// listener (which then answers 404 there); unset: served on the API's listener.
+        #[arg(long, env = "BERTH_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -363,16 +367,20 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             listen,
             webhook_allow_private_targets,
             limits,
+            metrics_addr,
         } => {
+            let shutdown = shutdown_on_signal();
+            serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
             let mut config = berth_api::ApiConfig::new(listen, subjects.clone());
             config.webhooks.allow_private_targets = webhook_allow_private_targets;
             config.limits = limits.config();
+            config.metrics_on_api = metrics_addr.is_none();
             let state =
                 berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
-            berth_api::run(state, shutdown_on_signal()).await?;
+            berth_api::run(state, shutdown).await?;
         }
         Cmd::Scheduler { conn, metrics_addr } => {
             let shutdown = shutdown_on_signal();

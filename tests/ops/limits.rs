@@ -341,3 +341,33 @@ async fn a_new_org_gets_the_default_quota(db: PgPool) {
     assert_eq!(second.body["error"]["limit"], "max_running");
     stack.teardown().await;
 }
+
+/// Issue 11 item 8: `berth api --metrics-addr` serves `/metrics` on its own address only; the
+/// public listener answers 404 there, like any unknown path.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn metrics_can_move_off_the_public_listener(db: PgPool) {
+    let stack = Stack::start(db, 0).await;
+    let metrics_addr = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap()
+    };
+    let api = ApiProcess::spawn(&stack, &["--metrics-addr", &metrics_addr.to_string()]).await;
+    let public = reqwest::get(api.url("/metrics")).await.unwrap();
+    assert_eq!(public.status(), 404);
+    let body: serde_json::Value = public.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "not_found", "{body}");
+    let url = format!("http://{metrics_addr}/metrics");
+    let scrape = || async {
+        match reqwest::get(&url).await {
+            Ok(r) if r.status().is_success() => r.text().await.unwrap_or_default(),
+            _ => String::new(),
+        }
+    };
+    // The request counter appears once the API has answered a request (the 404 above).
+    eventually(
+        "the separate metrics address serves the API's metrics",
+        || async { scrape().await.contains("berth_http_requests_total") },
+    )
+    .await;
+    assert!(scrape().await.contains("# TYPE"));
+}

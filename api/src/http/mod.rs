@@ -25,6 +25,11 @@ use crate::{metrics, openapi, service, AppState};
 
 /// The router with every route; `state` is shared by all.
 pub fn router(state: AppState) -> Router {
+    let metrics_route = if state.config.metrics_on_api {
+        get(render_metrics)
+    } else {
+        get(not_found)
+    };
     Router::new()
         .route(
             "/v1/sandboxes",
@@ -65,7 +70,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/hosts/{id}/uncordon", post(hosts::uncordon))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(render_metrics))
+        .route("/metrics", metrics_route)
         .route("/openapi.json", get(openapi_json))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(
