@@ -67,6 +67,8 @@ pub struct DevArgs {
     webhook_allow_private_targets: bool,
     #[command(flatten)]
     disk: crate::DiskArgs,
+    #[command(flatten)]
+    limits: crate::limits_args::ApiLimitArgs,
 }
 
 /// The machine's host name, for host names in heartbeats.
@@ -499,6 +501,7 @@ async fn run_stack(
     let mut config = StackConfig::new(nats_url.clone(), subjects, args.api_addr);
     config.api.webhooks.allow_private_targets = args.webhook_allow_private_targets;
     config.api.disk = args.disk.limits()?;
+    config.api.limits = args.limits.config();
     config.nats_creds = auth.as_ref().map(|(cp, _)| cp.clone());
     let host_name = hostname();
     for (i, dir) in host_dirs.iter().enumerate() {

@@ -3,6 +3,7 @@
 
 mod bench;
 mod dev;
+mod limits_args;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -54,6 +55,12 @@ enum Cmd {
         webhook_allow_private_targets: bool,
         #[command(flatten)]
         disk: DiskArgs,
+        #[command(flatten)]
+        limits: limits_args::ApiLimitArgs,
+        /// Serve Prometheus metrics (`GET /metrics`) on this address instead of the API's own
+        /// listener (which then answers 404 there); unset: served on the API's listener.
+        #[arg(long, env = "BERTH_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -178,8 +185,12 @@ enum TemplateCmd {
 
 #[derive(Subcommand)]
 enum AdminCmd {
-    /// Create an org and print its first API key (shown once).
-    CreateOrg { name: String },
+    /// Create an org with the default quota and print its first API key (shown once).
+    CreateOrg {
+        name: String,
+        #[command(flatten)]
+        quota: limits_args::DefaultQuotaArgs,
+    },
     /// Create an operator key for the `/v1/hosts` routes and print it (shown once).
     CreateAdminKey,
     /// Set an org's quotas; an omitted limit becomes unlimited.
@@ -395,25 +406,24 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             conn,
             listen,
             webhook_allow_private_targets,
+            limits,
+            metrics_addr,
             disk,
         } => {
             let disk = disk.limits()?;
+            let shutdown = shutdown_on_signal();
+            serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
-            let state = berth_api::AppState {
-                db,
-                nats,
-                subjects: subjects.clone(),
-                config: {
-                    let mut config = berth_api::ApiConfig::new(listen, subjects);
-                    config.webhooks.allow_private_targets = webhook_allow_private_targets;
-                    config.disk = disk;
-                    config
-                },
-                prometheus: berth_api::metrics::handle(),
-            };
-            berth_api::run(state, shutdown_on_signal()).await?;
+            let mut config = berth_api::ApiConfig::new(listen, subjects.clone());
+            config.webhooks.allow_private_targets = webhook_allow_private_targets;
+            config.limits = limits.config();
+            config.disk = disk;
+            config.metrics_on_api = metrics_addr.is_none();
+            let state =
+                berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
+            berth_api::run(state, shutdown).await?;
         }
         Cmd::Scheduler { conn, metrics_addr } => {
             let shutdown = shutdown_on_signal();
@@ -535,8 +545,9 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let db = connect_db(&database_url).await?;
             berth_store::MIGRATOR.run(&db).await?;
             match command {
-                AdminCmd::CreateOrg { name } => {
-                    let (org, key) = berth_api::auth::create_org(&db, &name).await?;
+                AdminCmd::CreateOrg { name, quota } => {
+                    let (org, key) =
+                        berth_api::auth::create_org_with_quota(&db, &name, quota.quota()).await?;
                     eprintln!("created org {name} ({org}); the key is shown only now");
                     println!("{key}");
                 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use berth_schemas::Subjects;
 
 use crate::http::events::EventStreamConfig;
+use crate::limits::LimitsConfig;
 use crate::model::DiskLimits;
 use crate::webhooks::delivery::WebhookConfig;
 
@@ -31,13 +32,20 @@ pub struct ApiConfig {
     pub webhooks: WebhookConfig,
     /// The default and the largest `disk_mib` of a create.
     pub disk: DiskLimits,
+    /// Connection, timeout, rate, size and concurrency limits (see [`LimitsConfig`]).
+    pub limits: LimitsConfig,
+    /// Whether the API's own listener answers `GET /metrics`. `false` when the operator serves
+    /// metrics on a separate address (`berth api --metrics-addr`), so that the public listener
+    /// does not expose them; the route then answers 404 like any unknown path.
+    pub metrics_on_api: bool,
 }
 
 impl ApiConfig {
     /// Defaults for everything but the listen address and the subjects:
     /// [`berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS`], the default overcommit,
     /// [`crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS`], and the defaults of the event
-    /// stream and of webhook delivery, and [`DiskLimits::default`].
+    /// stream and of webhook delivery, and [`LimitsConfig::default`]; `/metrics` on the API's
+    /// listener; [`DiskLimits::default`].
     pub fn new(listen: SocketAddr, subjects: Subjects) -> Self {
         Self {
             listen,
@@ -48,6 +56,8 @@ impl ApiConfig {
             events: Default::default(),
             webhooks: Default::default(),
             disk: DiskLimits::default(),
+            limits: Default::default(),
+            metrics_on_api: true,
         }
     }
 }

@@ -332,6 +332,38 @@ pub enum AgentOp {
     /// [`AgentReply::Exec`] (without output) or [`AgentReply::Failed`]. The requester
     /// subscribes to its reply subject before publishing.
     ExecStream(ExecSpec),
+    /// Like [`AgentOp::ExecStream`], with flow control: the host publishes at most `window`
+    /// [`AgentReply::Output`] messages beyond those the requester has credited back with
+    /// [`AgentOp::StreamCredit`], and otherwise stops reading the agent (so a slow reader slows
+    /// the process's own pipe, never a buffer). The final reply needs no credit.
+    ExecStreamWindowed {
+        /// The process to run.
+        spec: ExecSpec,
+        /// Output messages the host may publish before the first credit (at least 1).
+        window: u32,
+    },
+    /// Grants a [`AgentOp::ExecStreamWindowed`] stream `chunks` more output messages. Sent
+    /// without a reply subject to the same `{p}.agent.<host>` subject; `reply_to` is the
+    /// stream's reply subject, which names the stream. An unknown stream is ignored.
+    StreamCredit {
+        /// The reply subject of the stream's request.
+        reply_to: String,
+        /// How many more output messages the host may publish.
+        chunks: u32,
+    },
+    /// The requester of a [`AgentOp::ExecStreamWindowed`] stream went away: the host stops
+    /// forwarding its output (the process runs on to its timeout). Sent like
+    /// [`AgentOp::StreamCredit`]; an unknown stream is ignored.
+    StreamCancel {
+        /// The reply subject of the stream's request.
+        reply_to: String,
+    },
+    /// Remove a file (not a directory); answered with [`AgentReply::Done`], also when it was
+    /// already gone. Used to clean up an upload's temporary sibling after a failure.
+    Remove {
+        /// Absolute path of the file in the sandbox.
+        path: String,
+    },
 }
 
 /// A process to run in the sandbox.
@@ -400,6 +432,9 @@ pub enum AgentFailure {
     },
     /// Anything else the agent or the host reported (spawn failed, not a directory, …).
     Agent(String),
+    /// The path is not a regular file (a device, FIFO or socket): refused without reading it,
+    /// since such a read has no end (`/dev/zero`) or blocks (a FIFO without a writer).
+    NotRegularFile,
 }
 
 /// The reply to an [`AgentRequest`].
@@ -716,6 +751,30 @@ mod tests {
             timeout_ms: 1,
         });
         assert_eq!(hex(&encode(&stream)), "03060000000001");
+        let windowed = AgentOp::ExecStreamWindowed {
+            spec: ExecSpec {
+                argv: vec![],
+                env: vec![],
+                cwd: None,
+                stdin: vec![],
+                timeout_ms: 1,
+            },
+            window: 16,
+        };
+        assert_eq!(hex(&encode(&windowed)), "0307000000000110");
+        let credit = AgentOp::StreamCredit {
+            reply_to: "r".into(),
+            chunks: 8,
+        };
+        assert_eq!(hex(&encode(&credit)), "03080172".to_owned() + "08");
+        let cancel = AgentOp::StreamCancel {
+            reply_to: "r".into(),
+        };
+        assert_eq!(hex(&encode(&cancel)), "03090172");
+        let remove = AgentOp::Remove { path: "/f".into() };
+        assert_eq!(hex(&encode(&remove)), "030a022f66");
+        let not_regular = AgentReply::Failed(AgentFailure::NotRegularFile);
+        assert_eq!(hex(&encode(&not_regular)), "030605");
         let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
         assert_eq!(hex(&encode(&failed)), "030603ac02");
         assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);

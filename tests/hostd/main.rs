@@ -8,6 +8,7 @@ mod support;
 
 mod agent;
 mod boundary;
+mod bounds;
 mod disk;
 mod gvisor;
 mod harness;

@@ -79,7 +79,7 @@ pub async fn stop(
         Ok::<_, HostdError>(mode)
     }
     .await;
-    host.gates.open(id);
+    // The gate opens again when the apply's guard drops, once the record says stopped.
     match done {
         Ok(mode) => {
             record.phase = Phase::Stopped;
