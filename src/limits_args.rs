@@ -16,6 +16,10 @@ pub struct ApiLimitArgs {
     /// Most TCP connections served at once; more are closed as soon as accepted.
     #[arg(long, env = "BERTH_MAX_CONNECTIONS", default_value_t = limits::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
+    /// Most TCP connections one client address may hold at once.
+    #[arg(long, env = "BERTH_MAX_CONNECTIONS_PER_IP",
+          default_value_t = limits::DEFAULT_MAX_CONNECTIONS_PER_IP)]
+    pub max_connections_per_ip: usize,
     /// Time a client has to send a request's head (also the keep-alive idle timeout).
     #[arg(long, env = "BERTH_HEADER_READ_TIMEOUT", value_parser = humantime::parse_duration,
           default_value = "10s")]
@@ -63,6 +67,7 @@ impl ApiLimitArgs {
         LimitsConfig {
             max_file_bytes: self.max_file_bytes,
             max_connections: self.max_connections,
+            max_connections_per_ip: self.max_connections_per_ip,
             header_read_timeout: self.header_read_timeout,
             body_idle_timeout: self.body_idle_timeout,
             per_ip: Rate {

@@ -38,6 +38,9 @@ use crate::service::keys::Principal;
 pub const DEFAULT_MAX_FILE_BYTES: u64 = 1 << 30;
 /// Default most TCP connections the API holds open at once.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Default of [`LimitsConfig::max_connections_per_ip`]: one client address may hold this many of
+/// the [`DEFAULT_MAX_CONNECTIONS`] at once, so no single address can take them all.
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 64;
 /// Default time a client has to send a request's head (line and headers), counted from the
 /// connection's start or the end of the previous response (so it is also the keep-alive idle
 /// timeout).
@@ -101,6 +104,9 @@ pub struct LimitsConfig {
     pub max_file_bytes: u64,
     /// Most TCP connections open at once; more are closed as soon as accepted.
     pub max_connections: usize,
+    /// Most TCP connections one client address may hold open at once; more from it are closed
+    /// as soon as accepted (others still get in).
+    pub max_connections_per_ip: usize,
     /// Time allowed for a request head (also the keep-alive idle timeout).
     pub header_read_timeout: Duration,
     /// Longest pause between two pieces of a request body.
@@ -126,6 +132,7 @@ impl Default for LimitsConfig {
         Self {
             max_file_bytes: DEFAULT_MAX_FILE_BYTES,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_ip: DEFAULT_MAX_CONNECTIONS_PER_IP,
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
             body_idle_timeout: DEFAULT_BODY_IDLE_TIMEOUT,
             per_ip: Rate {
@@ -149,10 +156,12 @@ impl Default for LimitsConfig {
 }
 
 impl LimitsConfig {
-    /// The defaults without the request-rate limits (per address, per key, lookups): for
-    /// load tests that drive one key from one address (`berth bench --runtime sim`).
+    /// The defaults without the request-rate limits (per address, per key, lookups) and the
+    /// per-address connection cap: for load tests that drive one key from one address
+    /// (`berth bench --runtime sim`).
     pub fn without_rate_limits() -> Self {
         Self {
+            max_connections_per_ip: 0,
             per_ip: Rate::OFF,
             per_key: Rate::OFF,
             key_lookups_per_ip: Rate::OFF,

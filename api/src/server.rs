@@ -6,7 +6,9 @@
 //! # Guarantees
 //! - At most [`LimitsConfig::max_connections`] connections are served at once; one accepted
 //!   beyond that is closed at once (counted in `berth_api_connections_refused_total`), so a
-//!   flood of idle connections cannot hold the process's file descriptors or memory.
+//!   flood of idle connections cannot hold the process's file descriptors or memory; and at
+//!   most [`LimitsConfig::max_connections_per_ip`] of them come from one client address, so
+//!   one client cannot take every slot (`berth_api_connections_refused_total{reason}`).
 //! - A connection that has not sent a whole request head within
 //!   [`LimitsConfig::header_read_timeout`] of its start (or of the end of the previous
 //!   response) is closed: a slow-loris client holds a slot for that long at most.
@@ -16,10 +18,13 @@
 //!   streams end through their own shutdown token), for at most [`SHUTDOWN_GRACE`].
 //!
 //! [`LimitsConfig::max_connections`]: crate::limits::LimitsConfig::max_connections
+//! [`LimitsConfig::max_connections_per_ip`]: crate::limits::LimitsConfig::max_connections_per_ip
 //! [`LimitsConfig::header_read_timeout`]: crate::limits::LimitsConfig::header_read_timeout
 //! [`LimitsConfig::body_idle_timeout`]: crate::limits::LimitsConfig::body_idle_timeout
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::ConnectInfo;
@@ -41,6 +46,54 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// Pause after a failed `accept` (out of file descriptors, say) before trying again.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
+/// Open connections per client address, for [`LimitsConfig::max_connections_per_ip`].
+#[derive(Debug, Default)]
+struct PerIp {
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One connection's place in [`PerIp`]; gives it back when dropped.
+struct IpSlot {
+    table: Arc<PerIp>,
+    ip: IpAddr,
+}
+
+impl PerIp {
+    /// A slot for one more connection from `ip`, or `None` when it holds `cap` already (`cap`
+    /// 0: no cap).
+    fn take(table: &Arc<PerIp>, ip: IpAddr, cap: usize) -> Option<IpSlot> {
+        let mut open = table
+            .open
+            .lock()
+            .expect("the per-address table is never poisoned");
+        let count = open.entry(ip).or_insert(0);
+        if cap != 0 && *count >= cap {
+            return None;
+        }
+        *count += 1;
+        Some(IpSlot {
+            table: table.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut open = self
+            .table
+            .open
+            .lock()
+            .expect("the per-address table is never poisoned");
+        if let Some(count) = open.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
 /// Serves `app` on `listener` under `limits` until `shutdown`.
 ///
 /// Errors: none so far: accept errors are logged and retried (they are transient: a client
@@ -55,6 +108,7 @@ pub async fn serve(
         0 => Semaphore::MAX_PERMITS,
         n => n,
     }));
+    let per_ip = Arc::new(PerIp::default());
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(Some(limits.header_read_timeout).filter(|timeout| !timeout.is_zero()))
@@ -72,8 +126,15 @@ pub async fn serve(
                 }
             },
         };
+        let Some(ip_slot) = PerIp::take(&per_ip, peer.ip(), limits.max_connections_per_ip) else {
+            metrics::counter!("berth_api_connections_refused_total", "reason" => "per_ip")
+                .increment(1);
+            drop(stream);
+            continue;
+        };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
-            metrics::counter!("berth_api_connections_refused_total").increment(1);
+            metrics::counter!("berth_api_connections_refused_total", "reason" => "total")
+                .increment(1);
             drop(stream);
             continue;
         };
@@ -100,6 +161,7 @@ pub async fn serve(
             }
             metrics::gauge!("berth_api_connections").decrement(1.0);
             drop(slot);
+            drop(ip_slot);
         });
     }
     drop(listener);

@@ -117,6 +117,49 @@ async fn connections_past_the_cap_are_closed_and_a_freed_slot_serves_again(db: P
     stack.teardown().await;
 }
 
+/// An attacker's idle connections from one address cannot take every slot: past the per-address
+/// cap its connections are closed, while another address is still served.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn one_address_cannot_hold_every_connection_slot(db: PgPool) {
+    let stack = Stack::start_configured(db, 0, Default::default(), |config| {
+        config.limits.max_connections = 10;
+        config.limits.max_connections_per_ip = 2;
+        config.limits.header_read_timeout = Duration::from_secs(600);
+    })
+    .await;
+    let address = address(&stack);
+    let from = |ip: &'static str| {
+        let address = address.clone();
+        async move {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+            socket.connect(address.parse().unwrap()).await.unwrap()
+        }
+    };
+    let _first = from("127.0.0.1").await;
+    let _second = from("127.0.0.1").await;
+    let mut third = from("127.0.0.1").await;
+    let _ = third
+        .write_all(format!("GET /healthz HTTP/1.1\r\nHost: {address}\r\n\r\n").as_bytes())
+        .await;
+    assert_eq!(
+        until_closed(&mut third).await,
+        "",
+        "a third connection from one address was served"
+    );
+    let mut other = from("127.0.0.2").await;
+    other
+        .write_all(
+            format!("GET /healthz HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let answer = until_closed(&mut other).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    stack.teardown().await;
+}
+
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn requests_over_the_key_or_address_rate_get_429_with_retry_after(db: PgPool) {
     let stack = Stack::start_configured(db, 0, Default::default(), |config| {

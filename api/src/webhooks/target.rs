@@ -58,7 +58,8 @@ fn refused_v6(ip: Ipv6Addr) -> bool {
 }
 
 /// The IPv4 address an IPv6 one carries: mapped (`::ffff:a.b.c.d`), compatible
-/// (`::a.b.c.d`), NAT64 (`64:ff9b::/96`) or 6to4 (`2002:AABB:CCDD::/48`).
+/// (`::a.b.c.d`), translated (`::ffff:0:a.b.c.d`), NAT64 (`64:ff9b::/96`, `64:ff9b:1::/48`) or
+/// 6to4 (`2002:AABB:CCDD::/48`).
 fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     let s = ip.segments();
     let tail = Ipv4Addr::new((s[6] >> 8) as u8, s[6] as u8, (s[7] >> 8) as u8, s[7] as u8);
@@ -68,7 +69,12 @@ fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
     if s[..6] == [0, 0, 0, 0, 0, 0] && !ip.is_loopback() && !ip.is_unspecified() {
         return Some(tail);
     }
-    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+    // IPv4-translated (`::ffff:0:a.b.c.d`, RFC 2765 SIIT) and NAT64 (`64:ff9b::/96`, RFC 6052;
+    // `64:ff9b:1::/48`, RFC 8215, local use).
+    if s[..6] == [0, 0, 0, 0, 0xffff, 0]
+        || s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+        || s[..3] == [0x64, 0xff9b, 1]
+    {
         return Some(tail);
     }
     if s[0] == 0x2002 {
@@ -157,6 +163,9 @@ mod tests {
             "http://[::ffff:169.254.169.254]/",
             "http://[::127.0.0.1]/",
             "http://[64:ff9b::a00:1]/",
+            "http://[::ffff:0:127.0.0.1]/",
+            "http://[::ffff:0:a9fe:a9fe]/",
+            "http://[64:ff9b:1::7f00:1]/",
             "http://[2002:7f00:1::]/",
             "http://[fd00::1]/",
             "http://[fe80::1]/",
