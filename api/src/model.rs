@@ -1,5 +1,6 @@
 //! Request and response bodies of the sandbox API, and their validation.
 
+use berth_schemas::network::Network;
 use berth_schemas::wire::Resources;
 use berth_schemas::{Generation, HostId, SandboxId, SandboxState};
 use berth_store::SandboxRow;
@@ -43,6 +44,14 @@ pub struct CreateSandbox {
     pub auto_stop_minutes: Option<u32>,
     /// Delete after this many minutes stopped; 1 to 525600.
     pub auto_delete_minutes: Option<u32>,
+    /// Where the sandbox's own connections may go: `{"egress": "public"}` (the default: public
+    /// addresses only, never private, link-local — the metadata address 169.254.169.254
+    /// among them —, CGNAT, loopback or multicast ranges), `{"egress": "none"}` (nothing), or
+    /// `{"egress": ["10.1.0.0/16", "203.0.113.7", …]}` (only those IPv4 networks, private
+    /// ones included; at most 64). The host's own addresses and other sandboxes are never
+    /// reachable. Sandboxes have IPv4 only.
+    #[schema(value_type = Option<Object>, example = json!({"egress": ["10.1.0.0/16"]}))]
+    pub network: Option<serde_json::Value>,
 }
 
 /// A validated create request.
@@ -58,6 +67,8 @@ pub struct ValidCreate {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes stopped before an auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// The network policy; public egress when the request named none.
+    pub network: Network,
 }
 
 /// The longest `auto_stop_minutes` (a week).
@@ -131,7 +142,14 @@ impl CreateSandbox {
                 ));
             }
         }
+        let network = match &self.network {
+            None => Network::default(),
+            Some(value) => {
+                Network::from_api(value).map_err(|e| ApiError::invalid("network", e.0))?
+            }
+        };
         Ok(ValidCreate {
+            network,
             template,
             resources: Resources { vcpus, memory_mib },
             metadata: serde_json::Value::Object(metadata),
@@ -188,6 +206,10 @@ pub struct Sandbox {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes stopped before an auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// The network policy, as the create body spells it (`{"egress": "public"}` when the
+    /// create named none).
+    #[schema(value_type = Object, example = json!({"egress": "public"}))]
+    pub network: serde_json::Value,
 }
 
 impl From<SandboxRow> for Sandbox {
@@ -209,6 +231,7 @@ impl From<SandboxRow> for Sandbox {
             deleted_at: row.deleted_at,
             auto_stop_minutes: row.auto_stop_minutes,
             auto_delete_minutes: row.auto_delete_minutes,
+            network: row.network.to_api(),
         }
     }
 }
@@ -346,6 +369,22 @@ mod tests {
         assert_eq!(
             field_of(huge_mem.validate().unwrap_err()).as_deref(),
             Some("memory_mib")
+        );
+    }
+
+    #[test]
+    fn a_bad_network_policy_names_the_network_field() {
+        let bad = CreateSandbox {
+            network: Some(serde_json::json!({"egress": ["10.0.0.0/40"]})),
+            ..Default::default()
+        };
+        assert_eq!(
+            field_of(bad.validate().unwrap_err()).as_deref(),
+            Some("network")
+        );
+        assert_eq!(
+            CreateSandbox::default().validate().unwrap().network,
+            Network::default()
         );
     }
 

@@ -58,6 +58,7 @@ mod tests {
                 template: "base".into(),
                 resources: Default::default(),
                 runtime: Default::default(),
+                network: Default::default(),
             }),
         }
     }

@@ -294,6 +294,7 @@ mod tests {
                     memory_mib: 128,
                 },
                 runtime: Default::default(),
+                network: Default::default(),
             },
             "runc",
             Generation(1),

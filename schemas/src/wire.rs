@@ -16,9 +16,10 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 2 (this one): a command's spec is optional and names the sandbox's runtime. Version
-/// 1 bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 2;
+/// Version 3 (this one): a sandbox's spec ends with its network policy. Version 2: a command's
+/// spec is optional and names the sandbox's runtime. Older bytes are refused (every component
+/// of a deployment runs the same build).
+pub const WIRE_VERSION: u16 = 3;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -124,6 +125,10 @@ pub struct SandboxSpec {
     /// The runtime its template names (hostd records written before this field read as runc).
     #[serde(default)]
     pub runtime: Runtime,
+    /// Where its traffic may go (hostd records written before this field read as the default,
+    /// public egress). See [`crate::network`].
+    #[serde(default)]
+    pub network: crate::network::Network,
 }
 
 /// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.
@@ -466,6 +471,9 @@ mod tests {
                     memory_mib: 512,
                 },
                 runtime: Runtime::Runsc,
+                network: crate::network::Network {
+                    egress: crate::network::Egress::Allow(vec!["10.1.0.0/16".parse().unwrap()]),
+                },
             }),
         }
     }
@@ -479,16 +487,34 @@ mod tests {
     const U2: &str = "1002020202020202020202020202020202";
 
     #[test]
-    fn command_golden_bytes_v2() {
+    fn command_golden_bytes_v3() {
         let bytes = encode(&sample_command());
-        // version 2, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
-        // runsc })
+        // version 3, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
+        // runsc, network { egress: Allow([10.1.0.0/16]) } }): the allow-list is variant 2, one
+        // network, its four octets and its prefix length
         let expected = format!(
-            "02{U1}{U2}060101{org}046261736502800401",
+            "03{U1}{U2}060101{org}04626173650280040102010a01000010",
             org = "1004040404040404040404040404040404"
         );
         assert_eq!(hex(&bytes), expected);
         assert_eq!(decode::<Command>(&bytes).unwrap(), sample_command());
+    }
+
+    #[test]
+    fn a_version_2_command_is_refused() {
+        // The version-2 bytes of a command before the network policy.
+        let v2 = format!(
+            "02{U1}{U2}060101{org}046261736502800401",
+            org = "1004040404040404040404040404040404"
+        );
+        let bytes: Vec<u8> = (0..v2.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&v2[i..i + 2], 16).unwrap())
+            .collect();
+        assert!(matches!(
+            decode::<Command>(&bytes),
+            Err(WireError::UnsupportedVersion { found: 2 })
+        ));
     }
 
     #[test]
@@ -509,7 +535,7 @@ mod tests {
     }
 
     #[test]
-    fn result_golden_bytes_v2() {
+    fn result_golden_bytes_v3() {
         let result = CommandResult {
             command_id: CommandId(uuid(1)),
             sandbox_id: SandboxId(uuid(2)),
@@ -523,7 +549,7 @@ mod tests {
         };
         let bytes = encode(&result);
         let expected = format!(
-            "02{U1}{U2}{U5}0602000108{ip}0101",
+            "03{U1}{U2}{U5}0602000108{ip}0101",
             U5 = "1005050505050505050505050505050505",
             ip = hex(b"10.1.0.2")
         );
@@ -532,7 +558,7 @@ mod tests {
     }
 
     #[test]
-    fn heartbeat_golden_bytes_v2() {
+    fn heartbeat_golden_bytes_v3() {
         let hb = Heartbeat {
             host_id: HostId(uuid(5)),
             name: "h".into(),
@@ -554,7 +580,7 @@ mod tests {
         };
         let bytes = encode(&hb);
         let expected = format!(
-            "02{U5}0168ac0208800800000104{runc}0001{U2}0201",
+            "03{U5}0168ac0208800800000104{runc}0001{U2}0201",
             U5 = "1005050505050505050505050505050505",
             runc = hex(b"runc")
         );
@@ -639,7 +665,7 @@ mod tests {
     }
 
     #[test]
-    fn agent_golden_bytes_v2() {
+    fn agent_golden_bytes_v3() {
         let req = AgentRequest {
             sandbox_id: SandboxId(uuid(2)),
             op: AgentOp::Exec(ExecSpec {
@@ -654,7 +680,7 @@ mod tests {
         assert_eq!(
             hex(&bytes),
             format!(
-                "02{U2}000103{cat}0101{a}01{b}01012f017805",
+                "03{U2}000103{cat}0101{a}01{b}01012f017805",
                 cat = hex(b"cat"),
                 a = "41",
                 b = "62"
@@ -669,7 +695,7 @@ mod tests {
                 len: 2,
             },
         };
-        assert_eq!(hex(&encode(&read)), format!("02{U2}02022f660102"));
+        assert_eq!(hex(&encode(&read)), format!("03{U2}02022f660102"));
         let reply = AgentReply::Exec {
             exit_code: 137,
             stdout: vec![],
@@ -678,12 +704,12 @@ mod tests {
             oom_killed: true,
         };
         // 137 zig-zags to 274 = varint 92 02.
-        assert_eq!(hex(&encode(&reply)), "02009202000000".to_owned() + "01");
+        assert_eq!(hex(&encode(&reply)), "03009202000000".to_owned() + "01");
         let output = AgentReply::Output {
             fd: 2,
             data: b"e".to_vec(),
         };
-        assert_eq!(hex(&encode(&output)), "0207020165");
+        assert_eq!(hex(&encode(&output)), "0307020165");
         let stream = AgentOp::ExecStream(ExecSpec {
             argv: vec![],
             env: vec![],
@@ -691,22 +717,22 @@ mod tests {
             stdin: vec![],
             timeout_ms: 1,
         });
-        assert_eq!(hex(&encode(&stream)), "02060000000001");
+        assert_eq!(hex(&encode(&stream)), "03060000000001");
         let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
-        assert_eq!(hex(&encode(&failed)), "020603ac02");
+        assert_eq!(hex(&encode(&failed)), "030603ac02");
         assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);
     }
 
     #[test]
     fn an_unknown_version_is_refused_not_misread() {
         let mut bytes = encode(&sample_command());
-        bytes[0] = 3;
+        bytes[0] = 4;
         assert!(matches!(
             decode::<Command>(&bytes),
-            Err(WireError::UnsupportedVersion { found: 3 })
+            Err(WireError::UnsupportedVersion { found: 4 })
         ));
         assert!(matches!(
-            decode::<Command>(&[2, 0xff]),
+            decode::<Command>(&[3, 0xff]),
             Err(WireError::Malformed(_))
         ));
     }

@@ -167,6 +167,7 @@ impl Harness {
                     .map_or("runc", |def| def.runtime)
                     .parse()
                     .expect("a built-in template names a known runtime"),
+                network: Default::default(),
             }),
         }
     }

@@ -81,6 +81,7 @@ impl Outbox {
                         memory_mib: 256,
                     },
                     runtime: Runtime::Runc,
+                    network: Default::default(),
                 }),
             };
             insert_command(&mut tx, self.host, &command).await.unwrap();

@@ -9,6 +9,7 @@
 //!   the event (guarantee 1).
 //! - Org scoping (guarantee 7): [`get`], [`lock`] and [`list`] take the caller's org.
 
+use berth_schemas::network::Network;
 use berth_schemas::wire::{Command, Resources, Runtime, SandboxSpec, StopMode};
 use berth_schemas::{
     CommandId, CommandKind, Generation, HostId, OrgId, Reason, SandboxId, SandboxState,
@@ -24,7 +25,7 @@ use crate::{commands, StoreError};
 /// The columns [`SandboxRow::from_row`] reads, unqualified (select from `sandboxes`).
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
-     deleted_at, auto_stop_minutes, auto_delete_minutes";
+     deleted_at, auto_stop_minutes, auto_delete_minutes, network";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -74,6 +75,8 @@ pub struct SandboxRow {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes after which a `stopped` or `failed-start` sandbox is deleted; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// Its network policy (the `network` column, in the API's JSON spelling).
+    pub network: Network,
 }
 
 impl SandboxRow {
@@ -106,6 +109,7 @@ impl SandboxRow {
             deleted_at: row.try_get("deleted_at").map_err(get)?,
             auto_stop_minutes: row.try_get("auto_stop_minutes").map_err(get)?,
             auto_delete_minutes: row.try_get("auto_delete_minutes").map_err(get)?,
+            network: network(&row.try_get("network").map_err(get)?)?,
         })
     }
 
@@ -121,6 +125,7 @@ impl SandboxRow {
             template: self.template.clone(),
             resources: self.resources,
             runtime: self.runtime,
+            network: self.network.clone(),
         }
     }
 }
@@ -147,6 +152,11 @@ fn stop_mode(s: &str) -> Result<StopMode, StoreError> {
         .into_iter()
         .find(|m| m.as_str() == s)
         .ok_or_else(|| corrupt("sandboxes.last_stop", s))
+}
+
+/// A `network` column's value (`{"egress": …}`, see [`Network::from_api`]).
+pub(crate) fn network(value: &serde_json::Value) -> Result<Network, StoreError> {
+    Network::from_api(value).map_err(|e| corrupt("sandboxes.network", e))
 }
 
 /// A `runtime` column's value (`runc`, `runsc`).
@@ -184,6 +194,8 @@ pub struct NewSandbox {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes stopped (or failed) before auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// Its network policy, already validated.
+    pub network: Network,
 }
 
 /// Writes a new `provisioning` sandbox holding the capacity its placement reserved, its
@@ -201,8 +213,8 @@ pub async fn create(
         sqlx::query(&format!(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
-                                    auto_delete_minutes, runtime)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12)
+                                    auto_delete_minutes, runtime, network)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -217,6 +229,7 @@ pub async fn create(
         .bind(new.auto_stop_minutes)
         .bind(new.auto_delete_minutes)
         .bind(new.runtime.as_str())
+        .bind(new.network.to_api())
         .fetch_one(&mut *conn),
     )
     .await?;
