@@ -9,5 +9,6 @@ mod agent;
 mod gvisor;
 mod harness;
 mod io;
+mod egress;
 mod network;
 mod runc;
