@@ -342,9 +342,18 @@ mod tests {
             "elements = { \"bv0000000000\" . 10.200.0.2, \"bv0000000003\" . 10.200.0.14, \"bv0000000004\" . 10.200.0.18 }"
         ), "{r}");
         // Only the public one is public; only the listed one has an allowed network.
-        assert!(r.contains("set public {\n    type ifname\n    elements = { \"bv0000000000\" }\n"), "{r}");
-        assert!(r.contains("elements = { \"bv0000000003\" . 10.1.0.0/16 }"), "{r}");
-        assert!(r.contains("elements = { 0.0.0.0/8, 10.0.0.0/8, 100.64.0.0/10"), "{r}");
+        assert!(
+            r.contains("set public {\n    type ifname\n    elements = { \"bv0000000000\" }\n"),
+            "{r}"
+        );
+        assert!(
+            r.contains("elements = { \"bv0000000003\" . 10.1.0.0/16 }"),
+            "{r}"
+        );
+        assert!(
+            r.contains("elements = { 0.0.0.0/8, 10.0.0.0/8, 100.64.0.0/10"),
+            "{r}"
+        );
         assert!(r.contains("iifname @veths meta nfproto ipv6 drop"));
         assert!(r.contains("iifname @veths iifname . ip saddr != @guests drop"));
         assert!(r.contains("oifname \"eth0\" masquerade"));
@@ -356,8 +365,13 @@ mod tests {
     fn a_none_sandbox_has_no_egress_element_and_a_listed_one_one_per_network() {
         let pool = AddressPool::new(Ipv4Addr::new(10, 200, 0, 0));
         let none = admission(pool, 1, Egress::None).elements();
-        assert!(none.iter().all(|(s, _)| *s != PUBLIC_SET && *s != ALLOWED_SET));
-        let nets = vec!["10.1.0.0/16".parse().unwrap(), "192.0.2.7/32".parse().unwrap()];
+        assert!(none
+            .iter()
+            .all(|(s, _)| *s != PUBLIC_SET && *s != ALLOWED_SET));
+        let nets = vec![
+            "10.1.0.0/16".parse().unwrap(),
+            "192.0.2.7/32".parse().unwrap(),
+        ];
         let listed = admission(pool, 1, Egress::Allow(nets)).elements();
         assert_eq!(listed.iter().filter(|(s, _)| *s == ALLOWED_SET).count(), 2);
     }

@@ -149,8 +149,10 @@ pub fn harden_host_side(host_if: &str) -> Result<(), HostdError> {
             continue;
         }
         let path = Path::new("/proc/sys/net").join(path.replace("{if}", host_if));
-        std::fs::write(&path, value)
-            .map_err(HostdError::io(format!("write {value} to {}", path.display())))?;
+        std::fs::write(&path, value).map_err(HostdError::io(format!(
+            "write {value} to {}",
+            path.display()
+        )))?;
     }
     Ok(())
 }

@@ -76,11 +76,13 @@ impl Network {
     /// malformed CIDR, an IPv6 network, more than [`MAX_ALLOWED_NETWORKS`] entries.
     pub fn from_api(value: &serde_json::Value) -> Result<Self, InvalidNetwork> {
         let invalid = |m: String| InvalidNetwork(m);
-        let object = value
-            .as_object()
-            .ok_or_else(|| invalid("network must be an object like {\"egress\": \"public\"}".into()))?;
+        let object = value.as_object().ok_or_else(|| {
+            invalid("network must be an object like {\"egress\": \"public\"}".into())
+        })?;
         if let Some(key) = object.keys().find(|k| k.as_str() != "egress") {
-            return Err(invalid(format!("network has no field {key:?} (only \"egress\")")));
+            return Err(invalid(format!(
+                "network has no field {key:?} (only \"egress\")"
+            )));
         }
         let egress = match object.get("egress") {
             None => Egress::Public,
@@ -97,7 +99,9 @@ impl Network {
                     .iter()
                     .map(|item| {
                         let s = item.as_str().ok_or_else(|| {
-                            invalid(format!("network.egress entries are CIDR strings, got {item}"))
+                            invalid(format!(
+                                "network.egress entries are CIDR strings, got {item}"
+                            ))
                         })?;
                         parse_v4_cidr(s).map_err(invalid)
                     })
@@ -140,11 +144,9 @@ fn parse_v4_cidr(s: &str) -> Result<Ipv4Net, String> {
     };
     let len = match len {
         None => 32,
-        Some(l) => l
-            .parse::<u8>()
-            .ok()
-            .filter(|l| *l <= 32)
-            .ok_or_else(|| format!("network.egress entry {s:?} has a prefix length outside 0..=32"))?,
+        Some(l) => l.parse::<u8>().ok().filter(|l| *l <= 32).ok_or_else(|| {
+            format!("network.egress entry {s:?} has a prefix length outside 0..=32")
+        })?,
     };
     let net = Ipv4Net::new(addr, len).map_err(|e| format!("network.egress entry {s:?}: {e}"))?;
     Ok(net.trunc())

@@ -294,7 +294,13 @@ async fn a_network_policy_is_validated_stored_returned_and_carried_to_the_host(d
     for (id, shown, egress) in cases {
         let reply = plane
             .api
-            .call(&key, Method::GET, &format!("/v1/sandboxes/{id}"), None, None)
+            .call(
+                &key,
+                Method::GET,
+                &format!("/v1/sandboxes/{id}"),
+                None,
+                None,
+            )
             .await;
         assert_eq!(reply.body["network"], shown, "{}", reply.body);
         let create = &commands_of(&db, id).await[0].command;

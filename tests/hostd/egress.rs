@@ -78,7 +78,9 @@ impl Listeners {
         let tcp_task = tokio::spawn(async move {
             use tokio::io::AsyncWriteExt as _;
             while let Ok((mut conn, peer)) = tcp.accept().await {
-                let Ok(local) = conn.local_addr() else { continue };
+                let Ok(local) = conn.local_addr() else {
+                    continue;
+                };
                 tcp_log
                     .lock()
                     .expect("not poisoned")
@@ -233,7 +235,10 @@ async fn reached(
     let timeout_ms = u64::from(PROBE_TIMEOUT_S) * 1000 * 4;
     let (code, out, timed_out) =
         finished(&h.exec(sandbox, &["sh", "-c", &script], timeout_ms).await?)?;
-    ensure!(code == 0 && !timed_out, "probe script failed ({code}): {out}");
+    ensure!(
+        code == 0 && !timed_out,
+        "probe script failed ({code}): {out}"
+    );
     let mut got = BTreeSet::new();
     for line in out.lines() {
         let Some((i, answer)) = line.split_once('=') else {
@@ -253,11 +258,7 @@ async fn reached(
 /// The IPv4 addresses of the interface of the default route: the host's "real" addresses.
 async fn default_route_addresses() -> anyhow::Result<Vec<Ipv4Addr>> {
     let route = run("ip", &["-4", "route", "show", "default"]).await?;
-    let Some(dev) = route
-        .split_whitespace()
-        .skip_while(|w| *w != "dev")
-        .nth(1)
-    else {
+    let Some(dev) = route.split_whitespace().skip_while(|w| *w != "dev").nth(1) else {
         return Ok(Vec::new());
     };
     let addrs = run("ip", &["-o", "-4", "addr", "show", "dev", dev]).await?;
@@ -337,11 +338,26 @@ async fn egress_policies(h: &mut Harness) -> anyhow::Result<()> {
         ])
     };
     let cases = [
-        (runc_public, "base", Egress::Public, vec![public, public_other]),
-        (gvisor_public, "base-gvisor", Egress::Public, vec![public, public_other]),
+        (
+            runc_public,
+            "base",
+            Egress::Public,
+            vec![public, public_other],
+        ),
+        (
+            gvisor_public,
+            "base-gvisor",
+            Egress::Public,
+            vec![public, public_other],
+        ),
         (runc_none, "base", Egress::None, vec![]),
         (runc_listed, "base", allow(), vec![one_seven_two, public]),
-        (gvisor_listed, "base-gvisor", allow(), vec![one_seven_two, public]),
+        (
+            gvisor_listed,
+            "base-gvisor",
+            allow(),
+            vec![one_seven_two, public],
+        ),
     ];
     let mut addresses = Vec::new();
     for (sandbox, template, egress, _) in &cases {
@@ -375,7 +391,10 @@ async fn egress_policies(h: &mut Harness) -> anyhow::Result<()> {
             .filter(|(peer, _, _)| *peer == IpAddr::V4(*address))
             .map(|(_, local, _)| format!("{local}:{port}"))
             .collect();
-        ensure!(seen == want, "the outside saw {seen:?} from {template} {egress:?}");
+        ensure!(
+            seen == want,
+            "the outside saw {seen:?} from {template} {egress:?}"
+        );
     }
     // Nothing of a sandbox reached the host: no IPv4 peer of theirs, no IPv6 link-local.
     let from_sandbox = |peer: &IpAddr| match peer {
@@ -389,7 +408,10 @@ async fn egress_policies(h: &mut Harness) -> anyhow::Result<()> {
         .chain(logged(&host6.log))
         .filter(|(peer, _, _)| from_sandbox(peer))
         .collect();
-    ensure!(at_host.is_empty(), "a sandbox reached the host: {at_host:?}");
+    ensure!(
+        at_host.is_empty(),
+        "a sandbox reached the host: {at_host:?}"
+    );
 
     // A restart rebuilds the table from the records: the policies hold as before.
     let table = berth_hostd::layout::firewall_table(h.host_id);
@@ -397,19 +419,28 @@ async fn egress_policies(h: &mut Harness) -> anyhow::Result<()> {
     run_quietly("nft", &["delete", "table", "inet", &table]);
     h.start_hostd();
     let listed = format!("\"{}\" . {}/24", veths[3], Ipv4Addr::new(172, 20, s, 0));
-    eventually("the restarted hostd rebuilds its table with every sandbox", || {
-        let (table, veths, listed) = (table.clone(), veths.clone(), listed.clone());
-        async move {
-            run("nft", &["list", "table", "inet", &table])
-                .await
-                .is_ok_and(|t| veths.iter().all(|v| t.contains(v.as_str())) && t.contains(&listed))
-        }
-    })
+    eventually(
+        "the restarted hostd rebuilds its table with every sandbox",
+        || {
+            let (table, veths, listed) = (table.clone(), veths.clone(), listed.clone());
+            async move {
+                run("nft", &["list", "table", "inet", &table])
+                    .await
+                    .is_ok_and(|t| {
+                        veths.iter().all(|v| t.contains(v.as_str())) && t.contains(&listed)
+                    })
+            }
+        },
+    )
     .await;
     for (i, sandbox) in [(2, runc_none), (3, runc_listed), (1, gvisor_public)] {
         let got = reached(h, sandbox, &probe(addresses[i])).await?;
         let want: BTreeSet<String> = cases[i].3.iter().map(|t| at(*t)).collect();
-        ensure!(got == want, "after a restart {:?} reached {got:?}", cases[i].2);
+        ensure!(
+            got == want,
+            "after a restart {:?} reached {got:?}",
+            cases[i].2
+        );
     }
 
     // A delete removes every element of the sandbox.
@@ -502,7 +533,10 @@ async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
         ensure!(got.trim() == *want, "{path} is {got}, not {want}");
     }
     let v6 = run("ip", &["-6", "-o", "addr", "show", "dev", &veth]).await?;
-    ensure!(v6.trim().is_empty(), "the host side has IPv6 addresses: {v6}");
+    ensure!(
+        v6.trim().is_empty(),
+        "the host side has IPv6 addresses: {v6}"
+    );
 
     // The sandbox's eth0 has a usable link-local address (the source of its RA below).
     let own_link_local = {
@@ -511,15 +545,38 @@ async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
         eventually("the sandbox's link-local address is usable", || {
             let ns = ns.clone();
             async move {
-                run("ip", &["-n", &ns, "-6", "-o", "addr", "show", "dev", "eth0", "scope", "link"])
-                    .await
-                    .is_ok_and(|o| o.contains("fe80") && !o.contains("tentative"))
+                run(
+                    "ip",
+                    &[
+                        "-n", &ns, "-6", "-o", "addr", "show", "dev", "eth0", "scope", "link",
+                    ],
+                )
+                .await
+                .is_ok_and(|o| o.contains("fe80") && !o.contains("tentative"))
             }
         })
         .await;
-        let out = run("ip", &["-n", &names.netns, "-6", "-o", "addr", "show", "dev", "eth0", "scope", "link"]).await?;
+        let out = run(
+            "ip",
+            &[
+                "-n",
+                &names.netns,
+                "-6",
+                "-o",
+                "addr",
+                "show",
+                "dev",
+                "eth0",
+                "scope",
+                "link",
+            ],
+        )
+        .await?;
         for word in out.split_whitespace() {
-            if let Some(addr) = word.strip_prefix("fe80").and_then(|_| word.split('/').next()) {
+            if let Some(addr) = word
+                .strip_prefix("fe80")
+                .and_then(|_| word.split('/').next())
+            {
                 found = Some(addr.to_owned());
             }
         }
@@ -538,7 +595,11 @@ async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
         got == BTreeSet::from([control]),
         "link-local probes reached {got:?}"
     );
-    ensure!(logged(&host6.log).is_empty(), "the host got {:?}", logged(&host6.log));
+    ensure!(
+        logged(&host6.log).is_empty(),
+        "the host got {:?}",
+        logged(&host6.log)
+    );
 
     // The control: the same Router Advertisement configures an interface that accepts it.
     let tag = &h.subjects.prefix()[1..9];
@@ -548,13 +609,22 @@ async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
         run("ip", &["netns", "add", &control]).await?;
         run(
             "ip",
-            &["-n", &control, "link", "add", "ra0", "type", "veth", "peer", "name", "ra1"],
+            &[
+                "-n", &control, "link", "add", "ra0", "type", "veth", "peer", "name", "ra1",
+            ],
         )
         .await?;
         // No duplicate address detection: ra0's link-local is usable as a source at once.
         run(
             "ip",
-            &["netns", "exec", &control, "sysctl", "-qw", "net.ipv6.conf.ra0.accept_dad=0"],
+            &[
+                "netns",
+                "exec",
+                &control,
+                "sysctl",
+                "-qw",
+                "net.ipv6.conf.ra0.accept_dad=0",
+            ],
         )
         .await?;
         for dev in ["ra0", "ra1"] {
@@ -586,8 +656,13 @@ async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
     send_ra(&names.netns, index, prefix).context("send an RA from the sandbox")?;
     send_udp_from(&names.netns, addr_b, to_outside, "spoofed-sandbox")
         .context("spoof another sandbox")?;
-    send_udp_from(&names.netns, Ipv4Addr::new(198, 51, 100, 77), to_outside, "spoofed-public")
-        .context("spoof a public source")?;
+    send_udp_from(
+        &names.netns,
+        Ipv4Addr::new(198, 51, 100, 77),
+        to_outside,
+        "spoofed-public",
+    )
+    .context("spoof a public source")?;
     // Toward the host too: a spoofed source does not open its input either.
     let (tcp, udp) = Listeners::bind(false)?;
     let host = Listeners::spawn(tcp, udp)?;
@@ -616,7 +691,11 @@ async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
             .any(|(peer, _, t)| t == "genuine" && *peer == IpAddr::V4(addr_a)),
         "the genuine datagram came from elsewhere: {got:?}"
     );
-    ensure!(logged(&host.log).is_empty(), "the host got {:?}", logged(&host.log));
+    ensure!(
+        logged(&host.log).is_empty(),
+        "the host got {:?}",
+        logged(&host.log)
+    );
 
     // The RA changed nothing on the host: no address, no route, nothing on the veth.
     let prefix_text = format!("{:x}:{:x}:{:x}:{:x}:", 0x2001, 0xdb8, s, 2);

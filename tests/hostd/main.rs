@@ -6,9 +6,9 @@
 mod support;
 
 mod agent;
+mod egress;
 mod gvisor;
 mod harness;
 mod io;
-mod egress;
 mod network;
 mod runc;
