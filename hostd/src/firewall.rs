@@ -14,11 +14,14 @@
 //!   set by `netns::ensure`, is the second wall).
 //! - `input`: a sandbox opens no connection to the host, on any of the host's addresses (all
 //!   of them: whatever the destination, a packet the host delivers locally passes here); only
-//!   replies to hostd's own connections to its agent come back in.
+//!   replies to hostd's own connections to its agent come back in. The rest is rejected
+//!   (ICMP administratively prohibited, the same for every port), so the sandbox's
+//!   connection fails at once instead of hanging.
 //! - `forward`: into a sandbox only replies (so neither another sandbox nor the outside opens a
 //!   connection to it); out of a sandbox, its egress policy (chain `egress`): an allow-listed
 //!   network is accepted, a public sandbox reaches anything outside `blocked`, the rest is
-//!   dropped — a `none` sandbox is in neither set, so nothing of it leaves.
+//!   rejected like on `input` — a `none` sandbox is in neither set, so nothing of it leaves.
+//!   Into a sandbox, packets are dropped silently.
 //! - `postrouting`: egress is masqueraded out of the host's default-route interface.
 //!
 //! Egress needs IPv4 forwarding, which [`Firewall::install`] turns on (it is machine-wide).
@@ -214,7 +217,7 @@ pub fn ruleset(table: &str, egress: Option<&str>, sandboxes: &[Admission]) -> St
         "  chain input {",
         "    type filter hook input priority filter; policy accept;",
         "    iifname @veths ct state established,related accept",
-        "    iifname @veths drop",
+        "    iifname @veths reject with icmpx type admin-prohibited",
         "  }",
         "  chain forward {",
         "    type filter hook forward priority filter; policy accept;",
@@ -225,7 +228,7 @@ pub fn ruleset(table: &str, egress: Option<&str>, sandboxes: &[Admission]) -> St
         "  chain egress {",
         "    iifname . ip daddr @allowed accept",
         "    iifname @public ip daddr != @blocked accept",
-        "    drop",
+        "    reject with icmpx type admin-prohibited",
         "  }",
     ];
     for line in lines {
