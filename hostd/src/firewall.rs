@@ -5,8 +5,9 @@
 //!
 //! - sets: `sandboxes` (each sandbox's /30, for the masquerade), `veths` (each host-side
 //!   veth), `guests` (veth . the sandbox's own address), `public` (veths whose egress is
-//!   public), `allowed` (veth . an allow-listed IPv4 network) and the constant `blocked`
-//!   ([`BLOCKED_V4`]).
+//!   public), `allowed` (veth . an allow-listed IPv4 network), the constant `blocked`
+//!   ([`BLOCKED_V4`]) and `operator` (what the operator lets every public sandbox reach
+//!   although it is blocked, `--sandbox-egress-allow`).
 //! - `prerouting` (priority raw, before conntrack): from a sandbox's veth, every IPv6 packet
 //!   is dropped (sandboxes have IPv4 only: no IPv6 egress, no link-local access to the host,
 //!   no Router Advertisement or neighbour discovery reaching it), and so is every IPv4 packet
@@ -19,7 +20,8 @@
 //!   connection fails at once instead of hanging.
 //! - `forward`: into a sandbox only replies (so neither another sandbox nor the outside opens a
 //!   connection to it); out of a sandbox, its egress policy (chain `egress`): an allow-listed
-//!   network is accepted, a public sandbox reaches anything outside `blocked`, the rest is
+//!   network is accepted, a public sandbox reaches `operator` and anything outside
+//!   `blocked`, the rest is
 //!   rejected like on `input` — a `none` sandbox is in neither set, so nothing of it leaves.
 //!   Into a sandbox, packets are dropped silently.
 //! - `postrouting`: egress is masqueraded out of the host's default-route interface.
@@ -37,7 +39,7 @@
 use std::fmt::Write as _;
 use std::process::Stdio;
 
-use berth_schemas::network::{Egress, BLOCKED_V4};
+use berth_schemas::network::{Egress, Ipv4Net, BLOCKED_V4};
 use tokio::io::AsyncWriteExt;
 
 use crate::address::{LinkAddresses, LINK_PREFIX_LEN};
@@ -62,11 +64,15 @@ const PUBLIC_SET: &str = "public";
 const ALLOWED_SET: &str = "allowed";
 /// The set of IPv4 ranges public egress never reaches.
 const BLOCKED_SET: &str = "blocked";
+/// The set of IPv4 networks the operator lets public egress reach (`--sandbox-egress-allow`).
+const OPERATOR_SET: &str = "operator";
 
 /// One hostd's nftables table.
 #[derive(Debug, Clone)]
 pub struct Firewall {
     table: String,
+    /// Networks every public sandbox may reach although they are in `blocked`.
+    operator_allowed: Vec<Ipv4Net>,
 }
 
 /// What the firewall knows of one sandbox: its host-side veth, its link addresses and its
@@ -102,9 +108,13 @@ impl Admission {
 }
 
 impl Firewall {
-    /// The firewall of the table called `table` (`berth_<tag>`).
-    pub fn new(table: String) -> Self {
-        Self { table }
+    /// The firewall of the table called `table` (`berth_<tag>`), letting every sandbox with
+    /// public egress reach `operator_allowed` too (the operator's `--sandbox-egress-allow`).
+    pub fn new(table: String, operator_allowed: &[Ipv4Net]) -> Self {
+        Self {
+            table,
+            operator_allowed: Ipv4Net::aggregate(&operator_allowed.to_vec()),
+        }
     }
 
     /// The nftables table's name (in family `inet`).
@@ -118,7 +128,12 @@ impl Firewall {
     /// Errors: [`HostdError::Nft`]; [`HostdError::Tool`] / [`HostdError::Io`].
     pub async fn install(&self, sandboxes: &[Admission]) -> Result<(), HostdError> {
         let egress = default_route_interface().await?;
-        let ruleset = ruleset(&self.table, egress.as_deref(), sandboxes);
+        let ruleset = ruleset(
+            &self.table,
+            egress.as_deref(),
+            &self.operator_allowed,
+            sandboxes,
+        );
         nft(&ruleset).await?;
         if egress.is_some() {
             let on = std::fs::read_to_string(IP_FORWARD).is_ok_and(|v| v.trim() == "1");
@@ -175,8 +190,15 @@ fn cidr(link: &LinkAddresses) -> String {
     format!("{}/{LINK_PREFIX_LEN}", std::net::Ipv4Addr::from(network))
 }
 
-/// The whole table, as one `nft -f` transaction that replaces any previous version.
-pub fn ruleset(table: &str, egress: Option<&str>, sandboxes: &[Admission]) -> String {
+/// The whole table, as one `nft -f` transaction that replaces any previous version:
+/// masquerading out of `egress` (when there is a default route), letting public sandboxes
+/// reach `operator_allowed` too, admitting `sandboxes`.
+pub fn ruleset(
+    table: &str,
+    egress: Option<&str>,
+    operator_allowed: &[Ipv4Net],
+    sandboxes: &[Admission],
+) -> String {
     let mut r = String::new();
     // Declaring the table first makes the delete succeed when it does not exist yet.
     let _ = writeln!(r, "table inet {table}");
@@ -208,6 +230,8 @@ pub fn ruleset(table: &str, egress: Option<&str>, sandboxes: &[Admission]) -> St
     set(&mut r, ALLOWED_SET, "ifname . ipv4_addr", true, &[]);
     let blocked: Vec<String> = BLOCKED_V4.iter().map(|s| (*s).to_owned()).collect();
     set(&mut r, BLOCKED_SET, "ipv4_addr", true, &blocked);
+    let operator: Vec<String> = operator_allowed.iter().map(|n| n.to_string()).collect();
+    set(&mut r, OPERATOR_SET, "ipv4_addr", true, &operator);
     let lines: &[&str] = &[
         "  chain prerouting {",
         "    type filter hook prerouting priority raw; policy accept;",
@@ -227,6 +251,7 @@ pub fn ruleset(table: &str, egress: Option<&str>, sandboxes: &[Admission]) -> St
         "  }",
         "  chain egress {",
         "    iifname . ip daddr @allowed accept",
+        "    iifname @public ip daddr @operator accept",
         "    iifname @public ip daddr != @blocked accept",
         "    reject with icmpx type admin-prohibited",
         "  }",
@@ -335,7 +360,8 @@ mod tests {
             admission(pool, 3, Egress::Allow(allowed)),
             admission(pool, 4, Egress::None),
         ];
-        let r = ruleset("berth_abc", Some("eth0"), &sandboxes);
+        let resolver: Ipv4Net = "10.0.0.2/32".parse().unwrap();
+        let r = ruleset("berth_abc", Some("eth0"), &[resolver], &sandboxes);
         assert!(r.starts_with("table inet berth_abc\ndelete table inet berth_abc\n"));
         assert!(
             r.contains("elements = { 10.200.0.0/30, 10.200.0.12/30, 10.200.0.16/30 }"),
@@ -360,7 +386,9 @@ mod tests {
         assert!(r.contains("iifname @veths meta nfproto ipv6 drop"));
         assert!(r.contains("iifname @veths iifname . ip saddr != @guests drop"));
         assert!(r.contains("oifname \"eth0\" masquerade"));
-        let no_egress = ruleset("berth_abc", None, &[]);
+        assert!(r.contains("set operator {\n    type ipv4_addr\n    flags interval\n    elements = { 10.0.0.2/32 }"), "{r}");
+        assert!(r.contains("iifname @public ip daddr @operator accept"));
+        let no_egress = ruleset("berth_abc", None, &[], &[]);
         assert!(!no_egress.contains("masquerade") && !no_egress.contains("bv"));
     }
 

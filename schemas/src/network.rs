@@ -18,7 +18,8 @@
 
 use std::net::IpAddr;
 
-use ipnet::Ipv4Net;
+/// An IPv4 network (`10.1.0.0/16`), from the `ipnet` crate.
+pub use ipnet::Ipv4Net;
 use serde::{Deserialize, Serialize};
 
 /// The most networks an allow-list may hold.

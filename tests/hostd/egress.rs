@@ -312,6 +312,10 @@ async fn egress_policies(h: &mut Harness) -> anyhow::Result<()> {
         one_seven_two,
         cgnat,
     ];
+    // The operator lets public sandboxes reach one private address (a resolver, say).
+    h.stop_hostd().await?;
+    h.config.sandbox_egress_allow = vec![format!("{one_nine_two}/32").parse()?];
+    h.start_hostd();
     let outside = Outside::new(h, &targets).await?;
     let port = outside.listeners().tcp_port;
     let at = |ip: Ipv4Addr| format!("{ip}:{port}");
@@ -342,13 +346,13 @@ async fn egress_policies(h: &mut Harness) -> anyhow::Result<()> {
             runc_public,
             "base",
             Egress::Public,
-            vec![public, public_other],
+            vec![public, public_other, one_nine_two],
         ),
         (
             gvisor_public,
             "base-gvisor",
             Egress::Public,
-            vec![public, public_other],
+            vec![public, public_other, one_nine_two],
         ),
         (runc_none, "base", Egress::None, vec![]),
         (runc_listed, "base", allow(), vec![one_seven_two, public]),

@@ -57,7 +57,7 @@ impl OciBackend {
     pub fn new(host_id: HostId, config: &HostdConfig) -> Self {
         let layout = crate::layout::StateLayout::new(&config.state_dir);
         Self {
-            firewall: Firewall::new(firewall_table(host_id)),
+            firewall: Firewall::new(firewall_table(host_id), &config.sandbox_egress_allow),
             bundles: Bundles::new(layout.agent_dir(), config.agent_binary.clone()),
         }
     }
