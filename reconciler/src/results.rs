@@ -68,6 +68,13 @@ pub async fn consume(
         .messages()
         .await
         .map_err(|e| ReconcilerError::JetStream(e.to_string()))?;
+    metrics::describe_counter!(
+        "berth_results_rejected_total",
+        "Host results not believed (forged or misrouted), by reason; none of them was applied"
+    );
+    for why in Rejection::ALL {
+        metrics::counter!("berth_results_rejected_total", "reason" => why.label()).increment(0);
+    }
     let limit = Arc::new(tokio::sync::Semaphore::new(APPLY_CONCURRENCY));
     let mut chains: HashMap<SandboxId, tokio::task::JoinHandle<()>> = HashMap::new();
     loop {
@@ -90,6 +97,13 @@ pub async fn consume(
                 continue;
             }
         };
+        if subjects.host_of_result(&msg.subject) != Some(result.host_id) {
+            // Only the host itself may publish on its result subject (NATS permissions); a
+            // payload naming another host is forged or misrouted.
+            reject(&result, Rejection::SubjectMismatch, &msg.subject);
+            let _ = msg.ack_with(AckKind::Term).await;
+            continue;
+        }
         chains.retain(|_, h| !h.is_finished());
         let previous = chains.remove(&result.sandbox_id);
         let permit = limit
@@ -155,6 +169,10 @@ pub fn trace_context(
 async fn handle(db: &PgPool, msg: jetstream::Message, result: CommandResult) {
     let started = Instant::now();
     match apply(db, &result).await {
+        Ok(Applied::Rejected(why)) => {
+            reject(&result, why, &msg.subject);
+            let _ = msg.ack_with(AckKind::Term).await;
+        }
         Ok(applied) => {
             metrics::histogram!("berth_result_apply_duration_seconds")
                 .record(started.elapsed().as_secs_f64());
@@ -170,6 +188,58 @@ async fn handle(db: &PgPool, msg: jetstream::Message, result: CommandResult) {
         Err(error) => {
             warn!(%error, command_id = %result.command_id, "result apply failed; retrying");
             let _ = msg.ack_with(AckKind::Nak(Some(RETRY_DELAY))).await;
+        }
+    }
+}
+
+/// Counts and logs a result that is not believed; it is never applied.
+fn reject(result: &CommandResult, why: Rejection, subject: &str) {
+    metrics::counter!("berth_results_rejected_total", "reason" => why.label()).increment(1);
+    if why == Rejection::NotPlacement {
+        // The normal end of a cleanup on a host the sandbox no longer lives on.
+        info!(%subject, command_id = %result.command_id, sandbox_id = %result.sandbox_id,
+            host_id = %result.host_id, kind = %result.kind, "result of a host off the placement: not applied");
+        return;
+    }
+    warn!(reason = why.label(), %subject, command_id = %result.command_id,
+        sandbox_id = %result.sandbox_id, host_id = %result.host_id, kind = %result.kind,
+        generation = %result.generation, "result rejected");
+}
+
+/// Why a result was not believed (`berth_results_rejected_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    /// The payload's host is not the host of the subject it arrived on.
+    SubjectMismatch,
+    /// No such command in the outbox: never issued (or purged with its sandbox).
+    UnknownCommand,
+    /// The command was issued to another host.
+    WrongHost,
+    /// The command was issued for another sandbox, generation or kind than the result says.
+    Mismatch,
+    /// The command was the reporting host's, but the sandbox is placed on another host (a
+    /// compensation or orphan cleanup there): the command completes, the row is not touched.
+    NotPlacement,
+}
+
+impl Rejection {
+    /// Every reason.
+    pub const ALL: [Rejection; 5] = [
+        Rejection::SubjectMismatch,
+        Rejection::UnknownCommand,
+        Rejection::WrongHost,
+        Rejection::Mismatch,
+        Rejection::NotPlacement,
+    ];
+
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Rejection::SubjectMismatch => "subject_mismatch",
+            Rejection::UnknownCommand => "unknown_command",
+            Rejection::WrongHost => "wrong_host",
+            Rejection::Mismatch => "mismatch",
+            Rejection::NotPlacement => "not_placement",
         }
     }
 }
@@ -190,6 +260,9 @@ pub enum Applied {
     Unknown,
     /// A success that contradicted the row's terminal state: a compensating command was queued.
     Compensated,
+    /// The result does not match the command the outbox issued, or comes from a host the
+    /// sandbox is not placed on: nothing of it was applied.
+    Rejected(Rejection),
 }
 
 impl Applied {
@@ -201,11 +274,15 @@ impl Applied {
             Applied::Duplicate => "duplicate",
             Applied::Unknown => "unknown",
             Applied::Compensated => "compensated",
+            Applied::Rejected(_) => "rejected",
         }
     }
 }
 
-/// Applies one result in one transaction: fence on generation, decide with the state machine
+/// Applies one result in one transaction: believe it only if the outbox issued its command to
+/// its host for its sandbox, generation and kind, and the sandbox is placed on that host
+/// ([`Applied::Rejected`] otherwise, with nothing written but, for a command of that host's
+/// that no longer concerns the placement, its completion); fence on generation, decide with the state machine
 /// ([`on_result`]), and have the store write the decision (state, capacity, event), a
 /// compensation, or nothing; the command is marked completed either way. Idempotent: applying
 /// the same result again returns [`Applied::Duplicate`] and writes nothing. A transaction that
@@ -218,6 +295,17 @@ pub async fn apply(db: &PgPool, result: &CommandResult) -> Result<Applied, Store
 
 async fn apply_once(db: &PgPool, result: &CommandResult) -> Result<Applied, StoreError> {
     let mut tx = db.begin().await?;
+    let Some(issued) = commands::issued(&mut tx, result.command_id).await? else {
+        return Ok(Applied::Rejected(Rejection::UnknownCommand));
+    };
+    if issued.host_id != result.host_id {
+        return Ok(Applied::Rejected(Rejection::WrongHost));
+    }
+    if (issued.sandbox_id, issued.generation, issued.kind)
+        != (result.sandbox_id, result.generation, result.kind)
+    {
+        return Ok(Applied::Rejected(Rejection::Mismatch));
+    }
     let completed = match &result.outcome {
         ResultOutcome::Succeeded { .. } => CommandOutcome::Succeeded,
         ResultOutcome::Failed { .. } => CommandOutcome::Failed,
@@ -232,6 +320,10 @@ async fn apply_once(db: &PgPool, result: &CommandResult) -> Result<Applied, Stor
         tx.commit().await?;
         return Ok(Applied::Unknown);
     };
+    if row.host_id != Some(result.host_id) {
+        tx.commit().await?;
+        return Ok(Applied::Rejected(Rejection::NotPlacement));
+    }
     let (outcome, address, last_stop, message) = match &result.outcome {
         ResultOutcome::Succeeded { address, last_stop } => {
             (Outcome::Succeeded, address.as_deref(), *last_stop, None)

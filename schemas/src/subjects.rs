@@ -56,6 +56,18 @@ impl Subjects {
         format!("{}.result.{host}", self.prefix)
     }
 
+    /// The host a result subject names: `Some(h)` for `{p}.result.<h>`, `None` for any other
+    /// subject (another prefix or kind, extra tokens, a token that is not a host id). The
+    /// reconciler trusts a result's `host_id` only when it equals this (NATS permissions let a
+    /// host publish on its own result subject only).
+    pub fn host_of_result(&self, subject: &str) -> Option<HostId> {
+        subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(".result.")?
+            .parse()
+            .ok()
+    }
+
     /// `{p}.result.>`: the result stream's subjects.
     pub fn result_all(&self) -> String {
         format!("{}.result.>", self.prefix)
@@ -155,6 +167,24 @@ mod tests {
              ffffffff-ffff-ffff-ffff-ffffffffffff"
         );
         assert_eq!(s.events_all(), "t1.run-7.events.>");
+    }
+
+    #[test]
+    fn the_host_of_a_result_subject_is_read_only_from_this_prefix_and_kind() {
+        let s = Subjects::new("t1").unwrap();
+        let h = HostId(Uuid::new_v4());
+        assert_eq!(s.host_of_result(&s.result(h)), Some(h));
+        for other in [
+            s.heartbeat(h),
+            s.cmd(h),
+            format!("t2.result.{h}"),
+            format!("t1x.result.{h}"),
+            format!("t1.result.{h}.extra"),
+            "t1.result.not-a-host".to_owned(),
+            "t1.result.".to_owned(),
+        ] {
+            assert_eq!(s.host_of_result(&other), None, "{other}");
+        }
     }
 
     #[test]

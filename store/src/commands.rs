@@ -62,6 +62,46 @@ pub async fn insert(
     Ok(())
 }
 
+/// What the outbox holds of one command: to whom and for what it was issued. The reconciler
+/// compares a result with it before believing the result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Issued {
+    /// The sandbox the command acts on.
+    pub sandbox_id: SandboxId,
+    /// The host it was published to.
+    pub host_id: HostId,
+    /// The sandbox generation it was issued at.
+    pub generation: Generation,
+    /// What it asks.
+    pub kind: CommandKind,
+}
+
+/// The command `id` as it was issued, or `None` when the outbox has no such command (never
+/// issued, or purged with its sandbox).
+///
+/// Errors: [`StoreError::Corrupt`] when the row's kind is not one this build knows.
+pub async fn issued(conn: &mut PgConnection, id: CommandId) -> Result<Option<Issued>, StoreError> {
+    let row: Option<(SandboxId, HostId, Generation, String)> = timed(
+        Op::CommandIssued,
+        sqlx::query_as("SELECT sandbox_id, host_id, generation, kind FROM commands WHERE id = $1")
+            .bind(id)
+            .fetch_optional(conn),
+    )
+    .await?;
+    row.map(|(sandbox_id, host_id, generation, kind)| {
+        Ok(Issued {
+            sandbox_id,
+            host_id,
+            generation,
+            kind: kind.parse().map_err(|_| StoreError::Corrupt {
+                column: "commands.kind",
+                message: format!("{kind:?} (command {id})"),
+            })?,
+        })
+    })
+    .transpose()
+}
+
 /// Marks the command completed with `outcome`, unless it already is.
 pub async fn complete(
     conn: &mut PgConnection,

@@ -94,6 +94,8 @@ ops! {
     CommandTimeOut => "command_time_out",
     /// [`crate::commands::exists`]: whether a command was already queued.
     CommandExists => "command_exists",
+    /// [`crate::commands::issued`]: a command as issued, to check a result against.
+    CommandIssued => "command_issued",
     /// [`crate::commands::purge_completed`]: deletes the completed commands of purged sandboxes.
     CommandPurge => "command_purge",
     /// [`crate::commands::notify_relay`]: `NOTIFY` on [`crate::commands::OUTBOX_CHANNEL`].

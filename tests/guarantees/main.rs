@@ -8,6 +8,7 @@ mod support;
 mod api;
 mod atomic_create;
 mod capacity;
+mod forged_results;
 mod late_completion;
 mod one_host;
 mod orgs;

@@ -520,6 +520,62 @@ async fn a_tombstone_is_kept_until_every_webhook_has_fanned_out_its_events(db: P
     );
 }
 
+/// Issue 11 item 6, at the door: without the operator's flag, a webhook whose URL names a
+/// loopback, private, link-local or metadata address (in any spelling, or by a name that resolves
+/// only there) is refused at create with a 400 naming `url`; a public one is accepted.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_webhook_pointing_at_a_private_address_is_refused_at_create(db: PgPool) {
+    let org = inproc::org(&db).await;
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = inproc::Api::configured(db.clone(), nats, inproc::unique_subjects(), |c| {
+        c.webhooks.allow_private_targets = false;
+    });
+    for url in [
+        "http://127.0.0.1:9/hook",
+        "http://localhost:9/hook",
+        "http://2130706433/hook",
+        "http://0x7f.1/hook",
+        "http://[::ffff:127.0.0.1]/hook",
+        "http://169.254.169.254/latest/meta-data",
+        "http://10.0.0.1/hook",
+        "http://[fd00::1]/hook",
+    ] {
+        let reply = api
+            .call(
+                &org.key,
+                axum::http::Method::POST,
+                "/v1/webhooks",
+                None,
+                Some(&json!({ "url": url }).to_string()),
+            )
+            .await;
+        assert_eq!(reply.status, 400, "{url}: {reply:?}");
+        assert_eq!(reply.code(), "invalid_request", "{url}");
+        assert!(
+            reply.body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("private"),
+            "{url}: {reply:?}"
+        );
+    }
+    let public = api
+        .call(
+            &org.key,
+            axum::http::Method::POST,
+            "/v1/webhooks",
+            None,
+            Some(&json!({ "url": "https://93.184.215.14/hook" }).to_string()),
+        )
+        .await;
+    assert_eq!(public.status, 201, "{public:?}");
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM webhooks")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(stored, 1, "only the public webhook was stored");
+}
+
 /// Issue 11 item 6: without the operator's `allow_private_targets`, a delivery never reaches a
 /// loopback receiver, whether the URL names it by address (in any spelling) or by a name that
 /// resolves to it; the attempt log says only that the target was refused.

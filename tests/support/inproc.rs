@@ -84,11 +84,22 @@ impl Reply {
 impl Api {
     /// The router with a real NATS client (used only by exec) and a long heartbeat freshness.
     pub fn new(db: PgPool, nats: async_nats::Client, subjects: Subjects) -> Self {
+        Self::configured(db, nats, subjects, |_| {})
+    }
+
+    /// [`Api::new`] with `adjust` applied to its configuration last.
+    pub fn configured(
+        db: PgPool,
+        nats: async_nats::Client,
+        subjects: Subjects,
+        adjust: impl FnOnce(&mut berth_api::ApiConfig),
+    ) -> Self {
         let addr = "127.0.0.1:0".parse().expect("a socket address");
         let mut config = berth_api::ApiConfig::new(addr, subjects.clone());
         config.heartbeat_freshness = TEST_HEARTBEAT_FRESHNESS;
         // The tests' webhook receivers listen on loopback.
         config.webhooks.allow_private_targets = true;
+        adjust(&mut config);
         let state = berth_api::AppState {
             db,
             nats,

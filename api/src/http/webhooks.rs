@@ -28,7 +28,7 @@ fn parse_id(raw: &str) -> Result<WebhookId, ApiError> {
 #[utoipa::path(post, path = "/v1/webhooks", tag = "crate::webhooks", request_body = CreateWebhook,
     responses(
         (status = 201, description = "Created; the response carries the secret, shown only now", body = Webhook),
-        (status = 400, description = "`invalid_request`: a bad `url`, `secret` or `event_types` (the field is named), or the org has its maximum of webhooks"),
+        (status = 400, description = "`invalid_request`: a bad `url` (including one that points at a loopback, private, link-local or special-use address, unless the operator allows them), `secret` or `event_types` (the field is named), or the org has its maximum of webhooks"),
         (status = 401, description = "`unauthorized`"),
     ), security(("bearer" = [])))]
 pub async fn create(
@@ -40,6 +40,17 @@ pub async fn create(
     let idem = Idempotency::from_headers(&headers, "POST", "/v1/webhooks", &body)?;
     let Json(create) = Json::<CreateWebhook>::from_bytes(&body).map_err(json_error)?;
     let valid = create.validate()?;
+    if !app.config.webhooks.allow_private_targets {
+        let url = reqwest::Url::parse(&valid.url).expect("validate re-serialized a parsed URL");
+        if crate::webhooks::target::refused_at_create(&url).await {
+            return Err(ApiError::invalid(
+                "url",
+                "url points at a loopback, private, link-local or special-use address, where \
+                 deliveries are refused (an operator may allow them: \
+                 --webhook-allow-private-targets)",
+            ));
+        }
+    }
     let outcome = webhooks::create(&app.db, caller.org_id, valid, idem.as_ref(), |w| {
         stored(StatusCode::CREATED, w)
     })

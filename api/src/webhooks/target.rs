@@ -93,6 +93,26 @@ pub fn literal_is_refused(url: &reqwest::Url) -> bool {
     }
 }
 
+/// Whether a new webhook's URL may be refused at once: its host is a refused literal, or a name
+/// every address of which is refused (`localhost`). A name that does not resolve now passes:
+/// deliveries resolve again each time through [`GuardedResolver`], which stays the authority
+/// (a name may point elsewhere later).
+pub async fn refused_at_create(url: &reqwest::Url) -> bool {
+    if literal_is_refused(url) {
+        return true;
+    }
+    let Some(url::Host::Domain(name)) = url.host() else {
+        return false;
+    };
+    match tokio::net::lookup_host((name, 0)).await {
+        Ok(addrs) => {
+            let addrs: Vec<SocketAddr> = addrs.collect();
+            !addrs.is_empty() && addrs.iter().all(|a| is_refused(a.ip()))
+        }
+        Err(_) => false,
+    }
+}
+
 /// A DNS resolver for the delivery client that drops every refused address a name resolves
 /// to, and fails the lookup when none is left.
 #[derive(Debug, Clone, Copy, Default)]
