@@ -521,14 +521,128 @@ fn send_udp_from(
     })
 }
 
+/// The MAC address of `interface` in namespace `ns` (`ip -o link show`: `link/ether …`).
+async fn mac_of(ns: Option<&str>, interface: &str) -> anyhow::Result<[u8; 6]> {
+    let out = match ns {
+        Some(ns) => run("ip", &["-n", ns, "-o", "link", "show", interface]).await?,
+        None => run("ip", &["-o", "link", "show", interface]).await?,
+    };
+    let text = out
+        .split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .context("no link/ether")?;
+    let bytes: Vec<u8> = text
+        .split(':')
+        .map(|x| u8::from_str_radix(x, 16))
+        .collect::<Result<_, _>>()?;
+    bytes.try_into().map_err(|_| anyhow!("odd MAC {text}"))
+}
+
+/// The Internet checksum (RFC 1071) of `data`.
+fn checksum(data: &[u8]) -> u16 {
+    let mut sum: u32 = data
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// An Ethernet frame carrying an IPv4 UDP datagram from `source` to `target` (UDP checksum
+/// 0: none, as RFC 768 allows).
+fn udp_frame(
+    dst_mac: [u8; 6],
+    src_mac: [u8; 6],
+    source: Ipv4Addr,
+    target: SocketAddrV4,
+    payload: &[u8],
+) -> Vec<u8> {
+    let udp_len = 8 + payload.len() as u16;
+    let mut ip = vec![0x45, 0, 0, 0, 0, 1, 0x40, 0, 64, 17, 0, 0];
+    ip[2..4].copy_from_slice(&(20 + udp_len).to_be_bytes());
+    ip.extend(source.octets());
+    ip.extend(target.ip().octets());
+    let sum = checksum(&ip);
+    ip[10..12].copy_from_slice(&sum.to_be_bytes());
+    let mut frame = [dst_mac.as_slice(), src_mac.as_slice(), &[0x08, 0x00]].concat();
+    frame.extend(ip);
+    frame.extend(40_000u16.to_be_bytes());
+    frame.extend(target.port().to_be_bytes());
+    frame.extend(udp_len.to_be_bytes());
+    frame.extend([0, 0]);
+    frame.extend(payload);
+    frame
+}
+
+/// An Ethernet frame carrying [`router_advertisement`] for `prefix` from the EUI-64
+/// link-local address of `src_mac` to all nodes, hop limit 255, checksummed (RFC 4443 §2.3).
+fn ra_frame(src_mac: [u8; 6], prefix: Ipv6Addr) -> Vec<u8> {
+    let b = src_mac;
+    let source = Ipv6Addr::new(
+        0xfe80,
+        0,
+        0,
+        0,
+        u16::from_be_bytes([b[0] ^ 2, b[1]]),
+        u16::from_be_bytes([b[2], 0xff]),
+        u16::from_be_bytes([0xfe, b[3]]),
+        u16::from_be_bytes([b[4], b[5]]),
+    );
+    let all_nodes = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
+    let mut icmp = router_advertisement(prefix);
+    let mut pseudo = [source.octets(), all_nodes.octets()].concat();
+    pseudo.extend((icmp.len() as u32).to_be_bytes());
+    pseudo.extend([0, 0, 0, 58]);
+    pseudo.extend(&icmp);
+    let sum = checksum(&pseudo);
+    icmp[2..4].copy_from_slice(&sum.to_be_bytes());
+    let mut frame = [&[0x33, 0x33, 0, 0, 0, 1], src_mac.as_slice(), &[0x86, 0xdd]].concat();
+    frame.extend([0x60, 0, 0, 0]);
+    frame.extend((icmp.len() as u16).to_be_bytes());
+    frame.extend([58, 255]);
+    frame.extend(source.octets());
+    frame.extend(all_nodes.octets());
+    frame.extend(icmp);
+    frame
+}
+
+/// Writes `frames` as they are out of interface `index` of namespace `ns`, through a packet
+/// socket: the way gVisor's netstack puts its packets on the sandbox's `eth0`.
+fn send_frames(ns: &str, index: u32, frames: Vec<Vec<u8>>) -> anyhow::Result<()> {
+    in_netns(netns_path(ns), move || {
+        use socket2::{Domain, SockAddr, Socket, Type};
+        let sock = Socket::new(Domain::PACKET, Type::RAW, None)?;
+        // SAFETY: `sockaddr_ll` fits in the zeroed storage `try_init` hands over, and every
+        // field it reads is set here.
+        let ((), addr) = unsafe {
+            SockAddr::try_init(|storage, len| {
+                let ll = (*storage).view_as::<libc::sockaddr_ll>();
+                ll.sll_family = libc::AF_PACKET as u16;
+                ll.sll_ifindex = i32::try_from(index).unwrap_or(0);
+                ll.sll_halen = 6;
+                *len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+                Ok(())
+            })?
+        };
+        for frame in frames {
+            sock.send_to(&frame, &addr)?;
+        }
+        Ok(())
+    })
+}
+
 async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
     let s = h.config.address_pool.octets()[1];
     let public = Ipv4Addr::new(198, 51, 100, s);
     let outside = Outside::new(h, &[public]).await?;
     let to_outside = SocketAddrV4::new(public, outside.listeners().udp_port);
-    let (a, b) = (SandboxId::new(), SandboxId::new());
+    let (a, b, g) = (SandboxId::new(), SandboxId::new(), SandboxId::new());
     let addr_a = create(h, a, "base", Egress::Public).await?;
     let addr_b = create(h, b, "base", Egress::Public).await?;
+    let addr_g = create(h, g, "base-gvisor", Egress::Public).await?;
     let (names, veth) = (h.names(a), h.names(a).veth_host);
 
     // The host side of the veth speaks no IPv6 and filters by reverse path.
@@ -648,6 +762,24 @@ async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
             }
         })
         .await;
+        // The same for the hand-built frame the gVisor sandbox's part sends below.
+        let ra0_mac = mac_of(Some(&control), "ra0").await?;
+        let prefix_frame = Ipv6Addr::new(0x2001, 0xdb8, u16::from(s), 3, 0, 0, 0, 0);
+        let prefix = format!("{:x}:{:x}:{:x}:{:x}:", 0x2001, 0xdb8, s, 3);
+        eventually(
+            "the control interface takes the prefix of a hand-built RA frame",
+            || {
+                let _ = send_frames(&control, index, vec![ra_frame(ra0_mac, prefix_frame)]);
+                let control = control.clone();
+                let prefix = prefix.clone();
+                async move {
+                    run("ip", &["-n", &control, "-6", "addr", "show", "dev", "ra1"])
+                        .await
+                        .is_ok_and(|o| o.contains(&prefix))
+                }
+            },
+        )
+        .await;
         anyhow::Ok(())
     }
     .await;
@@ -702,20 +834,61 @@ async fn spoofing_and_ipv6(h: &mut Harness) -> anyhow::Result<()> {
         logged(&host.log)
     );
 
-    // The RA changed nothing on the host: no address, no route, nothing on the veth.
-    let prefix_text = format!("{:x}:{:x}:{:x}:{:x}:", 0x2001, 0xdb8, s, 2);
-    let addrs = run("ip", &["-6", "-o", "addr", "show"]).await?;
-    let routes = run("ip", &["-6", "route", "show"]).await?;
+    // gVisor: its netstack writes frames to eth0 with a packet socket; the same frames, built
+    // by hand, carry an RA and spoofed sources (another sandbox's, a public one), then a
+    // genuine datagram.
+    let names_g = h.names(g);
+    let veth_g = names_g.veth_host.clone();
+    let host_mac = mac_of(None, &veth_g).await?;
+    let g_mac = mac_of(Some(&names_g.netns), "eth0").await?;
+    let index_g = ifindex(&names_g.netns, "eth0").await?;
+    let prefix_g = Ipv6Addr::new(0x2001, 0xdb8, u16::from(s), 4, 0, 0, 0, 0);
+    let frame = |source: Ipv4Addr, payload: &str| {
+        udp_frame(host_mac, g_mac, source, to_outside, payload.as_bytes())
+    };
+    send_frames(
+        &names_g.netns,
+        index_g,
+        vec![
+            ra_frame(g_mac, prefix_g),
+            frame(addr_a, "g-spoofed-sandbox"),
+            frame(Ipv4Addr::new(198, 51, 100, 78), "g-spoofed-public"),
+            frame(addr_g, "g-genuine"),
+        ],
+    )
+    .context("send frames from the gVisor sandbox's eth0")?;
+    eventually("the gVisor sandbox's genuine datagram arrives", || {
+        let log = log.clone();
+        async move { logged(&log).iter().any(|(_, _, t)| t == "g-genuine") }
+    })
+    .await;
+    let got = logged(&log);
     ensure!(
-        !addrs.contains(&prefix_text) && !addrs.contains(&veth),
-        "the RA added an address: {addrs}"
+        got.iter().all(|(_, _, t)| !t.starts_with("g-spoofed")),
+        "a spoofed frame arrived: {got:?}"
     );
     ensure!(
-        !routes.contains(&prefix_text) && !routes.contains(&veth),
-        "the RA added a route: {routes}"
+        got.iter()
+            .any(|(peer, _, t)| t == "g-genuine" && *peer == IpAddr::V4(addr_g)),
+        "the genuine frame came from elsewhere: {got:?}"
     );
 
-    for sandbox in [a, b] {
+    // Neither RA changed anything on the host: no address, no route, nothing on the veths.
+    let addrs = run("ip", &["-6", "-o", "addr", "show"]).await?;
+    let routes = run("ip", &["-6", "route", "show"]).await?;
+    for (n, veth) in [(2, &veth), (4, &veth_g)] {
+        let prefix_text = format!("{:x}:{:x}:{:x}:{:x}:", 0x2001, 0xdb8, s, n);
+        ensure!(
+            !addrs.contains(&prefix_text) && !addrs.contains(veth.as_str()),
+            "the RA added an address: {addrs}"
+        );
+        ensure!(
+            !routes.contains(&prefix_text) && !routes.contains(veth.as_str()),
+            "the RA added a route: {routes}"
+        );
+    }
+
+    for sandbox in [a, b, g] {
         let deleted = h.send(&h.command(sandbox, 2, CommandKind::Delete)).await?;
         ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
     }
