@@ -8,9 +8,13 @@
 //! way a rule goes. Its listeners log who reached which address.
 //!
 //! Packets busybox can't craft (a Router Advertisement, a datagram from a spoofed source)
-//! are sent from the sandbox's own network namespace by the test, as root with every
-//! capability: the strongest a runc sandbox's root could be, so the host-side defences are
-//! shown without relying on what the sandbox may not do inside (item 2 drops `CAP_NET_RAW`).
+//! are sent by the test from the sandbox's own network namespace, as root with every
+//! capability: for runc through the namespace's kernel stack (the strongest a runc sandbox's
+//! root could be), for gVisor as hand-built frames written to `eth0` with a packet socket
+//! (the way gVisor's netstack sends its packets). So the host-side defences are shown
+//! without relying on what the sandbox may not do inside (item 2 drops `CAP_NET_RAW`; runsc
+//! runs without `--net-raw`). Each has a control showing the same packet does its harm where
+//! nothing stops it.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
