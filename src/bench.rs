@@ -330,11 +330,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         None => Samples::default(),
     };
     let nats_url = args.nats_url.clone().or_else(|| lookup("NATS_URL"));
+    let nats_creds = std::env::var("BERTH_NATS_CREDS")
+        .ok()
+        .or_else(|| lookup("BERTH_NATS_CREDS"));
     let js_floor = match nats_url {
-        Some(url) => js_floor(&url).await.unwrap_or_else(|e| {
-            eprintln!("JetStream floor not measured: {e:#}");
-            Samples::default()
-        }),
+        Some(url) => js_floor(&url, nats_creds.as_deref())
+            .await
+            .unwrap_or_else(|e| {
+                eprintln!("JetStream floor not measured: {e:#}");
+                Samples::default()
+            }),
         None => Samples::default(),
     };
 
@@ -447,9 +452,17 @@ async fn pg_floor(url: &str) -> anyhow::Result<Samples> {
     Ok(samples)
 }
 
-/// A raw JetStream publish awaiting its ack, on a file-backed stream of its own.
-async fn js_floor(url: &str) -> anyhow::Result<Samples> {
-    let client = async_nats::connect(url).await?;
+/// A raw JetStream publish awaiting its ack, on a file-backed stream of its own; with the
+/// control plane's credentials file when the stack's NATS has auth on.
+async fn js_floor(url: &str, creds: Option<&str>) -> anyhow::Result<Samples> {
+    let spec = berth_schemas::nats_auth::NatsConnect {
+        url: url.to_owned(),
+        creds: creds
+            .map(|path| berth::nats_access::load(std::path::Path::new(path)))
+            .transpose()?,
+        ca_file: None,
+    };
+    let client = crate::connect_with(&spec).await?;
     let js = async_nats::jetstream::new(client);
     let tag = uuid::Uuid::now_v7().simple().to_string();
     let name = format!("BENCH_FLOOR_{tag}");

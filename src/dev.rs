@@ -4,6 +4,12 @@
 //! Against `DATABASE_URL` / `NATS_URL` when set; otherwise against a private Postgres (initdb
 //! in the state dir) and a private `nats-server -js`, both on free loopback ports, started here
 //! and stopped (by the PIDs started here) when `berth dev` exits.
+//!
+//! The private nats-server runs with authentication on (unless `--nats-open`): `berth dev`
+//! keeps the control plane's and each host's credentials in `<state>/nats-auth/` (mode 0600,
+//! reused across restarts), registers the hosts with their keys, renders the server's config
+//! with each principal's permissions (`berth_schemas::nats_auth`) into `<state>/nats/nats.conf`,
+//! and writes `BERTH_NATS_CREDS` (the control plane's file) to `stack.env`.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -51,6 +57,10 @@ pub struct DevArgs {
     /// NATS to use; unset → a private `nats-server -js`.
     #[arg(long, env = "NATS_URL")]
     nats_url: Option<String>,
+    /// Run the private nats-server without authentication (anyone reaching its port may speak
+    /// for any host); by default each component has its own credentials and permissions.
+    #[arg(long, env = "BERTH_DEV_NATS_OPEN")]
+    nats_open: bool,
     /// Let webhooks deliver to loopback, private and link-local addresses (a receiver on this
     /// machine); refused by default.
     #[arg(long, env = "BERTH_WEBHOOK_ALLOW_PRIVATE_TARGETS")]
@@ -278,19 +288,34 @@ async fn chown_postgres(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Starts a private `nats-server` with JetStream on a free loopback port. With `auth` (the
+/// server's `authorization` block and the control plane's credentials, which the readiness
+/// check connects with) only the listed principals get in; without, it is open.
 pub(crate) async fn start_private_nats(
     state_dir: &Path,
+    auth: Option<(&str, &berth_schemas::nats_auth::Creds)>,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<(String, PrivateService)> {
     let port = free_port()?;
     let dir = std::path::absolute(state_dir.join("nats"))?;
     std::fs::create_dir_all(&dir)?;
+    let config_file = dir.join("nats.conf");
+    std::fs::write(
+        &config_file,
+        berth::nats_access::server_config(port, &dir, auth.map(|(block, _)| block), None),
+    )
+    .with_context(|| format!("write {}", config_file.display()))?;
     let log = std::fs::File::create(state_dir.join("nats.log"))?;
     let pid_file = state_dir.join("nats.pid");
     stop_stale(&pid_file, "nats-server", state_dir).await;
+    let connect = berth_schemas::nats_auth::NatsConnect {
+        url: format!("nats://127.0.0.1:{port}"),
+        creds: auth.map(|(_, creds)| creds.clone()),
+        ca_file: None,
+    };
     let child = service_command(Path::new("nats-server"))
-        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-        .arg(&dir)
+        .arg("-c")
+        .arg(&config_file)
         .stdout(log.try_clone()?)
         .stderr(log)
         .kill_on_drop(true)
@@ -303,10 +328,10 @@ pub(crate) async fn start_private_nats(
         name: "nats",
         child,
     };
-    let url = format!("nats://127.0.0.1:{port}");
+    let url = connect.url.clone();
     let deadline = tokio::time::Instant::now() + SERVICE_START_TIMEOUT;
     loop {
-        let error = match async_nats::connect(&url).await {
+        let error = match connect.connect().await {
             Ok(c) => match c.flush().await {
                 Ok(()) => break,
                 Err(e) => e.to_string(),
@@ -371,6 +396,45 @@ fn pool_for(base: Ipv4Addr, index: u8) -> anyhow::Result<Ipv4Addr> {
     Ok(Ipv4Addr::new(a, b, 0, 0))
 }
 
+fn control_plane_creds_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("nats-auth").join("control-plane.creds")
+}
+
+/// The control plane's credentials and each host's (reused from `<state>/nats-auth/` when
+/// they are still for the host whose state dir is there; issued otherwise), every host
+/// registered with its key.
+async fn dev_credentials(
+    db: &sqlx::PgPool,
+    state_dir: &Path,
+    host_dirs: &[PathBuf],
+) -> anyhow::Result<(
+    berth_schemas::nats_auth::Creds,
+    Vec<berth_schemas::nats_auth::Creds>,
+)> {
+    use berth_schemas::nats_auth::Role;
+    let control_plane = berth::nats_access::load_or_create(
+        &control_plane_creds_path(state_dir),
+        Role::ControlPlane,
+    )?;
+    let mut hosts = Vec::new();
+    for (i, dir) in host_dirs.iter().enumerate() {
+        let id = berth_hostd::host_id(dir)?;
+        let path = state_dir.join("nats-auth").join(format!("host-{i}.creds"));
+        let creds = match berth::nats_access::load(&path) {
+            Ok(creds) if creds.role == Role::Host(id) => creds,
+            _ => {
+                let _ = std::fs::remove_file(&path);
+                let creds = berth_schemas::nats_auth::Creds::generate(Role::Host(id));
+                berth::nats_access::write_new(&path, &creds)?;
+                creds
+            }
+        };
+        berth::nats_access::register_host(db, &creds).await?;
+        hosts.push(creds);
+    }
+    Ok((control_plane, hosts))
+}
+
 /// Runs the whole stack until SIGINT/SIGTERM.
 pub async fn run(args: DevArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.state_dir)
@@ -398,27 +462,51 @@ async fn run_stack(
             url
         }
     };
+    let db = crate::connect_db(&database_url).await?;
+    let subjects = berth_schemas::Subjects::new(&args.subject_prefix)?;
+    let host_dirs: Vec<PathBuf> = (0..args.hosts)
+        .map(|i| state_dir.join("hosts").join(i.to_string()))
+        .collect();
+    // Credentials when dev runs its own NATS with auth on: (control plane, one per host).
+    let auth = if args.nats_url.is_none() && !args.nats_open {
+        berth_store::MIGRATOR.run(&db).await.context("migrate")?;
+        Some(dev_credentials(&db, state_dir, &host_dirs).await?)
+    } else {
+        None
+    };
     let nats_url = match &args.nats_url {
         Some(url) => url.clone(),
         None => {
-            let (url, svc) = start_private_nats(state_dir, &shutdown).await?;
+            let block = match &auth {
+                Some((control_plane, _)) => Some((
+                    berth::nats_access::render_auth(&db, &subjects, control_plane).await?,
+                    control_plane,
+                )),
+                None => None,
+            };
+            let (url, svc) = start_private_nats(
+                state_dir,
+                block.as_ref().map(|(b, c)| (b.as_str(), *c)),
+                &shutdown,
+            )
+            .await?;
             services.push(svc);
             url
         }
     };
-    let db = crate::connect_db(&database_url).await?;
-    let subjects = berth_schemas::Subjects::new(&args.subject_prefix)?;
     let mut config = StackConfig::new(nats_url.clone(), subjects, args.api_addr);
     config.api.webhooks.allow_private_targets = args.webhook_allow_private_targets;
+    config.nats_creds = auth.as_ref().map(|(cp, _)| cp.clone());
     let host_name = hostname();
-    for i in 0..args.hosts {
+    for (i, dir) in host_dirs.iter().enumerate() {
         let mut host = berth_hostd::HostdConfig::new(
             nats_url.clone(),
             config.subjects.clone(),
-            state_dir.join("hosts").join(i.to_string()),
+            dir.clone(),
             format!("{host_name}-{i}"),
         );
-        host.address_pool = pool_for(args.address_pool, i)?;
+        host.address_pool = pool_for(args.address_pool, i as u8)?;
+        host.nats_creds = auth.as_ref().map(|(_, hosts)| hosts[i].clone());
         config.hosts.push(host);
     }
     let mut stack = Stack::start(config, Pools::shared(db.clone()), &shutdown).await?;
@@ -443,9 +531,16 @@ async fn run_stack(
         state_dir.join("stack.env"),
         format!(
             "BERTH_API=http://{api_addr}\nDATABASE_URL={database_url}\nNATS_URL={nats_url}\n\
-             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\n",
+             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\n{}",
             args.subject_prefix,
-            state_dir.join("hosts").display()
+            state_dir.join("hosts").display(),
+            match &auth {
+                Some(_) => format!(
+                    "BERTH_NATS_CREDS={}\n",
+                    control_plane_creds_path(state_dir).display()
+                ),
+                None => String::new(),
+            }
         ),
     )?;
     println!("api: http://{api_addr}");

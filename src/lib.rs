@@ -1,4 +1,6 @@
 //! The library half of the root package: what `berth` (the binary) and the end-to-end tests
-//! share. Today that is the in-process control plane, [`stack`].
+//! share: the in-process control plane, [`stack`], and issuing NATS credentials and server
+//! configs, [`nats_access`].
 
+pub mod nats_access;
 pub mod stack;

@@ -8,7 +8,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
 use anyhow::Context;
-use berth_schemas::Subjects;
+use berth_schemas::nats_auth::{NatsConnect, Role};
+use berth_schemas::{HostId, Subjects};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -187,15 +188,74 @@ enum AdminCmd {
         #[arg(long)]
         max_memory_mib: Option<i64>,
     },
+    /// Register a host and issue its NATS credentials (printed: the host id; written: the
+    /// credentials file for `berth hostd --nats-creds`). Re-running it for a host rotates its
+    /// key. Then re-render the server's user list (`nats-config`) and reload nats-server.
+    AddHost {
+        /// The host's id (a UUID; the `host-id` file of an existing hostd state dir). Omitted:
+        /// a new id.
+        host_id: Option<HostId>,
+        /// Where to write the credentials (mode 0600; must not exist).
+        #[arg(long)]
+        creds_out: PathBuf,
+    },
+    /// Forget a host's registration: the scheduler drops its heartbeats from now on, and the
+    /// next `nats-config` leaves its key out (reload nats-server to shut it out of NATS).
+    RemoveHost {
+        /// The host's id.
+        host_id: HostId,
+    },
+    /// Render nats-server's `authorization` block: the control plane's key and every
+    /// registered host's, each with its permissions. Include it in the server's config and
+    /// reload the server (`nats-server --signal reload`) after each `add-host`.
+    NatsConfig {
+        /// The control plane's credentials: read, or created (mode 0600) when missing. Give
+        /// the same file to api, scheduler and reconciler (`--nats-creds`).
+        #[arg(long)]
+        control_plane_creds: PathBuf,
+        /// Prefix of every NATS subject (the permissions name subjects).
+        #[arg(long, env = "BERTH_SUBJECT_PREFIX", default_value = berth_schemas::subjects::DEFAULT_PREFIX)]
+        subject_prefix: String,
+        /// Where to write the block (replaced); omitted: standard output.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Clone)]
 struct NatsArgs {
+    /// NATS server URL (`nats://…`, or `tls://…` with `--nats-ca`).
     #[arg(long, env = "NATS_URL", default_value = DEFAULT_NATS_URL)]
     nats_url: String,
+    /// This component's NATS credentials file (`berth admin add-host` for a host, `berth admin
+    /// nats-config` for the control plane); unset: connect anonymously (an open NATS).
+    #[arg(long, env = "BERTH_NATS_CREDS")]
+    nats_creds: Option<PathBuf>,
+    /// CA file (PEM) that signed the NATS server's certificate; set: TLS is required.
+    #[arg(long, env = "BERTH_NATS_CA")]
+    nats_ca: Option<PathBuf>,
     /// Prefix of every NATS subject.
     #[arg(long, env = "BERTH_SUBJECT_PREFIX", default_value = berth_schemas::subjects::DEFAULT_PREFIX)]
     subject_prefix: String,
+}
+
+impl NatsArgs {
+    /// The connection these flags describe (reads the credentials file).
+    fn connect_spec(&self) -> anyhow::Result<NatsConnect> {
+        Ok(NatsConnect {
+            url: self.nats_url.clone(),
+            creds: self
+                .nats_creds
+                .as_deref()
+                .map(berth::nats_access::load)
+                .transpose()?,
+            ca_file: self.nats_ca.clone(),
+        })
+    }
+
+    async fn connect(&self) -> anyhow::Result<async_nats::Client> {
+        connect_with(&self.connect_spec()?).await
+    }
 }
 
 #[derive(Args, Clone)]
@@ -257,9 +317,13 @@ pub(crate) async fn connect_db(url: &str) -> anyhow::Result<sqlx::PgPool> {
 }
 
 pub(crate) async fn connect_nats(url: &str) -> anyhow::Result<async_nats::Client> {
-    async_nats::connect(url)
+    connect_with(&NatsConnect::open(url)).await
+}
+
+pub(crate) async fn connect_with(spec: &NatsConnect) -> anyhow::Result<async_nats::Client> {
+    spec.connect()
         .await
-        .with_context(|| format!("connect to NATS at {url}"))
+        .with_context(|| format!("connect to NATS at {}", spec.url))
 }
 
 fn redact(url: &str) -> String {
@@ -298,7 +362,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             webhook_allow_private_targets,
         } => {
             let db = connect_db(&conn.database_url).await?;
-            let nats = connect_nats(&conn.nats.nats_url).await?;
+            let nats = conn.nats.connect().await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
             let state = berth_api::AppState {
                 db,
@@ -317,7 +381,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let shutdown = shutdown_on_signal();
             serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
-            let nats = connect_nats(&conn.nats.nats_url).await?;
+            let nats = conn.nats.connect().await?;
             let config = berth_scheduler::SchedulerConfig {
                 subjects: subjects(&conn.nats.subject_prefix)?,
             };
@@ -327,7 +391,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let shutdown = shutdown_on_signal();
             serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
-            let nats = connect_nats(&conn.nats.nats_url).await?;
+            let nats = conn.nats.connect().await?;
             let config =
                 berth_reconciler::ReconcilerConfig::new(subjects(&conn.nats.subject_prefix)?);
             berth_reconciler::run(config, db, nats, shutdown).await?;
@@ -345,12 +409,21 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             sim_boot_ms,
         } => {
             let name = name.unwrap_or_else(dev::hostname);
+            let spec = nats.connect_spec()?;
+            if let Some(creds) = &spec.creds {
+                anyhow::ensure!(
+                    matches!(creds.role, Role::Host(_)),
+                    "--nats-creds of a hostd must be host credentials (berth admin add-host)"
+                );
+            }
             let mut config = berth_hostd::HostdConfig::new(
                 nats.nats_url,
                 subjects(&nats.subject_prefix)?,
                 state_dir,
                 name,
             );
+            config.nats_creds = spec.creds;
+            config.nats_ca = spec.ca_file;
             config.address_pool = address_pool;
             config.sandbox_egress_allow = sandbox_egress_allow.iter().map(|n| n.trunc()).collect();
             if let Some(v) = vcpus {
@@ -446,6 +519,56 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                         anyhow::bail!("no org named {org:?}");
                     }
                     eprintln!("quotas of {org} set");
+                }
+                AdminCmd::AddHost { host_id, creds_out } => {
+                    anyhow::ensure!(
+                        !creds_out.exists(),
+                        "{} exists; credentials are never overwritten",
+                        creds_out.display()
+                    );
+                    let host = host_id.unwrap_or_default();
+                    let creds = berth::nats_access::issue_host(&db, host).await?;
+                    berth::nats_access::write_new(&creds_out, &creds)?;
+                    eprintln!(
+                        "registered host {host}; its NATS credentials are in {} \
+                         (berth hostd --nats-creds); now re-render the server's users \
+                         (berth admin nats-config) and reload nats-server",
+                        creds_out.display()
+                    );
+                    println!("{host}");
+                }
+                AdminCmd::RemoveHost { host_id } => {
+                    if !berth_store::hosts::unregister(&db, host_id).await? {
+                        anyhow::bail!("host {host_id} is not registered");
+                    }
+                    eprintln!(
+                        "host {host_id} unregistered; now re-render the server's users \
+                         (berth admin nats-config) and reload nats-server"
+                    );
+                }
+                AdminCmd::NatsConfig {
+                    control_plane_creds,
+                    subject_prefix,
+                    out,
+                } => {
+                    let creds = berth::nats_access::load_or_create(
+                        &control_plane_creds,
+                        Role::ControlPlane,
+                    )?;
+                    let block =
+                        berth::nats_access::render_auth(&db, &subjects(&subject_prefix)?, &creds)
+                            .await?;
+                    match out {
+                        Some(path) => {
+                            let tmp = path.with_extension("tmp");
+                            std::fs::write(&tmp, &block)
+                                .with_context(|| format!("write {}", tmp.display()))?;
+                            std::fs::rename(&tmp, &path)
+                                .with_context(|| format!("replace {}", path.display()))?;
+                            eprintln!("wrote {}; reload nats-server to apply it", path.display());
+                        }
+                        None => print!("{block}"),
+                    }
                 }
             }
         }

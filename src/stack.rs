@@ -66,6 +66,10 @@ impl Pools {
 pub struct StackConfig {
     /// NATS server URL; the hostd of the stack connect to it on their own.
     pub nats_url: String,
+    /// The control plane's NATS credentials (`None`: an open NATS).
+    pub nats_creds: Option<berth_schemas::nats_auth::Creds>,
+    /// The CA file of a TLS NATS server (`None`: plain).
+    pub nats_ca: Option<std::path::PathBuf>,
     /// Subject and stream names (their prefix isolates this stack on a shared NATS).
     pub subjects: Subjects,
     /// The API's configuration. `api.listen` is bound by [`Stack::start`] (port 0 takes a free
@@ -82,6 +86,8 @@ impl StackConfig {
     pub fn new(nats_url: impl Into<String>, subjects: Subjects, listen: SocketAddr) -> Self {
         Self {
             nats_url: nats_url.into(),
+            nats_creds: None,
+            nats_ca: None,
             api: berth_api::ApiConfig::new(listen, subjects.clone()),
             reconciler: Reconciler::Leader(Box::new(berth_reconciler::ReconcilerConfig::new(
                 subjects.clone(),
@@ -110,10 +116,12 @@ pub struct Stack {
 }
 
 impl Stack {
-    /// Migrates the database, makes the streams, binds the API and starts every component as a
+    /// Migrates the database, registers the in-process hosts (their ids from their state dirs,
+    /// or their credentials), makes the streams, binds the API and starts every component as a
     /// task. `shutdown` stops them all (so does [`Stack::stop`]).
     ///
-    /// Errors: migration, NATS connection, stream creation or binding `config.api.listen`.
+    /// Errors: migration, registration, NATS connection, stream creation or binding
+    /// `config.api.listen`.
     pub async fn start(
         mut config: StackConfig,
         pools: Pools,
@@ -126,7 +134,25 @@ impl Stack {
         let started_at = sqlx::query_scalar("SELECT now()")
             .fetch_one(&pools.api)
             .await?;
-        let nats = async_nats::connect(&config.nats_url)
+        for host in &config.hosts {
+            let id = match host.nats_creds.as_ref().map(|c| c.role) {
+                Some(berth_schemas::nats_auth::Role::Host(id)) => {
+                    berth_hostd::adopt_host_id(&host.state_dir, id)?
+                }
+                _ => berth_hostd::host_id(&host.state_dir)?,
+            };
+            let key = host.nats_creds.as_ref().map(|c| c.public_key());
+            berth_store::hosts::register(&pools.api, id, key.as_deref())
+                .await
+                .with_context(|| format!("register host {id}"))?;
+        }
+        let connect = berth_schemas::nats_auth::NatsConnect {
+            url: config.nats_url.clone(),
+            creds: config.nats_creds.clone(),
+            ca_file: config.nats_ca.clone(),
+        };
+        let nats = connect
+            .connect()
             .await
             .with_context(|| format!("connect to NATS at {}", config.nats_url))?;
         let js = async_nats::jetstream::new(nats.clone());

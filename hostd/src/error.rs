@@ -70,6 +70,17 @@ pub enum HostdError {
         content: String,
     },
 
+    /// The state dir belongs to another host than the NATS credentials speak for.
+    #[error("{path} holds host id {state}, but the NATS credentials are host {creds}'s")]
+    HostIdMismatch {
+        /// The `host-id` file.
+        path: PathBuf,
+        /// The id it holds.
+        state: berth_schemas::HostId,
+        /// The id the credentials were issued for.
+        creds: berth_schemas::HostId,
+    },
+
     /// The command asked for a template this host cannot build.
     #[error("unknown template {name:?} (known: {known})")]
     UnknownTemplate {

@@ -21,6 +21,7 @@
 //! - [`adopt`]: at start, adopts what a previous run left and sweeps strays (OCI only).
 //! - [`runtime`]: the runtime driver trait, runc, runsc and the sim driver.
 //! - [`netns`], [`firewall`], [`overlay`], [`disk`], [`template`], [`bundle`], [`oci`],
+//!   [`seccomp`], [`isolation`] (the user namespace of runc sandboxes),
 //!   [`address`], [`cgroup`], [`gate`], [`cleanup`], [`record`], [`layout`]: the pieces.
 //! - [`agent`]: the in-sandbox agent and hostd's client of it.
 //!
@@ -30,7 +31,7 @@
 //! disk-only stop keeps files only); each module's docs say how it keeps them.
 //!
 //! # Assumptions
-//! hostd runs as root in the root network namespace with runc (and runsc, optionally),
+//! hostd runs as root in the root network namespace with runc (and runsc, optionally), `cp`,
 //! iproute2, nftables, util-linux's `unshare` and a static busybox at `/bin/busybox`. Several
 //! hostd may share one machine if their state dirs and address pools differ.
 
@@ -48,6 +49,7 @@ pub mod fence;
 pub mod firewall;
 pub mod gate;
 pub mod host;
+pub mod isolation;
 pub mod layout;
 pub mod metrics;
 pub mod nats;
@@ -56,6 +58,7 @@ pub mod oci;
 pub mod overlay;
 pub mod record;
 pub mod runtime;
+pub mod seccomp;
 pub mod template;
 pub mod tool;
 
@@ -103,8 +106,14 @@ const MEMINFO: &str = "/proc/meminfo";
 /// Configuration of one hostd.
 #[derive(Debug, Clone)]
 pub struct HostdConfig {
-    /// NATS server URL (`nats://127.0.0.1:4222`).
+    /// NATS server URL (`nats://127.0.0.1:4222`, `tls://…`).
     pub nats_url: String,
+    /// This host's NATS credentials (`berth admin add-host`); `None` connects anonymously
+    /// (an open NATS). With credentials, the host id is the one they were issued for (see
+    /// [`run`]) and hostd only looks the streams up (its permissions cannot create them).
+    pub nats_creds: Option<berth_schemas::nats_auth::Creds>,
+    /// The CA file that signed the NATS server's certificate; set, TLS is required.
+    pub nats_ca: Option<PathBuf>,
     /// Subject and stream names (carries the prefix).
     pub subjects: Subjects,
     /// Everything this hostd owns lives below it (see [`layout`]).
@@ -147,6 +156,8 @@ impl HostdConfig {
     ) -> Self {
         Self {
             nats_url: nats_url.into(),
+            nats_creds: None,
+            nats_ca: None,
             subjects,
             state_dir: state_dir.into(),
             name: name.into(),
@@ -166,12 +177,19 @@ impl HostdConfig {
 /// Runs hostd until `shutdown` is cancelled: stable host id, streams, adoption of what a
 /// previous run left, then the command consumer, the agent request server and heartbeats.
 ///
+/// With host credentials (`config.nats_creds`), the host id is theirs: a state dir without a
+/// `host-id` takes it, one with another id is refused ([`HostdError::HostIdMismatch`]).
+///
 /// Sandboxes keep running when hostd stops; the next run adopts them.
 ///
-/// Errors: [`HostdError::UnsupportedRuntime`]; [`HostdError::Nats`] when NATS is unreachable
-/// or the streams cannot be made; [`HostdError::Io`] for the state dir.
+/// Errors: [`HostdError::UnsupportedRuntime`]; [`HostdError::Nats`] when NATS is unreachable,
+/// refuses the credentials, or the streams cannot be made; [`HostdError::Io`] for the state
+/// dir; [`HostdError::HostIdMismatch`].
 pub async fn run(config: HostdConfig, shutdown: CancellationToken) -> Result<(), HostdError> {
-    let host_id = host_id(&config.state_dir)?;
+    let host_id = match config.nats_creds.as_ref().map(|c| c.role) {
+        Some(berth_schemas::nats_auth::Role::Host(id)) => adopt_host_id(&config.state_dir, id)?,
+        _ => host_id(&config.state_dir)?,
+    };
     let span = tracing::info_span!("hostd", %host_id, name = %config.name);
     run_as(host_id, config, shutdown).instrument(span).await
 }
@@ -182,11 +200,23 @@ async fn run_as(
     shutdown: CancellationToken,
 ) -> Result<(), HostdError> {
     let (runtimes, backend) = backend_for(host_id, &config)?;
-    let nats = async_nats::connect(config.nats_url.as_str())
+    let connect = berth_schemas::nats_auth::NatsConnect {
+        url: config.nats_url.clone(),
+        creds: config.nats_creds.clone(),
+        ca_file: config.nats_ca.clone(),
+    };
+    let nats = connect
+        .connect()
         .await
         .map_err(HostdError::nats("connect"))?;
     let js = async_nats::jetstream::new(nats.clone());
-    ensure_streams(&js, &config.subjects).await?;
+    if config.nats_creds.is_some() {
+        // A host's permissions only let it look its command stream up; the control plane
+        // makes the streams.
+        wait_for_command_stream(&js, &config.subjects, &shutdown).await?;
+    } else {
+        ensure_streams(&js, &config.subjects).await?;
+    }
 
     let host = Arc::new(Host::open(host_id, &config, runtimes, backend)?);
     host.backend.adopt(&host).await?;
@@ -219,8 +249,11 @@ async fn run_as(
         source: std::io::Error::other(e),
     })?;
     let _ = heartbeats.await;
-    if let Err(e) = nats.flush().await {
-        tracing::debug!(error = %e, "flush at shutdown failed");
+    // A server that no longer lets this host in (its key removed) never answers a flush.
+    match tokio::time::timeout(SHUTDOWN_FLUSH_TIMEOUT, nats.flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "flush at shutdown failed"),
+        Err(_) => tracing::warn!(timeout = ?SHUTDOWN_FLUSH_TIMEOUT, "NATS not flushed at shutdown"),
     }
     holder.backend.shut_down(&holder).await;
     tracing::info!(%host_id, "hostd stopped");
@@ -260,10 +293,63 @@ fn backend_for(
     ))
 }
 
+/// How long hostd waits at shutdown for NATS to take what it still buffers.
+const SHUTDOWN_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often hostd looks for the command stream the control plane has not made yet.
+const STREAM_LOOKUP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Waits until the command stream exists (the control plane creates it), or `shutdown`.
+///
+/// Errors: [`HostdError::Nats`] when cancelled before it exists.
+async fn wait_for_command_stream(
+    js: &async_nats::jetstream::Context,
+    subjects: &Subjects,
+    shutdown: &CancellationToken,
+) -> Result<(), HostdError> {
+    loop {
+        match js.get_stream(subjects.cmd_stream()).await {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                tracing::info!(error = %e, stream = %subjects.cmd_stream(), "waiting for the control plane's command stream");
+                tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        return Err(HostdError::nats("look up the command stream")(e));
+                    }
+                    _ = tokio::time::sleep(STREAM_LOOKUP_INTERVAL) => {}
+                }
+            }
+        }
+    }
+}
+
+/// The host id of a hostd whose NATS credentials were issued for `id`: writes it to
+/// `<state_dir>/host-id` when there is none yet, and returns it.
+///
+/// Errors: [`HostdError::HostIdMismatch`] when the file names another host (the credentials
+/// belong to another machine, or the state dir does); [`HostdError::Io`],
+/// [`HostdError::HostIdFile`].
+pub fn adopt_host_id(state_dir: &Path, id: HostId) -> Result<HostId, HostdError> {
+    let found = create_host_id(state_dir, id)?;
+    if found != id {
+        return Err(HostdError::HostIdMismatch {
+            path: StateLayout::new(state_dir).host_id_file(),
+            state: found,
+            creds: id,
+        });
+    }
+    Ok(id)
+}
+
 /// The host's stable id: read from `<state_dir>/host-id`, or created there once.
 ///
 /// Errors: [`HostdError::Io`]; [`HostdError::HostIdFile`] when the file holds something else.
 pub fn host_id(state_dir: &Path) -> Result<HostId, HostdError> {
+    create_host_id(state_dir, HostId::new())
+}
+
+/// The id in `<state_dir>/host-id`, or `new` written there when there is none.
+fn create_host_id(state_dir: &Path, new: HostId) -> Result<HostId, HostdError> {
     let path = StateLayout::new(state_dir).host_id_file();
     let read = |path: &Path| -> Result<Option<HostId>, HostdError> {
         match std::fs::read_to_string(path) {
@@ -288,7 +374,7 @@ pub fn host_id(state_dir: &Path) -> Result<HostId, HostdError> {
     // Write a temporary file, then hard-link it into place: the link fails if another process
     // won the race, and the file is never seen half-written.
     let tmp = state_dir.join(format!(".host-id.{}", uuid::Uuid::new_v4().simple()));
-    let id = HostId::new();
+    let id = new;
     std::fs::write(&tmp, format!("{id}\n"))
         .map_err(HostdError::io(format!("write {}", tmp.display())))?;
     let linked = std::fs::hard_link(&tmp, &path);
@@ -357,6 +443,19 @@ mod tests {
         assert_eq!(host_id(&dir).unwrap(), first);
         std::fs::write(dir.join("host-id"), "garbage").unwrap();
         assert!(matches!(host_id(&dir), Err(HostdError::HostIdFile { .. })));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_state_dir_takes_the_credentials_host_id_once_and_refuses_another() {
+        let dir = std::env::temp_dir().join(format!("berth-hostid-{}", uuid::Uuid::new_v4()));
+        let (a, b) = (HostId::new(), HostId::new());
+        assert_eq!(adopt_host_id(&dir, a).unwrap(), a);
+        assert_eq!(host_id(&dir).unwrap(), a);
+        assert!(matches!(
+            adopt_host_id(&dir, b),
+            Err(HostdError::HostIdMismatch { state, creds, .. }) if state == a && creds == b
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

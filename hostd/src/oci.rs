@@ -2,23 +2,27 @@
 //!
 //! Source: the OCI runtime specification (config.md, config-linux.md) and runc's `runc spec`
 //! defaults, which `oci_spec::runtime::Spec::default()` mirrors. From those defaults this
-//! changes: the process (the agent, see `bundle`), the namespaces (pid, ipc, uts, mount, and
-//! the sandbox's pre-made network namespace by path), the mounts (no cgroup fs, plus the agent
-//! bundle read-only at `/.berth`), capabilities (Docker's default set), cgroup limits from the
-//! sandbox's resources, the hostname, and a writable root.
+//! changes: the process (the agent, see `bundle`), the namespaces (pid, ipc, uts, mount, the
+//! sandbox's pre-made network namespace by path, and for runc a user namespace, see
+//! [`crate::isolation`]), the mounts (no cgroup fs, plus the agent bundle read-only at
+//! `/.berth`; in a user namespace `/sys` is an empty read-only tmpfs), capabilities (Docker's
+//! default set without `CAP_NET_RAW`), the seccomp filter of [`crate::seccomp`], masked and
+//! read-only paths (Docker's, [`MASKED_PATHS`], [`READONLY_PATHS`]), `noNewPrivileges`, cgroup
+//! limits from the sandbox's resources, the hostname, and a writable root.
 
 use std::path::{Path, PathBuf};
 
 use berth_schemas::wire::Resources;
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroupBuilder,
-    LinuxMemoryBuilder, LinuxNamespace, LinuxNamespaceBuilder, LinuxNamespaceType,
-    LinuxPidsBuilder, LinuxResourcesBuilder, Mount, MountBuilder, ProcessBuilder, RootBuilder,
-    Spec, UserBuilder,
+    LinuxIdMappingBuilder, LinuxMemoryBuilder, LinuxNamespace, LinuxNamespaceBuilder,
+    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, LinuxSeccomp, Mount, MountBuilder,
+    ProcessBuilder, RootBuilder, Spec, UserBuilder,
 };
 
 use crate::bundle::{AgentBundle, AGENT_MOUNT};
 use crate::error::HostdError;
+use crate::isolation::IdRange;
 
 /// The most processes (threads included) one sandbox may have.
 pub const PIDS_LIMIT: i64 = 1024;
@@ -37,15 +41,16 @@ pub const NOFILE_LIMIT: u64 = 1024;
 /// The `PATH` of the container process (and, through the agent, of every exec).
 pub const GUEST_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-/// Docker's default capability set: enough for a root user to manage files and processes
-/// inside the sandbox, without host-affecting ones (`SYS_ADMIN`, `NET_ADMIN`, `SYS_MODULE`, …).
-const CAPABILITIES: &[Capability] = &[
+/// Docker's default capability set without `CAP_NET_RAW`: enough for a root user to manage
+/// files and processes inside the sandbox, without host-affecting ones (`SYS_ADMIN`,
+/// `NET_ADMIN`, `SYS_MODULE`, …) and without raw sockets (packets with forged headers; `ping`
+/// can use an unprivileged ICMP socket instead, see [`crate::isolation::allow_ping_sockets`]).
+pub const CAPABILITIES: &[Capability] = &[
     Capability::Chown,
     Capability::DacOverride,
     Capability::Fsetid,
     Capability::Fowner,
     Capability::Mknod,
-    Capability::NetRaw,
     Capability::Setgid,
     Capability::Setuid,
     Capability::Setfcap,
@@ -54,6 +59,36 @@ const CAPABILITIES: &[Capability] = &[
     Capability::SysChroot,
     Capability::Kill,
     Capability::AuditWrite,
+];
+
+/// Paths covered so they read empty (files: `/dev/null` bound over them; dirs: an empty
+/// read-only tmpfs): kernel memory, keyrings, timers and scheduler state that leak other
+/// tenants' activity, firmware tables. Source: Docker's defaults (moby `oci/defaults.go`,
+/// which runc's `runc spec` follows), including `/sys/devices/virtual/powercap` (RAPL energy
+/// counters, a side channel: CVE-2020-8694).
+pub const MASKED_PATHS: &[&str] = &[
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/interrupts",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/sys/devices/virtual/powercap",
+    "/sys/firmware",
+];
+
+/// Paths bound read-only over themselves: kernel tunables and triggers. Source: Docker's and
+/// runc's defaults.
+pub const READONLY_PATHS: &[&str] = &[
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
 ];
 
 /// What one container's spec is made from.
@@ -71,6 +106,11 @@ pub struct ContainerConfig<'a> {
     pub resources: Resources,
     /// The cgroup path; relative paths are relative to the runtime's own cgroup.
     pub cgroups_path: &'a str,
+    /// The host ids of the container's ids when it gets a user namespace (runc); `None` keeps
+    /// the runtime's own (runsc: gVisor runs unprivileged in a user namespace of its own).
+    pub user_namespace: Option<IdRange>,
+    /// The seccomp filter ([`crate::seccomp::host_profile`]).
+    pub seccomp: &'a LinuxSeccomp,
 }
 
 /// Builds the runtime spec.
@@ -99,21 +139,25 @@ pub fn build_spec(cfg: &ContainerConfig<'_>) -> Result<Spec, HostdError> {
             .build()?])
         .build()?;
 
-    let namespaces = [
+    let mut own = vec![
         LinuxNamespaceType::Pid,
         LinuxNamespaceType::Ipc,
         LinuxNamespaceType::Uts,
         LinuxNamespaceType::Mount,
-    ]
-    .into_iter()
-    .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build())
-    .chain(std::iter::once(
-        LinuxNamespaceBuilder::default()
-            .typ(LinuxNamespaceType::Network)
-            .path(cfg.netns_path.clone())
-            .build(),
-    ))
-    .collect::<Result<Vec<LinuxNamespace>, _>>()?;
+    ];
+    if cfg.user_namespace.is_some() {
+        own.push(LinuxNamespaceType::User);
+    }
+    let namespaces = own
+        .into_iter()
+        .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build())
+        .chain(std::iter::once(
+            LinuxNamespaceBuilder::default()
+                .typ(LinuxNamespaceType::Network)
+                .path(cfg.netns_path.clone())
+                .build(),
+        ))
+        .collect::<Result<Vec<LinuxNamespace>, _>>()?;
 
     let mut resources = LinuxResourcesBuilder::default()
         .devices(vec![LinuxDeviceCgroupBuilder::default()
@@ -134,16 +178,34 @@ pub fn build_spec(cfg: &ContainerConfig<'_>) -> Result<Spec, HostdError> {
                 .build()?,
         );
     }
-    let linux = LinuxBuilder::default()
+    let mut linux = LinuxBuilder::default()
         .namespaces(namespaces)
         .resources(resources.build()?)
-        .cgroups_path(PathBuf::from(cfg.cgroups_path));
-    // Keep the default masked and read-only paths (/proc/kcore, /proc/sys, …).
-    let defaults = oci_spec::runtime::Linux::default();
-    let linux = linux
-        .masked_paths(defaults.masked_paths().clone().unwrap_or_default())
-        .readonly_paths(defaults.readonly_paths().clone().unwrap_or_default())
-        .build()?;
+        .cgroups_path(PathBuf::from(cfg.cgroups_path))
+        .seccomp(cfg.seccomp.clone())
+        .masked_paths(
+            MASKED_PATHS
+                .iter()
+                .map(|p| (*p).to_owned())
+                .collect::<Vec<_>>(),
+        )
+        .readonly_paths(
+            READONLY_PATHS
+                .iter()
+                .map(|p| (*p).to_owned())
+                .collect::<Vec<_>>(),
+        );
+    if let Some(ids) = cfg.user_namespace {
+        let map = || {
+            LinuxIdMappingBuilder::default()
+                .container_id(0u32)
+                .host_id(ids.host_base)
+                .size(ids.size)
+                .build()
+        };
+        linux = linux.uid_mappings(vec![map()?]).gid_mappings(vec![map()?]);
+    }
+    let linux = linux.build()?;
 
     let spec = oci_spec::runtime::SpecBuilder::default()
         .version("1.0.2")
@@ -155,18 +217,38 @@ pub fn build_spec(cfg: &ContainerConfig<'_>) -> Result<Spec, HostdError> {
         )
         .process(process)
         .hostname(cfg.hostname)
-        .mounts(mounts(cfg.agent)?)
+        .mounts(mounts(cfg.agent, cfg.user_namespace.is_some())?)
         .linux(linux)
         .build()?;
     Ok(spec)
 }
 
 /// The default mounts minus the cgroup fs (a sandbox has no use for it), plus the agent bundle.
-fn mounts(agent: &AgentBundle) -> Result<Vec<Mount>, HostdError> {
+/// In a user namespace, `/sys` is an empty read-only tmpfs: the kernel lets a user namespace
+/// mount sysfs only over a network namespace it owns, and the sandbox's is the host's (made
+/// by hostd); binding the host's `/sys` instead (runc's rootless default) would show the
+/// host's devices and cgroups.
+fn mounts(agent: &AgentBundle, user_namespace: bool) -> Result<Vec<Mount>, HostdError> {
     let mut mounts: Vec<Mount> = oci_spec::runtime::get_default_mounts()
         .into_iter()
         .filter(|m| m.destination() != Path::new("/sys/fs/cgroup"))
         .collect();
+    if user_namespace {
+        for m in mounts.iter_mut() {
+            if m.destination() == Path::new("/sys") {
+                *m = MountBuilder::default()
+                    .destination("/sys")
+                    .typ("tmpfs")
+                    .source("tmpfs")
+                    .options(
+                        ["ro", "nosuid", "nodev", "noexec", "size=4k", "mode=0555"]
+                            .map(str::to_owned)
+                            .to_vec(),
+                    )
+                    .build()?;
+            }
+        }
+    }
     mounts.push(
         MountBuilder::default()
             .destination(AGENT_MOUNT)
@@ -194,8 +276,14 @@ mod tests {
         }
     }
 
-    fn spec(resources: Resources) -> Spec {
+    fn spec_with(resources: Resources, user_namespace: Option<IdRange>) -> Spec {
         let agent = agent();
+        let seccomp = crate::seccomp::profile(
+            &crate::seccomp::arch_family("x86_64").unwrap(),
+            (6, 1),
+            crate::seccomp::Target::Linux,
+        )
+        .unwrap();
         build_spec(&ContainerConfig {
             rootfs: Path::new("/state/sandboxes/s/rootfs"),
             hostname: "sb",
@@ -203,8 +291,14 @@ mod tests {
             agent: &agent,
             resources,
             cgroups_path: "berth-0123456789",
+            user_namespace,
+            seccomp: &seccomp,
         })
         .unwrap()
+    }
+
+    fn spec(resources: Resources) -> Spec {
+        spec_with(resources, Some(crate::isolation::SANDBOX_IDS))
     }
 
     fn two_cpus_512_mib() -> Resources {
@@ -226,14 +320,95 @@ mod tests {
                 LinuxNamespaceType::Ipc,
                 LinuxNamespaceType::Uts,
                 LinuxNamespaceType::Mount,
+                LinuxNamespaceType::User,
                 LinuxNamespaceType::Network
             ]
         );
         assert_eq!(
-            ns[4].path().as_deref(),
+            ns[5].path().as_deref(),
             Some(Path::new("/var/run/netns/berth-0123456789"))
         );
-        assert!(ns[..4].iter().all(|n| n.path().is_none()));
+        assert!(ns[..5].iter().all(|n| n.path().is_none()));
+    }
+
+    #[test]
+    fn sandbox_root_maps_to_the_unprivileged_range_and_sys_is_an_empty_tmpfs() {
+        let s = spec(two_cpus_512_mib());
+        let linux = s.linux().as_ref().unwrap();
+        for maps in [linux.uid_mappings(), linux.gid_mappings()] {
+            let m = &maps.as_ref().unwrap()[0];
+            assert_eq!(
+                (m.container_id(), m.host_id(), m.size()),
+                (0, 1 << 30, 65536)
+            );
+        }
+        let sys = s
+            .mounts()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|m| m.destination() == Path::new("/sys"))
+            .unwrap();
+        assert_eq!(sys.typ().as_deref(), Some("tmpfs"));
+        assert!(sys.options().as_ref().unwrap().contains(&"ro".to_owned()));
+
+        // Without a user namespace (runsc) there are no mappings and /sys is sysfs.
+        let g = spec_with(two_cpus_512_mib(), None);
+        let linux = g.linux().as_ref().unwrap();
+        assert!(linux.uid_mappings().is_none() && linux.gid_mappings().is_none());
+        let types: Vec<_> = linux
+            .namespaces()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|n| n.typ())
+            .collect();
+        assert!(!types.contains(&LinuxNamespaceType::User));
+        let sys = g
+            .mounts()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|m| m.destination() == Path::new("/sys"))
+            .unwrap();
+        assert_eq!(sys.typ().as_deref(), Some("sysfs"));
+    }
+
+    #[test]
+    fn seccomp_masked_paths_no_new_privileges_and_no_net_raw_are_always_set() {
+        for s in [
+            spec(two_cpus_512_mib()),
+            spec_with(two_cpus_512_mib(), None),
+        ] {
+            let linux = s.linux().as_ref().unwrap();
+            let seccomp = linux.seccomp().as_ref().unwrap();
+            assert_eq!(
+                seccomp.default_action(),
+                oci_spec::runtime::LinuxSeccompAction::ScmpActErrno
+            );
+            let masked = linux.masked_paths().as_ref().unwrap();
+            for p in [
+                "/proc/kcore",
+                "/proc/keys",
+                "/proc/timer_list",
+                "/sys/firmware",
+            ] {
+                assert!(masked.contains(&p.to_owned()), "{p} not masked");
+            }
+            let ro = linux.readonly_paths().as_ref().unwrap();
+            for p in ["/proc/sys", "/proc/sysrq-trigger"] {
+                assert!(ro.contains(&p.to_owned()), "{p} not read-only");
+            }
+            let process = s.process().as_ref().unwrap();
+            assert_eq!(process.no_new_privileges(), Some(true));
+            let caps = process.capabilities().as_ref().unwrap();
+            for set in [caps.bounding(), caps.effective(), caps.permitted()] {
+                let set = set.as_ref().unwrap();
+                assert!(!set.contains(&Capability::NetRaw));
+                assert!(!set.contains(&Capability::SysAdmin));
+                assert!(set.contains(&Capability::Chown));
+            }
+        }
     }
 
     #[test]

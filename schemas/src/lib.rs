@@ -8,6 +8,8 @@
 //! - [`trace`]: W3C `traceparent` for command messages (trace id = command id).
 //! - [`wire`]: NATS messages (postcard in a versioned envelope, pinned by golden bytes).
 //! - [`subjects`]: subject and stream names under a configurable prefix.
+//! - `nats_auth` (feature `nats`): who may publish and subscribe to what (nkey users and
+//!   their permissions), credentials files and how a component connects.
 //!
 //! No tokio, no SQL, no I/O: the feature `db` only derives `sqlx::Type` for the ID newtypes;
 //! the migrations and every query live in the `store` crate.
@@ -28,5 +30,7 @@ pub use ids::{
 pub use state::{Capacity, CommandKind, Reason, SandboxState};
 pub use subjects::Subjects;
 
+#[cfg(feature = "nats")]
+pub mod nats_auth;
 #[cfg(feature = "nats")]
 pub mod streams;

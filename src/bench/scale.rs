@@ -110,7 +110,7 @@ async fn run_stack(
     let nats_url = match &args.nats_url {
         Some(url) => url.clone(),
         None => {
-            let (url, svc) = start_private_nats(state_dir, shutdown).await?;
+            let (url, svc) = start_private_nats(state_dir, None, shutdown).await?;
             services.push(svc);
             url
         }

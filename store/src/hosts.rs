@@ -381,6 +381,93 @@ impl HostRow {
     }
 }
 
+/// A registered host ([`register`]): admitted to send heartbeats; `nkey` is the public key of
+/// its NATS credentials, when some were issued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// The host.
+    pub host_id: HostId,
+    /// Its public NATS nkey (`U…`), or `None` (registered without NATS credentials).
+    pub nkey: Option<String>,
+}
+
+/// Registers `host` (table `host_registrations`), or re-registers it with a new `nkey` (the
+/// old key is forgotten: issuing new credentials rotates them). Idempotent for the same pair.
+///
+/// Errors: [`StoreError`] (also when `nkey` is already another host's: a unique violation).
+pub async fn register(
+    db: impl PgExecutor<'_>,
+    host: HostId,
+    nkey: Option<&str>,
+) -> Result<(), StoreError> {
+    timed(
+        Op::HostRegister,
+        sqlx::query(
+            "INSERT INTO host_registrations (host_id, nkey) VALUES ($1, $2)
+             ON CONFLICT (host_id) DO UPDATE SET nkey = COALESCE(EXCLUDED.nkey, host_registrations.nkey)",
+        )
+        .bind(host)
+        .bind(nkey)
+        .execute(db),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Forgets `host`'s registration (its heartbeats are dropped from now on, and the next
+/// rendered NATS user list leaves its key out). Returns whether it was registered.
+///
+/// Errors: [`StoreError`].
+pub async fn unregister(db: impl PgExecutor<'_>, host: HostId) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::HostRegister,
+        sqlx::query("DELETE FROM host_registrations WHERE host_id = $1")
+            .bind(host)
+            .execute(db),
+    )
+    .await?;
+    Ok(done.rows_affected() > 0)
+}
+
+/// Which of `hosts` are registered (one query for a batch of heartbeats).
+///
+/// Errors: [`StoreError`].
+pub async fn registered(
+    db: impl PgExecutor<'_>,
+    hosts: &[HostId],
+) -> Result<std::collections::HashSet<HostId>, StoreError> {
+    let ids: Vec<uuid::Uuid> = hosts.iter().map(|h| h.as_uuid()).collect();
+    let rows: Vec<uuid::Uuid> = timed(
+        Op::HostRegistered,
+        sqlx::query_scalar("SELECT host_id FROM host_registrations WHERE host_id = ANY($1)")
+            .bind(&ids)
+            .fetch_all(db),
+    )
+    .await?;
+    Ok(rows.into_iter().map(HostId).collect())
+}
+
+/// Every registration, oldest first (what the NATS server's user list is rendered from).
+///
+/// Errors: [`StoreError`].
+pub async fn registrations(db: impl PgExecutor<'_>) -> Result<Vec<Registration>, StoreError> {
+    let rows: Vec<(uuid::Uuid, Option<String>)> = timed(
+        Op::HostRegistered,
+        sqlx::query_as(
+            "SELECT host_id, nkey FROM host_registrations ORDER BY registered_at, host_id",
+        )
+        .fetch_all(db),
+    )
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, nkey)| Registration {
+            host_id: HostId(id),
+            nkey,
+        })
+        .collect())
+}
+
 /// Every host, by name.
 pub async fn list(db: impl PgExecutor<'_>) -> Result<Vec<HostRow>, StoreError> {
     let rows = timed(

@@ -86,6 +86,12 @@ ops! {
     HostList => "host_list",
     /// [`crate::hosts::unwanted_containers`]: containers a host reports that no row wants.
     HostUnwantedInventory => "host_unwanted_inventory",
+    /// [`crate::hosts::register`] and [`crate::hosts::unregister`]: registers a host (and its
+    /// NATS key), or forgets it.
+    HostRegister => "host_register",
+    /// [`crate::hosts::registered`] and [`crate::hosts::registrations`]: which hosts are
+    /// registered.
+    HostRegistered => "host_registered",
     /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
     /// [`crate::commands::complete`]: sets a command's outcome.

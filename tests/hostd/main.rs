@@ -1,11 +1,13 @@
 //! The host daemon against the real runc/runsc, overlayfs, network namespaces, nftables and
-//! NATS: a sandbox's runtime life, gVisor memory stops, network isolation and egress, agent
-//! requests, and files and exec through the API into a real sandbox.
+//! NATS: a sandbox's runtime life, gVisor memory stops, the sandbox boundary (seccomp, user
+//! namespace, raw sockets, masked paths, the agent's memory), network isolation and egress,
+//! agent requests, and files and exec through the API into a real sandbox.
 
 #[path = "../support/mod.rs"]
 mod support;
 
 mod agent;
+mod boundary;
 mod egress;
 mod gvisor;
 mod harness;

@@ -7,6 +7,7 @@ mod support;
 
 mod events;
 mod fleet;
+mod nats_auth;
 mod observability;
 mod relay;
 mod webhooks;

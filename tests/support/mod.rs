@@ -15,6 +15,7 @@ pub mod cleanup;
 pub mod env;
 pub mod http;
 pub mod inproc;
+pub mod nats_server;
 pub mod stack;
 
 // Not every binary uses every shortcut.

@@ -33,6 +33,8 @@ pub struct HostProcess {
     pub capacity: (Option<u32>, Option<u32>),
     /// Extra `berth hostd` flags, given again on a restart.
     pub extra_args: Vec<String>,
+    /// Its NATS credentials file (`--nats-creds`), on a NATS with auth on.
+    pub creds_file: Option<PathBuf>,
 }
 
 impl HostProcess {
@@ -117,7 +119,27 @@ pub struct Stack {
     pub http: reqwest::Client,
     pub hosts: Vec<HostProcess>,
     pub root: PathBuf,
+    /// The NATS the stack and its hosts use.
+    pub nats_target: NatsTarget,
     control_plane: Option<berth::stack::Stack>,
+}
+
+/// Which NATS a stack runs on: the shared open one ([`NatsTarget::shared`]), or one the test
+/// started with auth on (the control plane's credentials; hosts get theirs one by one).
+#[derive(Debug, Clone)]
+pub struct NatsTarget {
+    pub url: String,
+    pub control_plane: Option<berth_schemas::nats_auth::Creds>,
+}
+
+impl NatsTarget {
+    /// The shared NATS at `NATS_URL`, open.
+    pub fn shared() -> Self {
+        Self {
+            url: nats_url(),
+            control_plane: None,
+        }
+    }
 }
 
 impl Stack {
@@ -144,12 +166,38 @@ impl Stack {
         pass: berth_reconciler::pass::PassConfig,
         configure: impl FnOnce(&mut berth_api::ApiConfig),
     ) -> Stack {
+        Self::start_on(db, NatsTarget::shared(), hosts, pass, configure).await
+    }
+
+    /// Like [`Stack::start_configured`], on the NATS `target` (its prefix: `t<tag>`, see
+    /// [`Stack::subjects`]; pass `subjects` of its own to match a server's permissions).
+    pub async fn start_on(
+        db: PgPool,
+        target: NatsTarget,
+        hosts: usize,
+        pass: berth_reconciler::pass::PassConfig,
+        configure: impl FnOnce(&mut berth_api::ApiConfig),
+    ) -> Stack {
+        let subjects = Subjects::new(&format!("t{}", unique())).unwrap();
+        Self::start_full(db, target, subjects, hosts, pass, configure).await
+    }
+
+    /// [`Stack::start_on`] with the subject prefix given.
+    pub async fn start_full(
+        db: PgPool,
+        target: NatsTarget,
+        subjects: Subjects,
+        hosts: usize,
+        pass: berth_reconciler::pass::PassConfig,
+        configure: impl FnOnce(&mut berth_api::ApiConfig),
+    ) -> Stack {
         init_tracing("warn");
         let tag = unique();
-        let subjects = Subjects::new(&format!("t{tag}")).unwrap();
         let root = cleanup::fresh_dir("stack");
         let listen = "127.0.0.1:0".parse().unwrap();
-        let mut config = berth::stack::StackConfig::new(nats_url(), subjects.clone(), listen);
+        let mut config =
+            berth::stack::StackConfig::new(target.url.clone(), subjects.clone(), listen);
+        config.nats_creds = target.control_plane.clone();
         // The tests' webhook receivers listen on loopback.
         config.api.webhooks.allow_private_targets = true;
         configure(&mut config.api);
@@ -179,6 +227,7 @@ impl Stack {
                 .unwrap(),
             hosts: Vec::new(),
             root,
+            nats_target: target,
             control_plane: Some(control_plane),
         };
         for _ in 0..hosts {
@@ -203,6 +252,17 @@ impl Stack {
         capacity: (Option<u32>, Option<u32>),
         extra_args: &[String],
     ) -> usize {
+        self.add_host_full(capacity, extra_args, None).await
+    }
+
+    /// Like [`Stack::add_host_with_args`], with the host's NATS credentials file (its host id
+    /// is theirs).
+    pub async fn add_host_full(
+        &mut self,
+        capacity: (Option<u32>, Option<u32>),
+        extra_args: &[String],
+        creds_file: Option<PathBuf>,
+    ) -> usize {
         let index = self.hosts.len();
         let state_dir = self.root.join(format!("host{index}"));
         std::fs::create_dir_all(&state_dir).unwrap();
@@ -215,6 +275,7 @@ impl Stack {
             address_pool,
             capacity,
             extra_args: extra_args.to_vec(),
+            creds_file,
         };
         self.spawn_host(&mut host).await;
         self.hosts.push(host);
@@ -223,13 +284,17 @@ impl Stack {
 
     /// Restarts the process of host `index` (after [`HostProcess::stop`]).
     pub async fn restart_host(&mut self, index: usize) {
-        let (db, subjects) = (self.db.clone(), self.subjects.clone());
-        spawn_hostd(&db, &subjects, &mut self.hosts[index]).await;
+        let (db, subjects, url) = (
+            self.db.clone(),
+            self.subjects.clone(),
+            self.nats_target.url.clone(),
+        );
+        spawn_hostd(&db, &subjects, &url, &mut self.hosts[index]).await;
     }
 
     /// (Re)starts the hostd process of `host` and waits until its heartbeat is in `hosts`.
     pub async fn spawn_host(&self, host: &mut HostProcess) {
-        spawn_hostd(&self.db, &self.subjects, host).await
+        spawn_hostd(&self.db, &self.subjects, &self.nats_target.url, host).await
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -269,8 +334,26 @@ impl Drop for Stack {
     }
 }
 
-/// (Re)starts the hostd process of `host` and waits until its heartbeat is in `hosts`.
-async fn spawn_hostd(db: &PgPool, subjects: &Subjects, host: &mut HostProcess) {
+/// (Re)starts the hostd process of `host` and waits until its heartbeat is in `hosts`. The
+/// host is registered first (its id made in its state dir now, or taken from its credentials,
+/// which `berth admin add-host` registered), so the scheduler accepts its heartbeats.
+async fn spawn_hostd(db: &PgPool, subjects: &Subjects, url: &str, host: &mut HostProcess) {
+    let id = match &host.creds_file {
+        Some(file) => {
+            let creds = berth::nats_access::load(file).unwrap();
+            let berth_schemas::nats_auth::Role::Host(id) = creds.role else {
+                panic!("{} holds no host credentials", file.display());
+            };
+            berth_hostd::adopt_host_id(&host.state_dir, id).unwrap()
+        }
+        None => {
+            let id = berth_hostd::host_id(&host.state_dir).unwrap();
+            berth_store::hosts::register(db, id, None).await.unwrap();
+            id
+        }
+    };
+    host.host_id = id;
+    cleanup::register_host(id, &host.state_dir);
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -292,7 +375,12 @@ async fn spawn_hostd(db: &PgPool, subjects: &Subjects, host: &mut HostProcess) {
         .arg("--name")
         .arg(host.state_dir.file_name().unwrap())
         .args(&host.extra_args)
-        .env("NATS_URL", nats_url())
+        .args(
+            host.creds_file
+                .iter()
+                .flat_map(|f| [std::ffi::OsStr::new("--nats-creds"), f.as_os_str()]),
+        )
+        .env("NATS_URL", url)
         .env("BERTH_SUBJECT_PREFIX", subjects.prefix())
         .env(
             "RUST_LOG",
@@ -306,23 +394,15 @@ async fn spawn_hostd(db: &PgPool, subjects: &Subjects, host: &mut HostProcess) {
         .expect("spawn berth hostd");
     host.child = Some(child);
     let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
-    let mut registered = false;
     loop {
-        if let Ok(id) = berth_hostd::host_id(&host.state_dir) {
-            host.host_id = id;
-            if !registered {
-                cleanup::register_host(id, &host.state_dir);
-                registered = true;
-            }
-            let seen: Option<i64> =
-                sqlx::query_scalar("SELECT 1::int8 FROM hosts WHERE id = $1 AND state = 'ready'")
-                    .bind(id)
-                    .fetch_optional(db)
-                    .await
-                    .unwrap();
-            if seen.is_some() {
-                return;
-            }
+        let seen: Option<i64> =
+            sqlx::query_scalar("SELECT 1::int8 FROM hosts WHERE id = $1 AND state = 'ready'")
+                .bind(id)
+                .fetch_optional(db)
+                .await
+                .unwrap();
+        if seen.is_some() {
+            return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,

@@ -6,6 +6,14 @@
 //!
 //! The agent side is std only (threads, no tokio), so it runs from the bundle with nothing but
 //! libc (see `bundle`).
+//!
+//! Both agent processes are non-dumpable (`PR_SET_DUMPABLE` 0, inherited by the fork, reset
+//! by every exec): the sandbox's own processes run as the same user with the same
+//! capabilities, so without it they could read the agent's memory (`/proc/1/mem`, requests
+//! carrying other execs' environments and stdin, file contents) or `ptrace` it. A
+//! non-dumpable process can be read only with `CAP_SYS_PTRACE` over its user namespace, which
+//! a sandbox never has (see `oci::CAPABILITIES`). Source: proc(5) (`/proc/pid/mem` needs
+//! `PTRACE_MODE_ATTACH`), ptrace(2) ("dumpable" in the access mode checks).
 
 pub mod client;
 pub mod protocol;
@@ -28,6 +36,7 @@ const SERVER_FAILURE_EXIT: i32 = 1;
 ///
 /// Errors: the fork error, or an I/O error carrying the server's exit status when it failed.
 pub fn main(listen: SocketAddr) -> std::io::Result<()> {
+    nix::sys::prctl::set_dumpable(false).map_err(std::io::Error::from)?;
     // SAFETY: the documented precondition is that no other thread exists yet, so the child
     // starts from a consistent single-threaded copy.
     match unsafe { fork() }.map_err(std::io::Error::from)? {

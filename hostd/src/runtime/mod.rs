@@ -57,6 +57,13 @@ pub trait RuntimeDriver: Send + Sync + 'static {
     /// [`RuntimeDriver::restore`] work).
     fn memory_snapshot(&self) -> bool;
 
+    /// The host ids of a container's ids when hostd gives its containers a user namespace
+    /// (runc, see [`crate::isolation`]); `None` when the runtime isolates users itself (runsc)
+    /// or runs nothing (sim).
+    fn user_namespace(&self) -> Option<crate::isolation::IdRange> {
+        None
+    }
+
     /// Creates and starts the container detached; returns once its process runs.
     ///
     /// Errors: [`HostdError::Tool`] / [`HostdError::Io`] with the runtime's message.

@@ -1,5 +1,8 @@
 //! The `runc` driver: `runc --root <state_dir>/runc …`, one root per hostd. No memory
-//! snapshots (CRIU does not work on every kernel; stop is disk-only).
+//! snapshots (CRIU does not work on every kernel; stop is disk-only). Its containers get a
+//! user namespace mapping their ids to [`crate::isolation::SANDBOX_IDS`]; since the network
+//! namespace they join is the host's, `runc exec` (which joins the user namespace first)
+//! cannot enter them: hostd reaches them through the agent only.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -43,6 +46,10 @@ impl RuntimeDriver for Runc {
 
     fn memory_snapshot(&self) -> bool {
         false
+    }
+
+    fn user_namespace(&self) -> Option<crate::isolation::IdRange> {
+        Some(crate::isolation::SANDBOX_IDS)
     }
 
     fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {

@@ -39,6 +39,11 @@ const RUNSC_BINARY: &str = "runsc";
 /// The gVisor platform: works without KVM.
 pub const RUNSC_PLATFORM: &str = "--platform=ptrace";
 
+/// Load the OCI spec's seccomp filter ([`crate::seccomp`]) inside the sandbox, for the
+/// sandbox's processes against gVisor's kernel. Without it runsc ignores `linux.seccomp`
+/// (the sentry has its own host-side filter either way).
+pub const RUNSC_OCI_SECCOMP: &str = "--oci-seccomp";
+
 /// The mount namespace wrapper of `run` and `restore` (see the module docs): a shell that
 /// covers `/proc/sys/net` with an empty tmpfs in a private mount namespace, then execs the
 /// runtime command given as its arguments.
@@ -67,7 +72,12 @@ impl Runsc {
     /// Errors: [`HostdError::Io`].
     pub fn new(root: PathBuf, hide_proc_sys_net: bool) -> Result<Self, HostdError> {
         Ok(Self {
-            cli: OciCli::new(RUNSC, RUNSC_BINARY, root, vec![RUNSC_PLATFORM.to_owned()])?,
+            cli: OciCli::new(
+                RUNSC,
+                RUNSC_BINARY,
+                root,
+                vec![RUNSC_PLATFORM.to_owned(), RUNSC_OCI_SECCOMP.to_owned()],
+            )?,
             hide_proc_sys_net,
         })
     }

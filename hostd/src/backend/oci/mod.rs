@@ -1,7 +1,10 @@
 //! The OCI backend: sandboxes as containers of an OCI runtime (runc, or runsc = gVisor whose
 //! stop keeps memory) with an overlay root filesystem, a network namespace and veth each,
-//! isolated by this hostd's nftables table, limited by cgroups, reached through the
-//! in-sandbox agent ([`agent`]). Adoption at start is [`crate::adopt`].
+//! isolated by this hostd's nftables table, limited by cgroups, confined by a seccomp filter
+//! ([`crate::seccomp`]) and, on runc, a user namespace ([`crate::isolation`]: the overlay's
+//! lower dir is then the template's id-shifted copy and its upper dir is owned by the
+//! sandbox's ids), reached through the in-sandbox agent ([`agent`]). Adoption at start is
+//! [`crate::adopt`].
 
 pub mod agent;
 
@@ -28,8 +31,9 @@ use crate::layout::firewall_table;
 use crate::oci::{self, ContainerConfig};
 use crate::record::{write_json_atomic, SandboxRecord};
 use crate::runtime::cli::console_tail;
+use crate::runtime::runsc::RUNSC;
 use crate::runtime::{ContainerStatus, RunRequest, RuntimeDriver};
-use crate::{netns, overlay, HostdConfig};
+use crate::{isolation, netns, overlay, seccomp, HostdConfig};
 
 /// How long a started container's agent has to answer its first ping.
 pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -93,8 +97,16 @@ impl OciBackend {
         let names = host.names(id);
         let paths = host.layout.sandbox(id);
         let runtime = host.runtime_of(record)?;
-        let lower = host.templates.ensure(&record.spec.template).await?;
+        let ids = runtime.user_namespace();
+        let mut lower = host.templates.ensure(&record.spec.template).await?;
+        if let Some(ids) = ids {
+            lower = blocking(move || isolation::shifted_template(&lower, ids)).await?;
+        }
         let bundle = self.bundles.ensure().await?;
+        let seccomp = seccomp::host_profile(match runtime.name() {
+            RUNSC => seccomp::Target::Gvisor,
+            _ => seccomp::Target::Linux,
+        })?;
 
         if fresh {
             let (host, paths) = (host.clone(), paths.clone());
@@ -122,9 +134,28 @@ impl OciBackend {
             });
         }
         netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
+        if ids.is_some() {
+            let netns_path = names.netns_path();
+            blocking(move || isolation::allow_ping_sockets(&netns_path)).await?;
+        }
         self.admit_to_firewall(host, &admitted).await?;
 
+        let container_id = names.container_id.clone();
+        let status = runtime.status(&container_id).await?;
         let rootfs = paths.rootfs();
+        if let (Some(ids), false) = (ids, status == Some(ContainerStatus::Running)) {
+            // The upper dir must be the sandbox's own: new, or written before sandboxes had a
+            // user namespace (then shifted once, unmounted, as no container runs on it).
+            let (upper, rootfs) = (paths.upper(), rootfs.clone());
+            blocking(move || {
+                if !isolation::owns_upper(&upper, ids)? {
+                    overlay::unmount(&rootfs)?;
+                    isolation::own_upper(&upper, ids)?;
+                }
+                Ok(())
+            })
+            .await?;
+        }
         if fresh || !overlay::is_mounted(&rootfs)? {
             let rootfs = rootfs.clone();
             cleanup.push(
@@ -143,6 +174,8 @@ impl OciBackend {
                 agent: &bundle,
                 resources: record.spec.resources,
                 cgroups_path: &names.cgroup,
+                user_namespace: ids,
+                seccomp: &seccomp,
             })?;
             write_json_atomic(&paths.oci_config(), &spec)
         };
@@ -153,8 +186,6 @@ impl OciBackend {
             write_spec()?;
         }
 
-        let container_id = names.container_id.clone();
-        let status = runtime.status(&container_id).await?;
         if fresh || status != Some(ContainerStatus::Running) {
             let (runtime, container_id) = (runtime.clone(), container_id.clone());
             cleanup.push("container", move || async move {
