@@ -442,6 +442,19 @@ async fn egress_policies(h: &mut Harness) -> anyhow::Result<()> {
         },
     )
     .await;
+    // Its agent requests are served once its subscription is in (which the table does not
+    // wait for).
+    let hostd = &*h;
+    eventually(
+        "the restarted hostd answers agent requests",
+        || async move {
+            hostd
+                .exec(runc_none, &["true"], EXEC_TIMEOUT_MS)
+                .await
+                .is_ok_and(|r| finished(&r).is_ok_and(|(code, _, _)| code == 0))
+        },
+    )
+    .await;
     for (i, sandbox) in [(2, runc_none), (3, runc_listed), (1, gvisor_public)] {
         let got = reached(h, sandbox, &probe(addresses[i])).await?;
         let want: BTreeSet<String> = cases[i].3.iter().map(|t| at(*t)).collect();

@@ -82,6 +82,9 @@ impl Harness {
             .create_consumer(pull::Config {
                 filter_subject: subjects.result(host_id),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                // An ephemeral consumer no pull reaches for this long is deleted by the
+                // server; a test busy elsewhere (probing sandboxes) must still find it.
+                inactive_threshold: Duration::from_secs(600),
                 ..Default::default()
             })
             .await?
