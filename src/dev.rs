@@ -65,6 +65,10 @@ pub struct DevArgs {
     /// machine); refused by default.
     #[arg(long, env = "BERTH_WEBHOOK_ALLOW_PRIVATE_TARGETS")]
     webhook_allow_private_targets: bool,
+    #[command(flatten)]
+    disk: crate::DiskArgs,
+    #[command(flatten)]
+    limits: crate::limits_args::ApiLimitArgs,
 }
 
 /// The machine's host name, for host names in heartbeats.
@@ -496,6 +500,8 @@ async fn run_stack(
     };
     let mut config = StackConfig::new(nats_url.clone(), subjects, args.api_addr);
     config.api.webhooks.allow_private_targets = args.webhook_allow_private_targets;
+    config.api.disk = args.disk.limits()?;
+    config.api.limits = args.limits.config();
     config.nats_creds = auth.as_ref().map(|(cp, _)| cp.clone());
     let host_name = hostname();
     for (i, dir) in host_dirs.iter().enumerate() {

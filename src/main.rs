@@ -3,6 +3,7 @@
 
 mod bench;
 mod dev;
+mod limits_args;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -52,6 +53,14 @@ enum Cmd {
         /// receiver); refused by default.
         #[arg(long, env = "BERTH_WEBHOOK_ALLOW_PRIVATE_TARGETS")]
         webhook_allow_private_targets: bool,
+        #[command(flatten)]
+        disk: DiskArgs,
+        #[command(flatten)]
+        limits: limits_args::ApiLimitArgs,
+        /// Serve Prometheus metrics (`GET /metrics`) on this address instead of the API's own
+        /// listener (which then answers 404 there); unset: served on the API's listener.
+        #[arg(long, env = "BERTH_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -114,6 +123,17 @@ enum Cmd {
         #[arg(long, default_value = "0.0.0.0:18047")]
         listen: SocketAddr,
     },
+    /// Writes a sandbox's console (this process's stdin) to a log file capped at `max_bytes`,
+    /// keeping one rotated file; hostd starts one beside each container.
+    #[command(hide = true)]
+    ConsoleLog {
+        /// The log file; the rotated one is `<path>.1`.
+        #[arg(long)]
+        path: PathBuf,
+        /// The cap of one file, in bytes.
+        #[arg(long)]
+        max_bytes: u64,
+    },
     /// API, scheduler, reconciler and N hostd in one process.
     Dev(dev::DevArgs),
     /// Measure lifecycle latency and throughput of a running stack against raw floors.
@@ -170,8 +190,12 @@ enum TemplateCmd {
 
 #[derive(Subcommand)]
 enum AdminCmd {
-    /// Create an org and print its first API key (shown once).
-    CreateOrg { name: String },
+    /// Create an org with the default quota and print its first API key (shown once).
+    CreateOrg {
+        name: String,
+        #[command(flatten)]
+        quota: limits_args::DefaultQuotaArgs,
+    },
     /// Create an operator key for the `/v1/hosts` routes and print it (shown once).
     CreateAdminKey,
     /// Set an org's quotas; an omitted limit becomes unlimited.
@@ -273,6 +297,12 @@ fn main() -> anyhow::Result<()> {
         berth_hostd::agent::main(listen).context("agent")?;
         return Ok(());
     }
+    if let Cmd::ConsoleLog { path, max_bytes } = &cli.command {
+        // One per sandbox for its life: std only, no runtime, no threads.
+        berth_hostd::console::copy_capped(&mut std::io::stdin().lock(), path, *max_bytes)
+            .context("console log")?;
+        return Ok(());
+    }
     init_tracing(cli.log_format);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -350,6 +380,27 @@ async fn serve_metrics(
     Ok(())
 }
 
+/// The operator's bounds on a sandbox's `disk_mib` (`berth api`, `berth dev`).
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct DiskArgs {
+    /// The writable disk of a sandbox whose create names no `disk_mib`, in MiB.
+    #[arg(long, env = "BERTH_SANDBOX_DISK_DEFAULT_MIB", default_value_t = berth_api::model::DEFAULT_DISK_MIB)]
+    sandbox_disk_default_mib: u32,
+    /// The largest `disk_mib` a create may ask for, in MiB.
+    #[arg(long, env = "BERTH_SANDBOX_DISK_MAX_MIB", default_value_t = berth_api::model::DEFAULT_MAX_DISK_MIB)]
+    sandbox_disk_max_mib: u32,
+}
+
+impl DiskArgs {
+    /// The limits, checked.
+    pub(crate) fn limits(&self) -> anyhow::Result<berth_api::model::DiskLimits> {
+        Ok(berth_api::model::DiskLimits::new(
+            self.sandbox_disk_default_mib,
+            self.sandbox_disk_max_mib,
+        )?)
+    }
+}
+
 fn subjects(prefix: &str) -> anyhow::Result<Subjects> {
     Ok(Subjects::new(prefix)?)
 }
@@ -360,22 +411,24 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             conn,
             listen,
             webhook_allow_private_targets,
+            limits,
+            metrics_addr,
+            disk,
         } => {
+            let disk = disk.limits()?;
+            let shutdown = shutdown_on_signal();
+            serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
-            let state = berth_api::AppState {
-                db,
-                nats,
-                subjects: subjects.clone(),
-                config: {
-                    let mut config = berth_api::ApiConfig::new(listen, subjects);
-                    config.webhooks.allow_private_targets = webhook_allow_private_targets;
-                    config
-                },
-                prometheus: berth_api::metrics::handle(),
-            };
-            berth_api::run(state, shutdown_on_signal()).await?;
+            let mut config = berth_api::ApiConfig::new(listen, subjects.clone());
+            config.webhooks.allow_private_targets = webhook_allow_private_targets;
+            config.limits = limits.config();
+            config.disk = disk;
+            config.metrics_on_api = metrics_addr.is_none();
+            let state =
+                berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
+            berth_api::run(state, shutdown).await?;
         }
         Cmd::Scheduler { conn, metrics_addr } => {
             let shutdown = shutdown_on_signal();
@@ -440,7 +493,9 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             serve_metrics(metrics_addr, &shutdown).await?;
             berth_hostd::run(config, shutdown).await?;
         }
-        Cmd::Agent { .. } => unreachable!("handled before the runtime starts"),
+        Cmd::Agent { .. } | Cmd::ConsoleLog { .. } => {
+            unreachable!("handled before the runtime starts")
+        }
         Cmd::Dev(args) => dev::run(args).await?,
         Cmd::Bench(args) => bench::run(args).await?,
         Cmd::Template {
@@ -497,8 +552,9 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let db = connect_db(&database_url).await?;
             berth_store::MIGRATOR.run(&db).await?;
             match command {
-                AdminCmd::CreateOrg { name } => {
-                    let (org, key) = berth_api::auth::create_org(&db, &name).await?;
+                AdminCmd::CreateOrg { name, quota } => {
+                    let (org, key) =
+                        berth_api::auth::create_org_with_quota(&db, &name, quota.quota()).await?;
                     eprintln!("created org {name} ({org}); the key is shown only now");
                     println!("{key}");
                 }

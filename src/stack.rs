@@ -195,13 +195,13 @@ impl Stack {
             let stop = stop.clone();
             tasks.spawn(async move { berth_hostd::run(host, stop).await.context("hostd") });
         }
-        let state = berth_api::AppState {
-            db: pools.api.clone(),
-            nats: nats.clone(),
-            subjects: subjects.clone(),
-            config: config.api,
-            prometheus: berth_api::metrics::handle(),
-        };
+        let state = berth_api::AppState::new(
+            pools.api.clone(),
+            nats.clone(),
+            subjects.clone(),
+            config.api,
+            berth_api::metrics::handle(),
+        );
         tasks.spawn({
             let stop = stop.clone();
             async move { berth_api::serve(listener, state, stop).await.context("api") }

@@ -1,14 +1,19 @@
 //! The [`Caller`] and [`Admin`] extractors: resolve a request's bearer key to its org (or to
 //! an operator). Keys themselves (creation, hashing, lookup) are [`crate::service::keys`],
 //! re-exported here.
+//!
+//! A key is looked up in the process's cache first ([`crate::limits::Guards::cached_key`],
+//! a few seconds' TTL); a miss costs one token of the client address's lookup budget before
+//! Postgres is asked, so a flood of bad keys is refused (429) without queries. Every
+//! authenticated request then counts against its key's rate.
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use berth_schemas::{ApiKeyId, OrgId};
 
 pub use crate::service::keys::{
-    authenticate, create_admin_key, create_key, create_org, generate_key, CreateOrgError,
-    Principal, KEY_PREFIX,
+    authenticate, create_admin_key, create_key, create_org, create_org_with_quota, generate_key,
+    CreateOrgError, Principal, KEY_PREFIX,
 };
 
 use crate::error::ApiError;
@@ -34,9 +39,22 @@ async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiErro
         .map(|(_, key)| key.trim())
         .filter(|k| k.starts_with(KEY_PREFIX))
         .ok_or(ApiError::Unauthorized)?;
-    authenticate(&state.db, key)
-        .await?
-        .ok_or(ApiError::Unauthorized)
+    let hash = crate::service::keys::hash(key);
+    let principal = match state.guards.cached_key(&hash) {
+        Some(principal) => principal,
+        None => {
+            state
+                .guards
+                .check_lookup(crate::limits::peer_ip(&parts.extensions))?;
+            let principal = crate::service::keys::authenticate_hash(&state.db, &hash)
+                .await?
+                .ok_or(ApiError::Unauthorized)?;
+            state.guards.cache_key(hash, principal);
+            principal
+        }
+    };
+    state.guards.check_key(principal.key_id)?;
+    Ok(principal)
 }
 
 impl FromRequestParts<AppState> for Caller {

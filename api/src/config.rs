@@ -6,6 +6,8 @@ use std::time::Duration;
 use berth_schemas::Subjects;
 
 use crate::http::events::EventStreamConfig;
+use crate::limits::LimitsConfig;
+use crate::model::DiskLimits;
 use crate::webhooks::delivery::WebhookConfig;
 
 /// Default listen address of the API.
@@ -28,13 +30,22 @@ pub struct ApiConfig {
     pub events: EventStreamConfig,
     /// Timing and limits of webhook delivery.
     pub webhooks: WebhookConfig,
+    /// The default and the largest `disk_mib` of a create.
+    pub disk: DiskLimits,
+    /// Connection, timeout, rate, size and concurrency limits (see [`LimitsConfig`]).
+    pub limits: LimitsConfig,
+    /// Whether the API's own listener answers `GET /metrics`. `false` when the operator serves
+    /// metrics on a separate address (`berth api --metrics-addr`), so that the public listener
+    /// does not expose them; the route then answers 404 like any unknown path.
+    pub metrics_on_api: bool,
 }
 
 impl ApiConfig {
     /// Defaults for everything but the listen address and the subjects:
     /// [`berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS`], the default overcommit,
     /// [`crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS`], and the defaults of the event
-    /// stream and of webhook delivery.
+    /// stream and of webhook delivery, and [`LimitsConfig::default`]; `/metrics` on the API's
+    /// listener; [`DiskLimits::default`].
     pub fn new(listen: SocketAddr, subjects: Subjects) -> Self {
         Self {
             listen,
@@ -44,6 +55,9 @@ impl ApiConfig {
             max_concurrent_starts: crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS,
             events: Default::default(),
             webhooks: Default::default(),
+            disk: DiskLimits::default(),
+            limits: Default::default(),
+            metrics_on_api: true,
         }
     }
 }

@@ -28,6 +28,31 @@ pub enum ApiError {
         /// The org's value of that quota.
         value: i64,
     },
+    /// 429 `rate_limited`: the client address's or the key's request rate is spent; the
+    /// response carries `Retry-After` (seconds).
+    #[error("too many requests ({scope}); retry after {retry_after_secs} s")]
+    RateLimited {
+        /// Which rate: `per_ip`, `per_key` or `key_lookups_per_ip`.
+        scope: &'static str,
+        /// Whole seconds until a request would pass.
+        retry_after_secs: u64,
+    },
+    /// 429 `too_many_concurrent`: the org already holds its cap of concurrent streams,
+    /// transfers or execs on this API process.
+    #[error("the org already holds {value} of {limit}")]
+    TooManyConcurrent {
+        /// The cap's name (`max_concurrent_streams`, `max_concurrent_transfers`,
+        /// `max_concurrent_execs`).
+        limit: &'static str,
+        /// Its value.
+        value: usize,
+    },
+    /// 413 `payload_too_large`: a file over the API's size limit.
+    #[error("the file is larger than the {limit}-byte limit")]
+    PayloadTooLarge {
+        /// The limit, in bytes.
+        limit: u64,
+    },
     /// 404 `not_found`: no such resource in the caller's org (another org's looks the same).
     #[error("{0} not found")]
     NotFound(String),
@@ -92,6 +117,13 @@ impl ApiError {
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             ApiError::QuotaExceeded { .. } => (StatusCode::TOO_MANY_REQUESTS, "quota_exceeded"),
+            ApiError::RateLimited { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limited"),
+            ApiError::TooManyConcurrent { .. } => {
+                (StatusCode::TOO_MANY_REQUESTS, "too_many_concurrent")
+            }
+            ApiError::PayloadTooLarge { .. } => {
+                (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large")
+            }
             ApiError::InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
             ApiError::UnknownTemplate(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unknown_template"),
             ApiError::IdempotencyKeyReused(_) => {
@@ -180,9 +212,25 @@ impl IntoResponse for ApiError {
                 body["limit"] = json!(limit);
                 body["value"] = json!(value);
             }
+            ApiError::TooManyConcurrent { limit, value } => {
+                body["limit"] = json!(limit);
+                body["value"] = json!(value);
+            }
+            ApiError::RateLimited { scope, .. } => body["limit"] = json!(scope),
+            ApiError::PayloadTooLarge { limit } => body["limit"] = json!(limit),
             _ => {}
         }
-        (status, Json(json!({ "error": body }))).into_response()
+        let mut response = (status, Json(json!({ "error": body }))).into_response();
+        if let ApiError::RateLimited {
+            retry_after_secs, ..
+        } = &self
+        {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(*retry_after_secs),
+            );
+        }
+        response
     }
 }
 

@@ -15,10 +15,12 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod limits;
 pub mod metrics;
 pub mod model;
 pub mod openapi;
 pub mod outbox;
+pub mod server;
 pub mod service;
 pub mod webhooks;
 
@@ -53,6 +55,29 @@ pub struct AppState {
     pub config: ApiConfig,
     /// Renders this process's metrics for `GET /metrics`.
     pub prometheus: PrometheusHandle,
+    /// Rate limiters, the key cache and per-org concurrency counts, built from
+    /// `config.limits`.
+    pub guards: std::sync::Arc<limits::Guards>,
+}
+
+impl AppState {
+    /// The state of an API process: its guards are built from `config.limits`.
+    pub fn new(
+        db: PgPool,
+        nats: async_nats::Client,
+        subjects: Subjects,
+        config: ApiConfig,
+        prometheus: PrometheusHandle,
+    ) -> Self {
+        Self {
+            guards: limits::Guards::new(config.limits.clone()),
+            db,
+            nats,
+            subjects,
+            config,
+            prometheus,
+        }
+    }
 }
 
 /// Errors of [`run`].
@@ -104,15 +129,28 @@ pub async fn serve(
         state.config.webhooks.clone(),
         shutdown.clone(),
     ));
+    let (limits, state_guards) = (state.config.limits.clone(), state.guards.clone());
     // Long-lived responses (the SSE stream) end on shutdown, or graceful shutdown would wait
     // for them forever.
     let app = router(state).layer(axum::Extension(http::events::StreamShutdown(
         shutdown.clone(),
     )));
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+    let sweeper = tokio::spawn({
+        let (guards, shutdown) = (state_guards, shutdown.clone());
+        async move {
+            let mut every = tokio::time::interval(limits::RATE_STATE_SWEEP);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = every.tick() => guards.sweep(),
+                }
+            }
+        }
+    });
+    let served = server::serve(listener, app, &limits, shutdown.clone())
         .await
         .map_err(ApiRunError::Serve);
+    let _ = sweeper.await;
     shutdown.cancel();
     let _ = relay.await;
     let _ = webhooks.await;

@@ -22,6 +22,15 @@ pub const MAX_VCPUS: u32 = 32;
 pub const MIN_MEMORY_MIB: u32 = 64;
 /// The largest sandbox, in MiB (64 GiB).
 pub const MAX_MEMORY_MIB: u32 = 65_536;
+/// The smallest writable disk a create may ask for, in MiB: below this an ext4 image is
+/// mostly its own metadata.
+pub const MIN_DISK_MIB: u32 = 64;
+/// The writable disk a create gets when it names none, unless the operator sets another
+/// (`--sandbox-disk-default-mib`), in MiB.
+pub const DEFAULT_DISK_MIB: u32 = 2048;
+/// The largest writable disk a create may ask for, unless the operator sets another
+/// (`--sandbox-disk-max-mib`), in MiB (64 GiB).
+pub const DEFAULT_MAX_DISK_MIB: u32 = 65_536;
 /// At most this many metadata keys.
 pub const MAX_METADATA_KEYS: usize = 64;
 /// A metadata key or value is at most this many bytes.
@@ -44,6 +53,10 @@ pub struct CreateSandbox {
     pub auto_stop_minutes: Option<u32>,
     /// Delete after this many minutes stopped; 1 to 525600.
     pub auto_delete_minutes: Option<u32>,
+    /// The size of the sandbox's writable disk in MiB: what it may write beyond its template
+    /// (an exec that writes more gets `ENOSPC`). 64 to the operator's maximum (default 65536);
+    /// default 2048 unless the operator set another. Kept across stops.
+    pub disk_mib: Option<u32>,
     /// Where the sandbox's own connections may go: `{"egress": "public"}` (the default: public
     /// addresses only, never private, link-local — the metadata address 169.254.169.254
     /// among them —, CGNAT, loopback or multicast ranges), `{"egress": "none"}` (nothing), or
@@ -52,6 +65,65 @@ pub struct CreateSandbox {
     /// reachable. Sandboxes have IPv4 only.
     #[schema(value_type = Option<Object>, example = json!({"egress": ["10.1.0.0/16"]}))]
     pub network: Option<serde_json::Value>,
+}
+
+/// The operator's bounds on `disk_mib`: the default a create gets and the largest it may ask
+/// for, in MiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskLimits {
+    default_mib: u32,
+    max_mib: u32,
+}
+
+/// Why [`DiskLimits::new`] refused the operator's settings.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "sandbox disk limits need {MIN_DISK_MIB} <= default ({default_mib}) <= max ({max_mib}) MiB"
+)]
+pub struct InvalidDiskLimits {
+    /// The default asked for.
+    pub default_mib: u32,
+    /// The maximum asked for.
+    pub max_mib: u32,
+}
+
+impl DiskLimits {
+    /// A default and a maximum, both in MiB.
+    ///
+    /// Errors: [`InvalidDiskLimits`] unless `MIN_DISK_MIB <= default_mib <= max_mib`.
+    pub fn new(default_mib: u32, max_mib: u32) -> Result<Self, InvalidDiskLimits> {
+        if MIN_DISK_MIB <= default_mib && default_mib <= max_mib {
+            Ok(Self {
+                default_mib,
+                max_mib,
+            })
+        } else {
+            Err(InvalidDiskLimits {
+                default_mib,
+                max_mib,
+            })
+        }
+    }
+
+    /// The disk a create gets when it names none, in MiB.
+    pub fn default_mib(&self) -> u32 {
+        self.default_mib
+    }
+
+    /// The largest disk a create may ask for, in MiB.
+    pub fn max_mib(&self) -> u32 {
+        self.max_mib
+    }
+}
+
+impl Default for DiskLimits {
+    /// [`DEFAULT_DISK_MIB`] and [`DEFAULT_MAX_DISK_MIB`].
+    fn default() -> Self {
+        Self {
+            default_mib: DEFAULT_DISK_MIB,
+            max_mib: DEFAULT_MAX_DISK_MIB,
+        }
+    }
 }
 
 /// A validated create request.
@@ -67,6 +139,8 @@ pub struct ValidCreate {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes stopped before an auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// The writable disk in MiB, within the operator's [`DiskLimits`], default applied.
+    pub disk_mib: u32,
     /// The network policy; public egress when the request named none.
     pub network: Network,
 }
@@ -88,10 +162,10 @@ fn minutes(field: &str, value: Option<u32>, max: u32) -> Result<Option<i32>, Api
 }
 
 impl CreateSandbox {
-    /// Applies defaults and checks ranges.
+    /// Applies defaults and checks ranges; `disk` bounds `disk_mib`.
     ///
     /// Errors: [`ApiError::InvalidRequest`] naming the offending field.
-    pub fn validate(self) -> Result<ValidCreate, ApiError> {
+    pub fn validate(self, disk: DiskLimits) -> Result<ValidCreate, ApiError> {
         let template = self.template.unwrap_or_else(|| DEFAULT_TEMPLATE.to_owned());
         if template.is_empty() || template.len() > 64 || template.contains('\0') {
             return Err(ApiError::invalid(
@@ -112,6 +186,16 @@ impl CreateSandbox {
                 "memory_mib",
                 format!(
                     "memory_mib must be between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB}, got {memory_mib}"
+                ),
+            ));
+        }
+        let disk_mib = self.disk_mib.unwrap_or(disk.default_mib);
+        if !(MIN_DISK_MIB..=disk.max_mib).contains(&disk_mib) {
+            return Err(ApiError::invalid(
+                "disk_mib",
+                format!(
+                    "disk_mib must be between {MIN_DISK_MIB} and {}, got {disk_mib}",
+                    disk.max_mib
                 ),
             ));
         }
@@ -163,6 +247,7 @@ impl CreateSandbox {
                 self.auto_delete_minutes,
                 MAX_AUTO_DELETE_MINUTES,
             )?,
+            disk_mib,
         })
     }
 }
@@ -206,6 +291,9 @@ pub struct Sandbox {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes stopped before an auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// The size of its writable disk in MiB; 0 for a sandbox created before disk limits (no
+    /// limit).
+    pub disk_mib: u32,
     /// The network policy, as the create body spells it (`{"egress": "public"}` when the
     /// create named none).
     #[schema(value_type = Object, example = json!({"egress": "public"}))]
@@ -231,6 +319,7 @@ impl From<SandboxRow> for Sandbox {
             deleted_at: row.deleted_at,
             auto_stop_minutes: row.auto_stop_minutes,
             auto_delete_minutes: row.auto_delete_minutes,
+            disk_mib: row.disk_mib,
             network: row.network.to_api(),
         }
     }
@@ -341,8 +430,11 @@ mod tests {
 
     #[test]
     fn an_empty_create_gets_the_defaults() {
-        let v = CreateSandbox::default().validate().unwrap();
+        let v = CreateSandbox::default()
+            .validate(DiskLimits::default())
+            .unwrap();
         assert_eq!(v.template, "base");
+        assert_eq!(v.disk_mib, DEFAULT_DISK_MIB);
         assert_eq!(
             v.resources,
             Resources {
@@ -359,7 +451,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            field_of(zero_cpu.validate().unwrap_err()).as_deref(),
+            field_of(zero_cpu.validate(DiskLimits::default()).unwrap_err()).as_deref(),
             Some("vcpus")
         );
         let huge_mem = CreateSandbox {
@@ -367,9 +459,41 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            field_of(huge_mem.validate().unwrap_err()).as_deref(),
+            field_of(huge_mem.validate(DiskLimits::default()).unwrap_err()).as_deref(),
             Some("memory_mib")
         );
+    }
+
+    #[test]
+    fn a_disk_outside_the_operators_bounds_names_its_field_and_the_bounds() {
+        let limits = DiskLimits::new(128, 1024).unwrap();
+        let default = CreateSandbox::default().validate(limits).unwrap();
+        assert_eq!(default.disk_mib, 128);
+        for bad in [0, MIN_DISK_MIB - 1, 1025, u32::MAX] {
+            let create = CreateSandbox {
+                disk_mib: Some(bad),
+                ..Default::default()
+            };
+            match create.validate(limits).unwrap_err() {
+                ApiError::InvalidRequest { field, message } => {
+                    assert_eq!(field.as_deref(), Some("disk_mib"));
+                    assert!(message.contains("between 64 and 1024"), "{message}");
+                }
+                other => panic!("expected invalid_request, got {other:?}"),
+            }
+        }
+        let max = CreateSandbox {
+            disk_mib: Some(1024),
+            ..Default::default()
+        };
+        assert_eq!(max.validate(limits).unwrap().disk_mib, 1024);
+    }
+
+    #[test]
+    fn disk_limits_refuse_a_default_above_the_maximum_or_below_the_minimum() {
+        assert!(DiskLimits::new(2048, 1024).is_err());
+        assert!(DiskLimits::new(MIN_DISK_MIB - 1, 1024).is_err());
+        assert!(DiskLimits::new(MIN_DISK_MIB, MIN_DISK_MIB).is_ok());
     }
 
     #[test]
@@ -379,11 +503,14 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            field_of(bad.validate().unwrap_err()).as_deref(),
+            field_of(bad.validate(DiskLimits::default()).unwrap_err()).as_deref(),
             Some("network")
         );
         assert_eq!(
-            CreateSandbox::default().validate().unwrap().network,
+            CreateSandbox::default()
+                .validate(DiskLimits::default())
+                .unwrap()
+                .network,
             Network::default()
         );
     }
@@ -397,7 +524,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            field_of(bad.validate().unwrap_err()).as_deref(),
+            field_of(bad.validate(DiskLimits::default()).unwrap_err()).as_deref(),
             Some("metadata")
         );
     }

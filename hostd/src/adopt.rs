@@ -1,6 +1,6 @@
 //! Adoption at start (an OCI host's; a sim host has nothing on the machine): what a previous
 //! run of this hostd left is kept when a live record accounts for it and removed otherwise —
-//! containers in its runtime roots ([`adopt`]), then overlay mounts under its state dir,
+//! containers in its runtime roots ([`adopt`]), then overlay and disk mounts under its state dir,
 //! network namespaces and veths marked as its own (`netns::owner_alias`), and stale nftables
 //! elements, the firewall table being rebuilt from the records ([`sweep`]).
 //!
@@ -29,7 +29,7 @@ use crate::tool;
 /// What one sweep removed.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Swept {
-    /// Overlay mounts unmounted.
+    /// Overlay and disk mounts unmounted.
     pub mounts: usize,
     /// Network namespaces removed.
     pub netns: usize,
@@ -96,16 +96,21 @@ pub async fn sweep(host: &Host, firewall: &Firewall) -> Result<Swept, HostdError
     let live: HashSet<SandboxId> = records.iter().map(|r| r.sandbox_id).collect();
     let mut swept = Swept::default();
 
-    // Overlay mounts of sandboxes without a record (rootfs dirs below our sandboxes dir).
+    // Overlay and disk mounts of sandboxes without a record (rootfs and disk dirs below our
+    // sandboxes dir), newest first: an overlay before the disk that holds its upper dir.
     let sandboxes_dir = host.layout.sandboxes_dir();
     let table = std::fs::read_to_string("/proc/self/mountinfo")
         .map_err(HostdError::io("read /proc/self/mountinfo"))?;
-    for point in overlay::mount_points(&table).collect::<Vec<_>>() {
-        if let Some(id) = stray_rootfs(&sandboxes_dir, &point, &live) {
-            tracing::warn!(sandbox_id = %id, mount = %point.display(), "unmounting a stray overlay");
+    for point in overlay::mount_points(&table)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+    {
+        if let Some(id) = stray_mount(&sandboxes_dir, &point, &live) {
+            tracing::warn!(sandbox_id = %id, mount = %point.display(), "unmounting a stray mount");
             match tokio::task::spawn_blocking(move || overlay::unmount(&point)).await {
                 Ok(Ok(())) => swept.mounts += 1,
-                Ok(Err(e)) => tracing::warn!(error = %e.report(), "stray overlay not unmounted"),
+                Ok(Err(e)) => tracing::warn!(error = %e.report(), "stray mount not unmounted"),
                 Err(e) => tracing::warn!(error = %e, "unmount task failed"),
             }
         }
@@ -172,18 +177,15 @@ pub async fn sweep(host: &Host, firewall: &Firewall) -> Result<Swept, HostdError
     Ok(swept)
 }
 
-/// The sandbox whose rootfs `point` is, when it lies directly in `sandboxes_dir` as
-/// `<id>/rootfs` and `id` is not live.
-fn stray_rootfs(
-    sandboxes_dir: &Path,
-    point: &Path,
-    live: &HashSet<SandboxId>,
-) -> Option<SandboxId> {
+/// The sandbox whose overlay or disk mount `point` is, when it lies directly in
+/// `sandboxes_dir` as `<id>/rootfs` or `<id>/disk` and `id` is not live.
+fn stray_mount(sandboxes_dir: &Path, point: &Path, live: &HashSet<SandboxId>) -> Option<SandboxId> {
     let rest = point.strip_prefix(sandboxes_dir).ok()?;
     let mut parts = rest.components();
     let id: SandboxId = parts.next()?.as_os_str().to_str()?.parse().ok()?;
-    let leaf = parts.next()?;
-    (leaf.as_os_str() == "rootfs" && parts.next().is_none() && !live.contains(&id)).then_some(id)
+    let leaf = parts.next()?.as_os_str();
+    let ours = leaf == "rootfs" || leaf == "disk";
+    (ours && parts.next().is_none() && !live.contains(&id)).then_some(id)
 }
 
 #[cfg(test)]
@@ -191,20 +193,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_rootfs_mounts_of_unknown_sandboxes_under_our_dir_are_strays() {
+    fn only_rootfs_and_disk_mounts_of_unknown_sandboxes_under_our_dir_are_strays() {
         let dir = Path::new("/state/sandboxes");
         let (known, unknown) = (SandboxId::new(), SandboxId::new());
         let live = HashSet::from([known]);
         let at = |id: SandboxId, leaf: &str| dir.join(id.to_string()).join(leaf);
         assert_eq!(
-            stray_rootfs(dir, &at(unknown, "rootfs"), &live),
+            stray_mount(dir, &at(unknown, "rootfs"), &live),
             Some(unknown)
         );
-        assert_eq!(stray_rootfs(dir, &at(known, "rootfs"), &live), None);
-        assert_eq!(stray_rootfs(dir, &at(unknown, "upper"), &live), None);
+        assert_eq!(stray_mount(dir, &at(unknown, "disk"), &live), Some(unknown));
+        assert_eq!(stray_mount(dir, &at(known, "rootfs"), &live), None);
+        assert_eq!(stray_mount(dir, &at(known, "disk"), &live), None);
+        assert_eq!(stray_mount(dir, &at(unknown, "upper"), &live), None);
         let elsewhere = Path::new("/other/sandboxes")
             .join(unknown.to_string())
             .join("rootfs");
-        assert_eq!(stray_rootfs(dir, &elsewhere, &live), None);
+        assert_eq!(stray_mount(dir, &elsewhere, &live), None);
     }
 }

@@ -46,16 +46,20 @@ pub async fn unmount(path: PathBuf) -> Result<(), HostdError> {
     blocking(move || overlay::unmount(&path)).await
 }
 
-/// Removes the sandbox dir; succeeds when it is already gone. Refuses while the overlay is
-/// still mounted (removing through it would only litter the upper dir with whiteouts).
+/// Removes the sandbox dir (its disk image with it); succeeds when it is already gone.
+/// Refuses while the overlay or the disk is still mounted (removing through the overlay would
+/// only litter the upper dir with whiteouts, and through the disk would empty a filesystem
+/// that outlives its image's name).
 ///
 /// Errors: [`HostdError::Io`], `ResourceBusy` while mounted.
 pub async fn remove_sandbox_dir(paths: &SandboxPaths) -> Result<(), HostdError> {
-    if overlay::is_mounted(&paths.rootfs())? {
-        return Err(HostdError::Io {
-            context: format!("remove {}: overlay still mounted", paths.dir().display()),
-            source: std::io::ErrorKind::ResourceBusy.into(),
-        });
+    for (mount, what) in [(paths.rootfs(), "overlay"), (paths.disk_mount(), "disk")] {
+        if overlay::is_mounted(&mount)? {
+            return Err(HostdError::Io {
+                context: format!("remove {}: {what} still mounted", paths.dir().display()),
+                source: std::io::ErrorKind::ResourceBusy.into(),
+            });
+        }
     }
     remove_dir_if_present(paths.dir()).await
 }

@@ -58,6 +58,7 @@ mod tests {
                 template: "base".into(),
                 resources: Default::default(),
                 runtime: Default::default(),
+                disk_mib: 64,
                 network: Default::default(),
             }),
         }

@@ -74,6 +74,18 @@ impl AgentGates {
         tokio::time::timeout(timeout, drained).await.is_ok()
     }
 
+    /// Closes the gate without waiting, until the returned guard drops: for a stop or a
+    /// delete under way. Calls in flight go on (the teardown may cut them, and they can tell
+    /// by [`AgentGates::enter`] refusing that the sandbox is going away, not failing); new
+    /// calls are refused.
+    pub fn close_while(self: &Arc<Self>, sandbox: SandboxId) -> ClosedGate {
+        self.lock().entry(sandbox).or_default().closed = true;
+        ClosedGate {
+            gates: self.clone(),
+            sandbox,
+        }
+    }
+
     /// Opens the gate again.
     pub fn open(&self, sandbox: SandboxId) {
         let mut gates = self.lock();
@@ -88,6 +100,20 @@ impl AgentGates {
     fn lock(&self) -> MutexGuard<'_, HashMap<SandboxId, GateState>> {
         // Entries are whole counters; a poisoned map is still consistent.
         self.gates.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A gate closed by [`AgentGates::close_while`]; dropping it opens the gate again.
+#[derive(Debug)]
+#[must_use = "the gate opens again when the guard drops"]
+pub struct ClosedGate {
+    gates: Arc<AgentGates>,
+    sandbox: SandboxId,
+}
+
+impl Drop for ClosedGate {
+    fn drop(&mut self) {
+        self.gates.open(self.sandbox);
     }
 }
 
@@ -127,6 +153,22 @@ mod tests {
         assert!(drain.await.unwrap());
         gates.open(sandbox);
         assert!(gates.enter(sandbox).is_some());
+    }
+
+    #[test]
+    fn a_gate_closed_for_a_teardown_refuses_until_its_guard_drops() {
+        let gates = AgentGates::new();
+        let sandbox = SandboxId::new();
+        let in_flight = gates.enter(sandbox).expect("open gate");
+        let closed = gates.close_while(sandbox);
+        assert!(
+            gates.enter(sandbox).is_none(),
+            "refused during the teardown"
+        );
+        drop(in_flight);
+        assert!(gates.enter(sandbox).is_none(), "still closed");
+        drop(closed);
+        assert!(gates.enter(sandbox).is_some(), "open again");
     }
 
     #[tokio::test]

@@ -34,8 +34,10 @@ use crate::runtime::{ContainerStatus, RuntimeDriver, Runtimes};
 use crate::template::Templates;
 use crate::HostdConfig;
 
-/// Chunks of a streamed exec's output (`(fd, bytes)`), as they come from the agent.
-pub type OutputSender = tokio::sync::mpsc::UnboundedSender<(u8, Vec<u8>)>;
+/// Chunks of a streamed exec's output (`(fd, bytes)`), as they come from the agent. Bounded:
+/// while it is full, hostd stops reading the agent's connection, so a slow consumer slows
+/// the process (its pipe fills) instead of growing a buffer.
+pub type OutputSender = tokio::sync::mpsc::Sender<(u8, Vec<u8>)>;
 
 /// Everything a real host and a sim host do differently: the machine-facing half of each
 /// use case. The use cases (`apply`, `nats`) call these and never ask which backend runs.

@@ -9,10 +9,16 @@
 //! templates/<name>/rootfs/        read-only lower dirs of the overlays
 //! agent/<fingerprint>/            agent bundle: `berth` + its shared libraries
 //! sandboxes/<id>/record.json      the local record (generation fence, results, address)
-//! sandboxes/<id>/{upper,work}/    the overlay's writable half (survives stop)
+//! sandboxes/<id>/disk.img         the sandbox's writable disk: a sparse ext4 image of
+//!                                 `disk_mib` (survives stop; see `volume`)
+//! sandboxes/<id>/disk/            its loop mount, holding the overlay's writable half
+//!                                 `upper/` and `work/` (mounted while running)
+//! sandboxes/<id>/{upper,work}/    the writable half of a sandbox without a disk limit (a
+//!                                 record from before `disk_mib`)
 //! sandboxes/<id>/rootfs/          the merged overlay (mounted while running)
 //! sandboxes/<id>/config.json      the OCI runtime spec; the sandbox dir is the OCI bundle
-//! sandboxes/<id>/console.log      the container's stdout and stderr
+//! sandboxes/<id>/console.log      the container's stdout and stderr, capped (see `console`)
+//! sandboxes/<id>/console.log.1    the one rotated console log kept
 //! sandboxes/<id>/snapshot/        runsc checkpoint image between a memory stop and a start
 //! tombstones/<id>.json            the record of a deleted (or never created) sandbox
 //! ```
@@ -128,14 +134,26 @@ impl SandboxPaths {
         self.dir.join("record.json")
     }
 
-    /// The overlay's upper dir: the sandbox's own writes, kept across stops.
+    /// The overlay's upper dir of a sandbox without a disk limit: its own writes, kept
+    /// across stops. A limited sandbox's is inside [`SandboxPaths::disk_mount`] (see
+    /// [`crate::volume::overlay_dirs`]).
     pub fn upper(&self) -> PathBuf {
         self.dir.join("upper")
     }
 
-    /// The overlay's work dir.
+    /// The overlay's work dir of a sandbox without a disk limit.
     pub fn work(&self) -> PathBuf {
         self.dir.join("work")
+    }
+
+    /// The sandbox's disk image (sparse ext4, `disk_mib` MiB).
+    pub fn disk_image(&self) -> PathBuf {
+        self.dir.join("disk.img")
+    }
+
+    /// Where the disk image is mounted; holds the overlay's upper and work dirs.
+    pub fn disk_mount(&self) -> PathBuf {
+        self.dir.join("disk")
     }
 
     /// The merged overlay, and the container's root.
@@ -148,7 +166,7 @@ impl SandboxPaths {
         self.dir.join("config.json")
     }
 
-    /// Where the container's stdout and stderr go.
+    /// Where the container's stdout and stderr go (through `console`'s capped writer).
     pub fn console_log(&self) -> PathBuf {
         self.dir.join("console.log")
     }

@@ -43,6 +43,7 @@ pub mod backend;
 pub mod bundle;
 pub mod cgroup;
 pub mod cleanup;
+pub mod console;
 pub mod disk;
 pub mod error;
 pub mod fence;
@@ -61,6 +62,7 @@ pub mod runtime;
 pub mod seccomp;
 pub mod template;
 pub mod tool;
+pub mod volume;
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -127,9 +129,13 @@ pub struct HostdConfig {
     /// Base of a /16; each sandbox gets a /30 from it. Default [`DEFAULT_ADDRESS_POOL`].
     /// Two hostd on one machine need disjoint pools.
     pub address_pool: Ipv4Addr,
-    /// The `berth` binary containing `berth agent`, copied into every sandbox. Default: the
-    /// running executable.
+    /// The `berth` binary containing `berth agent`, copied into every sandbox, and `berth
+    /// console-log`, which writes each container's console beside it. Default: the running
+    /// executable.
     pub agent_binary: PathBuf,
+    /// The cap of one console log file of a sandbox, in bytes (one rotated file is kept);
+    /// default [`console::DEFAULT_CONSOLE_LOG_MAX_BYTES`].
+    pub console_log_max_bytes: u64,
     /// The OCI runtimes this host offers (`runc`, `runsc`); default [`default_runtimes`].
     /// Each template names the runtime its sandboxes need.
     pub runtimes: Vec<String>,
@@ -166,6 +172,7 @@ impl HostdConfig {
             address_pool: DEFAULT_ADDRESS_POOL,
             agent_binary: std::env::current_exe()
                 .unwrap_or_else(|_| PathBuf::from("/proc/self/exe")),
+            console_log_max_bytes: console::DEFAULT_CONSOLE_LOG_MAX_BYTES,
             runtimes: default_runtimes(),
             template_cache: PathBuf::from(template::DEFAULT_TEMPLATE_CACHE),
             sim_boot: runtime::sim::DEFAULT_SIM_BOOT,
@@ -274,11 +281,15 @@ fn backend_for(
         return Ok((Runtimes::catch_all(sim), Arc::new(SimBackend)));
     }
     let layout = StateLayout::new(&config.state_dir);
+    let console = runtime::cli::ConsoleConfig {
+        berth: config.agent_binary.clone(),
+        max_bytes: config.console_log_max_bytes,
+    };
     let mut drivers: Vec<Arc<dyn RuntimeDriver>> = Vec::new();
     for name in &config.runtimes {
         drivers.push(match name.as_str() {
-            RUNC => Arc::new(Runc::new(layout.runc_root())?),
-            RUNSC => Arc::new(Runsc::new(layout.runsc_root(), true)?),
+            RUNC => Arc::new(Runc::new(layout.runc_root(), console.clone())?),
+            RUNSC => Arc::new(Runsc::new(layout.runsc_root(), true, console.clone())?),
             other => {
                 return Err(HostdError::UnsupportedRuntime {
                     name: other.to_owned(),

@@ -294,6 +294,7 @@ mod tests {
                     memory_mib: 128,
                 },
                 runtime: Default::default(),
+                disk_mib: 64,
                 network: Default::default(),
             },
             "runc",

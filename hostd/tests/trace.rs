@@ -119,6 +119,7 @@ fn command(sandbox: SandboxId, kind: CommandKind, generation: Generation) -> Com
                 memory_mib: 256,
             },
             runtime: Runtime::Runc,
+            disk_mib: 64,
             network: Default::default(),
         }),
     }

@@ -4,7 +4,7 @@
 //! - Every message travels as [`Envelope`] `{ version, body }`; [`decode`] refuses a version it
 //!   does not know with [`WireError::UnsupportedVersion`] rather than misreading bytes.
 //! - Enums and structs are append-only: a change is a new enum variant (postcard encodes the
-//!   variant index as a varint), never a reordering. The golden-byte tests below pin version 1.
+//!   variant index as a varint), never a reordering. The golden-byte tests below pin the current version.
 //!
 //! External event consumers get JSON (CloudEvents), not these bytes.
 
@@ -16,9 +16,9 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 3 (this one): a sandbox's spec ends with its network policy. Version 2: a command's
-/// spec is optional and names the sandbox's runtime. Older bytes are refused (every component
-/// of a deployment runs the same build).
+/// Version 3 (this one): a sandbox's spec carries its disk limit (`disk_mib`) and then its
+/// network policy. Version 2: a command's spec is optional and names the sandbox's runtime.
+/// Older bytes are refused (every component of a deployment runs the same build).
 pub const WIRE_VERSION: u16 = 3;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
@@ -125,6 +125,11 @@ pub struct SandboxSpec {
     /// The runtime its template names (hostd records written before this field read as runc).
     #[serde(default)]
     pub runtime: Runtime,
+    /// The size of the sandbox's writable disk in MiB (`sandboxes.disk_mib`): what it may
+    /// write beyond its template. 0 means no limit: a sandbox created before disk limits
+    /// (its row and its hostd record predate the field); the API never writes 0.
+    #[serde(default)]
+    pub disk_mib: u32,
     /// Where its traffic may go (hostd records written before this field read as the default,
     /// public egress). See [`crate::network`].
     #[serde(default)]
@@ -331,6 +336,38 @@ pub enum AgentOp {
     /// [`AgentReply::Exec`] (without output) or [`AgentReply::Failed`]. The requester
     /// subscribes to its reply subject before publishing.
     ExecStream(ExecSpec),
+    /// Like [`AgentOp::ExecStream`], with flow control: the host publishes at most `window`
+    /// [`AgentReply::Output`] messages beyond those the requester has credited back with
+    /// [`AgentOp::StreamCredit`], and otherwise stops reading the agent (so a slow reader slows
+    /// the process's own pipe, never a buffer). The final reply needs no credit.
+    ExecStreamWindowed {
+        /// The process to run.
+        spec: ExecSpec,
+        /// Output messages the host may publish before the first credit (at least 1).
+        window: u32,
+    },
+    /// Grants a [`AgentOp::ExecStreamWindowed`] stream `chunks` more output messages. Sent
+    /// without a reply subject to the same `{p}.agent.<host>` subject; `reply_to` is the
+    /// stream's reply subject, which names the stream. An unknown stream is ignored.
+    StreamCredit {
+        /// The reply subject of the stream's request.
+        reply_to: String,
+        /// How many more output messages the host may publish.
+        chunks: u32,
+    },
+    /// The requester of a [`AgentOp::ExecStreamWindowed`] stream went away: the host stops
+    /// forwarding its output (the process runs on to its timeout). Sent like
+    /// [`AgentOp::StreamCredit`]; an unknown stream is ignored.
+    StreamCancel {
+        /// The reply subject of the stream's request.
+        reply_to: String,
+    },
+    /// Remove a file (not a directory); answered with [`AgentReply::Done`], also when it was
+    /// already gone. Used to clean up an upload's temporary sibling after a failure.
+    Remove {
+        /// Absolute path of the file in the sandbox.
+        path: String,
+    },
 }
 
 /// A process to run in the sandbox.
@@ -399,6 +436,9 @@ pub enum AgentFailure {
     },
     /// Anything else the agent or the host reported (spawn failed, not a directory, …).
     Agent(String),
+    /// The path is not a regular file (a device, FIFO or socket): refused without reading it,
+    /// since such a read has no end (`/dev/zero`) or blocks (a FIFO without a writer).
+    NotRegularFile,
 }
 
 /// The reply to an [`AgentRequest`].
@@ -471,6 +511,7 @@ mod tests {
                     memory_mib: 512,
                 },
                 runtime: Runtime::Runsc,
+                disk_mib: 1024,
                 network: crate::network::Network {
                     egress: crate::network::Egress::Allow(vec!["10.1.0.0/16".parse().unwrap()]),
                 },
@@ -490,10 +531,10 @@ mod tests {
     fn command_golden_bytes_v3() {
         let bytes = encode(&sample_command());
         // version 3, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
-        // runsc, network { egress: Allow([10.1.0.0/16]) } }): the allow-list is variant 2, one
-        // network, its four octets and its prefix length
+        // runsc, 1024 MiB of disk, network { egress: Allow([10.1.0.0/16]) } }): the allow-list
+        // is variant 2, one network, its four octets and its prefix length
         let expected = format!(
-            "03{U1}{U2}060101{org}04626173650280040102010a01000010",
+            "03{U1}{U2}060101{org}046261736502800401800802010a01000010",
             org = "1004040404040404040404040404040404"
         );
         assert_eq!(hex(&bytes), expected);
@@ -502,7 +543,7 @@ mod tests {
 
     #[test]
     fn a_version_2_command_is_refused() {
-        // The version-2 bytes of a command before the network policy.
+        // The version-2 bytes of a command (a spec without its disk limit and network policy).
         let v2 = format!(
             "02{U1}{U2}060101{org}046261736502800401",
             org = "1004040404040404040404040404040404"
@@ -718,6 +759,30 @@ mod tests {
             timeout_ms: 1,
         });
         assert_eq!(hex(&encode(&stream)), "03060000000001");
+        let windowed = AgentOp::ExecStreamWindowed {
+            spec: ExecSpec {
+                argv: vec![],
+                env: vec![],
+                cwd: None,
+                stdin: vec![],
+                timeout_ms: 1,
+            },
+            window: 16,
+        };
+        assert_eq!(hex(&encode(&windowed)), "0307000000000110");
+        let credit = AgentOp::StreamCredit {
+            reply_to: "r".into(),
+            chunks: 8,
+        };
+        assert_eq!(hex(&encode(&credit)), "03080172".to_owned() + "08");
+        let cancel = AgentOp::StreamCancel {
+            reply_to: "r".into(),
+        };
+        assert_eq!(hex(&encode(&cancel)), "03090172");
+        let remove = AgentOp::Remove { path: "/f".into() };
+        assert_eq!(hex(&encode(&remove)), "030a022f66");
+        let not_regular = AgentReply::Failed(AgentFailure::NotRegularFile);
+        assert_eq!(hex(&encode(&not_regular)), "030605");
         let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
         assert_eq!(hex(&encode(&failed)), "030603ac02");
         assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);

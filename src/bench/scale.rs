@@ -280,6 +280,8 @@ async fn measure(
     let mut config = StackConfig::new(nats_url, subjects.clone(), listen);
     // No periodic pass: the only passes are the measured ones.
     config.reconciler = Reconciler::ResultsOnly;
+    // One key from one address drives the whole fleet: no request rate limits.
+    config.api.limits = berth_api::limits::LimitsConfig::without_rate_limits();
     for i in 0..args.hosts {
         let mut host = berth_hostd::HostdConfig::new(
             nats_url.to_owned(),

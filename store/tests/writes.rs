@@ -71,6 +71,7 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
             metadata: serde_json::json!({}),
             auto_stop_minutes: None,
             auto_delete_minutes: None,
+            disk_mib: 256,
         },
     )
     .await

@@ -14,8 +14,9 @@ async fn a_sandbox_runs_stops_keeps_its_files_starts_and_is_deleted_without_a_tr
     let running = stack.wait_state(&id, "running").await;
     assert!(running["address"].is_string(), "{running}");
     assert_eq!(running["host_id"], stack.hosts[0].host_id.to_string());
+    assert_eq!(running["disk_mib"], berth_api::model::DEFAULT_DISK_MIB);
     let live = stack.leftovers(&id);
-    for part in ["container", "netns", "veth", "dir", "mount"] {
+    for part in ["container", "netns", "veth", "dir", "mount", "loop device"] {
         assert!(
             live.iter().any(|l| l.contains(part)),
             "a running sandbox has its {part}: {live:?}"
@@ -227,6 +228,95 @@ async fn exec_edge_cases_answer_at_once_with_a_clear_result(db: PgPool) {
 
     assert_eq!(stack.delete(&id).await.0, 202);
     stack.wait_state(&id, "deleted").await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_sandbox_keeps_the_disk_it_asked_for_or_the_default_and_every_command_carries_it(
+    db: PgPool,
+) {
+    use crate::support::inproc::{self, Plane};
+    let plane = Plane::start(db).await;
+    let asked = plane
+        .api
+        .create(
+            &plane.org.key,
+            r#"{"vcpus":1,"memory_mib":256,"disk_mib":128}"#,
+        )
+        .await;
+    let defaulted = plane.create().await;
+    for (id, disk_mib) in [
+        (asked, 128),
+        (defaulted, berth_api::model::DEFAULT_DISK_MIB),
+    ] {
+        let reply = plane
+            .api
+            .call(
+                &plane.org.key,
+                Method::GET,
+                &format!("/v1/sandboxes/{id}"),
+                None,
+                None,
+            )
+            .await;
+        assert_eq!(reply.body["disk_mib"], disk_mib, "{}", reply.body);
+        let create = plane.latest(id).await;
+        let spec = create
+            .command
+            .spec
+            .as_ref()
+            .expect("a create carries a spec");
+        assert_eq!(spec.disk_mib, disk_mib);
+    }
+    // A start after a stop carries the same disk to the host.
+    let create = plane.latest(asked).await;
+    plane.deliver(&create, inproc::succeeded(create.kind)).await;
+    plane.request(asked, "stop").await;
+    let stop = plane.latest(asked).await;
+    plane.deliver(&stop, inproc::succeeded(stop.kind)).await;
+    plane.request(asked, "start").await;
+    let start = plane.latest(asked).await;
+    assert_eq!(start.kind, berth_schemas::CommandKind::Start);
+    assert_eq!(
+        start.command.spec.expect("a start carries a spec").disk_mib,
+        128
+    );
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_sandbox_created_with_64_mib_of_disk_gets_enospc_past_it_and_leaves_nothing_when_deleted(
+    db: PgPool,
+) {
+    let stack = Stack::start(db, 1).await;
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "base", "disk_mib": 64})),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["disk_mib"], 64);
+    let id = body["id"].as_str().expect("an id").to_owned();
+    stack.wait_state(&id, "running").await;
+    let (status, out) = stack
+        .exec(
+            &id,
+            &["dd", "if=/dev/zero", "of=/big", "bs=1M", "count=114"],
+        )
+        .await;
+    assert_eq!(status, 200, "{out}");
+    assert_ne!(out["exit_code"], 0, "{out}");
+    assert!(
+        out["stderr"]
+            .as_str()
+            .is_some_and(|e| e.contains("No space left")),
+        "{out}"
+    );
+    let (status, body) = stack.delete(&id).await;
+    assert_eq!(status, 202, "{body}");
+    stack.wait_state(&id, "deleted").await;
+    assert_eq!(stack.leftovers(&id), Vec::<String>::new());
     stack.teardown().await;
 }
 

@@ -27,6 +27,30 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
         ),
         (json!({"colour": "blue"}), 400, "invalid_request", None),
         (
+            json!({"disk_mib": 0}),
+            400,
+            "invalid_request",
+            Some("disk_mib"),
+        ),
+        (
+            json!({"disk_mib": 63}),
+            400,
+            "invalid_request",
+            Some("disk_mib"),
+        ),
+        (
+            json!({"disk_mib": 65_537}),
+            400,
+            "invalid_request",
+            Some("disk_mib"),
+        ),
+        (
+            json!({"disk_mib": "big"}),
+            400,
+            "invalid_request",
+            Some("disk_mib"),
+        ),
+        (
             json!({"metadata": {"a": 1}}),
             400,
             "invalid_request",
@@ -113,6 +137,10 @@ async fn bad_input_gets_a_clear_error_and_writes_nothing(db: PgPool) {
         .unwrap()
     {
         assert_eq!(param["in"], "query", "{param}");
+    }
+    for schema in ["CreateSandbox", "Sandbox"] {
+        let disk = &doc["components"]["schemas"][schema]["properties"]["disk_mib"];
+        assert!(disk.is_object(), "{schema} documents disk_mib");
     }
 
     let (status, body) = stack

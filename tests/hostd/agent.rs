@@ -1,5 +1,5 @@
 //! Requests to the in-sandbox agent through hostd: exec with env, cwd and stdin, file moves,
-//! an OOM kill, a dying agent, and streamed exec.
+//! an OOM kill, a dying agent, and streamed exec (with and without flow control).
 
 use std::time::Duration;
 
@@ -242,6 +242,97 @@ async fn streamed_exec(h: &mut Harness) -> anyhow::Result<()> {
         last_at - chunks[0].2 >= Duration::from_secs(1),
         "the first chunk came only at the end: {:?} vs {last_at:?}",
         chunks[0].2
+    );
+    let deleted = h.send(&h.command(sandbox, 2, CommandKind::Delete)).await?;
+    ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_windowed_stream_publishes_only_against_credit() -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(windowed_stream(h))).await
+}
+
+/// The next message of a streamed exec.
+async fn next_reply(replies: &mut async_nats::Subscriber) -> anyhow::Result<AgentReply> {
+    let message = tokio::time::timeout(EXEC_REQUEST_TIMEOUT, replies.next())
+        .await
+        .context("no streamed reply")?
+        .context("subscription ended")?;
+    Ok(wire::decode::<AgentReply>(&message.payload)?)
+}
+
+/// Publishes a flow-control op (no reply subject) on the host's agent subject.
+async fn control(h: &Harness, sandbox: SandboxId, op: AgentOp) -> anyhow::Result<()> {
+    let request = AgentRequest {
+        sandbox_id: sandbox,
+        op,
+    };
+    h.nats
+        .publish(h.subjects.agent(h.host_id), wire::encode(&request).into())
+        .await?;
+    Ok(())
+}
+
+async fn windowed_stream(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    succeeded_address(&h.send(&h.command(sandbox, 1, CommandKind::Create)).await?)?;
+    let inbox = h.nats.new_inbox();
+    let mut replies = h.nats.subscribe(inbox.clone()).await?;
+    // About 1.3 MB of output: far more than a window of 2 messages.
+    let request = AgentRequest {
+        sandbox_id: sandbox,
+        op: AgentOp::ExecStreamWindowed {
+            spec: exec_spec(&["seq", "1", "200000"], EXEC_TIMEOUT_MS),
+            window: 2,
+        },
+    };
+    h.nats
+        .publish_with_reply(
+            h.subjects.agent(h.host_id),
+            inbox.clone(),
+            wire::encode(&request).into(),
+        )
+        .await?;
+    let mut outputs = 0;
+    // The window, then credit for three more.
+    for _ in 0..2 {
+        ensure!(matches!(
+            next_reply(&mut replies).await?,
+            AgentReply::Output { .. }
+        ));
+        outputs += 1;
+    }
+    control(
+        h,
+        sandbox,
+        AgentOp::StreamCredit {
+            reply_to: inbox.clone(),
+            chunks: 3,
+        },
+    )
+    .await?;
+    for _ in 0..3 {
+        ensure!(matches!(
+            next_reply(&mut replies).await?,
+            AgentReply::Output { .. }
+        ));
+        outputs += 1;
+    }
+    // With no credit left, nothing more can have been published: after a cancel, the next
+    // message is the final one.
+    control(
+        h,
+        sandbox,
+        AgentOp::StreamCancel {
+            reply_to: inbox.clone(),
+        },
+    )
+    .await?;
+    let last = next_reply(&mut replies).await?;
+    ensure!(
+        matches!(last, AgentReply::Failed(AgentFailure::Agent(_))),
+        "after {outputs} outputs: {last:?}"
     );
     let deleted = h.send(&h.command(sandbox, 2, CommandKind::Delete)).await?;
     ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));

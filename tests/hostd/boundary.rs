@@ -373,7 +373,8 @@ async fn runc_boundary(h: &mut Harness) -> anyhow::Result<()> {
         code == 0 && out == "0:0\n0:0\n0:0\n1000:100\ndrwx------\n",
         "ownership inside: {code} {out:?} {err:?}"
     );
-    let upper = h.sandbox_dir(sandbox).join("upper");
+    // The upper dir lies on the sandbox's disk, mounted while it runs.
+    let upper = h.sandbox_dir(sandbox).join("disk/upper");
     let mine = std::fs::metadata(upper.join("root/mine"))?;
     ensure!((mine.uid(), mine.gid()) == (BASE + 1000, BASE + 100));
     ensure!(std::fs::metadata(&upper)?.uid() == BASE);
@@ -387,8 +388,28 @@ async fn runc_boundary(h: &mut Harness) -> anyhow::Result<()> {
 
     // A disk written before sandboxes had a user namespace (owned by host root) is shifted
     // once at the next start, and stays usable.
+    // (Stopped, the disk is unmounted: the test mounts its image aside to make it so.)
     h.send(&h.command(sandbox, 4, CommandKind::Stop)).await?;
-    run("chown", &["-R", "0:0", &upper.to_string_lossy()]).await?;
+    let image = h.sandbox_dir(sandbox).join("disk.img");
+    let aside = h.state_dir.join("legacy-disk");
+    std::fs::create_dir_all(&aside)?;
+    run(
+        "mount",
+        &[
+            "-o",
+            "loop",
+            &image.to_string_lossy(),
+            &aside.to_string_lossy(),
+        ],
+    )
+    .await?;
+    let chowned = run(
+        "chown",
+        &["-R", "0:0", &aside.join("upper").to_string_lossy()],
+    )
+    .await;
+    run("umount", &[&aside.to_string_lossy()]).await?;
+    chowned?;
     succeeded_address(&h.send(&h.command(sandbox, 5, CommandKind::Start)).await?)?;
     let (code, out, err) = sh(
         h,

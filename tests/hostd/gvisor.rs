@@ -85,13 +85,15 @@ async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
         "{stopped:?}"
     );
     h.heartbeat_with(sandbox, GuestStatus::Stopped).await?;
-    let at_stop: u64 = std::fs::read_to_string(h.sandbox_dir(sandbox).join("upper/root/count"))?
+    let at_stop: u64 = file_in_disk(h, sandbox, "/root/count")
+        .await?
         .trim()
         .parse()?;
     ensure!(at_stop >= before, "{at_stop} < {before}");
     ensure!(h.sandbox_dir(sandbox).join("snapshot").is_dir());
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let still: u64 = std::fs::read_to_string(h.sandbox_dir(sandbox).join("upper/root/count"))?
+    let still: u64 = file_in_disk(h, sandbox, "/root/count")
+        .await?
         .trim()
         .parse()?;
     ensure!(
@@ -227,4 +229,12 @@ async fn gvisor_oom(h: &mut Harness) -> anyhow::Result<()> {
     let deleted = h.send(&h.command(sandbox, 3, CommandKind::Delete)).await?;
     ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
     Ok(())
+}
+
+/// A file the sandbox wrote at `path`, read from its stopped (unmounted) disk image with
+/// `debugfs` (e2fsprogs), which reads the ext4 image without mounting it.
+async fn file_in_disk(h: &Harness, sandbox: SandboxId, path: &str) -> anyhow::Result<String> {
+    let image = path_str(&h.sandbox_dir(sandbox).join("disk.img"));
+    let request = format!("cat /upper{path}");
+    run("debugfs", &["-R", &request, &image]).await
 }

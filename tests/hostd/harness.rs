@@ -44,6 +44,9 @@ pub(crate) const ORPHAN_CONTAINER: &str = "orphan";
 /// Default exec timeout given to the agent.
 pub(crate) const EXEC_TIMEOUT_MS: u64 = 10_000;
 
+/// The writable disk of the harness's sandboxes, in MiB.
+pub(crate) const HARNESS_DISK_MIB: u32 = 256;
+
 /// One hostd under test plus the NATS handles to drive it.
 pub(crate) struct Harness {
     pub(crate) subjects: Subjects,
@@ -148,6 +151,18 @@ impl Harness {
         kind: CommandKind,
         template: &str,
     ) -> Command {
+        self.command_with_disk(sandbox, generation, kind, template, HARNESS_DISK_MIB)
+    }
+
+    /// A command for `sandbox` from `template` whose writable disk is `disk_mib` MiB.
+    pub(crate) fn command_with_disk(
+        &self,
+        sandbox: SandboxId,
+        generation: i64,
+        kind: CommandKind,
+        template: &str,
+        disk_mib: u32,
+    ) -> Command {
         let mut tracked = self.sandboxes.lock().expect("not poisoned");
         if !tracked.contains(&sandbox) {
             tracked.push(sandbox);
@@ -170,6 +185,7 @@ impl Harness {
                     .map_or("runc", |def| def.runtime)
                     .parse()
                     .expect("a built-in template names a known runtime"),
+                disk_mib,
                 network: Default::default(),
             }),
         }
@@ -404,7 +420,43 @@ pub(crate) fn exec_spec(argv: &[&str], timeout_ms: u64) -> ExecSpec {
     }
 }
 
-/// No container, netns, veth, mount or sandbox dir of `sandbox` exists.
+/// The loop devices whose backing file lies below `dir` (from `/sys/block/loop*/loop`).
+pub(crate) fn loop_devices_below(dir: &std::path::Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let backing = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
+            let backing = backing.trim().trim_end_matches(" (deleted)");
+            std::path::Path::new(backing)
+                .starts_with(dir)
+                .then(|| e.file_name().to_string_lossy().into_owned())
+        })
+        .collect()
+}
+
+/// The pids of processes whose command line names a path below `dir` (a console writer of a
+/// sandbox in `dir`, say).
+pub(crate) fn processes_naming(dir: &std::path::Path) -> Vec<u32> {
+    let needle = path_str(dir);
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            cmdline.contains(&needle).then_some(pid)
+        })
+        .collect()
+}
+
+/// No container, netns, veth, mount, loop device, console writer or sandbox dir of `sandbox`
+/// exists.
 pub(crate) async fn assert_nothing_remains(h: &Harness, sandbox: SandboxId) -> anyhow::Result<()> {
     let names = h.names(sandbox);
     let containers = h.containers().await?;
@@ -429,6 +481,18 @@ pub(crate) async fn assert_nothing_remains(h: &Harness, sandbox: SandboxId) -> a
         !mounts.contains(&path_str(&h.sandbox_dir(sandbox))),
         "a mount under the sandbox dir remains"
     );
+    let loops = loop_devices_below(&h.sandbox_dir(sandbox));
+    ensure!(loops.is_empty(), "loop devices remain: {loops:?}");
+    // A console writer ends once the last holder of its pipe (the container) is gone.
+    let dir = h.sandbox_dir(sandbox);
+    crate::support::env::eventually(
+        "no process names the sandbox dir (its console writer)",
+        || {
+            let none = processes_naming(&dir).is_empty();
+            async move { none }
+        },
+    )
+    .await;
     ensure!(!h.sandbox_dir(sandbox).exists(), "sandbox dir remains");
     Ok(())
 }

@@ -13,7 +13,7 @@ use crate::support::Stack;
 const ROUND_TRIP_BYTES: usize = (1 << 20) + 12_345;
 
 /// Deterministic, incompressible-looking bytes.
-fn pattern(len: usize) -> Vec<u8> {
+pub(crate) fn pattern(len: usize) -> Vec<u8> {
     let mut x: u32 = 0x9e37_79b9;
     (0..len)
         .map(|_| {

@@ -8,6 +8,8 @@ mod support;
 
 mod agent;
 mod boundary;
+mod bounds;
+mod disk;
 mod egress;
 mod gvisor;
 mod harness;

@@ -81,6 +81,7 @@ impl Outbox {
                         memory_mib: 256,
                     },
                     runtime: Runtime::Runc,
+                    disk_mib: 256,
                     network: Default::default(),
                 }),
             };

@@ -124,8 +124,8 @@ impl Stack {
         })
     }
 
-    /// What any host left of a sandbox: its container, netns, host veth, mounts and directory,
-    /// looked up by the names hostd derives for it.
+    /// What any host left of a sandbox: its container, netns, host veth, mounts, loop devices
+    /// and directory, looked up by the names hostd derives for it.
     pub fn leftovers(&self, id: &str) -> Vec<String> {
         let sandbox: berth_schemas::SandboxId = id.parse().unwrap();
         let netns = std::process::Command::new("ip")
@@ -167,6 +167,17 @@ impl Stack {
                 .filter(|l| l.contains(id))
                 .map(|l| format!("mount {l}")),
         );
+        if let Ok(devices) = std::fs::read_dir("/sys/block") {
+            for device in devices.flatten() {
+                let backing = device.path().join("loop/backing_file");
+                if std::fs::read_to_string(backing).is_ok_and(|b| b.contains(id)) {
+                    found.push(format!(
+                        "loop device {}",
+                        device.file_name().to_string_lossy()
+                    ));
+                }
+            }
+        }
         found
     }
 

@@ -99,14 +99,11 @@ impl Api {
         config.heartbeat_freshness = TEST_HEARTBEAT_FRESHNESS;
         // The tests' webhook receivers listen on loopback.
         config.webhooks.allow_private_targets = true;
+        // Scenarios drive one key much faster than a client should.
+        config.limits = berth_api::limits::LimitsConfig::without_rate_limits();
         adjust(&mut config);
-        let state = berth_api::AppState {
-            db,
-            nats,
-            subjects,
-            config,
-            prometheus: berth_api::metrics::handle(),
-        };
+        let state =
+            berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
         Self {
             router: berth_api::router(state),
         }

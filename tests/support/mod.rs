@@ -11,6 +11,7 @@
 // Each binary uses a part of the kit.
 #![allow(dead_code)]
 
+pub mod api_process;
 pub mod cleanup;
 pub mod env;
 pub mod http;

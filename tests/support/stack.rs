@@ -200,6 +200,9 @@ impl Stack {
         config.nats_creds = target.control_plane.clone();
         // The tests' webhook receivers listen on loopback.
         config.api.webhooks.allow_private_targets = true;
+        // Tests poll one key from one address much faster than a client should; the tests
+        // of the limits set them in `configure`.
+        config.api.limits = berth_api::limits::LimitsConfig::without_rate_limits();
         configure(&mut config.api);
         let mut reconciler = berth_reconciler::ReconcilerConfig::new(subjects.clone());
         reconciler.pass = pass;

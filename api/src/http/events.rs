@@ -133,6 +133,9 @@ pub async fn stream(
     shutdown: Option<Extension<StreamShutdown>>,
     Query(query): Query<EventsQuery>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let permit = app
+        .guards
+        .concurrency(caller.org_id, crate::limits::Concurrent::Streams)?;
     let filter = EventFilter {
         sandbox_id: query
             .sandbox_id
@@ -165,7 +168,7 @@ pub async fn stream(
     };
     let (tx, rx) = mpsc::channel(BUFFER);
     let stop = shutdown.map(|Extension(s)| s.0).unwrap_or_default();
-    tokio::spawn(follow(app, caller, filter, start, tx, stop));
+    tokio::spawn(follow(app, caller, filter, start, tx, stop, permit));
     let events = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|event| (Ok(event), rx))
     });
@@ -221,6 +224,7 @@ async fn follow(
     mut cursor: i64,
     tx: mpsc::Sender<Event>,
     stop: CancellationToken,
+    _permit: crate::limits::ConcurrencyPermit,
 ) {
     let _open = OpenStream::new();
     let config = app.config.events.clone();

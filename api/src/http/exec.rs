@@ -18,6 +18,7 @@ use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::http::extract::json_error;
 use crate::http::idempotency::Idempotency;
+use crate::limits::Concurrent;
 use crate::model::{ExecBody, ExecOutput, Sandbox};
 use crate::AppState;
 
@@ -42,7 +43,8 @@ pub const MAX_EXEC_REQUEST_BYTES: usize = 512 * 1024;
         (status = 200, description = "The process ended (or was killed at its timeout)", body = ExecOutput),
         (status = 400, description = "`invalid_request`: empty `cmd` or a timeout out of range"),
         (status = 404, description = "`not_found`"),
-        (status = 409, description = "`conflict`: the sandbox is not running"),
+        (status = 409, description = "`conflict`: the sandbox is not running, or stopped or was deleted during the exec"),
+        (status = 429, description = "`too_many_concurrent`: the org's execs are at their cap"),
         (status = 502, description = "`agent_error`: the in-sandbox agent failed"),
         (status = 503, description = "`host_unavailable`: the host did not answer"),
     ), security(("bearer" = [])))]
@@ -64,8 +66,8 @@ pub async fn exec(
     let Json(body) = Json::<ExecBody>::from_bytes(&raw).map_err(json_error)?;
     let spec = exec_spec(body)?;
     let timeout_ms = spec.timeout_ms;
+    let _permit = app.guards.concurrency(caller.org_id, Concurrent::Execs)?;
     let (sandbox, host) = running_host(&app, &caller, &id).await?;
-    let not_running = || not_running(&sandbox);
     let started = std::time::Instant::now();
     let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
     let reply = run(&app, host, sandbox.id, spec, wait).await?;
@@ -86,7 +88,9 @@ pub async fn exec(
             }
             Ok((StatusCode::OK, Json(output)).into_response())
         }
-        Err(AgentFailure::NotFound | AgentFailure::NotRunning) => Err(not_running()),
+        Err(AgentFailure::NotFound | AgentFailure::NotRunning) => {
+            Err(stopped_meanwhile(&app, &caller, &sandbox).await)
+        }
         Err(AgentFailure::Agent(message)) => Err(ApiError::Agent(message)),
         Err(other) => Err(ApiError::Agent(format!("{other:?}"))),
     }
@@ -170,6 +174,22 @@ pub(crate) fn not_running(sandbox: &Sandbox) -> ApiError {
     ApiError::Conflict {
         state: sandbox.state,
         message: format!("exec needs a running sandbox; it is {}", sandbox.state),
+    }
+}
+
+/// 409 for a sandbox that stopped (or was deleted) while a request ran in it, with the state
+/// it has now; 404 when it is gone altogether.
+pub(crate) async fn stopped_meanwhile(
+    app: &AppState,
+    caller: &Caller,
+    sandbox: &Sandbox,
+) -> ApiError {
+    match crate::http::sandboxes::fetch(app, caller, sandbox.id).await {
+        Ok(now) => ApiError::Conflict {
+            state: now.state,
+            message: format!("the sandbox stopped during the exec; it is {}", now.state),
+        },
+        Err(e) => e,
     }
 }
 

@@ -14,9 +14,20 @@
 //!
 //! Path: the API subscribes to a fresh inbox, then publishes an [`AgentOp::ExecStream`] to
 //! `{p}.agent.<host>` with the inbox as reply subject; hostd publishes the output as it
-//! arrives, then the exit (see `berth_hostd::agent_ops`). Core NATS drops messages for a
-//! subscriber that falls far behind, so a reader that can't keep up with a very chatty
-//! process may miss output; the exit line still says how the process ended.
+//! arrives, then the exit (see `berth_hostd::nats::agent`).
+//!
+//! # Flow control
+//! The request is an [`AgentOp::ExecStreamWindowed`]: the host publishes at most
+//! [`STREAM_WINDOW_CHUNKS`] output messages ahead of what this stream has taken, and the stream
+//! credits them back ([`AgentOp::StreamCredit`]) as the response body is polled, i.e. as the
+//! client reads. A client that stops reading stops the credits: the host stops reading the
+//! agent and the process blocks on its full pipe, so the API holds at most a window of
+//! output per stream (64 messages of at most 16 KiB: 1 MiB) whatever the process writes. The
+//! window is sized so that a fast reader is not slowed: 50 MB of output took 1.6–2.0 s with a
+//! window of 64 (as without flow control) and 2.7–3.6 s with 16. A reader stalled for the
+//! host's stall timeout (60 s) ends its own stream; a client that goes away cancels it
+//! ([`AgentOp::StreamCancel`]). Either way the process runs on to its `timeout_ms`.
+//! Streams count against the org's `max_concurrent_streams` (429 `too_many_concurrent`).
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -34,7 +45,8 @@ use tracing::instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::http::exec::{exec_spec, not_running, running_host, EXEC_REPLY_GRACE};
+use crate::http::exec::{exec_spec, running_host, stopped_meanwhile, EXEC_REPLY_GRACE};
+use crate::limits::{ConcurrencyPermit, Concurrent};
 use crate::model::ExecBody;
 use crate::AppState;
 
@@ -46,6 +58,7 @@ use crate::AppState;
         (status = 400, description = "`invalid_request`"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not running"),
+        (status = 429, description = "`too_many_concurrent`: the org's streams are at their cap"),
         (status = 502, description = "`agent_error`"),
         (status = 503, description = "`host_unavailable`"),
     ), security(("bearer" = [])))]
@@ -59,6 +72,7 @@ pub async fn exec_stream(
     let Json(body) =
         Json::<ExecBody>::from_bytes(&raw).map_err(crate::http::extract::json_error)?;
     let spec = exec_spec(body)?;
+    let permit = app.guards.concurrency(caller.org_id, Concurrent::Streams)?;
     let (sandbox, host) = running_host(&app, &caller, &id).await?;
     let deadline = Instant::now() + Duration::from_millis(spec.timeout_ms) + EXEC_REPLY_GRACE;
     let unavailable = |what: String| ApiError::HostUnavailable(format!("host {host}: {what}"));
@@ -71,16 +85,28 @@ pub async fn exec_stream(
         .map_err(|e| unavailable(e.to_string()))?;
     let request = AgentRequest {
         sandbox_id: sandbox.id,
-        op: AgentOp::ExecStream(spec),
+        op: AgentOp::ExecStreamWindowed {
+            spec,
+            window: STREAM_WINDOW_CHUNKS,
+        },
     };
+    let agent_subject = app.subjects.agent(host);
     app.nats
         .publish_with_reply(
-            app.subjects.agent(host),
-            inbox,
+            agent_subject.clone(),
+            inbox.clone(),
             wire::encode(&request).into(),
         )
         .await
         .map_err(|e| unavailable(e.to_string()))?;
+    let mut flow = Flow {
+        nats: app.nats.clone(),
+        agent_subject,
+        sandbox_id: sandbox.id,
+        inbox,
+        taken: 0,
+        open: true,
+    };
 
     // The first message decides the status: a failure before any output is an HTTP error.
     let first = tokio::time::timeout_at(deadline, replies.next())
@@ -91,8 +117,11 @@ pub async fn exec_stream(
     let first: AgentReply = wire::decode(&first.payload)
         .map_err(|e| ApiError::Internal(format!("exec reply from {host}: {e}")))?;
     if let AgentReply::Failed(failure) = first {
+        flow.open = false;
         return Err(match failure {
-            AgentFailure::NotFound | AgentFailure::NotRunning => not_running(&sandbox),
+            AgentFailure::NotFound | AgentFailure::NotRunning => {
+                stopped_meanwhile(&app, &caller, &sandbox).await
+            }
             AgentFailure::Agent(message) => ApiError::Agent(message),
             other => ApiError::Agent(format!("{other:?}")),
         });
@@ -105,6 +134,8 @@ pub async fn exec_stream(
         decoders: [Utf8Carry::default(), Utf8Carry::default()],
         deadline,
         done: false,
+        flow,
+        _permit: permit,
     };
     let lines = futures::stream::unfold(state, |mut state| async move {
         let line = state.next_line().await?;
@@ -118,6 +149,74 @@ pub async fn exec_stream(
         .into_response())
 }
 
+/// Output messages the host may publish ahead of what a stream has taken (its window); each
+/// carries at most the agent's 16 KiB read, so a stream holds at most 1 MiB in the API.
+pub const STREAM_WINDOW_CHUNKS: u32 = 64;
+
+/// The credit side of one windowed stream.
+struct Flow {
+    nats: async_nats::Client,
+    agent_subject: String,
+    sandbox_id: berth_schemas::SandboxId,
+    /// The reply subject, which names the stream to the host.
+    inbox: String,
+    /// Output messages taken since the last credit.
+    taken: u32,
+    /// The host may still send: cancel it when the stream is dropped early.
+    open: bool,
+}
+
+impl Flow {
+    /// Counts one output message taken; credits the host half a window at a time.
+    async fn took_one(&mut self) {
+        self.taken += 1;
+        if self.taken >= STREAM_WINDOW_CHUNKS / 2 {
+            let chunks = std::mem::take(&mut self.taken);
+            self.send(AgentOp::StreamCredit {
+                reply_to: self.inbox.clone(),
+                chunks,
+            })
+            .await;
+        }
+    }
+
+    async fn send(&self, op: AgentOp) {
+        let request = AgentRequest {
+            sandbox_id: self.sandbox_id,
+            op,
+        };
+        if let Err(e) = self
+            .nats
+            .publish(self.agent_subject.clone(), wire::encode(&request).into())
+            .await
+        {
+            tracing::warn!(error = %e, "stream flow control not sent");
+        }
+    }
+}
+
+impl Drop for Flow {
+    /// A stream dropped before its end (the client went away): tell the host to stop.
+    fn drop(&mut self) {
+        if !self.open {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let request = AgentRequest {
+            sandbox_id: self.sandbox_id,
+            op: AgentOp::StreamCancel {
+                reply_to: self.inbox.clone(),
+            },
+        };
+        let (nats, subject) = (self.nats.clone(), self.agent_subject.clone());
+        runtime.spawn(async move {
+            let _ = nats.publish(subject, wire::encode(&request).into()).await;
+        });
+    }
+}
+
 /// The state of one response stream.
 struct Lines {
     replies: async_nats::Subscriber,
@@ -126,6 +225,8 @@ struct Lines {
     decoders: [Utf8Carry; 2],
     deadline: Instant,
     done: bool,
+    flow: Flow,
+    _permit: ConcurrencyPermit,
 }
 
 impl Lines {
@@ -150,6 +251,7 @@ impl Lines {
             };
             match reply {
                 AgentReply::Output { fd, data } => {
+                    self.flow.took_one().await;
                     let text = self.decode(fd, &data);
                     if !text.is_empty() {
                         return Some(text);
@@ -163,6 +265,7 @@ impl Lines {
                     oom_killed,
                 } => {
                     self.done = true;
+                    self.flow.open = false;
                     // Output carried by the exit itself (a host that could not stream).
                     let mut out = self.decode(1, &stdout);
                     out.push_str(&self.decode(2, &stderr));
@@ -178,6 +281,9 @@ impl Lines {
                         "oom_killed": oom_killed,
                     })));
                     return Some(out);
+                }
+                AgentReply::Failed(AgentFailure::NotFound | AgentFailure::NotRunning) => {
+                    return self.end_with_error("conflict", "the sandbox stopped during the exec")
                 }
                 AgentReply::Failed(failure) => {
                     return self.end_with_error("agent_error", &format!("{failure:?}"))
@@ -205,6 +311,9 @@ impl Lines {
 
     fn end_with_error(&mut self, code: &str, message: &str) -> Option<String> {
         self.done = true;
+        // A final failure from the host ends it there; a local one (no answer, a bad message)
+        // leaves the host to be told.
+        self.flow.open = code == "host_unavailable" || code == "internal";
         Some(line(json!({"error": {"code": code, "message": message}})))
     }
 }

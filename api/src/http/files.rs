@@ -3,38 +3,50 @@
 //! Path: API → NATS request/reply on `{p}.agent.<host>` → hostd → the sandbox's agent; the API
 //! never reaches a sandbox address. Each message carries at most [`FILE_CHUNK_BYTES`] of file
 //! data, so it stays under NATS's default 1 MiB max payload; a file moves in as many chunks as
-//! it needs, up to [`MAX_FILE_BYTES`].
+//! it needs, up to the operator's limit (`config.limits.max_file_bytes`, 1 GiB by default).
 //!
 //! # Guarantees
+//! - Both directions are streamed one chunk at a time: the API holds at most about two
+//!   chunks of a transfer in memory, whatever the file's size. A download asks the host for
+//!   the next chunk only when the client has taken the previous one (a slow reader slows its
+//!   own download); an upload reads the next piece of the body only after the previous chunk
+//!   was written in the sandbox.
 //! - An upload is written to a temporary sibling (`.<name>.berth-upload-<uuid>`) and renamed
-//!   over the target at the end: a reader never sees half of it.
-//! - A download is read in order from offset 0 until the agent reports the end; a file that
-//!   grows past [`MAX_FILE_BYTES`] while being read is refused.
+//!   over the target at the end: a reader never sees half of it. An upload that fails
+//!   (too large, a broken body, the host) removes its temporary sibling.
+//! - A file over the limit is 413 `payload_too_large`: up front when its size (the upload's
+//!   `Content-Length`, the download's stat) says so, else when the limit is passed, which
+//!   aborts a download already under way (it is sent chunked, so the client sees a transfer
+//!   that broke off, never a short file presented as whole).
+//! - Only regular files and directories are read: a device, FIFO or socket is 400 at once
+//!   (a read of `/dev/zero` has no end; one of a FIFO blocks).
+//! - Transfers count against the org's `max_concurrent_transfers` (429
+//!   `too_many_concurrent`).
 
 use std::time::Duration;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest, FileKind};
 use berth_schemas::HostId;
+use bytes::BytesMut;
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tracing::instrument;
 use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::limits::{ConcurrencyPermit, Concurrent};
 use crate::model::Sandbox;
 use crate::AppState;
 
 /// File bytes per NATS message (each way), below NATS's default 1 MiB max payload with room
 /// for the envelope.
 pub const FILE_CHUNK_BYTES: u32 = 512 * 1024;
-
-/// The largest file a download or upload moves, in bytes (64 MiB).
-pub const MAX_FILE_BYTES: u64 = 64 * 1024 * 1024;
 
 /// How long the API waits for the host to answer one file request.
 pub const FILE_REQUEST_TIMEOUT: Duration = Duration::from_secs(35);
@@ -93,10 +105,12 @@ fn kind_name(kind: FileKind) -> &'static str {
 /// `GET /v1/sandboxes/{id}/files?path=`
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path), FileQuery),
     responses(
-        (status = 200, description = "A file's bytes (`application/octet-stream`), or a directory's listing (JSON)", body = DirectoryListing),
-        (status = 400, description = "`invalid_request`: a relative path, or a file over the size limit"),
+        (status = 200, description = "A file's bytes (`application/octet-stream`, streamed), or a directory's listing (JSON)", body = DirectoryListing),
+        (status = 400, description = "`invalid_request`: a relative path, or not a regular file or directory (a device, FIFO or socket)"),
         (status = 404, description = "`not_found`: no such sandbox or path"),
         (status = 409, description = "`conflict`: the sandbox is not running"),
+        (status = 413, description = "`payload_too_large`: the file is over the API's size limit"),
+        (status = 429, description = "`too_many_concurrent`: the org's transfers are at their cap"),
         (status = 502, description = "`agent_error`"),
         (status = 503, description = "`host_unavailable`"),
     ), security(("bearer" = [])))]
@@ -108,64 +122,118 @@ pub async fn get(
     Query(query): Query<FileQuery>,
 ) -> Result<Response, ApiError> {
     let path = absolute(query.path)?;
+    let permit = app
+        .guards
+        .concurrency(caller.org_id, Concurrent::Transfers)?;
     let (sandbox, host) = running(&app, &caller, &id).await?;
     let stat = match call(&app, &sandbox, host, AgentOp::Stat { path: path.clone() }).await? {
         AgentReply::Stat(stat) => stat,
         other => return Err(unexpected(other)),
     };
-    if stat.kind == FileKind::Dir {
-        let entries = match call(&app, &sandbox, host, AgentOp::List { path: path.clone() }).await?
-        {
-            AgentReply::Listing(entries) => entries,
-            other => return Err(unexpected(other)),
-        };
-        let listing = DirectoryListing {
-            path,
-            entries: entries
-                .into_iter()
-                .map(|e| FileEntry {
-                    name: e.name,
-                    kind: kind_name(e.stat.kind).to_owned(),
-                    size: e.stat.size,
-                    mode: e.stat.mode,
-                    modified: e.stat.modified_unix,
-                })
-                .collect(),
-        };
-        return Ok((StatusCode::OK, Json(listing)).into_response());
+    match stat.kind {
+        FileKind::Dir => {}
+        // `Stat` follows links: what is left is a file, or a device, FIFO or socket.
+        FileKind::File | FileKind::Symlink => {
+            let limit = app.config.limits.max_file_bytes;
+            if stat.size > limit {
+                return Err(ApiError::PayloadTooLarge { limit });
+            }
+            let download = Download {
+                app,
+                sandbox,
+                host,
+                path,
+                offset: 0,
+                limit,
+                done: false,
+                _permit: permit,
+            };
+            let chunks = futures::stream::unfold(download, |mut download| async move {
+                let chunk = download.next_chunk().await?;
+                Some((chunk, download))
+            });
+            return Ok((
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, "application/octet-stream")],
+                Body::from_stream(chunks),
+            )
+                .into_response());
+        }
+        FileKind::Other => return Err(not_regular(&path)),
     }
-    if stat.size > MAX_FILE_BYTES {
-        return Err(too_large());
-    }
-    let mut data = Vec::with_capacity(stat.size as usize);
-    loop {
+    let entries = match call(&app, &sandbox, host, AgentOp::List { path: path.clone() }).await? {
+        AgentReply::Listing(entries) => entries,
+        other => return Err(unexpected(other)),
+    };
+    let listing = DirectoryListing {
+        path,
+        entries: entries
+            .into_iter()
+            .map(|e| FileEntry {
+                name: e.name,
+                kind: kind_name(e.stat.kind).to_owned(),
+                size: e.stat.size,
+                mode: e.stat.mode,
+                modified: e.stat.modified_unix,
+            })
+            .collect(),
+    };
+    Ok((StatusCode::OK, Json(listing)).into_response())
+}
+
+/// A download in progress: the next chunk is asked for only when the response body is polled
+/// for it, i.e. when the client took the previous one.
+struct Download {
+    app: AppState,
+    sandbox: Sandbox,
+    host: HostId,
+    path: String,
+    offset: u64,
+    limit: u64,
+    done: bool,
+    _permit: ConcurrencyPermit,
+}
+
+impl Download {
+    /// The next chunk, an error that ends the response, or `None` after the end.
+    async fn next_chunk(&mut self) -> Option<Result<Bytes, std::io::Error>> {
+        if self.done {
+            return None;
+        }
         let op = AgentOp::Read {
-            path: path.clone(),
-            offset: data.len() as u64,
+            path: self.path.clone(),
+            offset: self.offset,
             len: FILE_CHUNK_BYTES,
         };
-        match call(&app, &sandbox, host, op).await? {
-            AgentReply::Data { data: chunk, eof } => {
-                let empty = chunk.is_empty();
-                data.extend_from_slice(&chunk);
-                if data.len() as u64 > MAX_FILE_BYTES {
-                    return Err(too_large());
+        let failed = |what: String| {
+            tracing::warn!(error = %what, "download broke off");
+            Some(Err(std::io::Error::other(what)))
+        };
+        match call(&self.app, &self.sandbox, self.host, op).await {
+            Ok(AgentReply::Data { data, eof }) => {
+                self.offset += data.len() as u64;
+                if self.offset > self.limit {
+                    self.done = true;
+                    return failed(format!(
+                        "the file grew past the {}-byte limit while being read",
+                        self.limit
+                    ));
                 }
-                if eof || empty {
-                    break;
-                }
+                self.done = eof || data.is_empty();
+                metrics::counter!("berth_file_bytes_total", "direction" => "download")
+                    .increment(data.len() as u64);
+                Some(Ok(Bytes::from(data)))
             }
-            other => return Err(unexpected(other)),
+            Ok(other) => {
+                self.done = true;
+                failed(format!("unexpected agent reply {other:?}"))
+            }
+            Err(e) => {
+                self.done = true;
+                failed(e.to_string())
+            }
         }
     }
-    metrics::counter!("berth_file_bytes_total", "direction" => "download")
-        .increment(data.len() as u64);
-    Ok((
-        StatusCode::OK,
-        [(header::CONTENT_TYPE, "application/octet-stream")],
-        data,
-    )
-        .into_response())
 }
 
 /// `PUT /v1/sandboxes/{id}/files?path=` with the file's bytes as the body.
@@ -173,10 +241,11 @@ pub async fn get(
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses(
         (status = 200, description = "Written (parent directories are created)", body = FileWritten),
-        (status = 400, description = "`invalid_request`: a relative path"),
+        (status = 400, description = "`invalid_request`: a relative path, or a body that broke off or paused too long"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not running"),
-        (status = 413, description = "The body is over the size limit"),
+        (status = 413, description = "`payload_too_large`: the body is over the API's size limit"),
+        (status = 429, description = "`too_many_concurrent`: the org's transfers are at their cap"),
         (status = 502, description = "`agent_error`"),
         (status = 503, description = "`host_unavailable`"),
     ), security(("bearer" = [])))]
@@ -186,7 +255,8 @@ pub async fn put(
     caller: Caller,
     Path(id): Path<String>,
     Query(query): Query<FileQuery>,
-    body: Bytes,
+    headers: HeaderMap,
+    body: Body,
 ) -> Result<Response, ApiError> {
     let path = absolute(query.path)?;
     let (name, dir) = match path.rsplit_once('/') {
@@ -206,6 +276,17 @@ pub async fn put(
             ),
         ));
     }
+    let limit = app.config.limits.max_file_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit) {
+        return Err(ApiError::PayloadTooLarge { limit });
+    }
+    let _permit = app
+        .guards
+        .concurrency(caller.org_id, Concurrent::Transfers)?;
     let (sandbox, host) = running(&app, &caller, &id).await?;
     // A directory cannot be replaced by a file: refuse before writing the temporary sibling,
     // which the failed rename would otherwise leave behind. A missing path is the usual case.
@@ -216,39 +297,96 @@ pub async fn put(
         Ok(_) | Err(ApiError::NotFound(_)) => {}
         Err(error) => return Err(error),
     }
-    let mut offset = 0usize;
-    loop {
-        let end = (offset + FILE_CHUNK_BYTES as usize).min(body.len());
-        let op = AgentOp::Write {
-            path: temporary.clone(),
-            offset: offset as u64,
-            data: body[offset..end].to_vec(),
-            truncate: offset == 0,
+    let mut upload = Upload {
+        app: &app,
+        sandbox: &sandbox,
+        host,
+        temporary: &temporary,
+        written: 0,
+    };
+    let size = match upload.copy(body, limit, &path).await {
+        Ok(size) => size,
+        Err(error) => {
+            upload.remove_temporary().await;
+            return Err(error);
+        }
+    };
+    let written = FileWritten { path, size };
+    Ok((StatusCode::OK, Json(written)).into_response())
+}
+
+/// An upload into a temporary sibling, chunk by chunk.
+struct Upload<'a> {
+    app: &'a AppState,
+    sandbox: &'a Sandbox,
+    host: HostId,
+    temporary: &'a str,
+    /// Bytes written to the temporary file so far.
+    written: u64,
+}
+
+impl Upload<'_> {
+    /// Streams `body` into the temporary file (at most `limit` bytes), then renames it to
+    /// `path`; the size written.
+    ///
+    /// Errors: [`ApiError::PayloadTooLarge`]; 400 for a body that broke off; the agent's.
+    async fn copy(&mut self, body: Body, limit: u64, path: &str) -> Result<u64, ApiError> {
+        let chunk = FILE_CHUNK_BYTES as usize;
+        let mut pending = BytesMut::with_capacity(chunk);
+        let mut body = body.into_data_stream();
+        while let Some(piece) = body.next().await {
+            let piece = piece
+                .map_err(|e| ApiError::invalid("body", format!("the upload broke off: {e}")))?;
+            if self.written + (pending.len() + piece.len()) as u64 > limit {
+                return Err(ApiError::PayloadTooLarge { limit });
+            }
+            pending.extend_from_slice(&piece);
+            while pending.len() >= chunk {
+                let data = pending.split_to(chunk);
+                self.write(&data).await?;
+            }
+        }
+        // The rest, or an empty file.
+        if !pending.is_empty() || self.written == 0 {
+            self.write(&pending).await?;
+        }
+        let rename = AgentOp::Rename {
+            from: self.temporary.to_owned(),
+            to: path.to_owned(),
         };
-        match call(&app, &sandbox, host, op).await? {
+        match call(self.app, self.sandbox, self.host, rename).await? {
+            AgentReply::Done => {}
+            other => return Err(unexpected(other)),
+        }
+        metrics::counter!("berth_file_bytes_total", "direction" => "upload")
+            .increment(self.written);
+        Ok(self.written)
+    }
+
+    async fn write(&mut self, data: &[u8]) -> Result<(), ApiError> {
+        let op = AgentOp::Write {
+            path: self.temporary.to_owned(),
+            offset: self.written,
+            data: data.to_vec(),
+            truncate: self.written == 0,
+        };
+        match call(self.app, self.sandbox, self.host, op).await? {
             AgentReply::Written { .. } => {}
             other => return Err(unexpected(other)),
         }
-        offset = end;
-        if offset >= body.len() {
-            break;
+        self.written += data.len() as u64;
+        Ok(())
+    }
+
+    /// Removes the temporary file after a failure (best effort: logged when it fails).
+    async fn remove_temporary(&self) {
+        let op = AgentOp::Remove {
+            path: self.temporary.to_owned(),
+        };
+        if let Err(e) = call(self.app, self.sandbox, self.host, op).await {
+            tracing::warn!(error = %e, path = self.temporary, "upload's temporary file left");
         }
     }
-    let rename = AgentOp::Rename {
-        from: temporary,
-        to: path.clone(),
-    };
-    match call(&app, &sandbox, host, rename).await? {
-        AgentReply::Done => {}
-        other => return Err(unexpected(other)),
-    }
-    metrics::counter!("berth_file_bytes_total", "direction" => "upload")
-        .increment(body.len() as u64);
-    let written = FileWritten {
-        path,
-        size: body.len() as u64,
-    };
-    Ok((StatusCode::OK, Json(written)).into_response())
 }
 
 /// The longest file name Linux takes (`NAME_MAX`); an upload's temporary sibling
@@ -267,10 +405,10 @@ fn absolute(path: String) -> Result<String, ApiError> {
     }
 }
 
-fn too_large() -> ApiError {
+fn not_regular(path: &str) -> ApiError {
     ApiError::invalid(
         "path",
-        format!("the file is larger than the {MAX_FILE_BYTES}-byte limit"),
+        format!("{path} is not a regular file or a directory (a device, FIFO or socket)"),
     )
 }
 
@@ -322,6 +460,7 @@ async fn call(
                 ApiError::invalid("path", format!("over the agent's limit of {limit}"))
             }
             AgentFailure::Agent(message) => ApiError::Agent(message),
+            AgentFailure::NotRegularFile => not_regular("the path"),
         }),
         other => Ok(other),
     }

@@ -25,6 +25,11 @@ use crate::{metrics, openapi, service, AppState};
 
 /// The router with every route; `state` is shared by all.
 pub fn router(state: AppState) -> Router {
+    let metrics_route = if state.config.metrics_on_api {
+        get(render_metrics)
+    } else {
+        get(not_found)
+    };
     Router::new()
         .route(
             "/v1/sandboxes",
@@ -45,11 +50,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/v1/sandboxes/{id}/files",
+            // The upload is streamed and limited by `config.limits.max_file_bytes` itself.
             get(files::get)
                 .put(files::put)
-                .layer(axum::extract::DefaultBodyLimit::max(
-                    files::MAX_FILE_BYTES as usize,
-                )),
+                .layer(axum::extract::DefaultBodyLimit::disable()),
         )
         .route("/v1/sandboxes/{id}/events", get(events::events))
         .route("/v1/templates", get(templates::templates))
@@ -66,9 +70,13 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/hosts/{id}/uncordon", post(hosts::uncordon))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(render_metrics))
+        .route("/metrics", metrics_route)
         .route("/openapi.json", get(openapi_json))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.guards.clone(),
+            crate::limits::per_ip,
+        ))
         .layer(axum::middleware::from_fn(error::json_errors))
         .layer(axum::middleware::from_fn(metrics::track))
         .layer(tower_http::trace::TraceLayer::new_for_http())

@@ -34,6 +34,7 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox,
     responses(
         (status = 202, description = "Accepted; the sandbox is `provisioning`", body = Sandbox),
+        (status = 400, description = "`invalid_request`: malformed JSON or a size out of range (the field is named; `disk_mib` beyond the operator's maximum too)"),
         (status = 400, description = "`invalid_request`: malformed JSON, a size out of range or a malformed `network` policy (the field is named)"),
         (status = 429, description = "`quota_exceeded`: the org's quota (`limit` names it) would be passed"),
         (status = 422, description = "`unknown_template`, or `idempotency_key_reused`: the Idempotency-Key was used for a different request"),
@@ -53,7 +54,7 @@ pub async fn create(
         &body
     };
     let Json(create) = Json::<CreateSandbox>::from_bytes(body).map_err(json_error)?;
-    let req = create.validate()?;
+    let req = create.validate(app.config.disk)?;
     let policy = PlacementPolicy {
         heartbeat_freshness: app.config.heartbeat_freshness,
         overcommit: app.config.overcommit,

@@ -7,6 +7,7 @@
 use base64::Engine;
 use berth_schemas::{ApiKeyId, OrgId};
 use berth_store::api_keys::{self, NewKey};
+use berth_store::orgs::Quota;
 use berth_store::StoreError;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
@@ -17,8 +18,9 @@ pub const KEY_PREFIX: &str = "berth_";
 /// How many characters of a key are kept in clear, to tell keys apart.
 const SHOWN_PREFIX_LEN: usize = 10;
 
-fn hash(key: &str) -> Vec<u8> {
-    Sha256::digest(key.as_bytes()).to_vec()
+/// The SHA-256 of a key: what is stored and looked up.
+pub fn hash(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
 }
 
 /// A new random key (not yet stored).
@@ -48,9 +50,22 @@ pub enum CreateOrgError {
     Store(#[from] berth_store::StoreError),
 }
 
-/// Creates an org and its first API key; returns the org id and the key, which is shown only
-/// now (only its hash is stored).
+/// Creates an org without quota and its first API key; returns the org id and the key, which
+/// is shown only now (only its hash is stored). Operators create orgs with
+/// [`create_org_with_quota`] and the configured default quota.
 pub async fn create_org(db: &PgPool, name: &str) -> Result<(OrgId, String), CreateOrgError> {
+    create_org_with_quota(db, name, Quota::default()).await
+}
+
+/// Creates an org with `quota` (its fields `None`: unlimited) and its first API key; returns
+/// the org id and the key (shown only now).
+///
+/// Errors: as [`create_org`].
+pub async fn create_org_with_quota(
+    db: &PgPool,
+    name: &str,
+    quota: Quota,
+) -> Result<(OrgId, String), CreateOrgError> {
     let name = name.trim();
     if name.is_empty() || name.chars().count() > 64 {
         return Err(CreateOrgError::InvalidName);
@@ -59,6 +74,9 @@ pub async fn create_org(db: &PgPool, name: &str) -> Result<(OrgId, String), Crea
     let Some(org) = berth_store::orgs::create(&mut *tx, name).await? else {
         return Err(CreateOrgError::Exists(name.to_owned()));
     };
+    if !quota.is_unlimited() {
+        berth_store::orgs::set_quota(&mut *tx, name, quota).await?;
+    }
     let key = store_new_key(&mut *tx, Some(org)).await?;
     tx.commit().await?;
     Ok((org, key))
@@ -98,7 +116,15 @@ pub struct Principal {
 
 /// Resolves a key; `None` for an unknown or revoked key.
 pub async fn authenticate(db: &PgPool, key: &str) -> Result<Option<Principal>, StoreError> {
-    let found = api_keys::find_active(db, &hash(key)).await?;
+    authenticate_hash(db, &hash(key)).await
+}
+
+/// Resolves a key by its [`hash`]; `None` for an unknown or revoked key.
+pub async fn authenticate_hash(
+    db: &PgPool,
+    hash: &[u8; 32],
+) -> Result<Option<Principal>, StoreError> {
+    let found = api_keys::find_active(db, hash).await?;
     Ok(found.map(|(key_id, org_id, is_admin)| Principal {
         key_id,
         org_id,

@@ -75,6 +75,7 @@ pub async fn create(
             metadata: req.metadata,
             auto_stop_minutes: req.auto_stop_minutes,
             auto_delete_minutes: req.auto_delete_minutes,
+            disk_mib: req.disk_mib,
             network: req.network,
         },
     )

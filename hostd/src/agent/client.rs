@@ -8,6 +8,7 @@ use tokio::net::TcpStream;
 
 use super::protocol::{ExecOutput, Request, Response, MAX_EXEC_TIMEOUT_MS, MAX_LINE_BYTES};
 use crate::error::HostdError;
+use crate::host::OutputSender;
 
 /// How long a ping (connect, request, answer) may take.
 pub const PING_TIMEOUT: Duration = Duration::from_secs(1);
@@ -122,10 +123,14 @@ pub async fn exec_with(
     }
 }
 
-/// Runs a process in the sandbox, handing its output to `on_output(fd, bytes)` as the agent
-/// streams it (fd 1 stdout, 2 stderr); the result carries no output.
+/// Runs a process in the sandbox, sending its output to `output` as `(fd, bytes)` as the agent
+/// streams it (fd 1 stdout, 2 stderr); the result carries no output. While `output` is full
+/// this stops reading the agent, whose writes then block, and so do the process's (its pipe
+/// fills): backpressure from the consumer to the process.
 ///
-/// Errors: as [`exec`].
+/// Errors: as [`exec`]; [`HostdError::Agent`] when `output`'s receiver went away (the
+/// requester stopped listening: the connection is dropped, the process runs on to its
+/// timeout with its output discarded by the agent).
 pub async fn exec_stream(
     address: SocketAddr,
     argv: Vec<String>,
@@ -133,7 +138,7 @@ pub async fn exec_stream(
     cwd: Option<String>,
     stdin: Vec<u8>,
     timeout_ms: u64,
-    mut on_output: impl FnMut(u8, Vec<u8>),
+    output: &OutputSender,
 ) -> Result<ExecResult, HostdError> {
     let agent_err = |reason: String| HostdError::Agent { address, reason };
     let timeout_ms = timeout_ms.min(MAX_EXEC_TIMEOUT_MS);
@@ -171,7 +176,11 @@ pub async fn exec_stream(
             match serde_json::from_str::<Response>(&answer)
                 .map_err(|e| agent_err(format!("bad answer {:?}: {e}", truncate(&answer))))?
             {
-                Response::Output(chunk) => on_output(chunk.fd, chunk.data),
+                Response::Output(chunk) => {
+                    if output.send((chunk.fd, chunk.data)).await.is_err() {
+                        return Err(agent_err("the requester stopped listening".into()));
+                    }
+                }
                 Response::Exec(out) => return Ok(ExecResult::Finished(out)),
                 Response::Error(e) => return Ok(ExecResult::Refused(e.error)),
                 other => {

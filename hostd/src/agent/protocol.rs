@@ -58,6 +58,10 @@ pub const CODE_NOT_FOUND: &str = "not_found";
 /// `code` of an [`ErrorReply`] for a request over a size limit.
 pub const CODE_TOO_LARGE: &str = "too_large";
 
+/// `code` of an [`ErrorReply`] for a read of something that is not a regular file (a device,
+/// FIFO or socket), refused before any byte is read.
+pub const CODE_NOT_REGULAR: &str = "not_regular";
+
 /// A request to the agent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -124,6 +128,11 @@ pub enum Request {
         from: String,
         /// The new path.
         to: String,
+    },
+    /// Remove a file (a missing one is not an error).
+    Remove {
+        /// The file.
+        path: String,
     },
 }
 

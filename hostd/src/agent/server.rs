@@ -17,8 +17,9 @@ use nix::unistd::Pid;
 
 use super::protocol::{
     DataReply, Entry, ErrorReply, ExecOutput, Kind, ListReply, OutputChunk, PingReply, Request,
-    Response, Stat, StatReply, WrittenReply, CODE_NOT_FOUND, CODE_TOO_LARGE, MAX_CAPTURED_OUTPUT,
-    MAX_DIR_ENTRIES, MAX_EXEC_TIMEOUT_MS, MAX_FILE_CHUNK, MAX_LINE_BYTES, MAX_STDIN_BYTES,
+    Response, Stat, StatReply, WrittenReply, CODE_NOT_FOUND, CODE_NOT_REGULAR, CODE_TOO_LARGE,
+    MAX_CAPTURED_OUTPUT, MAX_DIR_ENTRIES, MAX_EXEC_TIMEOUT_MS, MAX_FILE_CHUNK, MAX_LINE_BYTES,
+    MAX_STDIN_BYTES,
 };
 use crate::oci::GUEST_PATH;
 
@@ -164,6 +165,13 @@ fn answer(request: Request) -> Response {
         Request::Rename { from, to } => std::fs::rename(&from, &to)
             .map(|()| Response::Ping(PingReply { ok: true }))
             .map_err(|e| io_error(&format!("rename {from} to {to}"), e)),
+        Request::Remove { path } => match std::fs::remove_file(&path) {
+            Ok(()) => Ok(Response::Ping(PingReply { ok: true })),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(Response::Ping(PingReply { ok: true }))
+            }
+            Err(e) => Err(io_error(&format!("remove {path}"), e)),
+        },
     };
     result.unwrap_or_else(Response::Error)
 }
@@ -215,7 +223,25 @@ fn read(path: &str, offset: u64, len: u64) -> Result<DataReply, ErrorReply> {
     if len > MAX_FILE_CHUNK {
         return Err(too_large("read length", MAX_FILE_CHUNK));
     }
-    let mut file = std::fs::File::open(path).map_err(|e| io_error(&format!("open {path}"), e))?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Non-blocking open: opening a FIFO without a writer would otherwise block until one
+    // comes. Only a regular file is read: a device never ends (`/dev/zero`) and its size says
+    // nothing, and a FIFO or socket would block. (O_NONBLOCK changes nothing for a regular
+    // file's reads.)
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| io_error(&format!("open {path}"), e))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| io_error(&format!("stat {path}"), e))?;
+    if !meta.file_type().is_file() {
+        return Err(ErrorReply {
+            error: format!("{path} is not a regular file"),
+            code: Some(CODE_NOT_REGULAR.to_owned()),
+        });
+    }
     file.seek(SeekFrom::Start(offset))
         .map_err(|e| io_error(&format!("seek {path}"), e))?;
     let mut data = Vec::with_capacity(len as usize);
@@ -567,6 +593,32 @@ mod tests {
                 .as_deref(),
             Some(CODE_TOO_LARGE)
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_fifo_or_a_device_is_refused_at_once_not_read() {
+        let dir = std::env::temp_dir().join(format!("berth-agent-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("pipe");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // Without O_NONBLOCK this open would block until a writer came.
+        let refused = read(&fifo.to_string_lossy(), 0, 16).unwrap_err();
+        assert_eq!(refused.code.as_deref(), Some(CODE_NOT_REGULAR));
+        let zero = read("/dev/zero", 0, 16).unwrap_err();
+        assert_eq!(zero.code.as_deref(), Some(CODE_NOT_REGULAR));
+        let path = dir.join("f").to_string_lossy().into_owned();
+        write(&path, 0, b"x", true).unwrap();
+        assert!(matches!(
+            answer(Request::Remove { path: path.clone() }),
+            Response::Ping(_)
+        ));
+        assert!(stat(&path).is_err(), "removed");
+        // Removing what is gone is not an error.
+        assert!(matches!(
+            answer(Request::Remove { path }),
+            Response::Ping(_)
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -145,6 +145,11 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         Fence::Apply => {}
     }
     let live = record.clone().filter(|r| !r.is_tombstone());
+    // A stop or delete closes the sandbox's agent gate until its record is written: new agent
+    // calls are refused, and one its teardown cuts reports the sandbox going away (409 at the
+    // API), not an agent fault.
+    let _closed = matches!(cmd.kind, CommandKind::Stop | CommandKind::Delete)
+        .then(|| host.gates.close_while(cmd.sandbox_id));
     let (after, outcome) = match cmd.kind {
         CommandKind::Create | CommandKind::Start => up::up(host, cmd, live).await,
         CommandKind::Stop => stop::stop(host, live).await,

@@ -2,8 +2,8 @@
 //!
 //! On a runtime with memory snapshots the agent's connections are drained and the container
 //! checkpointed, falling back to disk only when the checkpoint fails; then the container is
-//! destroyed and the overlay unmounted (on a sim host only the mount table is read). The
-//! upper dir, the network and the address are kept for the next start.
+//! destroyed and the overlay and the disk unmounted (on a sim host only the mount table is
+//! read). The disk image, the network and the address are kept for the next start.
 
 use std::time::{Duration, Instant};
 
@@ -75,10 +75,11 @@ pub async fn stop(
         }
         runtime.destroy(&names.container_id).await?;
         unmount(paths.rootfs()).await?;
+        crate::volume::release(&paths).await?;
         Ok::<_, HostdError>(mode)
     }
     .await;
-    host.gates.open(id);
+    // The gate opens again when the apply's guard drops, once the record says stopped.
     match done {
         Ok(mode) => {
             record.phase = Phase::Stopped;

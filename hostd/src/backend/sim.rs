@@ -123,7 +123,9 @@ fn echo(argv: &[String]) -> Vec<u8> {
 /// [`SIM_EXEC_STDERR`]; file operations fail, since a sim sandbox has no filesystem.
 pub fn agent(op: &AgentOp) -> AgentReply {
     match op {
-        AgentOp::Exec(spec) | AgentOp::ExecStream(spec) => AgentReply::Exec {
+        AgentOp::Exec(spec)
+        | AgentOp::ExecStream(spec)
+        | AgentOp::ExecStreamWindowed { spec, .. } => AgentReply::Exec {
             exit_code: 0,
             stdout: echo(&spec.argv),
             stderr: SIM_EXEC_STDERR.as_bytes().to_vec(),

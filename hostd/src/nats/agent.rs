@@ -5,22 +5,80 @@
 //! subject: its output as it arrives, then the exit; they are published in order from one
 //! connection.
 //!
+//! # Flow control
+//! A windowed stream ([`AgentOp::ExecStreamWindowed`]) publishes at most `window` output
+//! messages beyond the credits its requester sent back ([`AgentOp::StreamCredit`], on the
+//! same subject without a reply subject, naming the stream by its reply subject). Without
+//! credit the forwarder waits, the bounded output channel fills, hostd stops reading the
+//! agent, and the process blocks on its full pipe: memory stays bounded on both sides. A
+//! stream that gets no credit for [`STREAM_STALL_TIMEOUT`], or whose requester cancels it
+//! ([`AgentOp::StreamCancel`]), stops forwarding; its process runs on to its own timeout.
+//!
 //! The API never reaches a sandbox address: it asks the host, which holds the sandbox's
 //! agent gate permit for the call's length (see `gate`).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_nats::{Client, Message, Subject};
 use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest};
 use berth_schemas::Subjects;
 use futures::StreamExt;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::error::HostdError;
 use crate::host::{Host, OutputSender};
 
-/// Serves agent requests until `shutdown`, each in its own task; a message without a reply
+/// Output chunks hostd holds for one stream between the agent and NATS; while they are all
+/// waiting, it stops reading the agent.
+pub const OUTPUT_CHANNEL_CHUNKS: usize = 16;
+
+/// How long a windowed stream's forwarder waits for credit before it gives the stream up.
+pub const STREAM_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long the final reply of a stream waits for its forwarder to flush (it only waits for
+/// credit or NATS); past that the forwarder is dropped and the final reply goes out.
+pub const FORWARDER_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The flow of one windowed stream: its credit and a way to end it.
+#[derive(Clone)]
+struct Flow {
+    credit: Arc<Semaphore>,
+    cancel: CancellationToken,
+}
+
+/// The windowed streams in flight, by reply subject.
+#[derive(Clone, Default)]
+struct Flows(Arc<Mutex<HashMap<String, Flow>>>);
+
+impl Flows {
+    fn open(&self, reply_to: &str, window: u32) -> Flow {
+        let flow = Flow {
+            credit: Arc::new(Semaphore::new(window.max(1) as usize)),
+            cancel: CancellationToken::new(),
+        };
+        self.lock().insert(reply_to.to_owned(), flow.clone());
+        flow
+    }
+
+    fn close(&self, reply_to: &str) {
+        self.lock().remove(reply_to);
+    }
+
+    fn get(&self, reply_to: &str) -> Option<Flow> {
+        self.lock().get(reply_to).cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Flow>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Serves agent requests until `shutdown`, each in its own task; flow-control messages
+/// (without a reply subject) are applied to their stream; any other message without a reply
 /// subject is dropped with a warning.
 ///
 /// Errors: [`HostdError::Nats`] when the subscription cannot be made.
@@ -36,15 +94,22 @@ pub async fn serve(
         .await
         .map_err(HostdError::nats("subscribe to agent requests"))?;
     tracing::info!(%subject, "serving agent requests");
+    let flows = Flows::default();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             next = requests.next() => match next {
                 Some(message) => match message.reply.clone() {
                     Some(reply_to) => {
-                        tokio::spawn(answer(host.clone(), nats.clone(), message, reply_to));
+                        tokio::spawn(answer(
+                            host.clone(),
+                            nats.clone(),
+                            flows.clone(),
+                            message,
+                            reply_to,
+                        ));
                     }
-                    None => tracing::warn!("agent request without a reply subject; dropped"),
+                    None => control(&flows, &message),
                 },
                 None => break,
             },
@@ -54,8 +119,25 @@ pub async fn serve(
     Ok(())
 }
 
+/// Applies a flow-control message to its stream.
+fn control(flows: &Flows, message: &Message) {
+    match wire::decode::<AgentRequest>(&message.payload).map(|r| r.op) {
+        Ok(AgentOp::StreamCredit { reply_to, chunks }) => {
+            if let Some(flow) = flows.get(&reply_to) {
+                flow.credit.add_permits(chunks as usize);
+            }
+        }
+        Ok(AgentOp::StreamCancel { reply_to }) => {
+            if let Some(flow) = flows.get(&reply_to) {
+                flow.cancel.cancel();
+            }
+        }
+        _ => tracing::warn!("agent request without a reply subject; dropped"),
+    }
+}
+
 /// Answers one request on `reply_to`.
-async fn answer(host: Arc<Host>, nats: Client, message: Message, reply_to: Subject) {
+async fn answer(host: Arc<Host>, nats: Client, flows: Flows, message: Message, reply_to: Subject) {
     let reply = match wire::decode::<AgentRequest>(&message.payload) {
         Ok(request) => {
             let span = tracing::info_span!(
@@ -63,15 +145,28 @@ async fn answer(host: Arc<Host>, nats: Client, message: Message, reply_to: Subje
                 host_id = %host.host_id,
                 sandbox_id = %request.sandbox_id,
             );
-            let output = match request.op {
-                AgentOp::ExecStream(_) => Some(forward_output(nats.clone(), reply_to.clone())),
+            let output = match &request.op {
+                AgentOp::ExecStream(_) => {
+                    Some(forward_output(nats.clone(), reply_to.clone(), None))
+                }
+                AgentOp::ExecStreamWindowed { window, .. } => {
+                    let flow = flows.open(reply_to.as_str(), *window);
+                    Some(forward_output(nats.clone(), reply_to.clone(), Some(flow)))
+                }
                 _ => None,
             };
             match output {
-                Some((sender, forwarder)) => {
+                Some((sender, mut forwarder)) => {
                     let reply = run(&host, request, Some(sender)).instrument(span).await;
-                    // Every chunk is out before the final message.
-                    let _ = forwarder.await;
+                    // Every chunk is out before the final message, unless the forwarder is
+                    // stuck waiting for credit that does not come.
+                    if tokio::time::timeout(FORWARDER_DRAIN_TIMEOUT, &mut forwarder)
+                        .await
+                        .is_err()
+                    {
+                        forwarder.abort();
+                    }
+                    flows.close(reply_to.as_str());
                     reply
                 }
                 None => run(&host, request, None).instrument(span).await,
@@ -97,12 +192,44 @@ pub async fn run(host: &Host, request: AgentRequest, output: Option<OutputSender
         .await
 }
 
-/// A channel whose chunks a task publishes, in order, as [`AgentReply::Output`] to
-/// `reply_to`; the task ends when every sender is dropped.
-fn forward_output(nats: Client, reply_to: Subject) -> (OutputSender, tokio::task::JoinHandle<()>) {
-    let (sender, mut chunks) = tokio::sync::mpsc::unbounded_channel::<(u8, Vec<u8>)>();
+/// A bounded channel whose chunks a task publishes, in order, as [`AgentReply::Output`] to
+/// `reply_to`, each after taking one credit of `flow` when there is one. The task ends when
+/// every sender is dropped, when the flow is cancelled, or when it waited
+/// [`STREAM_STALL_TIMEOUT`] for credit; it then drops the receiver, so the exec stops
+/// reading the agent.
+fn forward_output(
+    nats: Client,
+    reply_to: Subject,
+    flow: Option<Flow>,
+) -> (OutputSender, tokio::task::JoinHandle<()>) {
+    let (sender, mut chunks) = tokio::sync::mpsc::channel::<(u8, Vec<u8>)>(OUTPUT_CHANNEL_CHUNKS);
     let task = tokio::spawn(async move {
-        while let Some((fd, data)) = chunks.recv().await {
+        let cancelled = flow.as_ref().map(|f| f.cancel.clone()).unwrap_or_default();
+        loop {
+            let next = tokio::select! {
+                _ = cancelled.cancelled() => {
+                    tracing::info!("the requester cancelled the stream");
+                    return;
+                }
+                next = chunks.recv() => next,
+            };
+            let Some((fd, data)) = next else { return };
+            if let Some(flow) = &flow {
+                let credit = tokio::select! {
+                    _ = flow.cancel.cancelled() => return,
+                    credit = tokio::time::timeout(STREAM_STALL_TIMEOUT, flow.credit.acquire()) => credit,
+                };
+                match credit {
+                    Ok(Ok(permit)) => permit.forget(),
+                    _ => {
+                        tracing::warn!(
+                            waited = ?STREAM_STALL_TIMEOUT,
+                            "the requester stopped reading the stream; ended"
+                        );
+                        return;
+                    }
+                }
+            }
             let message = wire::encode(&AgentReply::Output { fd, data });
             if let Err(e) = nats.publish(reply_to.clone(), message.into()).await {
                 tracing::warn!(error = %e, "streamed output not sent");

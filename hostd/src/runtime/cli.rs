@@ -2,8 +2,9 @@
 //! --detach --bundle …`, `state`, `list --format json`, `delete --force`.
 //!
 //! Source: runc 1.1 and runsc (gVisor) command lines, which agree on these subcommands. A
-//! detached `run` hands the container its stdio, so stdout/stderr go to a file, never to pipes
-//! (a pipe would stay open for the container's life).
+//! detached `run` hands the container its stdio, so stdout/stderr go to the pipe of a console
+//! writer of their own ([`crate::console`]), never to hostd (the pipe stays open for the
+//! container's life, which may outlast hostd's).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -13,6 +14,7 @@ use std::time::Instant;
 use serde::Deserialize;
 
 use super::ContainerStatus;
+use crate::console::ConsoleWriter;
 use crate::error::HostdError;
 use crate::metrics;
 use crate::tool;
@@ -31,6 +33,17 @@ pub struct OciCli {
     pub root: PathBuf,
     /// Flags placed after `--root` on every invocation (`--platform=ptrace`).
     pub global: Vec<String>,
+    /// How a container's console is written.
+    pub console: ConsoleConfig,
+}
+
+/// How containers' consoles are written: by `<berth> console-log`, capped per file.
+#[derive(Debug, Clone)]
+pub struct ConsoleConfig {
+    /// The `berth` binary that runs the console writer.
+    pub berth: PathBuf,
+    /// The cap of one console log file, in bytes.
+    pub max_bytes: u64,
 }
 
 #[derive(Deserialize)]
@@ -55,6 +68,7 @@ impl OciCli {
         binary: &'static str,
         root: PathBuf,
         global: Vec<String>,
+        console: ConsoleConfig,
     ) -> Result<Self, HostdError> {
         std::fs::create_dir_all(&root)
             .map_err(HostdError::io(format!("create {}", root.display())))?;
@@ -63,6 +77,7 @@ impl OciCli {
             binary,
             root,
             global,
+            console,
         })
     }
 
@@ -84,8 +99,9 @@ impl OciCli {
         tool::run(self.binary, &full).await
     }
 
-    /// Runs a detached command (`run --detach`, `restore --detach`) whose stdout and stderr
-    /// go to `console_log`. `wrapper` is prepended to the argv (a program and its arguments
+    /// Runs a detached command (`run --detach`, `restore --detach`) whose stdout and stderr,
+    /// which the container inherits, go to a new console writer of `console_log` (see
+    /// [`crate::console`]). `wrapper` is prepended to the argv (a program and its arguments
     /// that end by exec'ing the rest), or empty.
     ///
     /// Errors: [`HostdError::Tool`] with the console log's tail; [`HostdError::Io`].
@@ -96,41 +112,47 @@ impl OciCli {
         console_log: &Path,
         what: &str,
     ) -> Result<(), HostdError> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(console_log)
-            .map_err(HostdError::io(format!("open {}", console_log.display())))?;
-        let log_err = log
-            .try_clone()
-            .map_err(HostdError::io("duplicate console log handle"))?;
+        let writer =
+            ConsoleWriter::spawn(&self.console.berth, console_log, self.console.max_bytes)?;
         let mut argv: Vec<String> = wrapper.iter().map(|s| s.to_string()).collect();
         argv.push(self.binary.to_owned());
         argv.extend(self.base_args());
         argv.extend(args.iter().map(|s| s.to_string()));
-        let status = tokio::process::Command::new(&argv[0])
-            .args(&argv[1..])
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log_err))
-            .kill_on_drop(true)
-            .status();
-        let status = tokio::time::timeout(tool::TOOL_TIMEOUT, status)
-            .await
-            .map_err(|_| HostdError::Io {
-                context: format!("{} {what} timed out", self.binary),
-                source: std::io::ErrorKind::TimedOut.into(),
-            })?
-            .map_err(HostdError::io(format!("spawn {} {what}", self.binary)))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(HostdError::Tool {
+        let spawned = (|| -> Result<_, HostdError> {
+            // Spawns at once; the command and its copies of the pipe drop with this closure.
+            Ok(tokio::process::Command::new(&argv[0])
+                .args(&argv[1..])
+                .stdin(Stdio::null())
+                .stdout(writer.stdio()?)
+                .stderr(writer.stdio()?)
+                .kill_on_drop(true)
+                .status())
+        })();
+        let status = match spawned {
+            Ok(status) => tokio::time::timeout(tool::TOOL_TIMEOUT, status)
+                .await
+                .map_err(|_| HostdError::Io {
+                    context: format!("{} {what} timed out", self.binary),
+                    source: std::io::ErrorKind::TimedOut.into(),
+                })
+                .and_then(|s| s.map_err(HostdError::io(format!("spawn {} {what}", self.binary)))),
+            Err(e) => Err(e),
+        };
+        match status {
+            Ok(status) if status.success() => {
+                writer.detach();
+                Ok(())
+            }
+            Ok(status) => Err(HostdError::Tool {
                 program: self.binary.to_owned(),
                 args: argv[1..].join(" "),
                 status: status.to_string(),
-                stderr: console_tail(console_log),
-            })
+                stderr: writer.fail(CONSOLE_TAIL_BYTES).await,
+            }),
+            Err(e) => {
+                writer.fail(CONSOLE_TAIL_BYTES).await;
+                Err(e)
+            }
         }
     }
 
@@ -200,9 +222,9 @@ impl OciCli {
     }
 }
 
-/// The last [`CONSOLE_TAIL_BYTES`] of a console log, trimmed, for error messages.
+/// The last [`CONSOLE_TAIL_BYTES`] of a console log (and its rotated file), trimmed, for
+/// error messages; only those bytes are read (see [`crate::console::tail`]).
 pub fn console_tail(path: &Path) -> String {
-    let bytes = std::fs::read(path).unwrap_or_default();
-    let start = bytes.len().saturating_sub(CONSOLE_TAIL_BYTES);
-    String::from_utf8_lossy(&bytes[start..]).trim().to_owned()
+    let bytes = crate::console::tail(path, CONSOLE_TAIL_BYTES);
+    String::from_utf8_lossy(&bytes).trim().to_owned()
 }

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 
-use super::cli::OciCli;
+use super::cli::{ConsoleConfig, OciCli};
 use super::{ContainerStatus, RunRequest, RuntimeDriver};
 use crate::error::HostdError;
 
@@ -29,12 +29,13 @@ pub struct Runc {
 }
 
 impl Runc {
-    /// A driver keeping its state in `root` (created if missing).
+    /// A driver keeping its state in `root` (created if missing), writing consoles as
+    /// `console` says.
     ///
     /// Errors: [`HostdError::Io`].
-    pub fn new(root: PathBuf) -> Result<Self, HostdError> {
+    pub fn new(root: PathBuf, console: ConsoleConfig) -> Result<Self, HostdError> {
         Ok(Self {
-            cli: OciCli::new(RUNC, RUNC_BINARY, root, Vec::new())?,
+            cli: OciCli::new(RUNC, RUNC_BINARY, root, Vec::new(), console)?,
         })
     }
 }

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 
-use super::cli::OciCli;
+use super::cli::{ConsoleConfig, OciCli};
 use super::{ContainerStatus, RunRequest, RuntimeDriver};
 use crate::error::HostdError;
 
@@ -66,17 +66,22 @@ pub struct Runsc {
 }
 
 impl Runsc {
-    /// A driver keeping its state in `root` (created if missing). `hide_proc_sys_net` turns on
-    /// the workaround of the module docs.
+    /// A driver keeping its state in `root` (created if missing), writing consoles as
+    /// `console` says. `hide_proc_sys_net` turns on the workaround of the module docs.
     ///
     /// Errors: [`HostdError::Io`].
-    pub fn new(root: PathBuf, hide_proc_sys_net: bool) -> Result<Self, HostdError> {
+    pub fn new(
+        root: PathBuf,
+        hide_proc_sys_net: bool,
+        console: ConsoleConfig,
+    ) -> Result<Self, HostdError> {
         Ok(Self {
             cli: OciCli::new(
                 RUNSC,
                 RUNSC_BINARY,
                 root,
                 vec![RUNSC_PLATFORM.to_owned(), RUNSC_OCI_SECCOMP.to_owned()],
+                console,
             )?,
             hide_proc_sys_net,
         })

@@ -25,7 +25,7 @@ use crate::{commands, StoreError};
 /// The columns [`SandboxRow::from_row`] reads, unqualified (select from `sandboxes`).
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
-     deleted_at, auto_stop_minutes, auto_delete_minutes, network";
+     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -75,6 +75,9 @@ pub struct SandboxRow {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes after which a `stopped` or `failed-start` sandbox is deleted; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// The size of its writable disk in MiB (`sandboxes.disk_mib`); 0 for a row created before
+    /// disk limits (no limit).
+    pub disk_mib: u32,
     /// Its network policy (the `network` column, in the API's JSON spelling).
     pub network: Network,
 }
@@ -109,6 +112,8 @@ impl SandboxRow {
             deleted_at: row.try_get("deleted_at").map_err(get)?,
             auto_stop_minutes: row.try_get("auto_stop_minutes").map_err(get)?,
             auto_delete_minutes: row.try_get("auto_delete_minutes").map_err(get)?,
+            disk_mib: u32::try_from(row.try_get::<i32, _>("disk_mib").map_err(get)?)
+                .map_err(|e| corrupt("sandboxes.disk_mib", e))?,
             network: network(&row.try_get("network").map_err(get)?)?,
         })
     }
@@ -125,6 +130,7 @@ impl SandboxRow {
             template: self.template.clone(),
             resources: self.resources,
             runtime: self.runtime,
+            disk_mib: self.disk_mib,
             network: self.network.clone(),
         }
     }
@@ -194,6 +200,8 @@ pub struct NewSandbox {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes stopped (or failed) before auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// The size of its writable disk in MiB (validated by the API, never 0).
+    pub disk_mib: u32,
     /// Its network policy, already validated.
     pub network: Network,
 }
@@ -213,8 +221,8 @@ pub async fn create(
         sqlx::query(&format!(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
-                                    auto_delete_minutes, runtime, network)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13)
+                                    auto_delete_minutes, runtime, disk_mib, network)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -229,6 +237,7 @@ pub async fn create(
         .bind(new.auto_stop_minutes)
         .bind(new.auto_delete_minutes)
         .bind(new.runtime.as_str())
+        .bind(i32::try_from(new.disk_mib).unwrap_or(i32::MAX))
         .bind(new.network.to_api())
         .fetch_one(&mut *conn),
     )

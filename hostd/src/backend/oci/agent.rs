@@ -12,7 +12,8 @@ use berth_schemas::SandboxId;
 
 use crate::agent::client::{self, ExecResult};
 use crate::agent::protocol::{
-    ErrorReply, Kind, Request, Response, Stat, CODE_NOT_FOUND, CODE_TOO_LARGE, MAX_FILE_CHUNK,
+    ErrorReply, Kind, Request, Response, Stat, CODE_NOT_FOUND, CODE_NOT_REGULAR, CODE_TOO_LARGE,
+    MAX_FILE_CHUNK,
 };
 use crate::error::HostdError;
 use crate::host::{Host, OutputSender};
@@ -45,11 +46,11 @@ pub async fn run(
     }
     let outcome = match (op, output) {
         (AgentOp::Exec(spec), _) => return exec(host, sandbox, address, spec, None).await,
-        (AgentOp::ExecStream(spec), Some(output)) => {
+        (AgentOp::ExecStream(spec) | AgentOp::ExecStreamWindowed { spec, .. }, Some(output)) => {
             return exec(host, sandbox, address, spec, Some(output)).await
         }
         // Its output would have nowhere to go.
-        (AgentOp::ExecStream(_), None) => {
+        (AgentOp::ExecStream(_) | AgentOp::ExecStreamWindowed { .. }, None) => {
             return AgentReply::Failed(AgentFailure::Agent(
                 "a streamed exec needs the agent subject's streaming reply".into(),
             ))
@@ -81,6 +82,13 @@ pub async fn run(
         }
         (AgentOp::List { path }, _) => file_op(address, Request::List { path }).await,
         (AgentOp::Rename { from, to }, _) => file_op(address, Request::Rename { from, to }).await,
+        (AgentOp::Remove { path }, _) => file_op(address, Request::Remove { path }).await,
+        // Flow control of a stream, routed by `nats::agent` before it reaches a backend.
+        (AgentOp::StreamCredit { .. } | AgentOp::StreamCancel { .. }, _) => {
+            return AgentReply::Failed(AgentFailure::Agent(
+                "stream flow control is not an agent operation".into(),
+            ))
+        }
     };
     match outcome {
         Ok(reply) => reply,
@@ -91,8 +99,13 @@ pub async fn run(
 /// The first path of `op` that is not absolute.
 fn relative_path(op: &AgentOp) -> Option<&str> {
     let paths: Vec<&str> = match op {
-        AgentOp::Exec(_) | AgentOp::ExecStream(_) => vec![],
+        AgentOp::Exec(_)
+        | AgentOp::ExecStream(_)
+        | AgentOp::ExecStreamWindowed { .. }
+        | AgentOp::StreamCredit { .. }
+        | AgentOp::StreamCancel { .. } => vec![],
         AgentOp::Stat { path }
+        | AgentOp::Remove { path }
         | AgentOp::Read { path, .. }
         | AgentOp::Write { path, .. }
         | AgentOp::List { path } => vec![path],
@@ -120,17 +133,9 @@ async fn exec(
         stdin,
         timeout_ms,
     } = spec;
-    let call: futures::future::BoxFuture<'_, Result<ExecResult, HostdError>> = match output {
+    let call: futures::future::BoxFuture<'_, Result<ExecResult, HostdError>> = match &output {
         Some(output) => Box::pin(client::exec_stream(
-            address,
-            argv,
-            env,
-            cwd,
-            stdin,
-            timeout_ms,
-            move |fd, data| {
-                let _ = output.send((fd, data));
-            },
+            address, argv, env, cwd, stdin, timeout_ms, output,
         )),
         None => Box::pin(client::exec_with(
             address, argv, env, cwd, stdin, timeout_ms,
@@ -149,6 +154,9 @@ async fn exec(
                     timed_out: false,
                     oom_killed,
                 }
+            } else if !still_meant_to_run(host, sandbox) {
+                // Stopped or deleted meanwhile: the requester's conflict, not an agent fault.
+                AgentReply::Failed(AgentFailure::NotRunning)
             } else {
                 AgentReply::Failed(AgentFailure::Agent(
                     "the sandbox stopped during the exec".into(),
@@ -178,8 +186,21 @@ async fn exec(
             }
         }
         Ok(ExecResult::Refused(reason)) => AgentReply::Failed(AgentFailure::Agent(reason)),
+        // A connection cut mid-exec by a stop or a delete taking the sandbox down: say so,
+        // rather than pass on the broken read.
+        Err(e) if !still_meant_to_run(host, sandbox) => {
+            tracing::info!(error = %e.report(), "the sandbox stopped during an exec");
+            AgentReply::Failed(AgentFailure::NotRunning)
+        }
         Err(e) => AgentReply::Failed(AgentFailure::Agent(e.report())),
     }
+}
+
+/// Whether the sandbox is still meant to run here: its record says running and no stop or
+/// delete has closed its gate. A sandbox that crashed on its own still is (its exec failed:
+/// an agent fault); one a stop or delete is taking down is not.
+fn still_meant_to_run(host: &Host, sandbox: SandboxId) -> bool {
+    host.exec_target(sandbox).is_ok()
 }
 
 /// Sends a file request and maps the agent's answer.
@@ -202,7 +223,9 @@ async fn file_op(address: SocketAddr, request: Request) -> Result<AgentReply, Ho
                 })
                 .collect(),
         ),
-        (Request::Rename { .. }, Response::Ping(p)) if p.ok => AgentReply::Done,
+        (Request::Rename { .. } | Request::Remove { .. }, Response::Ping(p)) if p.ok => {
+            AgentReply::Done
+        }
         (_, other) => AgentReply::Failed(AgentFailure::Agent(format!(
             "unexpected agent answer {other:?}"
         ))),
@@ -215,6 +238,7 @@ fn failure(e: ErrorReply) -> AgentFailure {
         Some(CODE_TOO_LARGE) => AgentFailure::TooLarge {
             limit: MAX_FILE_CHUNK,
         },
+        Some(CODE_NOT_REGULAR) => AgentFailure::NotRegularFile,
         _ => AgentFailure::Agent(e.error),
     }
 }

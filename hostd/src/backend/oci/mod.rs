@@ -33,7 +33,7 @@ use crate::record::{write_json_atomic, SandboxRecord};
 use crate::runtime::cli::console_tail;
 use crate::runtime::runsc::RUNSC;
 use crate::runtime::{ContainerStatus, RunRequest, RuntimeDriver};
-use crate::{isolation, netns, overlay, seccomp, HostdConfig};
+use crate::{isolation, netns, overlay, seccomp, volume, HostdConfig};
 
 /// How long a started container's agent has to answer its first ping.
 pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -133,20 +133,34 @@ impl OciBackend {
                 netns::teardown(&names).await
             });
         }
-        netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
-        if ids.is_some() {
-            let netns_path = names.netns_path();
-            blocking(move || isolation::allow_ping_sockets(&netns_path)).await?;
+        let disk_mib = record.spec.disk_mib;
+        if fresh || (disk_mib > 0 && !overlay::is_mounted(&paths.disk_mount())?) {
+            let paths = paths.clone();
+            cleanup.push("disk mount", move || async move {
+                volume::release(&paths).await
+            });
         }
-        self.admit_to_firewall(host, &admitted).await?;
+        // The network and the disk are independent; both undo steps are pushed already.
+        let network = async {
+            netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
+            if ids.is_some() {
+                let netns_path = names.netns_path();
+                blocking(move || isolation::allow_ping_sockets(&netns_path)).await?;
+            }
+            self.admit_to_firewall(host, &admitted).await
+        };
+        let (network, disk) = tokio::join!(network, volume::ensure(&paths, disk_mib));
+        network?;
+        disk?;
 
         let container_id = names.container_id.clone();
         let status = runtime.status(&container_id).await?;
         let rootfs = paths.rootfs();
         if let (Some(ids), false) = (ids, status == Some(ContainerStatus::Running)) {
             // The upper dir must be the sandbox's own: new, or written before sandboxes had a
-            // user namespace (then shifted once, unmounted, as no container runs on it).
-            let (upper, rootfs) = (paths.upper(), rootfs.clone());
+            // user namespace (then shifted once, unmounted, as no container runs on it). It
+            // lies on the sandbox's disk, mounted above.
+            let (upper, rootfs) = (volume::overlay_dirs(&paths, disk_mib).0, rootfs.clone());
             blocking(move || {
                 if !isolation::owns_upper(&upper, ids)? {
                     overlay::unmount(&rootfs)?;
@@ -163,7 +177,8 @@ impl OciBackend {
                 move || async move { unmount(rootfs).await },
             );
         }
-        let (upper, work, merged) = (paths.upper(), paths.work(), rootfs.clone());
+        let (upper, work) = volume::overlay_dirs(&paths, disk_mib);
+        let merged = rootfs.clone();
         blocking(move || overlay::mount_overlay(&lower, &upper, &work, &merged)).await?;
 
         let write_spec = || -> Result<(), HostdError> {
@@ -193,9 +208,11 @@ impl OciBackend {
             });
         }
         if status != Some(ContainerStatus::Running) {
+            // Each boot's console starts empty, so a failed boot quotes only its own output.
             let console_log = paths.console_log();
             std::fs::File::create(&console_log)
                 .map_err(HostdError::io(format!("create {}", console_log.display())))?;
+            remove_file_if_present(&crate::console::rotated(&console_log))?;
             let request = RunRequest {
                 container_id: &container_id,
                 bundle: paths.dir(),
@@ -254,7 +271,9 @@ impl Backend for OciBackend {
     ) -> BoxFuture<'a, Result<(), HostdError>> {
         async move {
             let names = host.names(sandbox);
-            unmount(host.layout.sandbox(sandbox).rootfs()).await?;
+            let paths = host.layout.sandbox(sandbox);
+            unmount(paths.rootfs()).await?;
+            volume::release(&paths).await?;
             if let Some(admitted) = record.and_then(|r| admission(host, r)) {
                 self.firewall.remove(&admitted).await?;
             }
@@ -303,6 +322,16 @@ impl Backend for OciBackend {
             }
         }
         .boxed()
+    }
+}
+
+/// Removes a file; succeeds when it is already gone.
+fn remove_file_if_present(path: &std::path::Path) -> Result<(), HostdError> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(HostdError::io(format!("remove {}", path.display()))(e))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -1,0 +1,113 @@
+//! The HTTP/1.1 server loop (hyper, in place of `axum::serve`, which sets no timer and so
+//! enforces no header timeout): a cap on open connections, a header-read timeout that is
+//! also the keep-alive idle timeout, the client's address for the rate limits, and graceful
+//! shutdown.
+//!
+//! # Guarantees
+//! - At most [`LimitsConfig::max_connections`] connections are served at once; one accepted
+//!   beyond that is closed at once (counted in `berth_api_connections_refused_total`), so a
+//!   flood of idle connections cannot hold the process's file descriptors or memory.
+//! - A connection that has not sent a whole request head within
+//!   [`LimitsConfig::header_read_timeout`] of its start (or of the end of the previous
+//!   response) is closed: a slow-loris client holds a slot for that long at most.
+//! - A request body that pauses longer than [`LimitsConfig::body_idle_timeout`] fails (the
+//!   router's [`tower_http::timeout::RequestBodyTimeoutLayer`]).
+//! - On shutdown, accepting stops and open connections finish their current request (long
+//!   streams end through their own shutdown token), for at most [`SHUTDOWN_GRACE`].
+//!
+//! [`LimitsConfig::max_connections`]: crate::limits::LimitsConfig::max_connections
+//! [`LimitsConfig::header_read_timeout`]: crate::limits::LimitsConfig::header_read_timeout
+//! [`LimitsConfig::body_idle_timeout`]: crate::limits::LimitsConfig::body_idle_timeout
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ConnectInfo;
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+use tower_http::timeout::TimeoutBody;
+
+use crate::limits::LimitsConfig;
+
+/// How long shutdown waits for open connections to finish.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Pause after a failed `accept` (out of file descriptors, say) before trying again.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
+/// Serves `app` on `listener` under `limits` until `shutdown`.
+///
+/// Errors: none so far: accept errors are logged and retried (they are transient: a client
+/// that gave up, or descriptors that run out for a moment).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: &LimitsConfig,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let slots = Arc::new(Semaphore::new(match limits.max_connections {
+        0 => Semaphore::MAX_PERMITS,
+        n => n,
+    }));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(Some(limits.header_read_timeout).filter(|timeout| !timeout.is_zero()))
+        .keep_alive(true);
+    let graceful = GracefulShutdown::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(ACCEPT_RETRY).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            metrics::counter!("berth_api_connections_refused_total").increment(1);
+            drop(stream);
+            continue;
+        };
+        metrics::gauge!("berth_api_connections").increment(1.0);
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        let body_idle = limits.body_idle_timeout;
+        let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(peer));
+            let request = request.map(|body| {
+                if body_idle.is_zero() {
+                    axum::body::Body::new(body)
+                } else {
+                    axum::body::Body::new(TimeoutBody::new(body_idle, body))
+                }
+            });
+            app.clone().oneshot(request)
+        });
+        let connection = http.serve_connection(TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
+            }
+            metrics::gauge!("berth_api_connections").decrement(1.0);
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(grace = ?SHUTDOWN_GRACE, "connections still open at shutdown; dropped");
+    }
+    Ok(())
+}
