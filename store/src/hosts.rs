@@ -585,8 +585,8 @@ pub async fn unwanted_containers(
             "SELECT h.id AS host_id, (i->>'sandbox_id')::uuid AS sandbox_id,
                     (i->>'generation')::int8 AS item_generation,
                     s.id IS NOT NULL AS known, s.state, s.generation, s.org_id, s.template,
-                    s.vcpus, s.memory_mib, s.runtime, s.disk_mib, s.host_id = h.id AS same_host
-                    s.vcpus, s.memory_mib, s.runtime, s.network, s.host_id = h.id AS same_host
+                    s.vcpus, s.memory_mib, s.runtime, s.disk_mib, s.network,
+                    s.host_id = h.id AS same_host
                FROM hosts h
               CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
                LEFT JOIN sandboxes s ON s.id = (i->>'sandbox_id')::uuid
