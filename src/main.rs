@@ -98,6 +98,11 @@ enum Cmd {
         /// Base of the /16 sandbox addresses are taken from.
         #[arg(long, env = "BERTH_ADDRESS_POOL", default_value = "10.200.0.0")]
         address_pool: Ipv4Addr,
+        /// IPv4 networks (CIDRs, comma-separated) that every sandbox with public egress may
+        /// reach although they are private, link-local or otherwise refused: the resolver
+        /// of a cloud network, say (`10.0.0.2/32`).
+        #[arg(long, env = "BERTH_SANDBOX_EGRESS_ALLOW", value_delimiter = ',')]
+        sandbox_egress_allow: Vec<berth_schemas::network::Ipv4Net>,
         /// vCPUs offered to sandboxes (default: the machine's CPUs).
         #[arg(long, env = "BERTH_HOST_VCPUS")]
         vcpus: Option<u32>,
@@ -450,6 +455,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             state_dir,
             name,
             address_pool,
+            sandbox_egress_allow,
             vcpus,
             memory_mib,
             runtimes,
@@ -472,6 +478,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             config.nats_creds = spec.creds;
             config.nats_ca = spec.ca_file;
             config.address_pool = address_pool;
+            config.sandbox_egress_allow = sandbox_egress_allow.iter().map(|n| n.trunc()).collect();
             if let Some(v) = vcpus {
                 config.capacity.vcpus = v;
             }

@@ -1,5 +1,6 @@
 //! Request and response bodies of the sandbox API, and their validation.
 
+use berth_schemas::network::Network;
 use berth_schemas::wire::Resources;
 use berth_schemas::{Generation, HostId, SandboxId, SandboxState};
 use berth_store::SandboxRow;
@@ -56,6 +57,14 @@ pub struct CreateSandbox {
     /// (an exec that writes more gets `ENOSPC`). 64 to the operator's maximum (default 65536);
     /// default 2048 unless the operator set another. Kept across stops.
     pub disk_mib: Option<u32>,
+    /// Where the sandbox's own connections may go: `{"egress": "public"}` (the default: public
+    /// addresses only, never private, link-local — the metadata address 169.254.169.254
+    /// among them —, CGNAT, loopback or multicast ranges), `{"egress": "none"}` (nothing), or
+    /// `{"egress": ["10.1.0.0/16", "203.0.113.7", …]}` (only those IPv4 networks, private
+    /// ones included; at most 64). The host's own addresses and other sandboxes are never
+    /// reachable. Sandboxes have IPv4 only.
+    #[schema(value_type = Option<Object>, example = json!({"egress": ["10.1.0.0/16"]}))]
+    pub network: Option<serde_json::Value>,
 }
 
 /// The operator's bounds on `disk_mib`: the default a create gets and the largest it may ask
@@ -132,6 +141,8 @@ pub struct ValidCreate {
     pub auto_delete_minutes: Option<i32>,
     /// The writable disk in MiB, within the operator's [`DiskLimits`], default applied.
     pub disk_mib: u32,
+    /// The network policy; public egress when the request named none.
+    pub network: Network,
 }
 
 /// The longest `auto_stop_minutes` (a week).
@@ -215,7 +226,14 @@ impl CreateSandbox {
                 ));
             }
         }
+        let network = match &self.network {
+            None => Network::default(),
+            Some(value) => {
+                Network::from_api(value).map_err(|e| ApiError::invalid("network", e.0))?
+            }
+        };
         Ok(ValidCreate {
+            network,
             template,
             resources: Resources { vcpus, memory_mib },
             metadata: serde_json::Value::Object(metadata),
@@ -276,6 +294,10 @@ pub struct Sandbox {
     /// The size of its writable disk in MiB; 0 for a sandbox created before disk limits (no
     /// limit).
     pub disk_mib: u32,
+    /// The network policy, as the create body spells it (`{"egress": "public"}` when the
+    /// create named none).
+    #[schema(value_type = Object, example = json!({"egress": "public"}))]
+    pub network: serde_json::Value,
 }
 
 impl From<SandboxRow> for Sandbox {
@@ -298,6 +320,7 @@ impl From<SandboxRow> for Sandbox {
             auto_stop_minutes: row.auto_stop_minutes,
             auto_delete_minutes: row.auto_delete_minutes,
             disk_mib: row.disk_mib,
+            network: row.network.to_api(),
         }
     }
 }
@@ -471,6 +494,25 @@ mod tests {
         assert!(DiskLimits::new(2048, 1024).is_err());
         assert!(DiskLimits::new(MIN_DISK_MIB - 1, 1024).is_err());
         assert!(DiskLimits::new(MIN_DISK_MIB, MIN_DISK_MIB).is_ok());
+    }
+
+    #[test]
+    fn a_bad_network_policy_names_the_network_field() {
+        let bad = CreateSandbox {
+            network: Some(serde_json::json!({"egress": ["10.0.0.0/40"]})),
+            ..Default::default()
+        };
+        assert_eq!(
+            field_of(bad.validate(DiskLimits::default()).unwrap_err()).as_deref(),
+            Some("network")
+        );
+        assert_eq!(
+            CreateSandbox::default()
+                .validate(DiskLimits::default())
+                .unwrap()
+                .network,
+            Network::default()
+        );
     }
 
     #[test]

@@ -160,8 +160,20 @@ pub async fn sweep(host: &Host, firewall: &Firewall) -> Result<Swept, HostdError
         }
     }
 
-    let links: Vec<_> = records.iter().filter_map(|r| r.link).collect();
-    firewall.install(&links).await?;
+    // Live sandboxes' veths get the current hardening too (a veth made by an older build).
+    for record in &records {
+        let veth = host.names(record.sandbox_id).veth_host;
+        if record.link.is_some() && netns::host_link_exists(&veth) {
+            if let Err(e) = netns::harden_host_side(&veth) {
+                tracing::warn!(%veth, error = %e.report(), "veth not hardened");
+            }
+        }
+    }
+    let admitted: Vec<_> = records
+        .iter()
+        .filter_map(|r| crate::backend::oci::admission(host, r))
+        .collect();
+    firewall.install(&admitted).await?;
     Ok(swept)
 }
 

@@ -59,6 +59,7 @@ mod tests {
                 resources: Default::default(),
                 runtime: Default::default(),
                 disk_mib: 64,
+                network: Default::default(),
             }),
         }
     }

@@ -66,14 +66,15 @@ pub trait Backend: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Ipv4Addr, HostdError>>;
 
     /// Removes what the sandbox holds besides its container, address and dir (network,
-    /// mount, firewall element), whether or not it exists; `link` is the record's address.
+    /// mount, firewall elements), whether or not it exists; `record` is the sandbox's record
+    /// (its address and network policy), when there is one.
     ///
     /// Errors: any step's; the delete is retried.
     fn tear_down<'a>(
         &'a self,
         host: &'a Host,
         sandbox: SandboxId,
-        link: Option<LinkAddresses>,
+        record: Option<&'a SandboxRecord>,
     ) -> BoxFuture<'a, Result<(), HostdError>>;
 
     /// Whether the agent of a sandbox whose container runs answers, for heartbeats.

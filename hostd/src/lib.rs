@@ -145,6 +145,10 @@ pub struct HostdConfig {
     /// How long a `sim` runtime's container takes to "boot" (only read when `runtimes`
     /// holds `sim`); default [`runtime::sim::DEFAULT_SIM_BOOT`].
     pub sim_boot: Duration,
+    /// IPv4 networks every sandbox with public egress may reach although they lie in a
+    /// range public egress refuses (`berth_schemas::network::BLOCKED_V4`): the resolver of
+    /// a cloud network at a private address, say. Default: none.
+    pub sandbox_egress_allow: Vec<berth_schemas::network::Ipv4Net>,
 }
 
 impl HostdConfig {
@@ -172,6 +176,7 @@ impl HostdConfig {
             runtimes: default_runtimes(),
             template_cache: PathBuf::from(template::DEFAULT_TEMPLATE_CACHE),
             sim_boot: runtime::sim::DEFAULT_SIM_BOOT,
+            sandbox_egress_allow: Vec::new(),
         }
     }
 }

@@ -8,7 +8,10 @@
 //!
 //! Both the host-side veth and the namespace's `lo` carry the alias `berth:<host>:<sandbox>`
 //! ([`owner_alias`]), so a sweep can tell this hostd's leftovers from another's (see `sweep`).
-//! Isolation and egress are nftables' business (see `firewall`).
+//! Isolation and egress are nftables' business (see `firewall`); the host side of each veth
+//! is hardened before it comes up ([`harden_host_side`]): IPv6 off (so no Router
+//! Advertisement, autoconfiguration or link-local address on the host side) and strict
+//! reverse-path filtering (a packet from the veth whose source routes elsewhere is dropped).
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -94,6 +97,8 @@ pub async fn ensure(
     let host_cidr = format!("{}/{LINK_PREFIX_LEN}", link.host);
     let guest_cidr = format!("{}/{LINK_PREFIX_LEN}", link.sandbox);
     let gateway = link.host.to_string();
+    // Before the link comes up, so the sandbox never sees an IPv6-speaking host side.
+    harden_host_side(host_if)?;
     let steps: [&[&str]; 8] = [
         &["-n", ns, "link", "set", "lo", "alias", alias],
         &["link", "set", host_if, "alias", alias],
@@ -116,6 +121,40 @@ pub async fn ensure(
         tool::run("ip", args).await?;
     }
     Ok(built)
+}
+
+/// The per-interface sysctls [`harden_host_side`] sets, as (path below `/proc/sys/net`, value).
+/// `ipv6` ones are skipped on a kernel without IPv6.
+pub const HOST_SIDE_SYSCTLS: &[(&str, &str)] = &[
+    // Linux ip-sysctl.rst: accept_ra 0 = do not accept Router Advertisements; autoconf 0 =
+    // no addresses from RA prefixes; disable_ipv6 1 = no IPv6 on the interface at all (the
+    // host side then has no link-local address and drops every IPv6 packet received on it).
+    ("ipv6/conf/{if}/accept_ra", "0"),
+    ("ipv6/conf/{if}/autoconf", "0"),
+    ("ipv6/conf/{if}/disable_ipv6", "1"),
+    // rp_filter 1 = strict reverse-path validation (RFC 3704): the source of a packet from
+    // the veth must route back through it, i.e. be the sandbox's own address. The effective
+    // value is the larger of this and `conf/all/rp_filter`.
+    ("ipv4/conf/{if}/rp_filter", "1"),
+];
+
+/// Sets [`HOST_SIDE_SYSCTLS`] on the host-side interface `host_if` of the root namespace.
+///
+/// Errors: [`HostdError::Io`] when a sysctl can't be written (IPv6 ones are skipped when the
+/// kernel has no IPv6).
+pub fn harden_host_side(host_if: &str) -> Result<(), HostdError> {
+    let ipv6 = Path::new("/proc/sys/net/ipv6").exists();
+    for (path, value) in HOST_SIDE_SYSCTLS {
+        if path.starts_with("ipv6/") && !ipv6 {
+            continue;
+        }
+        let path = Path::new("/proc/sys/net").join(path.replace("{if}", host_if));
+        std::fs::write(&path, value).map_err(HostdError::io(format!(
+            "write {value} to {}",
+            path.display()
+        )))?;
+    }
+    Ok(())
 }
 
 /// Removes the veth pair and the namespace; succeeds when they are already gone.

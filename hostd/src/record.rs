@@ -295,6 +295,7 @@ mod tests {
                 },
                 runtime: Default::default(),
                 disk_mib: 64,
+                network: Default::default(),
             },
             "runc",
             Generation(1),

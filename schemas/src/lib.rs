@@ -3,6 +3,7 @@
 //! - [`cloudevents`]: the external event format (CloudEvents 1.0, structured JSON).
 //! - [`host_state`]: the host state machine (`ready`, `draining`, `cordoned`, `lost`), pure.
 //! - [`ids`]: ID newtypes (`SandboxId`, `HostId`, …) and the fencing [`ids::Generation`].
+//! - [`network`]: a sandbox's network policy (egress `public`, `none` or an allow-list).
 //! - [`state`]: the lifecycle state machine, pure.
 //! - [`trace`]: W3C `traceparent` for command messages (trace id = command id).
 //! - [`wire`]: NATS messages (postcard in a versioned envelope, pinned by golden bytes).
@@ -16,6 +17,7 @@
 pub mod cloudevents;
 pub mod host_state;
 pub mod ids;
+pub mod network;
 pub mod state;
 pub mod subjects;
 pub mod trace;

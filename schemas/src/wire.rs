@@ -16,9 +16,9 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 3 (this one): a sandbox's spec carries its disk limit (`disk_mib`). Version 2: a
-/// command's spec is optional and names the sandbox's runtime. Older bytes are refused (every
-/// component of a deployment runs the same build).
+/// Version 3 (this one): a sandbox's spec carries its disk limit (`disk_mib`) and then its
+/// network policy. Version 2: a command's spec is optional and names the sandbox's runtime.
+/// Older bytes are refused (every component of a deployment runs the same build).
 pub const WIRE_VERSION: u16 = 3;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
@@ -130,6 +130,10 @@ pub struct SandboxSpec {
     /// (its row and its hostd record predate the field); the API never writes 0.
     #[serde(default)]
     pub disk_mib: u32,
+    /// Where its traffic may go (hostd records written before this field read as the default,
+    /// public egress). See [`crate::network`].
+    #[serde(default)]
+    pub network: crate::network::Network,
 }
 
 /// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.
@@ -508,6 +512,9 @@ mod tests {
                 },
                 runtime: Runtime::Runsc,
                 disk_mib: 1024,
+                network: crate::network::Network {
+                    egress: crate::network::Egress::Allow(vec!["10.1.0.0/16".parse().unwrap()]),
+                },
             }),
         }
     }
@@ -524,13 +531,31 @@ mod tests {
     fn command_golden_bytes_v3() {
         let bytes = encode(&sample_command());
         // version 3, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
-        // runsc, 1024 MiB of disk })
+        // runsc, 1024 MiB of disk, network { egress: Allow([10.1.0.0/16]) } }): the allow-list
+        // is variant 2, one network, its four octets and its prefix length
         let expected = format!(
-            "03{U1}{U2}060101{org}0462617365028004018008",
+            "03{U1}{U2}060101{org}046261736502800401800802010a01000010",
             org = "1004040404040404040404040404040404"
         );
         assert_eq!(hex(&bytes), expected);
         assert_eq!(decode::<Command>(&bytes).unwrap(), sample_command());
+    }
+
+    #[test]
+    fn a_version_2_command_is_refused() {
+        // The version-2 bytes of a command (a spec without its disk limit and network policy).
+        let v2 = format!(
+            "02{U1}{U2}060101{org}046261736502800401",
+            org = "1004040404040404040404040404040404"
+        );
+        let bytes: Vec<u8> = (0..v2.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&v2[i..i + 2], 16).unwrap())
+            .collect();
+        assert!(matches!(
+            decode::<Command>(&bytes),
+            Err(WireError::UnsupportedVersion { found: 2 })
+        ));
     }
 
     #[test]
@@ -547,23 +572,6 @@ mod tests {
         assert!(matches!(
             decode::<Command>(&bytes),
             Err(WireError::UnsupportedVersion { found: 1 })
-        ));
-    }
-
-    #[test]
-    fn a_version_2_command_is_refused() {
-        // The version-2 bytes of the same command (a spec without its disk limit).
-        let v2 = format!(
-            "02{U1}{U2}060101{org}046261736502800401",
-            org = "1004040404040404040404040404040404"
-        );
-        let bytes: Vec<u8> = (0..v2.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&v2[i..i + 2], 16).unwrap())
-            .collect();
-        assert!(matches!(
-            decode::<Command>(&bytes),
-            Err(WireError::UnsupportedVersion { found: 2 })
         ));
     }
 

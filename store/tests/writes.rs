@@ -62,6 +62,7 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
     let (row, _) = sandboxes::create(
         &mut tx,
         NewSandbox {
+            network: Default::default(),
             org_id: org,
             template: "base".into(),
             runtime: Runtime::Runc,

@@ -319,3 +319,82 @@ async fn a_sandbox_created_with_64_mib_of_disk_gets_enospc_past_it_and_leaves_no
     assert_eq!(stack.leftovers(&id), Vec::<String>::new());
     stack.teardown().await;
 }
+
+/// A create's `network` policy: refused with the field and the reason when malformed, stored
+/// normalized, shown in the sandbox JSON, and carried in the command's spec to the host
+/// (which enforces it: `hostd::egress`).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_network_policy_is_validated_stored_returned_and_carried_to_the_host(db: PgPool) {
+    use berth_schemas::network::{Egress, Network};
+
+    use crate::support::inproc::{commands_of, Plane};
+
+    let plane = Plane::start(db.clone()).await;
+    let key = plane.org.key.clone();
+    let bad = [
+        (json!({"egress": ["10.0.0.0/33"]}), "10.0.0.0/33"),
+        (json!({"egress": ["ten.0.0.0/8"]}), "ten.0.0.0/8"),
+        (json!({"egress": ["fd00::/8"]}), "IPv6"),
+        (json!({"egress": "everything"}), "\"public\", \"none\""),
+        (json!({"egress": "none", "ingress": "all"}), "ingress"),
+        (json!(["10.0.0.0/8"]), "object"),
+    ];
+    for (network, says) in bad {
+        let body = json!({ "network": network }).to_string();
+        let reply = plane
+            .api
+            .call(&key, Method::POST, "/v1/sandboxes", None, Some(&body))
+            .await;
+        assert_eq!(reply.status, 400, "{body} → {}", reply.body);
+        assert_eq!(reply.code(), "invalid_request", "{}", reply.body);
+        assert_eq!(reply.body["error"]["field"], "network", "{}", reply.body);
+        let message = reply.body["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains(says), "{body} → {message}");
+    }
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM sandboxes")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(count, 0, "a refused create wrote a row");
+
+    let default = plane.api.create(&key, "{}").await;
+    let listed = plane
+        .api
+        .create(
+            &key,
+            r#"{"network": {"egress": ["10.1.2.3/16", "192.0.2.7", "10.1.0.0/24"]}}"#,
+        )
+        .await;
+    let none = plane
+        .api
+        .create(&key, r#"{"network": {"egress": "none"}}"#)
+        .await;
+    let cases = [
+        (default, json!({"egress": "public"}), Egress::Public),
+        (
+            listed,
+            json!({"egress": ["10.1.0.0/16", "192.0.2.7/32"]}),
+            Egress::Allow(vec![
+                "10.1.0.0/16".parse().unwrap(),
+                "192.0.2.7/32".parse().unwrap(),
+            ]),
+        ),
+        (none, json!({"egress": "none"}), Egress::None),
+    ];
+    for (id, shown, egress) in cases {
+        let reply = plane
+            .api
+            .call(
+                &key,
+                Method::GET,
+                &format!("/v1/sandboxes/{id}"),
+                None,
+                None,
+            )
+            .await;
+        assert_eq!(reply.body["network"], shown, "{}", reply.body);
+        let create = &commands_of(&db, id).await[0].command;
+        let spec = create.spec.as_ref().expect("a create carries its spec");
+        assert_eq!(spec.network, Network { egress });
+    }
+}

@@ -158,6 +158,7 @@ async fn a_start_with_an_old_generation_that_arrives_after_a_newer_stop_is_refus
             },
             runtime: berth_schemas::wire::Runtime::Runc,
             disk_mib: 256,
+            network: Default::default(),
         }),
     };
     let mut tx = stack.db.begin().await.unwrap();

@@ -10,6 +10,7 @@ mod agent;
 mod boundary;
 mod bounds;
 mod disk;
+mod egress;
 mod gvisor;
 mod harness;
 mod io;

@@ -82,6 +82,7 @@ impl Outbox {
                     },
                     runtime: Runtime::Runc,
                     disk_mib: 256,
+                    network: Default::default(),
                 }),
             };
             insert_command(&mut tx, self.host, &command).await.unwrap();

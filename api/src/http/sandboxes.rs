@@ -35,6 +35,7 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
     responses(
         (status = 202, description = "Accepted; the sandbox is `provisioning`", body = Sandbox),
         (status = 400, description = "`invalid_request`: malformed JSON or a size out of range (the field is named; `disk_mib` beyond the operator's maximum too)"),
+        (status = 400, description = "`invalid_request`: malformed JSON, a size out of range or a malformed `network` policy (the field is named)"),
         (status = 429, description = "`quota_exceeded`: the org's quota (`limit` names it) would be passed"),
         (status = 422, description = "`unknown_template`, or `idempotency_key_reused`: the Idempotency-Key was used for a different request"),
         (status = 401, description = "`unauthorized`"),

@@ -76,6 +76,7 @@ pub async fn create(
             auto_stop_minutes: req.auto_stop_minutes,
             auto_delete_minutes: req.auto_delete_minutes,
             disk_mib: req.disk_mib,
+            network: req.network,
         },
     )
     .await?;

@@ -27,8 +27,7 @@ pub async fn delete(
     for runtime in host.runtimes.all() {
         runtime.destroy(&names.container_id).await?;
     }
-    let link = record.as_ref().and_then(|r| r.link);
-    host.backend.tear_down(host, id, link).await?;
+    host.backend.tear_down(host, id, record.as_ref()).await?;
     host.allocator.release(id);
     remove_sandbox_dir(&host.layout.sandbox(id)).await?;
     // Without a record and without a spec (a purged row's destroy of a container this host no

@@ -81,7 +81,7 @@ impl Backend for SimBackend {
         &'a self,
         _host: &'a Host,
         _sandbox: SandboxId,
-        _link: Option<LinkAddresses>,
+        _record: Option<&'a SandboxRecord>,
     ) -> BoxFuture<'a, Result<(), HostdError>> {
         async { Ok(()) }.boxed()
     }

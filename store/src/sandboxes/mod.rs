@@ -9,6 +9,7 @@
 //!   the event (guarantee 1).
 //! - Org scoping (guarantee 7): [`get`], [`lock`] and [`list`] take the caller's org.
 
+use berth_schemas::network::Network;
 use berth_schemas::wire::{Command, Resources, Runtime, SandboxSpec, StopMode};
 use berth_schemas::{
     CommandId, CommandKind, Generation, HostId, OrgId, Reason, SandboxId, SandboxState,
@@ -24,7 +25,7 @@ use crate::{commands, StoreError};
 /// The columns [`SandboxRow::from_row`] reads, unqualified (select from `sandboxes`).
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
-     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib";
+     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -77,6 +78,8 @@ pub struct SandboxRow {
     /// The size of its writable disk in MiB (`sandboxes.disk_mib`); 0 for a row created before
     /// disk limits (no limit).
     pub disk_mib: u32,
+    /// Its network policy (the `network` column, in the API's JSON spelling).
+    pub network: Network,
 }
 
 impl SandboxRow {
@@ -111,6 +114,7 @@ impl SandboxRow {
             auto_delete_minutes: row.try_get("auto_delete_minutes").map_err(get)?,
             disk_mib: u32::try_from(row.try_get::<i32, _>("disk_mib").map_err(get)?)
                 .map_err(|e| corrupt("sandboxes.disk_mib", e))?,
+            network: network(&row.try_get("network").map_err(get)?)?,
         })
     }
 
@@ -127,6 +131,7 @@ impl SandboxRow {
             resources: self.resources,
             runtime: self.runtime,
             disk_mib: self.disk_mib,
+            network: self.network.clone(),
         }
     }
 }
@@ -153,6 +158,11 @@ fn stop_mode(s: &str) -> Result<StopMode, StoreError> {
         .into_iter()
         .find(|m| m.as_str() == s)
         .ok_or_else(|| corrupt("sandboxes.last_stop", s))
+}
+
+/// A `network` column's value (`{"egress": …}`, see [`Network::from_api`]).
+pub(crate) fn network(value: &serde_json::Value) -> Result<Network, StoreError> {
+    Network::from_api(value).map_err(|e| corrupt("sandboxes.network", e))
 }
 
 /// A `runtime` column's value (`runc`, `runsc`).
@@ -192,6 +202,8 @@ pub struct NewSandbox {
     pub auto_delete_minutes: Option<i32>,
     /// The size of its writable disk in MiB (validated by the API, never 0).
     pub disk_mib: u32,
+    /// Its network policy, already validated.
+    pub network: Network,
 }
 
 /// Writes a new `provisioning` sandbox holding the capacity its placement reserved, its
@@ -209,8 +221,8 @@ pub async fn create(
         sqlx::query(&format!(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
-                                    auto_delete_minutes, runtime, disk_mib)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13)
+                                    auto_delete_minutes, runtime, disk_mib, network)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -226,6 +238,7 @@ pub async fn create(
         .bind(new.auto_delete_minutes)
         .bind(new.runtime.as_str())
         .bind(i32::try_from(new.disk_mib).unwrap_or(i32::MAX))
+        .bind(new.network.to_api())
         .fetch_one(&mut *conn),
     )
     .await?;

@@ -25,7 +25,7 @@ use crate::bundle::Bundles;
 use crate::cleanup::CleanupStack;
 use crate::disk::{blocking, remove_dir_if_present, remove_sandbox_dir, unmount};
 use crate::error::HostdError;
-use crate::firewall::Firewall;
+use crate::firewall::{Admission, Firewall};
 use crate::host::{Backend, Host, OutputSender};
 use crate::layout::firewall_table;
 use crate::oci::{self, ContainerConfig};
@@ -61,25 +61,28 @@ impl OciBackend {
     pub fn new(host_id: HostId, config: &HostdConfig) -> Self {
         let layout = crate::layout::StateLayout::new(&config.state_dir);
         Self {
-            firewall: Firewall::new(firewall_table(host_id)),
+            firewall: Firewall::new(firewall_table(host_id), &config.sandbox_egress_allow),
             bundles: Bundles::new(layout.agent_dir(), config.agent_binary.clone()),
         }
     }
 
-    /// Admits a sandbox's link into the firewall table; when that fails (the table went
-    /// missing, say), reinstalls the table from the live records plus `link`.
+    /// Admits a sandbox into the firewall table; when that fails (the table went missing,
+    /// say), reinstalls the table from the live records plus `sandbox`.
     ///
     /// Errors: [`HostdError::Nft`] from the reinstall.
-    async fn admit_to_firewall(&self, host: &Host, link: &LinkAddresses) -> Result<(), HostdError> {
-        let Err(first) = self.firewall.admit(link).await else {
+    async fn admit_to_firewall(&self, host: &Host, sandbox: &Admission) -> Result<(), HostdError> {
+        let Err(first) = self.firewall.admit(sandbox).await else {
             return Ok(());
         };
         tracing::warn!(error = %first.report(), "firewall admit failed; reinstalling the table");
-        let mut links: Vec<_> = host.snapshot().iter().filter_map(|r| r.link).collect();
-        if !links.contains(link) {
-            links.push(*link);
-        }
-        self.firewall.install(&links).await
+        let mut all: Vec<Admission> = host
+            .snapshot()
+            .iter()
+            .filter_map(|r| admission(host, r))
+            .filter(|a| a.veth != sandbox.veth)
+            .collect();
+        all.push(sandbox.clone());
+        self.firewall.install(&all).await
     }
 
     /// The steps of [`Backend::bring_up`] (see there).
@@ -117,10 +120,16 @@ impl OciBackend {
             .claim_address(record, netns::foreign_slots(host.allocator.pool()))
             .await?;
 
+        let admitted = Admission {
+            veth: names.veth_host.clone(),
+            link,
+            egress: record.spec.network.egress.clone(),
+        };
         if fresh || !names.netns_path().exists() {
-            let (names, firewall) = (names.clone(), self.firewall.clone());
+            let (names, firewall, admitted) =
+                (names.clone(), self.firewall.clone(), admitted.clone());
             cleanup.push("network", move || async move {
-                firewall.remove(&link).await?;
+                firewall.remove(&admitted).await?;
                 netns::teardown(&names).await
             });
         }
@@ -138,7 +147,7 @@ impl OciBackend {
                 let netns_path = names.netns_path();
                 blocking(move || isolation::allow_ping_sockets(&netns_path)).await?;
             }
-            self.admit_to_firewall(host, &link).await
+            self.admit_to_firewall(host, &admitted).await
         };
         let (network, disk) = tokio::join!(network, volume::ensure(&paths, disk_mib));
         network?;
@@ -258,15 +267,15 @@ impl Backend for OciBackend {
         &'a self,
         host: &'a Host,
         sandbox: SandboxId,
-        link: Option<LinkAddresses>,
+        record: Option<&'a SandboxRecord>,
     ) -> BoxFuture<'a, Result<(), HostdError>> {
         async move {
             let names = host.names(sandbox);
             let paths = host.layout.sandbox(sandbox);
             unmount(paths.rootfs()).await?;
             volume::release(&paths).await?;
-            if let Some(link) = link {
-                self.firewall.remove(&link).await?;
+            if let Some(admitted) = record.and_then(|r| admission(host, r)) {
+                self.firewall.remove(&admitted).await?;
             }
             netns::teardown(&names).await
         }
@@ -324,6 +333,16 @@ fn remove_file_if_present(path: &std::path::Path) -> Result<(), HostdError> {
         }
         _ => Ok(()),
     }
+}
+
+/// What the firewall holds of a record's sandbox (its veth, link and egress policy), once the
+/// record has an address.
+pub fn admission(host: &Host, record: &SandboxRecord) -> Option<Admission> {
+    Some(Admission {
+        veth: host.names(record.sandbox_id).veth_host,
+        link: record.link?,
+        egress: record.spec.network.egress.clone(),
+    })
 }
 
 /// Pings until the agent answers, the container dies, or [`AGENT_READY_TIMEOUT`] passes.
