@@ -61,6 +61,21 @@ pub enum HostdError {
         source: serde_json::Error,
     },
 
+    /// A directory on the way to the state dir cannot be searched by other users, so runc
+    /// cannot reach a sandbox's root filesystem from inside its user namespace (whose root is an
+    /// unprivileged host uid).
+    #[error(
+        "{path} (mode {mode:o}) is not searchable by other users: runc sandboxes run in a user \
+         namespace and must reach their root filesystem below the state dir; \
+         `chmod o+x {path}` or choose another --state-dir"
+    )]
+    StateDirNotSearchable {
+        /// The directory.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+
     /// The `<state_dir>/host-id` file holds something that is not a host id.
     #[error("invalid host id file {path}: {content:?}")]
     HostIdFile {

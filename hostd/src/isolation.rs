@@ -235,10 +235,56 @@ pub fn allow_ping_sockets(netns_path: &Path) -> Result<(), HostdError> {
     })?
 }
 
+/// Checks that every directory from `/` down to `dir` (which must exist) can be searched by
+/// other users: a user-namespaced sandbox's root is an unprivileged host uid, and runc mounts
+/// its root filesystem from inside that namespace.
+///
+/// Errors: [`HostdError::StateDirNotSearchable`] naming the first directory that is not;
+/// [`HostdError::Io`] when `dir` cannot be resolved.
+pub fn check_searchable(dir: &Path) -> Result<(), HostdError> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir =
+        std::fs::canonicalize(dir).map_err(HostdError::io(format!("resolve {}", dir.display())))?;
+    for ancestor in dir.ancestors() {
+        let mode = std::fs::metadata(ancestor)
+            .map_err(HostdError::io(format!("stat {}", ancestor.display())))?
+            .permissions()
+            .mode();
+        if mode & 0o001 == 0 {
+            return Err(HostdError::StateDirNotSearchable {
+                path: ancestor.to_path_buf(),
+                mode: mode & 0o7777,
+            });
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
+
+    #[test]
+    fn a_state_dir_below_a_private_directory_is_refused_with_the_directory_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let top = scratch();
+        let private = top.join("private");
+        let state = private.join("hostd");
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+        match check_searchable(&state) {
+            Err(HostdError::StateDirNotSearchable { path, mode }) => {
+                assert_eq!(path, std::fs::canonicalize(&private).unwrap());
+                assert_eq!(mode, 0o700);
+            }
+            other => panic!("{other:?}"),
+        }
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o711)).unwrap();
+        check_searchable(&state).unwrap();
+        std::fs::remove_dir_all(&top).unwrap();
+    }
 
     #[test]
     fn ids_map_into_the_range_and_overflow_to_nobody() {

@@ -197,6 +197,9 @@ pub async fn run(config: HostdConfig, shutdown: CancellationToken) -> Result<(),
         Some(berth_schemas::nats_auth::Role::Host(id)) => adopt_host_id(&config.state_dir, id)?,
         _ => host_id(&config.state_dir)?,
     };
+    if config.runtimes.iter().any(|r| r == RUNC) {
+        isolation::check_searchable(&config.state_dir)?;
+    }
     let span = tracing::info_span!("hostd", %host_id, name = %config.name);
     run_as(host_id, config, shutdown).instrument(span).await
 }
