@@ -501,6 +501,7 @@ async fn run_stack(
     let mut config = StackConfig::new(nats_url.clone(), subjects, args.api_addr);
     config.api.webhooks.allow_private_targets = args.webhook_allow_private_targets;
     config.api.disk = args.disk.limits()?;
+    config.api.sandbox_egress_private = args.disk.sandbox_egress_allow_private;
     config.api.limits = args.limits.config();
     config.nats_creds = auth.as_ref().map(|(cp, _)| cp.clone());
     let host_name = hostname();

@@ -389,6 +389,11 @@ pub(crate) struct DiskArgs {
     /// The largest `disk_mib` a create may ask for, in MiB.
     #[arg(long, env = "BERTH_SANDBOX_DISK_MAX_MIB", default_value_t = berth_api::model::DEFAULT_MAX_DISK_MIB)]
     sandbox_disk_max_mib: u32,
+    /// Let a sandbox's `network.egress` allow-list name private networks (RFC 1918, CGNAT);
+    /// refused by default. Loopback, link-local (cloud metadata), multicast and reserved
+    /// ranges are refused either way.
+    #[arg(long, env = "BERTH_SANDBOX_EGRESS_ALLOW_PRIVATE")]
+    pub(crate) sandbox_egress_allow_private: bool,
 }
 
 impl DiskArgs {
@@ -415,6 +420,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             metrics_addr,
             disk,
         } => {
+            let disk_args_private = disk.sandbox_egress_allow_private;
             let disk = disk.limits()?;
             let shutdown = shutdown_on_signal();
             serve_metrics(metrics_addr, &shutdown).await?;
@@ -425,6 +431,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             config.webhooks.allow_private_targets = webhook_allow_private_targets;
             config.limits = limits.config();
             config.disk = disk;
+            config.sandbox_egress_private = disk_args_private;
             config.metrics_on_api = metrics_addr.is_none();
             let state =
                 berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());

@@ -38,6 +38,12 @@ pub struct ApiConfig {
     /// metrics on a separate address (`berth api --metrics-addr`), so that the public listener
     /// does not expose them; the route then answers 404 like any unknown path.
     pub metrics_on_api: bool,
+    /// Whether a sandbox's egress allow-list may name private networks (RFC 1918, CGNAT):
+    /// off by default, so tenants reach only public addresses and what the hosts' operator
+    /// allows (`berth hostd --sandbox-egress-allow`). Loopback, link-local (cloud metadata),
+    /// multicast and reserved ranges are refused either way
+    /// ([`berth_schemas::network::Network::check_tenant`]).
+    pub sandbox_egress_private: bool,
 }
 
 impl ApiConfig {
@@ -58,6 +64,7 @@ impl ApiConfig {
             disk: DiskLimits::default(),
             limits: Default::default(),
             metrics_on_api: true,
+            sandbox_egress_private: false,
         }
     }
 }

@@ -43,6 +43,27 @@ pub const BLOCKED_V4: &[&str] = &[
     "240.0.0.0/4",
 ];
 
+/// Destinations no allow-list may name, whatever the operator allows: "this network",
+/// loopback, link-local (the cloud metadata address 169.254.169.254 among them), IETF protocol
+/// assignments, multicast and reserved space.
+pub const NEVER_ALLOWED_V4: &[&str] = &[
+    "0.0.0.0/8",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "192.0.0.0/24",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+];
+
+/// Private destinations (RFC 1918, CGNAT) an allow-list may name only where the operator lets
+/// tenants reach private networks (`berth api --sandbox-egress-allow-private`).
+pub const PRIVATE_V4: &[&str] = &[
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+];
+
 /// A sandbox's network policy (the create body's `network` object).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Network {
@@ -118,6 +139,42 @@ impl Network {
         Ok(Self { egress })
     }
 
+    /// Checks a tenant's policy against what the operator permits: an allow-list may not
+    /// overlap [`NEVER_ALLOWED_V4`], and may overlap [`PRIVATE_V4`] only with
+    /// `private_allowed`. `public` and `none` always pass.
+    ///
+    /// Errors: [`InvalidNetwork`] naming the entry and the range it overlaps.
+    pub fn check_tenant(&self, private_allowed: bool) -> Result<(), InvalidNetwork> {
+        let Egress::Allow(nets) = &self.egress else {
+            return Ok(());
+        };
+        let overlaps =
+            |a: &Ipv4Net, b: &Ipv4Net| a.contains(&b.network()) || b.contains(&a.network());
+        for net in nets {
+            for never in NEVER_ALLOWED_V4 {
+                let never: Ipv4Net = never.parse().expect("a valid constant");
+                if overlaps(net, &never) {
+                    return Err(InvalidNetwork(format!(
+                        "network.egress entry {net} overlaps {never} (loopback, link-local and \
+                         cloud metadata, multicast or reserved), which no sandbox may reach"
+                    )));
+                }
+            }
+            if !private_allowed {
+                for private in PRIVATE_V4 {
+                    let private: Ipv4Net = private.parse().expect("a valid constant");
+                    if overlaps(net, &private) {
+                        return Err(InvalidNetwork(format!(
+                            "network.egress entry {net} overlaps the private range {private}; \
+                             this deployment does not let sandboxes reach private networks"
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The API spelling, as [`Network::from_api`] reads it.
     pub fn to_api(&self) -> serde_json::Value {
         let egress = match &self.egress {
@@ -156,6 +213,38 @@ fn parse_v4_cidr(s: &str) -> Result<Ipv4Net, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tenant_may_never_list_metadata_and_lists_private_ranges_only_when_allowed() {
+        let policy = |list: serde_json::Value| {
+            Network::from_api(&serde_json::json!({ "egress": list })).unwrap()
+        };
+        for never in [
+            "169.254.169.254",
+            "0.0.0.0/0",
+            "127.0.0.1",
+            "128.0.0.0/1",
+            "224.0.0.1",
+        ] {
+            let p = policy(serde_json::json!([never]));
+            assert!(p.check_tenant(true).is_err(), "{never}");
+            assert!(p.check_tenant(false).is_err(), "{never}");
+        }
+        for private in [
+            "10.1.0.0/16",
+            "192.168.1.1",
+            "172.20.0.0/16",
+            "100.64.0.1",
+            "8.0.0.0/6",
+        ] {
+            let p = policy(serde_json::json!([private]));
+            assert!(p.check_tenant(false).is_err(), "{private}");
+            assert!(p.check_tenant(true).is_ok(), "{private}");
+        }
+        let public = policy(serde_json::json!(["203.0.113.0/24", "8.8.8.8"]));
+        assert!(public.check_tenant(false).is_ok());
+        assert!(Network::default().check_tenant(false).is_ok());
+    }
     use serde_json::json;
 
     #[test]

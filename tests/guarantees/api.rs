@@ -338,6 +338,11 @@ async fn a_network_policy_is_validated_stored_returned_and_carried_to_the_host(d
         (json!({"egress": "everything"}), "\"public\", \"none\""),
         (json!({"egress": "none", "ingress": "all"}), "ingress"),
         (json!(["10.0.0.0/8"]), "object"),
+        (json!({"egress": ["169.254.169.254"]}), "169.254.0.0/16"),
+        (
+            json!({"egress": ["0.0.0.0/0"]}),
+            "which no sandbox may reach",
+        ),
     ];
     for (network, says) in bad {
         let body = json!({ "network": network }).to_string();
@@ -397,4 +402,43 @@ async fn a_network_policy_is_validated_stored_returned_and_carried_to_the_host(d
         let spec = create.spec.as_ref().expect("a create carries its spec");
         assert_eq!(spec.network, Network { egress });
     }
+}
+
+/// Without the operator's permission a tenant's allow-list cannot name a private network: the
+/// create is refused naming the range, and nothing is written (found by a break-it run: any
+/// tenant reached the metadata address and the operator's private networks by listing them).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_tenant_cannot_list_private_networks_without_the_operators_permission(db: PgPool) {
+    use crate::support::inproc::{self, Api};
+
+    let org = inproc::org(&db).await;
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = Api::configured(db.clone(), nats, inproc::unique_subjects(), |c| {
+        c.sandbox_egress_private = false;
+    });
+    for list in [
+        json!(["10.99.98.0/30"]),
+        json!(["192.168.0.0/16"]),
+        json!(["100.64.0.1"]),
+    ] {
+        let body = json!({ "network": { "egress": list } }).to_string();
+        let reply = api
+            .call(&org.key, Method::POST, "/v1/sandboxes", None, Some(&body))
+            .await;
+        assert_eq!(reply.status, 400, "{body} → {}", reply.body);
+        assert_eq!(reply.body["error"]["field"], "network", "{}", reply.body);
+        assert!(
+            reply.body["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("private range"),
+            "{}",
+            reply.body
+        );
+    }
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM sandboxes")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(count, 0, "a refused create wrote a row");
 }

@@ -101,6 +101,8 @@ impl Api {
         config.webhooks.allow_private_targets = true;
         // Scenarios drive one key much faster than a client should.
         config.limits = berth_api::limits::LimitsConfig::without_rate_limits();
+        // The tests' egress targets are private networks they make.
+        config.sandbox_egress_private = true;
         adjust(&mut config);
         let state =
             berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());

@@ -203,6 +203,8 @@ impl Stack {
         // Tests poll one key from one address much faster than a client should; the tests
         // of the limits set them in `configure`.
         config.api.limits = berth_api::limits::LimitsConfig::without_rate_limits();
+        // The tests' egress targets are private networks they make.
+        config.api.sandbox_egress_private = true;
         configure(&mut config.api);
         let mut reconciler = berth_reconciler::ReconcilerConfig::new(subjects.clone());
         reconciler.pass = pass;

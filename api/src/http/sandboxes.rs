@@ -55,6 +55,9 @@ pub async fn create(
     };
     let Json(create) = Json::<CreateSandbox>::from_bytes(body).map_err(json_error)?;
     let req = create.validate(app.config.disk)?;
+    req.network
+        .check_tenant(app.config.sandbox_egress_private)
+        .map_err(|e| ApiError::invalid("network", e.0))?;
     let policy = PlacementPolicy {
         heartbeat_freshness: app.config.heartbeat_freshness,
         overcommit: app.config.overcommit,
