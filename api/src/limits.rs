@@ -393,16 +393,46 @@ pub async fn per_ip(
     next.run(req).await
 }
 
-/// The client's address, when the server recorded it.
+/// The client a per-address limit counts an address under: an IPv4 address itself (an
+/// IPv4-mapped IPv6 one as its IPv4 address), an IPv6 address by its /64, since one subscriber
+/// is usually given a whole /64 and could otherwise take a fresh bucket per request.
+pub fn client_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+    }
+}
+
+/// The client's address as the per-address limits count it ([`client_of`]), when the server
+/// recorded it.
 pub fn peer_ip(extensions: &axum::http::Extensions) -> Option<IpAddr> {
     extensions
         .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-        .map(|info| info.0.ip())
+        .map(|info| client_of(info.0.ip()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipv6_clients_are_counted_by_their_64_and_mapped_ones_as_ipv4() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff:1:2:3".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(client_of(a), client_of(b));
+        assert_ne!(client_of(a), client_of(c));
+        let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+        assert_eq!(client_of(mapped), "192.0.2.1".parse::<IpAddr>().unwrap());
+        let v4: IpAddr = "192.0.2.1".parse().unwrap();
+        assert_eq!(client_of(v4), v4);
+    }
 
     #[test]
     fn a_rate_refuses_past_its_burst_and_says_when_to_retry() {

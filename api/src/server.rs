@@ -126,7 +126,11 @@ pub async fn serve(
                 }
             },
         };
-        let Some(ip_slot) = PerIp::take(&per_ip, peer.ip(), limits.max_connections_per_ip) else {
+        let Some(ip_slot) = PerIp::take(
+            &per_ip,
+            crate::limits::client_of(peer.ip()),
+            limits.max_connections_per_ip,
+        ) else {
             metrics::counter!("berth_api_connections_refused_total", "reason" => "per_ip")
                 .increment(1);
             drop(stream);

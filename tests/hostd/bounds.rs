@@ -327,6 +327,18 @@ async fn uploads_over_the_limit_devices_fifos_deletes_mid_exec_and_the_org_caps(
         );
     }
 
+    // A file the agent cannot read (the agent's own environment: it is non-dumpable) is an
+    // error status with a JSON body, not a 200 that breaks off (found by a break-it run).
+    let (status, body) = stack
+        .call(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/files?path=/proc/1/environ"),
+            None,
+        )
+        .await;
+    assert!(status >= 400, "{status}: {body}");
+    assert!(body["error"]["code"].is_string(), "{body}");
+
     // One stream at a time for this org: a second is 429 while the first runs.
     let first = stack
         .http

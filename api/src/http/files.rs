@@ -138,20 +138,38 @@ pub async fn get(
             if stat.size > limit {
                 return Err(ApiError::PayloadTooLarge { limit });
             }
+            // The first chunk is read before the status is sent, so a file the agent cannot
+            // read (permissions, a file that vanished) is an error status, not a 200 that
+            // breaks off.
+            let op = AgentOp::Read {
+                path: path.clone(),
+                offset: 0,
+                len: FILE_CHUNK_BYTES,
+            };
+            let (first, eof) = match call(&app, &sandbox, host, op).await? {
+                AgentReply::Data { data, eof } => (data, eof),
+                other => return Err(unexpected(other)),
+            };
+            if first.len() as u64 > limit {
+                return Err(ApiError::PayloadTooLarge { limit });
+            }
+            metrics::counter!("berth_file_bytes_total", "direction" => "download")
+                .increment(first.len() as u64);
             let download = Download {
                 app,
                 sandbox,
                 host,
                 path,
-                offset: 0,
+                offset: first.len() as u64,
                 limit,
-                done: false,
+                done: eof || first.is_empty(),
                 _permit: permit,
             };
-            let chunks = futures::stream::unfold(download, |mut download| async move {
+            let rest = futures::stream::unfold(download, |mut download| async move {
                 let chunk = download.next_chunk().await?;
                 Some((chunk, download))
             });
+            let chunks = futures::stream::once(async move { Ok(Bytes::from(first)) }).chain(rest);
             return Ok((
                 StatusCode::OK,
                 [(header::CONTENT_TYPE, "application/octet-stream")],

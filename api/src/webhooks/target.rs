@@ -21,8 +21,11 @@ pub const REFUSED_TARGET: &str = "target refused: a local, private or special-us
 
 /// Whether `ip` is one a webhook must not reach without `allow_private_targets`: unspecified,
 /// loopback, link-local, private (RFC 1918), shared (CGNAT, RFC 6598), ULA (`fc00::/7`),
-/// multicast, broadcast, `0.0.0.0/8`, benchmarking (`198.18.0.0/15`), reserved (`240.0.0.0/4`),
-/// and the IPv4 addresses embedded in IPv4-mapped, -compatible, NAT64 and 6to4 IPv6 ones.
+/// multicast, broadcast, `0.0.0.0/8`, benchmarking (`198.18.0.0/15`), IETF assignments
+/// (`192.0.0.0/24`, `2001::/23` with Teredo), documentation (`192.0.2.0/24`, `198.51.100.0/24`,
+/// `203.0.113.0/24`, `2001:db8::/32`), discard-only (`100::/64`), reserved (`240.0.0.0/4`), and
+/// the IPv4 addresses embedded in IPv4-mapped, -compatible, -translated, NAT64 and 6to4 IPv6
+/// ones.
 pub fn is_refused(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => refused_v4(v4),
@@ -41,6 +44,10 @@ fn refused_v4(ip: Ipv4Addr) -> bool {
         || a == 0
         || (a == 100 && (64..128).contains(&b))
         || (a == 198 && (18..20).contains(&b))
+        // IETF protocol assignments (RFC 6890) and documentation (TEST-NET-1..3, RFC 5737).
+        || (a == 192 && b == 0 && matches!(ip.octets()[2], 0 | 2))
+        || (a == 198 && b == 51 && ip.octets()[2] == 100)
+        || (a == 203 && b == 0 && ip.octets()[2] == 113)
         || a >= 240
 }
 
@@ -52,6 +59,12 @@ fn refused_v6(ip: Ipv6Addr) -> bool {
     ip.is_unspecified()
         || ip.is_loopback()
         || ip.is_multicast()
+        // Documentation (RFC 3849), discard-only (RFC 6666), Teredo (RFC 4380: it tunnels to
+        // an IPv4 address the guard cannot judge), ORCHIDv2 and other IETF assignments in
+        // 2001::/23 (RFC 6890).
+        || (segments[0] == 0x2001 && segments[1] == 0x0db8)
+        || segments[..4] == [0x0100, 0, 0, 0]
+        || (segments[0] == 0x2001 && segments[1] < 0x0200)
         || (segments[0] & 0xfe00) == 0xfc00
         || (segments[0] & 0xffc0) == 0xfe80
         || (segments[0] & 0xffc0) == 0xfec0
@@ -164,6 +177,14 @@ mod tests {
             "http://[::127.0.0.1]/",
             "http://[64:ff9b::a00:1]/",
             "http://[::ffff:0:127.0.0.1]/",
+            "http://198.51.100.7:8000/",
+            "http://[::ffff:198.51.100.7]/",
+            "http://192.0.2.1/",
+            "http://203.0.113.5/",
+            "http://192.0.0.8/",
+            "http://[2001:db8::1]/",
+            "http://[100::1]/",
+            "http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/",
             "http://[::ffff:0:a9fe:a9fe]/",
             "http://[64:ff9b:1::7f00:1]/",
             "http://[2002:7f00:1::]/",
