@@ -17,7 +17,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use berth::stack::{Pools, Stack, StackConfig};
+use berth::stack::{Pools, Reconciler, Stack, StackConfig};
 use clap::Args;
 use sqlx::Row;
 use tokio::process::{Child, Command};
@@ -69,6 +69,8 @@ pub struct DevArgs {
     disk: crate::DiskArgs,
     #[command(flatten)]
     limits: crate::limits_args::ApiLimitArgs,
+    #[command(flatten)]
+    timing: berth::timing_args::ReconcilerTimingArgs,
 }
 
 /// The machine's host name, for host names in heartbeats.
@@ -503,6 +505,9 @@ async fn run_stack(
     config.api.disk = args.disk.limits()?;
     config.api.sandbox_egress_private = args.disk.sandbox_egress_allow_private;
     config.api.limits = args.limits.config();
+    if let Reconciler::Leader(reconciler) = &mut config.reconciler {
+        args.timing.apply(reconciler);
+    }
     config.nats_creds = auth.as_ref().map(|(cp, _)| cp.clone());
     let host_name = hostname();
     for (i, dir) in host_dirs.iter().enumerate() {

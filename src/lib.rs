@@ -4,3 +4,4 @@
 
 pub mod nats_access;
 pub mod stack;
+pub mod timing_args;

@@ -77,6 +77,8 @@ enum Cmd {
         /// Serve Prometheus metrics (`GET /metrics`) on this address; unset: not served.
         #[arg(long, env = "BERTH_METRICS_ADDR")]
         metrics_addr: Option<SocketAddr>,
+        #[command(flatten)]
+        timing: berth::timing_args::ReconcilerTimingArgs,
     },
     /// Run the host daemon.
     Hostd {
@@ -447,13 +449,18 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             };
             berth_scheduler::run(config, db, nats, shutdown).await?;
         }
-        Cmd::Reconciler { conn, metrics_addr } => {
+        Cmd::Reconciler {
+            conn,
+            metrics_addr,
+            timing,
+        } => {
             let shutdown = shutdown_on_signal();
             serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
-            let config =
+            let mut config =
                 berth_reconciler::ReconcilerConfig::new(subjects(&conn.nats.subject_prefix)?);
+            timing.apply(&mut config);
             berth_reconciler::run(config, db, nats, shutdown).await?;
         }
         Cmd::Hostd {

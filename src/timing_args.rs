@@ -1,0 +1,158 @@
+//! Operator flags (with env fallbacks) for the reconciler's timings: how often it passes, when
+//! a silent host is lost, when its sandboxes fail over, how long each command may go
+//! unanswered, how long inventory evidence must be, how long tombstones and idempotency keys
+//! are kept, and its leader lease. Defaults are the constants of `berth_reconciler`; README
+//! "Configuration" lists them all (issue 12, item 6).
+
+use berth_reconciler::pass::{self, PassConfig};
+use berth_reconciler::ReconcilerConfig;
+use clap::Args;
+use humantime::Duration;
+
+/// `berth reconciler` / `berth dev`: the reconciler's timings, as `humantime` durations
+/// (`10s`, `5m`, `1h 30m`).
+#[derive(Args, Clone, Debug)]
+pub struct ReconcilerTimingArgs {
+    /// Time between two passes of the leader.
+    #[arg(long, env = "BERTH_RECONCILE_INTERVAL", default_value_t = pass::DEFAULT_INTERVAL.into())]
+    pub reconcile_interval: Duration,
+    /// A host silent this long becomes `lost`.
+    #[arg(long, env = "BERTH_HOST_LOST_AFTER", default_value_t = pass::DEFAULT_HOST_LOST_AFTER.into())]
+    pub host_lost_after: Duration,
+    /// Sandboxes on a host `lost` this much longer become `failed-start` (`host_lost`).
+    #[arg(long, env = "BERTH_FAILOVER_AFTER", default_value_t = pass::DEFAULT_FAILOVER_AFTER.into())]
+    pub failover_after: Duration,
+    /// How long a `sandbox.create` may go unanswered before the sandbox is `failed-start`.
+    #[arg(long, env = "BERTH_CREATE_TIMEOUT", default_value_t = pass::DEFAULT_CREATE_TIMEOUT.into())]
+    pub create_timeout: Duration,
+    /// How long a `sandbox.start` may go unanswered.
+    #[arg(long, env = "BERTH_START_TIMEOUT", default_value_t = pass::DEFAULT_START_TIMEOUT.into())]
+    pub start_timeout: Duration,
+    /// How long a `sandbox.stop` may go unanswered.
+    #[arg(long, env = "BERTH_STOP_TIMEOUT", default_value_t = pass::DEFAULT_STOP_TIMEOUT.into())]
+    pub stop_timeout: Duration,
+    /// A `running` sandbox is judged by its host's inventory only once a heartbeat this much
+    /// newer than its last change arrived.
+    #[arg(long, env = "BERTH_INVENTORY_GRACE", default_value_t = pass::DEFAULT_INVENTORY_GRACE.into())]
+    pub inventory_grace: Duration,
+    /// How long a `deleted` row is kept before it is purged.
+    #[arg(long, env = "BERTH_TOMBSTONE_RETENTION", default_value_t = pass::DEFAULT_TOMBSTONE_RETENTION.into())]
+    pub tombstone_retention: Duration,
+    /// How long an `Idempotency-Key` is remembered.
+    #[arg(long, env = "BERTH_IDEMPOTENCY_RETENTION", default_value_t = pass::DEFAULT_IDEMPOTENCY_RETENTION.into())]
+    pub idempotency_retention: Duration,
+    /// At most this many rows per action in one pass.
+    #[arg(long, env = "BERTH_RECONCILE_BATCH", default_value_t = pass::DEFAULT_BATCH,
+          value_parser = clap::value_parser!(i64).range(1..))]
+    pub reconcile_batch: i64,
+    /// How long the leader's lease lasts without renewal (another reconciler takes over after).
+    #[arg(long, env = "BERTH_LEADER_LEASE", default_value_t = berth_reconciler::DEFAULT_LEASE_TTL.into())]
+    pub leader_lease: Duration,
+}
+
+impl ReconcilerTimingArgs {
+    /// The pass's timings.
+    pub fn pass(&self) -> PassConfig {
+        PassConfig {
+            interval: self.reconcile_interval.into(),
+            host_lost_after: self.host_lost_after.into(),
+            failover_after: self.failover_after.into(),
+            create_timeout: self.create_timeout.into(),
+            start_timeout: self.start_timeout.into(),
+            stop_timeout: self.stop_timeout.into(),
+            inventory_grace: self.inventory_grace.into(),
+            tombstone_retention: self.tombstone_retention.into(),
+            idempotency_retention: self.idempotency_retention.into(),
+            batch: self.reconcile_batch,
+        }
+    }
+
+    /// Applies these timings to `config` (its pass and its lease).
+    pub fn apply(&self, config: &mut ReconcilerConfig) {
+        config.pass = self.pass();
+        config.lease_ttl = self.leader_lease.into();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        timing: ReconcilerTimingArgs,
+    }
+
+    #[test]
+    fn the_defaults_are_the_reconcilers_and_each_flag_sets_its_timing() {
+        let defaults = Cli::try_parse_from(["berth"]).unwrap().timing;
+        let pass = defaults.pass();
+        let built_in = PassConfig::default();
+        assert_eq!(pass.interval, built_in.interval);
+        assert_eq!(pass.host_lost_after, built_in.host_lost_after);
+        assert_eq!(pass.failover_after, built_in.failover_after);
+        assert_eq!(pass.create_timeout, built_in.create_timeout);
+        assert_eq!(pass.inventory_grace, built_in.inventory_grace);
+        assert_eq!(pass.batch, built_in.batch);
+
+        let set = Cli::try_parse_from([
+            "berth",
+            "--reconcile-interval",
+            "2s",
+            "--host-lost-after",
+            "45s",
+            "--failover-after",
+            "1m 30s",
+            "--create-timeout",
+            "3m",
+            "--start-timeout",
+            "4m",
+            "--stop-timeout",
+            "5m",
+            "--inventory-grace",
+            "7s",
+            "--tombstone-retention",
+            "1h",
+            "--idempotency-retention",
+            "2h",
+            "--reconcile-batch",
+            "50",
+            "--leader-lease",
+            "20s",
+        ])
+        .unwrap()
+        .timing;
+        let pass = set.pass();
+        let s = std::time::Duration::from_secs;
+        assert_eq!(
+            (pass.interval, pass.host_lost_after, pass.failover_after),
+            (s(2), s(45), s(90))
+        );
+        assert_eq!(
+            (pass.create_timeout, pass.start_timeout, pass.stop_timeout),
+            (s(180), s(240), s(300))
+        );
+        assert_eq!(
+            (
+                pass.inventory_grace,
+                pass.tombstone_retention,
+                pass.idempotency_retention
+            ),
+            (s(7), s(3600), s(7200))
+        );
+        assert_eq!(pass.batch, 50);
+        let mut config = ReconcilerConfig::new(berth_schemas::Subjects::new("t").unwrap());
+        set.apply(&mut config);
+        assert_eq!(config.lease_ttl, s(20));
+
+        for bad in [
+            vec!["berth", "--host-lost-after", "soon"],
+            vec!["berth", "--reconcile-batch", "0"],
+        ] {
+            assert!(Cli::try_parse_from(&bad).is_err(), "{bad:?}");
+        }
+    }
+}
