@@ -61,6 +61,10 @@ enum Cmd {
         /// listener (which then answers 404 there); unset: served on the API's listener.
         #[arg(long, env = "BERTH_METRICS_ADDR")]
         metrics_addr: Option<SocketAddr>,
+        /// Placement chooses only hosts heard from within this window.
+        #[arg(long, env = "BERTH_HEARTBEAT_FRESHNESS",
+              default_value_t = berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS.into())]
+        heartbeat_freshness: humantime::Duration,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -119,6 +123,11 @@ enum Cmd {
         /// How long a `sim` container takes to "boot", in milliseconds.
         #[arg(long, env = "BERTH_SIM_BOOT_MS", default_value_t = 0)]
         sim_boot_ms: u64,
+        /// Time between two heartbeats (the API's `--heartbeat-freshness` and the
+        /// reconciler's `--host-lost-after` must be comfortably longer).
+        #[arg(long, env = "BERTH_HEARTBEAT_INTERVAL",
+              default_value_t = berth_hostd::DEFAULT_HEARTBEAT_INTERVAL.into())]
+        heartbeat_interval: humantime::Duration,
     },
     /// The in-sandbox agent (runs as PID 1 inside each sandbox).
     Agent {
@@ -421,6 +430,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             limits,
             metrics_addr,
             disk,
+            heartbeat_freshness,
         } => {
             let disk_args_private = disk.sandbox_egress_allow_private;
             let disk = disk.limits()?;
@@ -435,6 +445,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             config.disk = disk;
             config.sandbox_egress_private = disk_args_private;
             config.metrics_on_api = metrics_addr.is_none();
+            config.heartbeat_freshness = heartbeat_freshness.into();
             let state =
                 berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
             berth_api::run(state, shutdown).await?;
@@ -474,6 +485,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             memory_mib,
             runtimes,
             sim_boot_ms,
+            heartbeat_interval,
         } => {
             let name = name.unwrap_or_else(dev::hostname);
             let spec = nats.connect_spec()?;
@@ -503,6 +515,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 config.runtimes = runtimes;
             }
             config.sim_boot = std::time::Duration::from_millis(sim_boot_ms);
+            config.heartbeat_interval = heartbeat_interval.into();
             let shutdown = shutdown_on_signal();
             serve_metrics(metrics_addr, &shutdown).await?;
             berth_hostd::run(config, shutdown).await?;
