@@ -16,3 +16,4 @@ mod harness;
 mod io;
 mod network;
 mod runc;
+mod spoofing;
