@@ -1,0 +1,313 @@
+//! The golden bytes of every wire message and the envelope's version checks.
+
+use super::*;
+use uuid::Uuid;
+
+fn uuid(n: u8) -> Uuid {
+    Uuid::from_bytes([n; 16])
+}
+
+fn sample_command() -> Command {
+    Command {
+        id: CommandId(uuid(1)),
+        sandbox_id: SandboxId(uuid(2)),
+        generation: Generation(3),
+        kind: CommandKind::Start,
+        spec: Some(SandboxSpec {
+            org_id: OrgId(uuid(4)),
+            template: "base".into(),
+            resources: Resources {
+                vcpus: 2,
+                memory_mib: 512,
+            },
+            runtime: Runtime::Runsc,
+            disk_mib: 1024,
+            network: crate::network::Network {
+                egress: crate::network::Egress::Allow(vec!["10.1.0.0/16".parse().unwrap()]),
+            },
+        }),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+// postcard encodes a Uuid (serde, non-human-readable) as a length-prefixed byte string.
+const U1: &str = "1001010101010101010101010101010101";
+const U2: &str = "1002020202020202020202020202020202";
+
+#[test]
+fn command_golden_bytes_v3() {
+    let bytes = encode(&sample_command());
+    // version 3, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
+    // runsc, 1024 MiB of disk, network { egress: Allow([10.1.0.0/16]) } }): the allow-list
+    // is variant 2, one network, its four octets and its prefix length
+    let expected = format!(
+        "03{U1}{U2}060101{org}046261736502800401800802010a01000010",
+        org = "1004040404040404040404040404040404"
+    );
+    assert_eq!(hex(&bytes), expected);
+    assert_eq!(decode::<Command>(&bytes).unwrap(), sample_command());
+}
+
+#[test]
+fn a_version_2_command_is_refused() {
+    // The version-2 bytes of a command (a spec without its disk limit and network policy).
+    let v2 = format!(
+        "02{U1}{U2}060101{org}046261736502800401",
+        org = "1004040404040404040404040404040404"
+    );
+    let bytes: Vec<u8> = (0..v2.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&v2[i..i + 2], 16).unwrap())
+        .collect();
+    assert!(matches!(
+        decode::<Command>(&bytes),
+        Err(WireError::UnsupportedVersion { found: 2 })
+    ));
+}
+
+#[test]
+fn a_version_1_command_is_refused() {
+    // The version-1 bytes of the same command (no runtime, a spec that was not optional).
+    let v1 = format!(
+        "01{U1}{U2}0601{org}0462617365028004",
+        org = "1004040404040404040404040404040404"
+    );
+    let bytes: Vec<u8> = (0..v1.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&v1[i..i + 2], 16).unwrap())
+        .collect();
+    assert!(matches!(
+        decode::<Command>(&bytes),
+        Err(WireError::UnsupportedVersion { found: 1 })
+    ));
+}
+
+#[test]
+fn result_golden_bytes_v3() {
+    let result = CommandResult {
+        command_id: CommandId(uuid(1)),
+        sandbox_id: SandboxId(uuid(2)),
+        host_id: HostId(uuid(5)),
+        generation: Generation(3),
+        kind: CommandKind::Stop,
+        outcome: ResultOutcome::Succeeded {
+            address: Some("10.1.0.2".into()),
+            last_stop: Some(StopMode::Disk),
+        },
+    };
+    let bytes = encode(&result);
+    let expected = format!(
+        "03{U1}{U2}{U5}0602000108{ip}0101",
+        U5 = "1005050505050505050505050505050505",
+        ip = hex(b"10.1.0.2")
+    );
+    assert_eq!(hex(&bytes), expected);
+    assert_eq!(decode::<CommandResult>(&bytes).unwrap(), result);
+}
+
+#[test]
+fn heartbeat_golden_bytes_v3() {
+    let hb = Heartbeat {
+        host_id: HostId(uuid(5)),
+        name: "h".into(),
+        seq: 300,
+        capacity: Resources {
+            vcpus: 8,
+            memory_mib: 1024,
+        },
+        used: Resources::default(),
+        runtimes: vec![RuntimeInfo {
+            name: "runc".into(),
+            memory_snapshot: false,
+        }],
+        inventory: vec![InventoryItem {
+            sandbox_id: SandboxId(uuid(2)),
+            generation: Generation(1),
+            status: GuestStatus::Unhealthy,
+        }],
+    };
+    let bytes = encode(&hb);
+    let expected = format!(
+        "03{U5}0168ac0208800800000104{runc}0001{U2}0201",
+        U5 = "1005050505050505050505050505050505",
+        runc = hex(b"runc")
+    );
+    assert_eq!(hex(&bytes), expected);
+    assert_eq!(decode::<Heartbeat>(&bytes).unwrap(), hb);
+}
+
+/// The plain exec of `{p}.exec.<host_id>`, retired: nothing serves or sends it any more
+/// (the agent request carries exec). Kept, frozen, so its bytes stay pinned.
+mod legacy {
+    use serde::{Deserialize, Serialize};
+
+    use crate::ids::SandboxId;
+
+    /// An exec request, sent by NATS request/reply on `{p}.exec.<host_id>`.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct ExecRequest {
+        pub sandbox_id: SandboxId,
+        /// argv; `argv[0]` is looked up on the guest's `PATH`.
+        pub argv: Vec<String>,
+        /// Kill the process after this many milliseconds.
+        pub timeout_ms: u64,
+    }
+
+    /// Why an exec did not run to completion.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub enum ExecError {
+        /// The host has no such sandbox.
+        NotFound,
+        /// The sandbox exists but does not run.
+        NotRunning,
+        /// The agent could not be reached or the process could not be spawned.
+        Agent(String),
+    }
+
+    /// The reply to an [`ExecRequest`].
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub enum ExecReply {
+        /// The process ended (or was killed at the timeout, `timed_out`). `exit_code` is the exit
+        /// status, or 128 + signal number when killed by a signal.
+        Finished {
+            exit_code: i32,
+            stdout: Vec<u8>,
+            stderr: Vec<u8>,
+            timed_out: bool,
+        },
+        Failed(ExecError),
+    }
+}
+
+#[test]
+fn exec_golden_bytes_v1() {
+    use legacy::{ExecReply, ExecRequest};
+    let req = ExecRequest {
+        sandbox_id: SandboxId(uuid(2)),
+        argv: vec!["echo".into(), "hi".into()],
+        timeout_ms: 1000,
+    };
+    // Frozen as version-1 bytes: the envelope's version byte, then the body.
+    let bytes = [&[1u8][..], &postcard::to_stdvec(&req).unwrap()].concat();
+    assert_eq!(
+        hex(&bytes),
+        format!(
+            "01{U2}0204{echo}02{hi}e807",
+            echo = hex(b"echo"),
+            hi = hex(b"hi")
+        )
+    );
+    let reply = ExecReply::Finished {
+        exit_code: -1,
+        stdout: b"a".to_vec(),
+        stderr: vec![],
+        timed_out: true,
+    };
+    // i32 is zig-zag encoded: -1 → 1.
+    let bytes = [&[1u8][..], &postcard::to_stdvec(&reply).unwrap()].concat();
+    assert_eq!(hex(&bytes), "010001016100".to_owned() + "01");
+    assert_eq!(
+        postcard::from_bytes::<ExecReply>(&bytes[1..]).unwrap(),
+        reply
+    );
+}
+
+#[test]
+fn agent_golden_bytes_v3() {
+    let req = AgentRequest {
+        sandbox_id: SandboxId(uuid(2)),
+        op: AgentOp::Exec(ExecSpec {
+            argv: vec!["cat".into()],
+            env: vec![("A".into(), "b".into())],
+            cwd: Some("/".into()),
+            stdin: b"x".to_vec(),
+            timeout_ms: 5,
+        }),
+    };
+    let bytes = encode(&req);
+    assert_eq!(
+        hex(&bytes),
+        format!(
+            "03{U2}000103{cat}0101{a}01{b}01012f017805",
+            cat = hex(b"cat"),
+            a = "41",
+            b = "62"
+        )
+    );
+    assert_eq!(decode::<AgentRequest>(&bytes).unwrap(), req);
+    let read = AgentRequest {
+        sandbox_id: SandboxId(uuid(2)),
+        op: AgentOp::Read {
+            path: "/f".into(),
+            offset: 1,
+            len: 2,
+        },
+    };
+    assert_eq!(hex(&encode(&read)), format!("03{U2}02022f660102"));
+    let reply = AgentReply::Exec {
+        exit_code: 137,
+        stdout: vec![],
+        stderr: vec![],
+        timed_out: false,
+        oom_killed: true,
+    };
+    // 137 zig-zags to 274 = varint 92 02.
+    assert_eq!(hex(&encode(&reply)), "03009202000000".to_owned() + "01");
+    let output = AgentReply::Output {
+        fd: 2,
+        data: b"e".to_vec(),
+    };
+    assert_eq!(hex(&encode(&output)), "0307020165");
+    let stream = AgentOp::ExecStream(ExecSpec {
+        argv: vec![],
+        env: vec![],
+        cwd: None,
+        stdin: vec![],
+        timeout_ms: 1,
+    });
+    assert_eq!(hex(&encode(&stream)), "03060000000001");
+    let windowed = AgentOp::ExecStreamWindowed {
+        spec: ExecSpec {
+            argv: vec![],
+            env: vec![],
+            cwd: None,
+            stdin: vec![],
+            timeout_ms: 1,
+        },
+        window: 16,
+    };
+    assert_eq!(hex(&encode(&windowed)), "0307000000000110");
+    let credit = AgentOp::StreamCredit {
+        reply_to: "r".into(),
+        chunks: 8,
+    };
+    assert_eq!(hex(&encode(&credit)), "03080172".to_owned() + "08");
+    let cancel = AgentOp::StreamCancel {
+        reply_to: "r".into(),
+    };
+    assert_eq!(hex(&encode(&cancel)), "03090172");
+    let remove = AgentOp::Remove { path: "/f".into() };
+    assert_eq!(hex(&encode(&remove)), "030a022f66");
+    let not_regular = AgentReply::Failed(AgentFailure::NotRegularFile);
+    assert_eq!(hex(&encode(&not_regular)), "030605");
+    let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
+    assert_eq!(hex(&encode(&failed)), "030603ac02");
+    assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);
+}
+
+#[test]
+fn an_unknown_version_is_refused_not_misread() {
+    let mut bytes = encode(&sample_command());
+    bytes[0] = 4;
+    assert!(matches!(
+        decode::<Command>(&bytes),
+        Err(WireError::UnsupportedVersion { found: 4 })
+    ));
+    assert!(matches!(
+        decode::<Command>(&[3, 0xff]),
+        Err(WireError::Malformed(_))
+    ));
+}
