@@ -505,6 +505,8 @@ async fn run_stack(
     config.api.disk = args.disk.limits()?;
     config.api.sandbox_egress_private = args.disk.sandbox_egress_allow_private;
     config.api.limits = args.limits.config();
+    // One window for placement and for a failed create's retry.
+    config.api.heartbeat_freshness = args.timing.heartbeat_freshness.into();
     if let Reconciler::Leader(reconciler) = &mut config.reconciler {
         args.timing.apply(reconciler);
     }

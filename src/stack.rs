@@ -179,13 +179,22 @@ impl Stack {
         });
         let (db, bus, halt) = (pools.reconciler.clone(), nats.clone(), stop.clone());
         let (reconciler, result_subjects) = (config.reconciler, subjects.clone());
+        // A create retried elsewhere is placed within the API's heartbeat window.
+        let freshness = config.api.heartbeat_freshness;
         tasks.spawn(async move {
             match reconciler {
-                Reconciler::Leader(config) => berth_reconciler::run(*config, db, bus, halt)
-                    .await
-                    .context("reconciler"),
+                Reconciler::Leader(mut config) => {
+                    config.pass.health.heartbeat_freshness = freshness;
+                    berth_reconciler::run(*config, db, bus, halt)
+                        .await
+                        .context("reconciler")
+                }
                 Reconciler::ResultsOnly => {
-                    berth_reconciler::results::consume(&result_subjects, &db, bus, halt)
+                    let health = berth_reconciler::health::HealthConfig {
+                        heartbeat_freshness: freshness,
+                        ..Default::default()
+                    };
+                    berth_reconciler::results::consume(&result_subjects, &db, bus, health, halt)
                         .await
                         .context("result consumer")
                 }

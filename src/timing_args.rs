@@ -1,11 +1,14 @@
 //! Operator flags (with env fallbacks) for the reconciler's timings: how often it passes, when
 //! a silent host is lost, when its sandboxes fail over, how long each command may go
 //! unanswered, how long inventory evidence must be, how long tombstones and idempotency keys
-//! are kept, and its leader lease. Defaults are the constants of `berth_reconciler`; README
-//! "Configuration" lists them all (issue 12, item 6).
+//! are kept, and its leader lease (issue 12, item 6); and how it judges hosts' health (item
+//! 2). Defaults are the constants of `berth_reconciler` and `berth_schemas::host_state`;
+//! README "Configuration" lists them all.
 
+use berth_reconciler::health::HealthConfig;
 use berth_reconciler::pass::{self, PassConfig};
 use berth_reconciler::ReconcilerConfig;
+use berth_schemas::host_state::{health, HealthPolicy};
 use clap::Args;
 use humantime::Duration;
 
@@ -48,6 +51,26 @@ pub struct ReconcilerTimingArgs {
     /// How long the leader's lease lasts without renewal (another reconciler takes over after).
     #[arg(long, env = "BERTH_LEADER_LEASE", default_value_t = berth_reconciler::DEFAULT_LEASE_TTL.into())]
     pub leader_lease: Duration,
+    /// Consecutive bad boots (creates or starts the host failed, never answered, or ran slower
+    /// than `--host-slow-boot`) that make a host `degraded`.
+    #[arg(long, env = "BERTH_HOST_DEGRADE_AFTER", default_value_t = health::DEFAULT_DEGRADE_AFTER,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub host_degrade_after: u32,
+    /// How long a newly degraded host waits for its probe (each failed probe doubles it).
+    #[arg(long, env = "BERTH_HOST_PROBE_BACKOFF", default_value_t = health::DEFAULT_INITIAL_BACKOFF.into())]
+    pub host_probe_backoff: Duration,
+    /// The longest wait between a degraded host's probes.
+    #[arg(long, env = "BERTH_HOST_PROBE_BACKOFF_MAX", default_value_t = health::DEFAULT_MAX_BACKOFF.into())]
+    pub host_probe_backoff_max: Duration,
+    /// A create or start that succeeded but took longer than this (publish to result) counts
+    /// as a bad boot.
+    #[arg(long, env = "BERTH_HOST_SLOW_BOOT", default_value_t = health::DEFAULT_SLOW_BOOT.into())]
+    pub host_slow_boot: Duration,
+    /// A failed create is retried only on a host heard from within this window (the same
+    /// setting and variable as the API's placement window).
+    #[arg(long, env = "BERTH_HEARTBEAT_FRESHNESS",
+          default_value_t = berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS.into())]
+    pub heartbeat_freshness: Duration,
 }
 
 impl ReconcilerTimingArgs {
@@ -64,6 +87,21 @@ impl ReconcilerTimingArgs {
             tombstone_retention: self.tombstone_retention.into(),
             idempotency_retention: self.idempotency_retention.into(),
             batch: self.reconcile_batch,
+            health: self.health(),
+        }
+    }
+
+    /// How host health is judged, and where a failed create may be retried.
+    pub fn health(&self) -> HealthConfig {
+        HealthConfig {
+            policy: HealthPolicy {
+                degrade_after: self.host_degrade_after,
+                initial_backoff: self.host_probe_backoff.into(),
+                max_backoff: self.host_probe_backoff_max.into(),
+                slow_boot: self.host_slow_boot.into(),
+            },
+            heartbeat_freshness: self.heartbeat_freshness.into(),
+            ..HealthConfig::default()
         }
     }
 
@@ -97,6 +135,7 @@ mod tests {
         assert_eq!(pass.create_timeout, built_in.create_timeout);
         assert_eq!(pass.inventory_grace, built_in.inventory_grace);
         assert_eq!(pass.batch, built_in.batch);
+        assert_eq!(pass.health, built_in.health);
 
         let set = Cli::try_parse_from([
             "berth",
@@ -122,6 +161,16 @@ mod tests {
             "50",
             "--leader-lease",
             "20s",
+            "--host-degrade-after",
+            "5",
+            "--host-probe-backoff",
+            "3s",
+            "--host-probe-backoff-max",
+            "1m",
+            "--host-slow-boot",
+            "90s",
+            "--heartbeat-freshness",
+            "8s",
         ])
         .unwrap()
         .timing;
@@ -144,6 +193,17 @@ mod tests {
             (s(7), s(3600), s(7200))
         );
         assert_eq!(pass.batch, 50);
+        let health = pass.health;
+        assert_eq!(health.policy.degrade_after, 5);
+        assert_eq!(
+            (
+                health.policy.initial_backoff,
+                health.policy.max_backoff,
+                health.policy.slow_boot,
+                health.heartbeat_freshness
+            ),
+            (s(3), s(60), s(90), s(8))
+        );
         let mut config = ReconcilerConfig::new(berth_schemas::Subjects::new("t").unwrap());
         set.apply(&mut config);
         assert_eq!(config.lease_ttl, s(20));
@@ -151,6 +211,7 @@ mod tests {
         for bad in [
             vec!["berth", "--host-lost-after", "soon"],
             vec!["berth", "--reconcile-batch", "0"],
+            vec!["berth", "--host-degrade-after", "0"],
         ] {
             assert!(Cli::try_parse_from(&bad).is_err(), "{bad:?}");
         }

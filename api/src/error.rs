@@ -78,6 +78,16 @@ pub enum ApiError {
         /// The memory asked for, in MiB.
         memory_mib: u32,
     },
+    /// 503 `unavailable`: hosts with room exist but none can take a sandbox now (stale
+    /// heartbeats after a control-plane outage, or degraded hosts); the response carries
+    /// `Retry-After` (seconds). Never said of a fleet that is really full (`no_capacity`).
+    #[error("{message}")]
+    Unavailable {
+        /// What made the hosts with room unusable.
+        message: String,
+        /// Whole seconds until a retry may succeed.
+        retry_after_secs: u64,
+    },
     /// 409 `conflict`: a conflicting transition is in flight; carries the current state.
     #[error("{message}")]
     Conflict {
@@ -130,6 +140,7 @@ impl ApiError {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
             ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
+            ApiError::Unavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::Conflict { .. } | ApiError::HostConflict { .. } | ApiError::Fenced(_) => {
                 (StatusCode::CONFLICT, "conflict")
             }
@@ -160,6 +171,13 @@ impl From<ServiceError> for ApiError {
             ServiceError::NoCapacity { vcpus, memory_mib } => {
                 ApiError::NoCapacity { vcpus, memory_mib }
             }
+            ServiceError::Unavailable {
+                message,
+                retry_after,
+            } => ApiError::Unavailable {
+                message,
+                retry_after_secs: retry_after.as_secs_f64().ceil().max(1.0) as u64,
+            },
             ServiceError::Conflict { state, message } => ApiError::Conflict { state, message },
             ServiceError::HostConflict { state, message } => {
                 ApiError::HostConflict { state, message }
@@ -222,6 +240,9 @@ impl IntoResponse for ApiError {
         }
         let mut response = (status, Json(json!({ "error": body }))).into_response();
         if let ApiError::RateLimited {
+            retry_after_secs, ..
+        }
+        | ApiError::Unavailable {
             retry_after_secs, ..
         } = &self
         {

@@ -66,6 +66,7 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
         model::Event,
         model::Template,
         crate::service::hosts::Host,
+        crate::service::hosts::HostHealth,
         berth_schemas::SandboxState,
     )),
     modifiers(&BearerAuth)

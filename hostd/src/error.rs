@@ -2,7 +2,8 @@
 //!
 //! Messages are lowercase and short; context travels in fields, and the underlying cause is the
 //! `#[source]`. [`HostdError::report`] renders the whole chain on one line, which is what a
-//! `ResultOutcome::Failed { reason }` carries back to the control plane.
+//! `ResultOutcome::Failed { reason }` carries back to the control plane (or `Rejected`, when
+//! [`HostdError::is_the_requests_fault`]).
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -227,6 +228,17 @@ impl HostdError {
         out
     }
 
+    /// Whether the command itself is at fault (a template or runtime this host does not
+    /// offer): another host would fail it the same way, so the result is
+    /// `ResultOutcome::Rejected`, which the control plane neither retries elsewhere nor counts
+    /// against this host's health. Every other error is the host's.
+    pub fn is_the_requests_fault(&self) -> bool {
+        matches!(
+            self,
+            HostdError::UnknownTemplate { .. } | HostdError::UnsupportedRuntime { .. }
+        )
+    }
+
     /// A `map_err` adapter for I/O errors: `fs::read(p).map_err(HostdError::io(format!(..)))`.
     pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> HostdError {
         let context = context.into();
@@ -248,6 +260,26 @@ impl HostdError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_unknown_template_or_runtime_is_the_requests_fault() {
+        let template = HostdError::UnknownTemplate {
+            name: "nope".into(),
+            known: "base".into(),
+        };
+        let runtime = HostdError::UnsupportedRuntime {
+            name: "kata".into(),
+            offered: "runc".into(),
+        };
+        assert!(template.is_the_requests_fault() && runtime.is_the_requests_fault());
+        let tool = HostdError::Tool {
+            program: "runc".into(),
+            args: "run".into(),
+            status: "exit status: 1".into(),
+            stderr: "boom".into(),
+        };
+        assert!(!tool.is_the_requests_fault());
+    }
 
     #[test]
     fn report_joins_the_whole_source_chain_on_one_line() {

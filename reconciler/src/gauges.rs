@@ -7,6 +7,8 @@
 //! - `berth_hosts{state}`: hosts by state (`ready`, `draining`, `cordoned`, `lost`).
 //! - `berth_host_heartbeat_age_seconds{host}`: seconds since each host's last heartbeat, on
 //!   the database clock.
+//! - `berth_hosts_by_condition{condition}`: hosts by health (`healthy`, `degraded`,
+//!   `probing`: see [`crate::health`]).
 //! - `berth_command_latency_seconds{kind,outcome}`: from a command's commit in the outbox to
 //!   the apply of its result (create→running, stop→stopped, start→running,
 //!   delete→deleted), observed once per command, when its result moves the row.
@@ -17,8 +19,8 @@
 use std::time::Duration;
 
 use berth_schemas::wire::{CommandResult, ResultOutcome};
-use berth_schemas::{HostState, SandboxState};
-use berth_store::{commands, hosts, orgs, sandboxes, StoreError};
+use berth_schemas::{HostCondition, HostState, SandboxState};
+use berth_store::{commands, host_health, hosts, orgs, sandboxes, StoreError};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
@@ -76,6 +78,18 @@ pub async fn record_fleet(db: &PgPool) -> Result<(), StoreError> {
     for (host, _, age) in &fleet {
         metrics::gauge!("berth_host_heartbeat_age_seconds", "host" => host.to_string()).set(*age);
     }
+    record_conditions(db).await
+}
+
+/// `berth_hosts_by_condition{condition}`: hosts `healthy`, `degraded` and `probing` (their
+/// health from their boots' outcomes; lost hosts included, as their rows say).
+async fn record_conditions(db: &PgPool) -> Result<(), StoreError> {
+    let health = host_health::conditions(db, None).await?;
+    for condition in HostCondition::ALL {
+        let n = health.iter().filter(|h| h.condition == condition).count();
+        metrics::gauge!("berth_hosts_by_condition", "condition" => condition.as_str())
+            .set(n as f64);
+    }
     Ok(())
 }
 
@@ -85,7 +99,7 @@ pub async fn record_fleet(db: &PgPool) -> Result<(), StoreError> {
 pub async fn observe_command_latency(db: &PgPool, result: &CommandResult) {
     let outcome = match result.outcome {
         ResultOutcome::Succeeded { .. } => "succeeded",
-        ResultOutcome::Failed { .. } => "failed",
+        ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => "failed",
         ResultOutcome::RefusedStale { .. } => return,
     };
     match commands::latency(db, result.command_id).await {

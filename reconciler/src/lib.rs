@@ -5,6 +5,8 @@
 //!   replica consumes; the JetStream consumer is shared, so each result is applied once).
 //! - [`pass`]: the leader's pass (leader election: [`berth_store::leases`]).
 //! - [`gauges`]: fleet gauges and end-to-end command latency for Prometheus.
+//! - [`health`]: hosts' health from their boots' outcomes, and the one retry elsewhere of a
+//!   create its host failed.
 //!
 //! # Guarantees
 //! - A result changes a row only when its generation equals the row's current generation and
@@ -17,6 +19,7 @@
 //! - Only the lease holder's pass can commit (see [`berth_store::leases`]).
 
 pub mod gauges;
+pub mod health;
 pub mod pass;
 pub mod results;
 
@@ -93,7 +96,14 @@ pub async fn run(
         Uuid::now_v7(),
         shutdown.clone(),
     ));
-    let consumed = results::consume(&config.subjects, &db, nats, shutdown.clone()).await;
+    let consumed = results::consume(
+        &config.subjects,
+        &db,
+        nats,
+        config.pass.health,
+        shutdown.clone(),
+    )
+    .await;
     shutdown.cancel();
     let _ = leader.await;
     let _ = fleet.await;

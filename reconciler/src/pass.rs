@@ -74,6 +74,9 @@ pub struct PassConfig {
     pub idempotency_retention: Duration,
     /// At most this many rows per action in one pass (the rest wait for the next pass).
     pub batch: i64,
+    /// Host health: how bad boots (a timed-out create or start among them) degrade a host,
+    /// and where a failed create is retried (also read by the result consumer).
+    pub health: crate::health::HealthConfig,
 }
 
 impl Default for PassConfig {
@@ -89,6 +92,7 @@ impl Default for PassConfig {
             tombstone_retention: DEFAULT_TOMBSTONE_RETENTION,
             idempotency_retention: DEFAULT_IDEMPOTENCY_RETENTION,
             batch: DEFAULT_BATCH,
+            health: crate::health::HealthConfig::default(),
         }
     }
 }
@@ -308,6 +312,9 @@ async fn time_out_commands(
         };
         let message = format!("timeout: host never answered {kind}");
         fail_sandbox(&mut tx, &row, failure, &message).await?;
+        if let Some(host) = row.host_id {
+            crate::health::record_timeout(&mut tx, host, kind, &config.health.policy).await?;
+        }
         info!(sandbox_id = %row.id, %kind, "command timed out; sandbox failed-start");
         n += 1;
     }

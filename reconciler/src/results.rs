@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, AckKind};
-use berth_schemas::state::{on_result, Outcome, Reason, ResultDecision};
+use berth_schemas::state::{on_result, retries_elsewhere, Outcome, Reason, ResultDecision};
 use berth_schemas::trace::{TraceParent, TRACEPARENT};
 use berth_schemas::wire::{self, Command, CommandResult, ResultOutcome};
 use berth_schemas::{CommandId, CommandKind, SandboxId, SandboxState, Subjects};
@@ -27,6 +27,7 @@ use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, info_span, instrument, warn, Instrument, Span};
 
+use crate::health::{self, HealthConfig};
 use crate::ReconcilerError;
 
 /// How long a result whose apply failed waits before redelivery.
@@ -37,11 +38,13 @@ pub const ACK_WAIT: Duration = Duration::from_secs(30);
 /// time capped the control plane at about 200 results/s (`berth bench --runtime sim`).
 pub const APPLY_CONCURRENCY: usize = 8;
 
-/// Consumes results until `shutdown` fires.
+/// Consumes results until `shutdown` fires, judging hosts' health and retrying failed
+/// creates as `health` says.
 pub async fn consume(
     subjects: &Subjects,
     db: &PgPool,
     nats: async_nats::Client,
+    health: HealthConfig,
     shutdown: CancellationToken,
 ) -> Result<(), ReconcilerError> {
     let js = jetstream::new(nats);
@@ -121,7 +124,7 @@ pub async fn consume(
                         // A panicked predecessor is logged by the runtime; only order matters.
                         let _ = previous.await;
                     }
-                    handle(&db, msg, result).await;
+                    handle(&db, msg, result, &health).await;
                     drop(permit);
                 }
                 .instrument(span),
@@ -166,9 +169,14 @@ pub fn trace_context(
 }
 
 /// Applies one result, then acks it (or naks it for a retry when the database failed).
-async fn handle(db: &PgPool, msg: jetstream::Message, result: CommandResult) {
+async fn handle(
+    db: &PgPool,
+    msg: jetstream::Message,
+    result: CommandResult,
+    health: &HealthConfig,
+) {
     let started = Instant::now();
-    match apply(db, &result).await {
+    match apply_with(db, &result, health).await {
         Ok(Applied::Rejected(why)) => {
             reject(&result, why, &msg.subject);
             let _ = msg.ack_with(AckKind::Term).await;
@@ -260,6 +268,12 @@ pub enum Applied {
     Unknown,
     /// A success that contradicted the row's terminal state: a compensating command was queued.
     Compensated,
+    /// A create its host failed (the host's fault) was sent to another host; the row stays
+    /// `provisioning` there.
+    Retried {
+        /// The host the create now goes to.
+        to: berth_schemas::HostId,
+    },
     /// The result does not match the command the outbox issued, or comes from a host the
     /// sandbox is not placed on: nothing of it was applied.
     Rejected(Rejection),
@@ -274,6 +288,7 @@ impl Applied {
             Applied::Duplicate => "duplicate",
             Applied::Unknown => "unknown",
             Applied::Compensated => "compensated",
+            Applied::Retried { .. } => "retried",
             Applied::Rejected(_) => "rejected",
         }
     }
@@ -286,14 +301,31 @@ impl Applied {
 /// ([`on_result`]), and have the store write the decision (state, capacity, event), a
 /// compensation, or nothing; the command is marked completed either way. Idempotent: applying
 /// the same result again returns [`Applied::Duplicate`] and writes nothing. A transaction that
-/// Postgres aborts (deadlock, serialization) is run again.
-#[instrument(skip_all, fields(sandbox_id = %result.sandbox_id, host_id = %result.host_id,
-    command_id = %result.command_id, kind = %result.kind, generation = %result.generation))]
+/// Postgres aborts (deadlock, serialization) is run again. Host health and retries follow the
+/// default [`HealthConfig`]; see [`apply_with`].
 pub async fn apply(db: &PgPool, result: &CommandResult) -> Result<Applied, StoreError> {
-    berth_store::retry_transaction(|| apply_once(db, result)).await
+    apply_with(db, result, &HealthConfig::default()).await
 }
 
-async fn apply_once(db: &PgPool, result: &CommandResult) -> Result<Applied, StoreError> {
+/// [`apply`], judging host health and retrying failed creates as `health` says: a boot's
+/// result that moves its row also counts for (or against) its host ([`health::record_result`]),
+/// and a create its host failed by its own fault goes to another host once
+/// ([`retries_elsewhere`], [`Applied::Retried`]) instead of failing, when one can take it.
+#[instrument(skip_all, fields(sandbox_id = %result.sandbox_id, host_id = %result.host_id,
+    command_id = %result.command_id, kind = %result.kind, generation = %result.generation))]
+pub async fn apply_with(
+    db: &PgPool,
+    result: &CommandResult,
+    health: &HealthConfig,
+) -> Result<Applied, StoreError> {
+    berth_store::retry_transaction(|| apply_once(db, result, health)).await
+}
+
+async fn apply_once(
+    db: &PgPool,
+    result: &CommandResult,
+    health: &HealthConfig,
+) -> Result<Applied, StoreError> {
     let mut tx = db.begin().await?;
     let Some(issued) = commands::issued(&mut tx, result.command_id).await? else {
         return Ok(Applied::Rejected(Rejection::UnknownCommand));
@@ -308,7 +340,7 @@ async fn apply_once(db: &PgPool, result: &CommandResult) -> Result<Applied, Stor
     }
     let completed = match &result.outcome {
         ResultOutcome::Succeeded { .. } => CommandOutcome::Succeeded,
-        ResultOutcome::Failed { .. } => CommandOutcome::Failed,
+        ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
     commands::complete(&mut tx, result.command_id, completed).await?;
@@ -328,7 +360,9 @@ async fn apply_once(db: &PgPool, result: &CommandResult) -> Result<Applied, Stor
         ResultOutcome::Succeeded { address, last_stop } => {
             (Outcome::Succeeded, address.as_deref(), *last_stop, None)
         }
-        ResultOutcome::Failed { reason } => (Outcome::Failed, None, None, Some(reason.as_str())),
+        ResultOutcome::Failed { reason } | ResultOutcome::Rejected { reason } => {
+            (Outcome::Failed, None, None, Some(reason.as_str()))
+        }
         ResultOutcome::RefusedStale { applied } => {
             info!(applied = %applied, "host refused a stale command");
             tx.commit().await?;
@@ -340,7 +374,25 @@ async fn apply_once(db: &PgPool, result: &CommandResult) -> Result<Applied, Stor
         tx.commit().await?;
         return Ok(Applied::Stale);
     }
-    let applied = match on_result(row.state, row.deleting(), result.kind, outcome) {
+    let decision = on_result(row.state, row.deleting(), result.kind, outcome);
+    if let ResultDecision::Apply { .. } = decision {
+        // The first time this boot's result moves the row: it counts for its host's health.
+        health::record_result(&mut tx, result, &health.policy).await?;
+    }
+    if let (ResultDecision::Apply { .. }, Some(fault), Some(message)) =
+        (decision, result.outcome.fault(), message)
+    {
+        let tried = commands::creates_issued(&mut tx, row.id).await?;
+        if retries_elsewhere(row.state, row.deleting(), result.kind, fault, tried) {
+            if let Some(to) =
+                health::retry_elsewhere(&mut tx, &row, result.host_id, message, health).await?
+            {
+                tx.commit().await?;
+                return Ok(Applied::Retried { to });
+            }
+        }
+    }
+    let applied = match decision {
         ResultDecision::Apply { to, capacity } => {
             let reason = match outcome {
                 Outcome::Failed => Reason::RuntimeError,

@@ -7,11 +7,19 @@
 //! deterministic. Source: the seed lifecycle doc, "Create a sandbox": "One transaction picks a
 //! ready host with a recent heartbeat and enough headroom, reserves capacity, and inserts the
 //! sandbox row and its command."
+//!
+//! Health (issue 12 item 2): only `healthy` hosts are candidates, and a `degraded` or
+//! `probing` host once its probe time has passed; such a host ranks first (its probe decides
+//! whether it comes back; a probe that fails is retried on another host by the reconciler).
+//! When nothing fits, [`place`] tells a fleet that is really full ([`Placement::NoCapacity`])
+//! from one whose hosts with room could not be used now ([`Placement::Unavailable`]: stale
+//! heartbeats — a control-plane outage leaves every host stale — or degraded hosts).
 
 use std::time::Duration;
 
 use berth_schemas::wire::Resources;
 use berth_schemas::HostId;
+use berth_store::host_health as hosts_health;
 use berth_store::{hosts, StoreError};
 use sqlx::PgConnection;
 
@@ -29,6 +37,8 @@ pub struct Candidate {
     pub capacity: Resources,
     /// What its capacity-holding sandboxes already reserve (whole vCPUs, MiB).
     pub reserved: Resources,
+    /// Not `healthy`, but due its probe: ranks first, and a create placed there is the probe.
+    pub probe_due: bool,
 }
 
 impl Candidate {
@@ -55,13 +65,14 @@ impl Candidate {
     }
 }
 
-/// Orders the candidates that fit `need`, best first (most headroom after placing; ties by id).
-/// Returns an empty list when nothing fits.
+/// Orders the candidates that fit `need`, best first: hosts due a probe, then the most
+/// headroom after placing; ties by id. Returns an empty list when nothing fits.
 pub fn rank(candidates: &[Candidate], need: Resources) -> Vec<HostId> {
     let mut fitting: Vec<&Candidate> = candidates.iter().filter(|c| c.fits(need)).collect();
     fitting.sort_by(|a, b| {
-        b.headroom_after(need)
-            .total_cmp(&a.headroom_after(need))
+        b.probe_due
+            .cmp(&a.probe_due)
+            .then(b.headroom_after(need).total_cmp(&a.headroom_after(need)))
             .then(a.id.cmp(&b.id))
     });
     fitting.into_iter().map(|c| c.id).collect()
@@ -81,13 +92,44 @@ pub async fn candidates(
             id: h.id,
             capacity: overcommit.limit(h.capacity),
             reserved: h.reserved,
+            probe_due: h.probe_due,
         })
         .collect())
 }
 
+/// Where [`place`] put a sandbox, or why it could not.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Placement {
+    /// Reserved on this host, in the caller's transaction.
+    Placed {
+        /// The host.
+        host: HostId,
+        /// The create placed there is the host's probe (it was degraded and due one).
+        probe: bool,
+    },
+    /// No host in service would fit the sandbox, even with fresh data and good health.
+    NoCapacity,
+    /// Hosts with room exist, but none could be used now: their heartbeats are older than the
+    /// freshness window (they, or the control plane's ingest, fell silent) or they are
+    /// degraded. The client should retry after `retry_after`.
+    Unavailable {
+        /// The hosts with room and a stale heartbeat, and those degraded.
+        why: hosts_health::RoomElsewhere,
+        /// When a retry may succeed: the earliest probe, or [`UNAVAILABLE_RETRY_AFTER`].
+        retry_after: Duration,
+    },
+}
+
+/// How long a create refused because the hosts' data is stale should wait before retrying:
+/// about a heartbeat interval, after which fresh heartbeats will have been written.
+pub const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(5);
+
 /// Picks and reserves a host for `need` in the caller's transaction: ranks the fresh `ready`
-/// hosts and reserves on the first that still fits (another transaction may have taken the
-/// headroom meanwhile; then the next is tried). `None` when no host fits.
+/// hosts that are healthy or due a probe and reserves on the first that still fits (another
+/// transaction may have taken the headroom meanwhile; then the next is tried); a host placed
+/// on as its probe becomes `probing`. `avoid` is never chosen (the host a failed create is
+/// being retried away from). When nothing fits, says whether the fleet is full or only
+/// unusable now (see [`Placement`]).
 ///
 /// A host whose row another transaction holds right now (a concurrent placement on it, or its
 /// heartbeat) is passed over for the next in rank rather than waited for: concurrent creates
@@ -99,21 +141,48 @@ pub async fn place(
     need: Resources,
     freshness: Duration,
     overcommit: Overcommit,
-) -> Result<Option<HostId>, StoreError> {
-    let ranked = rank(&candidates(conn, freshness, overcommit).await?, need);
+    avoid: Option<HostId>,
+) -> Result<Placement, StoreError> {
+    let candidates: Vec<Candidate> = candidates(conn, freshness, overcommit)
+        .await?
+        .into_iter()
+        .filter(|c| Some(c.id) != avoid)
+        .collect();
+    let ranked = rank(&candidates, need);
+    let probe_due = |host: HostId| candidates.iter().any(|c| c.id == host && c.probe_due);
+    let mut chosen = None;
     for &host in &ranked {
         if hosts::lock_if_free(conn, host).await?
             && hosts::reserve(conn, host, need, overcommit, Admit::NewSandbox).await?
         {
-            return Ok(Some(host));
+            chosen = Some(host);
+            break;
         }
     }
-    for host in ranked {
-        if hosts::reserve(conn, host, need, overcommit, Admit::NewSandbox).await? {
-            return Ok(Some(host));
+    if chosen.is_none() {
+        for &host in &ranked {
+            if hosts::reserve(conn, host, need, overcommit, Admit::NewSandbox).await? {
+                chosen = Some(host);
+                break;
+            }
         }
     }
-    Ok(None)
+    if let Some(host) = chosen {
+        let probe = probe_due(host);
+        if probe {
+            hosts_health::probe_placed(conn, host).await?;
+        }
+        return Ok(Placement::Placed { host, probe });
+    }
+    let why = hosts_health::room_elsewhere(conn, need, freshness, overcommit).await?;
+    if !why.any() {
+        return Ok(Placement::NoCapacity);
+    }
+    let retry_after = match (why.stale, why.next_probe_in) {
+        (0, Some(secs)) => Duration::from_secs_f64(secs.ceil().max(1.0)),
+        _ => UNAVAILABLE_RETRY_AFTER,
+    };
+    Ok(Placement::Unavailable { why, retry_after })
 }
 
 #[cfg(test)]
@@ -123,6 +192,7 @@ mod tests {
 
     fn host(n: u8, cap: (u32, u32), reserved: (u32, u32)) -> Candidate {
         Candidate {
+            probe_due: false,
             id: HostId(Uuid::from_bytes([n; 16])),
             capacity: Resources {
                 vcpus: cap.0,
@@ -161,6 +231,23 @@ mod tests {
         assert_eq!(
             rank(&[busy, idle, mem_busy], NEED),
             vec![idle.id, mem_busy.id, busy.id]
+        );
+    }
+
+    #[test]
+    fn a_host_due_its_probe_ranks_first_if_it_fits() {
+        let idle = host(1, (8, 16384), (0, 0));
+        let probe = Candidate {
+            probe_due: true,
+            ..host(2, (8, 16384), (6, 8192))
+        };
+        let full_probe = Candidate {
+            probe_due: true,
+            ..host(3, (2, 1024), (2, 1024))
+        };
+        assert_eq!(
+            rank(&[idle, probe, full_probe], NEED),
+            vec![probe.id, idle.id]
         );
     }
 

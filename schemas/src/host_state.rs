@@ -9,11 +9,18 @@
 //!   `cordoned` as they are.
 //!
 //! Pure: the store writes what [`HostState::on`] decides.
+//!
+//! A host's health — `healthy`, `degraded`, `probing`, judged from the outcomes of its boots
+//! rather than its heartbeats — is a second machine beside this one: [`health`].
 
 use std::fmt;
 use std::str::FromStr;
 
 use crate::state::UnknownState;
+
+pub mod health;
+
+pub use health::{HealthChange, HealthEvent, HealthPolicy, HostCondition, HostHealth};
 
 /// A host's state, as the `hosts.state` column spells it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

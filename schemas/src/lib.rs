@@ -23,7 +23,7 @@ pub mod subjects;
 pub mod trace;
 pub mod wire;
 
-pub use host_state::{HostEvent, HostState};
+pub use host_state::{HostCondition, HostEvent, HostState};
 pub use ids::{
     ApiKeyId, CommandId, DeliveryId, EventId, Generation, HostId, OrgId, SandboxId, WebhookId,
 };

@@ -16,10 +16,11 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 3 (this one): a sandbox's spec carries its disk limit (`disk_mib`) and then its
+/// Version 4 (this one): a result may be [`ResultOutcome::Rejected`] (the request's fault, not
+/// the host's). Version 3: a sandbox's spec carries its disk limit (`disk_mib`) and then its
 /// network policy. Version 2: a command's spec is optional and names the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 3;
+pub const WIRE_VERSION: u16 = 4;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -194,6 +195,26 @@ pub enum ResultOutcome {
         /// The newest generation the host applied for this sandbox.
         applied: Generation,
     },
+    /// The command failed because of what it asked, not because of the host: a template or
+    /// runtime the host does not offer, a command without the spec it needs. Another host
+    /// would fail it the same way, so it is never retried elsewhere and never counts against
+    /// the host's health ([`crate::state::Fault::Request`]). `Failed` is the host's fault.
+    Rejected {
+        /// Why, for the event and the user; not parsed.
+        reason: String,
+    },
+}
+
+impl ResultOutcome {
+    /// Whose fault a failure was: `Some(Fault::Request)` for [`ResultOutcome::Rejected`],
+    /// `Some(Fault::Host)` for [`ResultOutcome::Failed`], `None` for the rest.
+    pub fn fault(&self) -> Option<crate::state::Fault> {
+        match self {
+            ResultOutcome::Failed { .. } => Some(crate::state::Fault::Host),
+            ResultOutcome::Rejected { .. } => Some(crate::state::Fault::Request),
+            ResultOutcome::Succeeded { .. } | ResultOutcome::RefusedStale { .. } => None,
+        }
+    }
 }
 
 /// A command's result, published on `{p}.result.<host_id>` after the work is done.

@@ -192,6 +192,44 @@ pub async fn purge_completed(
     Ok(())
 }
 
+/// How many hosts `sandbox`'s create was sent to (the first placement and any retry
+/// elsewhere): what [`berth_schemas::state::retries_elsewhere`] counts.
+pub async fn creates_issued(
+    conn: &mut PgConnection,
+    sandbox: SandboxId,
+) -> Result<u32, StoreError> {
+    let n: i64 = timed(
+        Op::CommandCreatesIssued,
+        sqlx::query_scalar(
+            "SELECT count(DISTINCT host_id) FROM commands WHERE sandbox_id = $1 AND kind = $2",
+        )
+        .bind(sandbox)
+        .bind(CommandKind::Create.as_str())
+        .fetch_one(conn),
+    )
+    .await?;
+    Ok(u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// Seconds from a completed command's publish (its insert, if never marked published) to its
+/// completion: what a boot took on its host (the runtime call and the agent's boot, plus the
+/// trip through NATS), for the host's health. `None` while it is open.
+pub async fn boot_seconds(
+    conn: &mut PgConnection,
+    id: CommandId,
+) -> Result<Option<f64>, StoreError> {
+    timed(
+        Op::CommandLatency,
+        sqlx::query_scalar(
+            "SELECT EXTRACT(EPOCH FROM completed_at - COALESCE(published_at, created_at))::float8
+               FROM commands WHERE id = $1 AND completed_at IS NOT NULL",
+        )
+        .bind(id)
+        .fetch_optional(conn),
+    )
+    .await
+}
+
 /// Seconds from a completed command's insert to its completion, or `None` while it is open.
 pub async fn latency(db: impl PgExecutor<'_>, id: CommandId) -> Result<Option<f64>, StoreError> {
     timed(

@@ -68,7 +68,7 @@ pub enum Admit {
 }
 
 impl Admit {
-    fn states(self) -> Vec<&'static str> {
+    pub(crate) fn states(self) -> Vec<&'static str> {
         HostState::ALL
             .into_iter()
             .filter(|s| match self {
@@ -170,10 +170,13 @@ pub struct HostCapacity {
     pub capacity: Resources,
     /// The sum of the resources of its sandboxes that hold capacity (guarantee 4).
     pub reserved: Resources,
+    /// The host is not `healthy` but due its probe ([`crate::host_health`]): a create placed
+    /// there is the probe.
+    pub probe_due: bool,
 }
 
-/// Lists hosts that admit new sandboxes and were heard from within `freshness` (database
-/// clock).
+/// Lists hosts that admit new sandboxes, were heard from within `freshness` (database
+/// clock), and are `healthy` or due a probe ([`berth_schemas::HostCondition::admits_new_sandboxes`]).
 pub async fn placeable(
     conn: &mut PgConnection,
     freshness: Duration,
@@ -181,12 +184,15 @@ pub async fn placeable(
     let rows = timed(
         Op::HostCandidates,
         sqlx::query(
-            "SELECT id, capacity_vcpus, capacity_memory_mib, reserved_vcpus, reserved_memory_mib
+            "SELECT id, capacity_vcpus, capacity_memory_mib, reserved_vcpus, reserved_memory_mib,
+                    health <> $3 AS probe_due
                FROM hosts
-              WHERE state = ANY($1) AND last_seen > now() - make_interval(secs => $2)",
+              WHERE state = ANY($1) AND last_seen > now() - make_interval(secs => $2)
+                AND (health = $3 OR probe_at <= now())",
         )
         .bind(Admit::NewSandbox.states())
         .bind(freshness.as_secs_f64())
+        .bind(berth_schemas::HostCondition::Healthy.as_str())
         .fetch_all(conn),
     )
     .await?;
@@ -203,6 +209,7 @@ pub async fn placeable(
                     r.try_get("reserved_vcpus").map_err(get)?,
                     r.try_get("reserved_memory_mib").map_err(get)?,
                 ),
+                probe_due: r.try_get("probe_due").map_err(get)?,
             })
         })
         .collect()

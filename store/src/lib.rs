@@ -5,6 +5,8 @@
 //!   transaction) and the reconciler's selections.
 //! - [`hosts`]: host rows from heartbeats, the host state machine's writes, capacity
 //!   reservations, inventory.
+//! - [`host_health`]: a host's health from its boots' outcomes (`healthy`, `degraded`,
+//!   `probing`) and why placement found nothing (stale heartbeats or degraded hosts with room).
 //! - [`commands`]: the transactional outbox of host commands.
 //! - [`events`]: lifecycle event rows.
 //! - [`leases`]: leader leases with fencing terms.
@@ -19,7 +21,8 @@
 //! - Every write that races is fenced (`WHERE generation = $g`) and a miss is
 //!   [`StoreError::Fenced`], never a generic "row not found".
 //! - Capacity (guarantee 4) changes only inside [`sandboxes::write_transition`] and
-//!   [`sandboxes::write_result`], in the same transaction as the state write that decided it
+//!   [`sandboxes::write_result`] (and [`sandboxes::move_create`], which moves a failed
+//!   create's hold to its new host), in the same transaction as the state write that decided it
 //!   ([`berth_schemas::Capacity`]); no caller flips `holds_capacity` by hand.
 //! - Every operation is named ([`Op`]): it labels `berth_db_query_duration_seconds{op}` and
 //!   its errors.
@@ -32,6 +35,7 @@ pub mod api_keys;
 pub mod commands;
 pub mod error;
 pub mod events;
+pub mod host_health;
 pub mod hosts;
 pub mod idempotency;
 pub mod leases;

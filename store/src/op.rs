@@ -92,6 +92,19 @@ ops! {
     /// [`crate::hosts::registered`] and [`crate::hosts::registrations`]: which hosts are
     /// registered.
     HostRegistered => "host_registered",
+    /// [`crate::host_health::record`]: a host's health after a boot's outcome or a probe.
+    HostHealthRecord => "host_health_record",
+    /// [`crate::host_health::room_elsewhere`]: hosts with room that placement could not use
+    /// (stale heartbeat, degraded), when nothing was placeable.
+    HostRoomElsewhere => "host_room_elsewhere",
+    /// [`crate::host_health::conditions`]: every host's health (operators, gauges).
+    HostHealthList => "host_health_list",
+    /// [`crate::host_health::backdate_heartbeats`]: ages hosts' `last_seen` (tests, drills).
+    HostBackdate => "host_backdate",
+    /// [`crate::sandboxes::move_create`]: a failed create sent to another host.
+    SandboxMoveCreate => "sandbox_move_create",
+    /// [`crate::commands::creates_issued`]: how many hosts a sandbox's create was sent to.
+    CommandCreatesIssued => "command_creates_issued",
     /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
     /// [`crate::commands::complete`]: sets a command's outcome.

@@ -185,7 +185,10 @@ async fn a_result_published_on_another_hosts_subject_is_not_applied(db: PgPool) 
     let shutdown = CancellationToken::new();
     let consumer = tokio::spawn({
         let (subjects, db, shutdown) = (subjects.clone(), plane.db.clone(), shutdown.clone());
-        async move { results::consume(&subjects, &db, nats, shutdown).await }
+        async move {
+            let health = berth_reconciler::health::HealthConfig::default();
+            results::consume(&subjects, &db, nats, health, shutdown).await
+        }
     });
 
     // Another (real, registered) host publishes on its own result subject, as its credentials

@@ -377,9 +377,10 @@ impl<'a> Case<'a> {
         };
         for delivery in 0..(1 + usize::from(twice)) {
             let expected = self.model.result(c, reported);
-            let applied = results::apply(&self.env.db, &result)
-                .await
-                .map_err(|e| fail(format!("apply failed: {e}")))?;
+            let applied =
+                results::apply_with(&self.env.db, &result, &inproc::lifecycle_only_health())
+                    .await
+                    .map_err(|e| fail(format!("apply failed: {e}")))?;
             prop_assert_eq!(applied, expected, "delivery {} of {:?}", delivery + 1, cmd);
             self.env
                 .saw(format!("result {:?} {reported:?} -> {applied:?}", cmd.kind));

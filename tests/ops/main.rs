@@ -7,6 +7,7 @@ mod support;
 
 mod events;
 mod fleet;
+mod host_health;
 mod limits;
 mod nats_auth;
 mod observability;

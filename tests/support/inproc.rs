@@ -322,9 +322,20 @@ pub async fn event_states(db: &PgPool, id: SandboxId) -> Vec<String> {
         .expect("read events")
 }
 
+/// Host health for scenarios that synthesize host failures to test the sandbox lifecycle: a
+/// host is never degraded (the third failure in a row would otherwise take the scenario's one
+/// host out of placement, and its next create would be `503 unavailable`). Host health has
+/// its own tests (`ops::host_health`); everything else is the default.
+pub fn lifecycle_only_health() -> berth_reconciler::health::HealthConfig {
+    let mut health = berth_reconciler::health::HealthConfig::default();
+    health.policy.degrade_after = u32::MAX;
+    health
+}
+
 /// A pass configuration whose command timeouts fire at once, and nothing else ever does.
 pub fn eager_timeouts() -> berth_reconciler::pass::PassConfig {
     berth_reconciler::pass::PassConfig {
+        health: lifecycle_only_health(),
         create_timeout: Duration::ZERO,
         start_timeout: Duration::ZERO,
         stop_timeout: Duration::ZERO,
@@ -404,9 +415,13 @@ impl Plane {
         command: &OutboxCommand,
         outcome: ResultOutcome,
     ) -> berth_reconciler::results::Applied {
-        berth_reconciler::results::apply(&self.db, &result_for(command, outcome))
-            .await
-            .expect("apply a result")
+        berth_reconciler::results::apply_with(
+            &self.db,
+            &result_for(command, outcome),
+            &lifecycle_only_health(),
+        )
+        .await
+        .expect("apply a result")
     }
 
     /// Guarantee 4 once every sandbox let go: nothing reserved, no drift.

@@ -35,6 +35,9 @@ pub struct HostProcess {
     pub extra_args: Vec<String>,
     /// Its NATS credentials file (`--nats-creds`), on a NATS with auth on.
     pub creds_file: Option<PathBuf>,
+    /// Extra environment of the process (`PATH` with a fault-injecting `runc` wrapper first),
+    /// given again on a restart.
+    pub env: Vec<(String, String)>,
 }
 
 impl HostProcess {
@@ -268,6 +271,19 @@ impl Stack {
         extra_args: &[String],
         creds_file: Option<PathBuf>,
     ) -> usize {
+        self.add_host_env(capacity, extra_args, creds_file, Vec::new())
+            .await
+    }
+
+    /// Like [`Stack::add_host_full`], with extra environment for the process (e.g. a `PATH`
+    /// whose first `runc` is a wrapper that injects faults).
+    pub async fn add_host_env(
+        &mut self,
+        capacity: (Option<u32>, Option<u32>),
+        extra_args: &[String],
+        creds_file: Option<PathBuf>,
+        env: Vec<(String, String)>,
+    ) -> usize {
         let index = self.hosts.len();
         let state_dir = self.root.join(format!("host{index}"));
         std::fs::create_dir_all(&state_dir).unwrap();
@@ -281,6 +297,7 @@ impl Stack {
             capacity,
             extra_args: extra_args.to_vec(),
             creds_file,
+            env,
         };
         self.spawn_host(&mut host).await;
         self.hosts.push(host);
@@ -385,6 +402,7 @@ async fn spawn_hostd(db: &PgPool, subjects: &Subjects, url: &str, host: &mut Hos
                 .iter()
                 .flat_map(|f| [std::ffi::OsStr::new("--nats-creds"), f.as_os_str()]),
         )
+        .envs(host.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .env("NATS_URL", url)
         .env("BERTH_SUBJECT_PREFIX", subjects.prefix())
         .env(

@@ -40,6 +40,7 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
         (status = 422, description = "`unknown_template`, or `idempotency_key_reused`: the Idempotency-Key was used for a different request"),
         (status = 401, description = "`unauthorized`"),
         (status = 503, description = "`no_capacity`: no ready host has the headroom; nothing was written"),
+        (status = 503, description = "`unavailable`: hosts with room exist but their heartbeats are stale (the control plane could not write them) or they are degraded; `Retry-After` says when to retry; nothing was written"),
     ), security(("bearer" = [])))]
 pub async fn create(
     State(app): State<AppState>,

@@ -1,12 +1,16 @@
-//! The operator use cases on hosts: list hosts, drain, cordon and uncordon.
+//! The operator use cases on hosts: list hosts (with their health), drain, cordon and
+//! uncordon.
 //!
 //! Host states (DESIGN.md): `ready` takes new sandboxes; `draining` and `cordoned` take none,
 //! but their own sandboxes still start there (their disks live there; moving them needs the
 //! backup store, which does not exist yet); `lost` is set by the reconciler when a host is
-//! silent and cleared by its next heartbeat.
+//! silent and cleared by its next heartbeat. Beside its state, a host has a health condition
+//! judged from its boots (`healthy`, `degraded`, `probing`: see
+//! [`berth_schemas::host_state::health`]); placement avoids a degraded host until its probe.
 
 use berth_schemas::host_state::HostRefusal;
 use berth_schemas::{HostEvent, HostId};
+use berth_store::host_health::{self, HealthView};
 use berth_store::hosts::{self, HostChange, HostRow};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -43,12 +47,58 @@ pub struct Host {
     pub last_seen: DateTime<Utc>,
     /// Seconds since the last heartbeat (database clock).
     pub heartbeat_age_seconds: f64,
+    /// Its health, judged from the outcomes of its boots.
+    pub health: HostHealth,
 }
 
-impl From<HostRow> for Host {
-    fn from(h: HostRow) -> Self {
+/// A host's health as operators see it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct HostHealth {
+    /// `healthy` (placement chooses it), `degraded` (placement avoids it until `probe_at`)
+    /// or `probing` (its probe create is out).
+    pub condition: String,
+    /// Bad boots in a row (failed by the host, timed out, or slow) since its last good one.
+    pub consecutive_failures: u32,
+    /// When placement may send its next probe; absent while healthy.
+    pub probe_at: Option<DateTime<Utc>>,
+    /// When the condition last changed.
+    pub changed_at: DateTime<Utc>,
+    /// The last bad boot's reason, if any.
+    pub reason: Option<String>,
+}
+
+impl From<HealthView> for HostHealth {
+    fn from(h: HealthView) -> Self {
+        HostHealth {
+            condition: h.condition.as_str().to_owned(),
+            consecutive_failures: h.consecutive_failures,
+            probe_at: h.probe_at,
+            changed_at: h.changed_at,
+            reason: h.reason,
+        }
+    }
+}
+
+/// The health a host row was read with, or `healthy` for a row the health read missed (a
+/// host whose first heartbeat landed between the two reads).
+fn health_of(id: HostId, health: &[HealthView], at: DateTime<Utc>) -> HostHealth {
+    health.iter().find(|h| h.id == id).cloned().map_or_else(
+        || HostHealth {
+            condition: berth_schemas::HostCondition::Healthy.as_str().to_owned(),
+            consecutive_failures: 0,
+            probe_at: None,
+            changed_at: at,
+            reason: None,
+        },
+        HostHealth::from,
+    )
+}
+
+impl Host {
+    fn new(h: HostRow, health: &[HealthView]) -> Self {
         let (capacity, reserved) = (h.capacity, h.reserved);
         Host {
+            health: health_of(h.id, health, h.last_seen),
             id: h.id,
             name: h.name,
             state: h.state.as_str().to_owned(),
@@ -65,9 +115,11 @@ impl From<HostRow> for Host {
     }
 }
 
-/// Every host, by name.
+/// Every host, by name, with its health.
 pub async fn list(db: &PgPool) -> Result<Vec<Host>, ServiceError> {
-    Ok(hosts::list(db).await?.into_iter().map(Host::from).collect())
+    let rows = hosts::list(db).await?;
+    let health = host_health::conditions(db, None).await?;
+    Ok(rows.into_iter().map(|h| Host::new(h, &health)).collect())
 }
 
 /// Applies an operator action ([`HostEvent::Drain`], [`HostEvent::Cordon`] or
@@ -78,9 +130,11 @@ pub async fn list(db: &PgPool) -> Result<Vec<Host>, ServiceError> {
 /// refuses the action (it is `lost`).
 pub async fn set_state(db: &PgPool, id: HostId, action: HostEvent) -> Result<Host, ServiceError> {
     let mut conn = db.acquire().await?;
-    match hosts::apply_event(&mut conn, id, action).await? {
+    let changed = hosts::apply_event(&mut conn, id, action).await?;
+    let health = host_health::conditions(&mut *conn, Some(id)).await?;
+    match changed {
         None => Err(ServiceError::NotFound(format!("host {id}"))),
-        Some(HostChange::Applied(host)) => Ok(host.into()),
+        Some(HostChange::Applied(host)) => Ok(Host::new(host, &health)),
         Some(HostChange::Refused(host)) => Err(ServiceError::HostConflict {
             message: HostRefusal {
                 state: host.state,

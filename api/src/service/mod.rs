@@ -45,6 +45,16 @@ pub enum ServiceError {
         /// The memory asked for, in MiB.
         memory_mib: u32,
     },
+    /// No host can take the sandbox now, though hosts with room exist: their heartbeats are
+    /// stale (a control-plane outage leaves every host so) or they are degraded. Never "no
+    /// capacity": the client retries after `retry_after`.
+    #[error("{message}")]
+    Unavailable {
+        /// What made the hosts with room unusable, for the client.
+        message: String,
+        /// When a retry may succeed.
+        retry_after: std::time::Duration,
+    },
     /// A conflicting sandbox transition is in flight; carries the current state.
     #[error("{message}")]
     Conflict {

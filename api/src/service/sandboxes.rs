@@ -30,7 +30,9 @@ pub struct PlacementPolicy {
 /// under `key`).
 ///
 /// Errors: [`ServiceError::UnknownTemplate`], [`ServiceError::QuotaExceeded`],
-/// [`ServiceError::NoCapacity`] (nothing written), [`ServiceError::IdempotencyKeyReused`].
+/// [`ServiceError::NoCapacity`] (every host is full; nothing written),
+/// [`ServiceError::Unavailable`] (hosts with room have stale heartbeats or are degraded;
+/// nothing written), [`ServiceError::IdempotencyKeyReused`].
 #[instrument(skip_all, fields(org_id = %org))]
 pub async fn create(
     db: &PgPool,
@@ -50,19 +52,43 @@ pub async fn create(
         .await?
         .ok_or_else(|| ServiceError::UnknownTemplate(req.template.clone()))?;
     super::quota::check(&mut tx, org, req.resources).await?;
-    let Some(host) = placement::place(
+    let host = match placement::place(
         &mut tx,
         req.resources,
         policy.heartbeat_freshness,
         policy.overcommit,
+        None,
     )
     .await?
-    else {
+    {
+        placement::Placement::Placed { host, probe } => {
+            if probe {
+                info!(host_id = %host, "create placed as the degraded host's probe");
+            }
+            host
+        }
         // Dropping the transaction rolls back: nothing is written.
-        return Err(ServiceError::NoCapacity {
-            vcpus: req.resources.vcpus,
-            memory_mib: req.resources.memory_mib,
-        });
+        placement::Placement::NoCapacity => {
+            return Err(ServiceError::NoCapacity {
+                vcpus: req.resources.vcpus,
+                memory_mib: req.resources.memory_mib,
+            })
+        }
+        placement::Placement::Unavailable { why, retry_after } => {
+            metrics::counter!("berth_creates_unavailable_total",
+                "why" => if why.stale > 0 { "stale_hosts" } else { "degraded_hosts" })
+            .increment(1);
+            return Err(ServiceError::Unavailable {
+                message: format!(
+                    "no host can take the sandbox now: of the hosts with room, {} have stale \
+                     heartbeats and {} are degraded; retry after {} s",
+                    why.stale,
+                    why.unhealthy,
+                    retry_after.as_secs_f64().ceil()
+                ),
+                retry_after,
+            });
+        }
     };
     let (row, _command) = sandboxes::create(
         &mut tx,

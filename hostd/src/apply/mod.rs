@@ -183,7 +183,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     }
     let outcome = match stored.outcome {
         ResultOutcome::Succeeded { .. } => CommandOutcome::Succeeded,
-        ResultOutcome::Failed { .. } => CommandOutcome::Failed,
+        ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
     Applied::Respond {

@@ -32,7 +32,7 @@ pub async fn up(
             Some(r) => (r, true),
             None => {
                 let reason = "no local record, and the command carries no spec".to_owned();
-                return (None, ResultOutcome::Failed { reason });
+                return (None, ResultOutcome::Rejected { reason });
             }
         },
     };
@@ -55,16 +55,22 @@ pub async fn up(
             (Some(record), outcome)
         }
         Err(error) => {
+            let requests_fault = error.is_the_requests_fault();
             let mut reason = error.report();
             if let Err(cleanup_error) = cleanup.run().await {
                 reason = format!("{reason}; {}", cleanup_error.report());
             }
-            tracing::warn!(%reason, fresh, "bring-up failed");
+            tracing::warn!(%reason, fresh, requests_fault, "bring-up failed");
             if fresh {
                 record.phase = Phase::FailedCreate;
                 record.link = None;
             }
-            (Some(record), ResultOutcome::Failed { reason })
+            let outcome = if requests_fault {
+                ResultOutcome::Rejected { reason }
+            } else {
+                ResultOutcome::Failed { reason }
+            };
+            (Some(record), outcome)
         }
     }
 }

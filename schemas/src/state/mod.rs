@@ -272,6 +272,9 @@ pub enum Reason {
     RuntimeError,
     /// The control plane undid a late or contradicting host action.
     Compensation,
+    /// The sandbox's host failed its create by its own fault; the create was sent to another
+    /// host ([`retries_elsewhere`]).
+    RetriedElsewhere,
 }
 
 impl Reason {
@@ -286,6 +289,7 @@ impl Reason {
             Reason::HostLost => "host_lost",
             Reason::RuntimeError => "runtime_error",
             Reason::Compensation => "compensation",
+            Reason::RetriedElsewhere => "retried_elsewhere",
         }
     }
 }
@@ -300,7 +304,7 @@ pub use converge::{
     UNWANTED_RUNNING_ON_ITS_HOST,
 };
 pub use request::{on_request, Decision, Refusal};
-pub use result::{on_result, Outcome, ResultDecision};
+pub use result::{on_result, retries_elsewhere, Fault, Outcome, ResultDecision, MAX_CREATE_HOSTS};
 
 #[cfg(test)]
 mod tests {

@@ -64,10 +64,75 @@ pub fn on_result(
     }
 }
 
+/// Whose fault a failed create or start was (the host says so in its result).
+///
+/// - [`Fault::Request`]: the request cannot run on any host as it stands — a template or a
+///   runtime the host does not have, a command without a spec. Another host would fail it the
+///   same way: it is never retried and never counts against the host's health.
+/// - [`Fault::Host`]: everything else — the runtime failed or hung, the network or the disk
+///   could not be set up, the agent did not answer. Another host may well run it: a create is
+///   retried once elsewhere ([`retries_elsewhere`]) and the failure counts against the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The host could not run it (its runtime, network, disk or agent).
+    Host,
+    /// No host could run it as asked.
+    Request,
+}
+
+/// The most hosts one create is tried on: where placement first put it, and one other.
+pub const MAX_CREATE_HOSTS: u32 = 2;
+
+/// Whether a failed result should send the sandbox to another host instead of failing it
+/// (issue 12 item 2): only a create, failed by the host's [`Fault::Host`], of a sandbox still
+/// `provisioning` and not being deleted, that has been tried on fewer than
+/// [`MAX_CREATE_HOSTS`] hosts (`hosts_tried` counts the creates issued for it). A start is
+/// never moved: its disk lives on its host.
+pub fn retries_elsewhere(
+    state: SandboxState,
+    deleting: bool,
+    kind: CommandKind,
+    fault: Fault,
+    hosts_tried: u32,
+) -> bool {
+    kind == CommandKind::Create
+        && state == SandboxState::Provisioning
+        && !deleting
+        && fault == Fault::Host
+        && hosts_tried < MAX_CREATE_HOSTS
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use SandboxState as S;
+
+    #[test]
+    fn only_a_first_create_failed_by_its_host_is_retried_elsewhere() {
+        use CommandKind as K;
+        let mut retried = Vec::new();
+        for state in S::ALL {
+            for deleting in [false, true] {
+                for kind in [K::Create, K::Start, K::Stop, K::Delete] {
+                    for fault in [Fault::Host, Fault::Request] {
+                        for tried in 0..=MAX_CREATE_HOSTS {
+                            if retries_elsewhere(state, deleting, kind, fault, tried) {
+                                retried.push((state, deleting, kind, fault, tried));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            retried,
+            [
+                (S::Provisioning, false, K::Create, Fault::Host, 0),
+                (S::Provisioning, false, K::Create, Fault::Host, 1),
+            ],
+            "never the request's fault, a start, a deleting row or a second retry"
+        );
+    }
 
     #[test]
     fn results_move_transitional_states_to_their_targets() {

@@ -387,7 +387,7 @@ pub use converge::{
     capacity_drift, count_by_state, lock_due, lock_failed_guests, lock_stranded, lock_timed_out,
     purge_tombstones, CommandTimeouts, Due,
 };
-pub use write::{write_result, write_transition, ResultWrite, Transition, Written};
+pub use write::{move_create, write_result, write_transition, ResultWrite, Transition, Written};
 
 #[cfg(test)]
 mod tests {

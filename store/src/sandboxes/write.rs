@@ -232,3 +232,83 @@ async fn apply_capacity(
         (Capacity::Release, false) => Ok(false),
     }
 }
+
+/// Sends the failed create of the locked `provisioning` sandbox `row` to `to` (issue 12 item
+/// 2, [`berth_schemas::state::retries_elsewhere`]), in the caller's transaction: the old
+/// host's hold is released (placement reserved on `to` in this transaction already), the row
+/// moves to `to` at the next generation and stays `provisioning`, a `sandbox.create` goes to
+/// `to` and a `sandbox.delete` to the old host (it buries the failed create's record there;
+/// its result is the old host's, off the placement, and changes nothing), and an event with
+/// [`Reason::RetriedElsewhere`] and `message` records it.
+///
+/// Errors: [`StoreError::Fenced`] when the row is no longer `provisioning` at `row.generation`.
+pub async fn move_create(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    to: berth_schemas::HostId,
+    message: &str,
+) -> Result<Written, StoreError> {
+    if let (Some(old), true) = (row.host_id, row.holds_capacity) {
+        hosts::release(&mut *conn, old, row.resources).await?;
+    }
+    let generation = row.generation.next();
+    let updated = timed(
+        Op::SandboxMoveCreate,
+        sqlx::query(&format!(
+            "UPDATE sandboxes
+                SET host_id = $3, generation = $4, holds_capacity = true, state_reason = $5,
+                    address = NULL, updated_at = now()
+              WHERE id = $1 AND generation = $2 AND state = $6 AND deleted_at IS NULL
+              RETURNING {COLUMNS}"
+        ))
+        .bind(row.id)
+        .bind(row.generation)
+        .bind(to)
+        .bind(generation)
+        .bind(message)
+        .bind(SandboxState::Provisioning.as_str())
+        .fetch_optional(&mut *conn),
+    )
+    .await?
+    .ok_or(StoreError::Fenced {
+        sandbox: row.id,
+        expected: row.generation,
+    })?;
+    let moved = SandboxRow::from_row(&updated)?;
+    let create = Command {
+        id: CommandId::new(),
+        sandbox_id: row.id,
+        generation,
+        kind: CommandKind::Create,
+        spec: Some(moved.spec()),
+    };
+    commands::insert(&mut *conn, to, &create).await?;
+    if let Some(old) = row.host_id {
+        let cleanup = Command {
+            id: CommandId::new(),
+            sandbox_id: row.id,
+            generation,
+            kind: CommandKind::Delete,
+            spec: Some(moved.spec()),
+        };
+        commands::insert(&mut *conn, old, &cleanup).await?;
+    }
+    events::insert(
+        conn,
+        &NewEvent {
+            sandbox_id: row.id,
+            org_id: row.org_id,
+            from: Some(row.state),
+            to: SandboxState::Provisioning,
+            reason: Reason::RetriedElsewhere,
+            generation,
+            command_id: Some(create.id),
+            message: Some(message),
+        },
+    )
+    .await?;
+    Ok(Written {
+        row: moved,
+        command_id: Some(create.id),
+    })
+}
