@@ -135,7 +135,7 @@ pub const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(5);
 /// heartbeat) is passed over for the next in rank rather than waited for: concurrent creates
 /// all rank the same emptiest host first, and waiting on its row made them commit one at a
 /// time (`berth bench --runtime sim`). Only when every fitting host is busy does placement
-/// wait, in rank order.
+/// wait, in rank order. A host due its probe is never passed over: placement waits for it.
 pub async fn place(
     conn: &mut PgConnection,
     need: Resources,
@@ -152,9 +152,10 @@ pub async fn place(
     let probe_due = |host: HostId| candidates.iter().any(|c| c.id == host && c.probe_due);
     let mut chosen = None;
     for &host in &ranked {
-        if hosts::lock_if_free(conn, host).await?
-            && hosts::reserve(conn, host, need, overcommit, Admit::NewSandbox).await?
-        {
+        // A host due its probe is waited for, never passed over as busy: probes are rare,
+        // and only a probe brings a degraded host back.
+        let free = probe_due(host) || hosts::lock_if_free(conn, host).await?;
+        if free && hosts::reserve(conn, host, need, overcommit, Admit::NewSandbox).await? {
             chosen = Some(host);
             break;
         }

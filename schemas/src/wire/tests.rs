@@ -121,9 +121,9 @@ fn a_rejected_result_is_the_fourth_outcome_variant() {
         },
     };
     let bytes = encode(&result);
-    // version 4, ids, generation 1, kind Create (0), outcome variant 3, "no"
+    // version 4, ids, generation 1 (zigzag: 02), kind Create (0), outcome variant 3, "no"
     let expected = format!(
-        "04{U1}{U2}{U5}010003026e6f",
+        "04{U1}{U2}{U5}020003026e6f",
         U5 = "1005050505050505050505050505050505",
     );
     assert_eq!(hex(&bytes), expected);
