@@ -212,10 +212,11 @@ async fn failed_create(h: &mut Harness) -> anyhow::Result<()> {
     let create = h.command_with_template(sandbox, 1, CommandKind::Create, "no-such-template");
     let failed = h.send(&create).await?;
     match &failed.outcome {
-        ResultOutcome::Failed { reason } => {
+        // The request's fault, not the host's: no host has that template (issue 12 item 2).
+        ResultOutcome::Rejected { reason } => {
             ensure!(reason.contains("unknown template"), "reason: {reason}")
         }
-        other => bail!("expected a failure, got {other:?}"),
+        other => bail!("expected a rejection, got {other:?}"),
     }
     assert_nothing_remains(h, sandbox).await?;
 
