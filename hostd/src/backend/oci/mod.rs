@@ -191,6 +191,7 @@ impl OciBackend {
                 cgroups_path: &names.cgroup,
                 user_namespace: ids,
                 seccomp: &seccomp,
+                pids_limit: runtime.pids_limit(),
             })?;
             write_json_atomic(&paths.oci_config(), &spec)
         };
