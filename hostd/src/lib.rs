@@ -18,6 +18,8 @@
 //!   [`host::Backend`] trait: everything a real host and a sim host do differently.
 //! - [`backend`]: its implementations, [`backend::oci`] (runc/runsc, netns, overlay,
 //!   nftables, cgroups, the agent) and [`backend::sim`] (control-plane load only).
+//! - [`fault`]: crash points for the crash tests (compiled in only with the
+//!   `fault-injection` feature).
 //! - [`adopt`]: at start, adopts what a previous run left and sweeps strays (OCI only).
 //! - [`runtime`]: the runtime driver trait, runc, runsc and the sim driver.
 //! - [`netns`], [`firewall`], [`overlay`], [`disk`], [`template`], [`bundle`], [`oci`],
@@ -46,6 +48,7 @@ pub mod cleanup;
 pub mod console;
 pub mod disk;
 pub mod error;
+pub mod fault;
 pub mod fence;
 pub mod firewall;
 pub mod gate;

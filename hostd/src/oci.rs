@@ -111,6 +111,8 @@ pub struct ContainerConfig<'a> {
     pub user_namespace: Option<IdRange>,
     /// The seccomp filter ([`crate::seccomp::host_profile`]).
     pub seccomp: &'a LinuxSeccomp,
+    /// The host cgroup's `pids.max` ([`crate::runtime::RuntimeDriver::pids_limit`]).
+    pub pids_limit: i64,
 }
 
 /// Builds the runtime spec.
@@ -164,7 +166,7 @@ pub fn build_spec(cfg: &ContainerConfig<'_>) -> Result<Spec, HostdError> {
             .allow(false)
             .access("rwm")
             .build()?])
-        .pids(LinuxPidsBuilder::default().limit(PIDS_LIMIT).build()?);
+        .pids(LinuxPidsBuilder::default().limit(cfg.pids_limit).build()?);
     if cfg.resources.memory_mib > 0 {
         let bytes = i64::from(cfg.resources.memory_mib) * MIB;
         resources = resources.memory(LinuxMemoryBuilder::default().limit(bytes).build()?);
@@ -293,6 +295,7 @@ mod tests {
             cgroups_path: "berth-0123456789",
             user_namespace,
             seccomp: &seccomp,
+            pids_limit: PIDS_LIMIT,
         })
         .unwrap()
     }

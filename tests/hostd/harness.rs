@@ -63,6 +63,8 @@ pub(crate) struct Harness {
         JoinHandle<Result<(), berth_hostd::HostdError>>,
     )>,
     pub(crate) sandboxes: std::sync::Mutex<Vec<SandboxId>>,
+    /// hostd as a `berth hostd` child process instead of a task (so it can be killed).
+    pub(crate) process: Option<tokio::process::Child>,
 }
 
 impl Harness {
@@ -106,6 +108,7 @@ impl Harness {
             heartbeats,
             hostd: None,
             sandboxes: std::sync::Mutex::new(Vec::new()),
+            process: None,
         })
     }
 
@@ -120,6 +123,78 @@ impl Harness {
             token.cancel();
             task.await?.context("hostd run")?;
         }
+        Ok(())
+    }
+
+    /// Starts hostd as a `berth hostd` child process on this harness's state dir, NATS
+    /// subjects and address pool (so the same host id), logging to `hostd.log` in the state
+    /// dir. `crash_at` is its fault-injection crash point (`berth_hostd::fault`), if any.
+    pub(crate) fn spawn_hostd_process(&mut self, crash_at: Option<&str>) -> anyhow::Result<()> {
+        ensure!(
+            self.hostd.is_none() && self.process.is_none(),
+            "hostd already runs"
+        );
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.state_dir.join("hostd.log"))?;
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"));
+        command
+            .arg("hostd")
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--address-pool")
+            .arg(self.config.address_pool.to_string())
+            .arg("--name")
+            .arg(&self.config.name)
+            .arg("--heartbeat-interval")
+            .arg(humantime::format_duration(self.config.heartbeat_interval).to_string())
+            .env("NATS_URL", &self.config.nats_url)
+            .env("BERTH_SUBJECT_PREFIX", self.subjects.prefix())
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .env_remove(berth_hostd::fault::CRASH_AT_ENV)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true);
+        if let Some(point) = crash_at {
+            command.env(berth_hostd::fault::CRASH_AT_ENV, point);
+        }
+        self.process = Some(command.spawn().context("spawn berth hostd")?);
+        Ok(())
+    }
+
+    /// Waits until the hostd child process has died of SIGKILL: its crash point fired.
+    pub(crate) async fn await_crash(&mut self) -> anyhow::Result<()> {
+        let mut child = self.process.take().context("no hostd process")?;
+        let status = tokio::time::timeout(RESULT_TIMEOUT, child.wait())
+            .await
+            .context("hostd did not crash at its crash point")??;
+        use std::os::unix::process::ExitStatusExt;
+        ensure!(
+            status.signal() == Some(nix::sys::signal::Signal::SIGKILL as i32),
+            "hostd ended otherwise than by its crash point: {status}"
+        );
+        Ok(())
+    }
+
+    /// Stops the hostd child process with SIGTERM and waits for it to exit cleanly.
+    pub(crate) async fn stop_hostd_process(&mut self) -> anyhow::Result<()> {
+        let Some(mut child) = self.process.take() else {
+            return Ok(());
+        };
+        let pid = child.id().context("hostd already reaped")?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        let status = tokio::time::timeout(RESULT_TIMEOUT, child.wait())
+            .await
+            .context("hostd did not stop after SIGTERM")??;
+        ensure!(status.success(), "hostd exited with {status}");
         Ok(())
     }
 
@@ -338,6 +413,9 @@ impl Harness {
         if let Err(e) = self.stop_hostd().await {
             eprintln!("teardown: hostd: {e:#}");
         }
+        if let Err(e) = self.stop_hostd_process().await {
+            eprintln!("teardown: hostd process: {e:#}");
+        }
     }
 }
 
@@ -349,6 +427,13 @@ impl Drop for Harness {
         if let Some((token, task)) = self.hostd.take() {
             token.cancel();
             task.abort();
+        }
+        if let Some(mut child) = self.process.take() {
+            let _ = child.start_kill();
+            if let Some(pid) = child.id() {
+                // Reap it, so its runtime children are not mid-create while we clean up.
+                let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None);
+            }
         }
         let tracked = self.sandboxes.lock().map(|s| s.clone()).unwrap_or_default();
         for sandbox in tracked {

@@ -9,6 +9,7 @@ mod support;
 mod agent;
 mod boundary;
 mod bounds;
+mod crash;
 mod disk;
 mod egress;
 mod gvisor;

@@ -31,6 +31,7 @@ use berth_schemas::CommandKind;
 use tracing::Instrument;
 
 use crate::error::HostdError;
+use crate::fault::Step;
 use crate::fence::{self, Fence};
 use crate::host::Host;
 use crate::metrics::{self, CommandOutcome};
@@ -99,7 +100,9 @@ pub async fn apply(host: &Arc<Host>, cmd: &Command, trace: &ApplyTrace) -> Appli
         span_id = %hex::encode(trace.span_id),
     );
     let started = Instant::now();
-    let applied = apply_inner(host, cmd).instrument(span).await;
+    let applied = crate::fault::scope(cmd.kind, apply_inner(host, cmd))
+        .instrument(span)
+        .await;
     let runtime = cmd
         .spec
         .as_ref()
@@ -181,6 +184,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
             return Applied::Retry { error };
         }
     }
+    crate::fault::crash_point(Step::Recorded);
     let outcome = match stored.outcome {
         ResultOutcome::Succeeded { .. } => CommandOutcome::Succeeded,
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,

@@ -11,6 +11,7 @@ use berth_schemas::wire::{ResultOutcome, StopMode};
 
 use crate::disk::{remove_dir_if_present, unmount};
 use crate::error::HostdError;
+use crate::fault::{crash_point, Step};
 use crate::host::Host;
 use crate::record::{Phase, SandboxRecord};
 use crate::runtime::ContainerStatus;
@@ -60,6 +61,7 @@ pub async fn stop(
                 tracing::warn!(waited = ?CHECKPOINT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
             }
             tokio::time::sleep(CHECKPOINT_SETTLE).await;
+            crash_point(Step::Stopping);
             let started = Instant::now();
             mode = match runtime.checkpoint(&names.container_id, &snapshot).await {
                 Ok(()) => {
@@ -72,10 +74,15 @@ pub async fn stop(
                     StopMode::Disk
                 }
             };
+            crash_point(Step::Checkpointed);
+        } else {
+            crash_point(Step::Stopping);
         }
         runtime.destroy(&names.container_id).await?;
+        crash_point(Step::Destroyed);
         unmount(paths.rootfs()).await?;
         crate::volume::release(&paths).await?;
+        crash_point(Step::Unmounted);
         Ok::<_, HostdError>(mode)
     }
     .await;

@@ -45,6 +45,7 @@ pub async fn up(
         .await;
     match brought_up {
         Ok(address) => {
+            crate::fault::crash_point(crate::fault::Step::Agent);
             cleanup.disarm();
             record.phase = Phase::Running;
             tracing::info!(%address, elapsed = ?started.elapsed(), fresh, "sandbox running");

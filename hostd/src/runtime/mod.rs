@@ -64,6 +64,13 @@ pub trait RuntimeDriver: Send + Sync + 'static {
         None
     }
 
+    /// The `pids.max` of the container's host cgroup: how many host tasks (threads included)
+    /// its processes may hold. [`crate::oci::PIDS_LIMIT`] where each sandbox process is one
+    /// host task (runc); more where the runtime's own tasks count too (runsc).
+    fn pids_limit(&self) -> i64 {
+        crate::oci::PIDS_LIMIT
+    }
+
     /// Creates and starts the container detached; returns once its process runs.
     ///
     /// Errors: [`HostdError::Tool`] / [`HostdError::Io`] with the runtime's message.

@@ -44,6 +44,24 @@ pub const RUNSC_PLATFORM: &str = "--platform=ptrace";
 /// (the sentry has its own host-side filter either way).
 pub const RUNSC_OCI_SECCOMP: &str = "--oci-seccomp";
 
+/// The `pids.max` of a gVisor sandbox's host cgroup (runc's sandboxes get
+/// [`crate::oci::PIDS_LIMIT`]). That cgroup holds the Sentry and the gofer (about 100 host
+/// threads) and, on the ptrace platform, a stub process per live guest process with one thread
+/// per Sentry thread that ran the guest there: about 10 host tasks per live guest process on
+/// the test machine (2,211 with 200 `sleep`s running). With runc's 1024 a sandbox holding
+/// about 90–140 live processes left the Sentry no room: its next stub (an exec's, or the
+/// checkpoint's) failed with `EAGAIN`, the Sentry panicked ("error initializing first thread:
+/// resource temporarily unavailable") and `runsc checkpoint` reported `EOF` (issue 12 item
+/// 4). 8192 holds several hundred live guest processes and still stops a fork bomb well short
+/// of the host's `pid_max` (32768 by default); a guest that exceeds it takes only its own
+/// sandbox down, as it did at 1024.
+pub const GVISOR_PIDS_LIMIT: i64 = 8192;
+
+/// Size the Sentry's CPUs (its Go scheduler's, and so the stub threads per guest process)
+/// by the sandbox's CPU quota (at least 2) instead of the host's CPU count, so the host tasks
+/// a guest process costs do not grow with the machine.
+pub const RUNSC_CPU_NUM_FROM_QUOTA: &str = "--cpu-num-from-quota";
+
 /// The mount namespace wrapper of `run` and `restore` (see the module docs): a shell that
 /// covers `/proc/sys/net` with an empty tmpfs in a private mount namespace, then execs the
 /// runtime command given as its arguments.
@@ -80,7 +98,11 @@ impl Runsc {
                 RUNSC,
                 RUNSC_BINARY,
                 root,
-                vec![RUNSC_PLATFORM.to_owned(), RUNSC_OCI_SECCOMP.to_owned()],
+                vec![
+                    RUNSC_PLATFORM.to_owned(),
+                    RUNSC_OCI_SECCOMP.to_owned(),
+                    RUNSC_CPU_NUM_FROM_QUOTA.to_owned(),
+                ],
                 console,
             )?,
             hide_proc_sys_net,
@@ -110,6 +132,10 @@ impl RuntimeDriver for Runsc {
 
     fn memory_snapshot(&self) -> bool {
         true
+    }
+
+    fn pids_limit(&self) -> i64 {
+        GVISOR_PIDS_LIMIT
     }
 
     fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {

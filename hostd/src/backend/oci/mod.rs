@@ -25,6 +25,7 @@ use crate::bundle::Bundles;
 use crate::cleanup::CleanupStack;
 use crate::disk::{blocking, remove_dir_if_present, remove_sandbox_dir, unmount};
 use crate::error::HostdError;
+use crate::fault::{crash_point, Step};
 use crate::firewall::{Admission, Firewall};
 use crate::host::{Backend, Host, OutputSender};
 use crate::layout::firewall_table;
@@ -85,8 +86,43 @@ impl OciBackend {
         self.firewall.install(&all).await
     }
 
-    /// The steps of [`Backend::bring_up`] (see there).
+    /// The steps of [`Backend::bring_up`] (see there). What runs is looked at first, before
+    /// anything is touched: a container that runs is adopted as it is ([`Self::adopt_running`]),
+    /// one that exists but does not run is removed, and only then is the rest built.
     async fn bring_up_oci(
+        &self,
+        host: &Arc<Host>,
+        record: &mut SandboxRecord,
+        fresh: bool,
+        cleanup: &mut CleanupStack,
+    ) -> Result<Ipv4Addr, HostdError> {
+        let runtime = host.runtime_of(record)?;
+        let container_id = host.names(record.sandbox_id).container_id;
+        match runtime.status(&container_id).await? {
+            // Its record has the address it runs with (written before the network was made).
+            Some(ContainerStatus::Running) if record.link.is_some() => {
+                return self.adopt_running(host, record, fresh, cleanup).await;
+            }
+            // Created, stopped or paused (a crash mid-start or mid-stop): it cannot be adopted,
+            // and on gVisor it may hold its namespace's `eth0`, so it goes before the network is
+            // touched.
+            Some(status) => {
+                tracing::info!(?status, "removing a container that does not run");
+                runtime.destroy(&container_id).await?;
+            }
+            None => {}
+        }
+        self.build(host, record, fresh, cleanup, runtime).await
+    }
+
+    /// Bring-up of a sandbox whose container still runs (a create or start redelivered after
+    /// hostd crashed once the container was up): nothing of the sandbox is touched — on gVisor
+    /// its namespace's `eth0` belongs to the sandbox's own network stack, and giving the guest
+    /// address back to the host kernel there would take the agent's traffic away from it.
+    /// Only host-side state is made sure of (the address reservation and record, the firewall
+    /// elements), the spent memory image removed, and the agent waited for. A fresh create
+    /// still owns everything, so its undo steps are pushed.
+    async fn adopt_running(
         &self,
         host: &Arc<Host>,
         record: &mut SandboxRecord,
@@ -97,6 +133,84 @@ impl OciBackend {
         let names = host.names(id);
         let paths = host.layout.sandbox(id);
         let runtime = host.runtime_of(record)?;
+        tracing::info!("the container runs; adopting it without touching the sandbox");
+        if fresh {
+            self.push_undo_all(host, record, cleanup, &runtime);
+        }
+        let link = host
+            .claim_address(record, netns::foreign_slots(host.allocator.pool()))
+            .await?;
+        let admitted = Admission {
+            veth: names.veth_host.clone(),
+            link,
+            egress: record.spec.network.egress.clone(),
+        };
+        self.admit_to_firewall(host, &admitted).await?;
+        // It runs, so it was booted or restored: an image left is spent.
+        remove_dir_if_present(&paths.snapshot()).await?;
+        let address = SocketAddr::new(link.sandbox.into(), AGENT_PORT);
+        wait_for_agent(&*runtime, address, &names.container_id, paths.console_log()).await?;
+        Ok(link.sandbox)
+    }
+
+    /// Pushes the undo of everything a fresh create owns (for [`Self::adopt_running`], which
+    /// builds nothing but must remove it all when the adopted sandbox fails).
+    fn push_undo_all(
+        &self,
+        host: &Arc<Host>,
+        record: &SandboxRecord,
+        cleanup: &mut CleanupStack,
+        runtime: &Arc<dyn RuntimeDriver>,
+    ) {
+        let id = record.sandbox_id;
+        let names = host.names(id);
+        let paths = host.layout.sandbox(id);
+        {
+            let (host, paths) = (host.clone(), paths.clone());
+            cleanup.push("sandbox dir and address", move || async move {
+                host.forget(id);
+                host.allocator.release(id);
+                remove_sandbox_dir(&paths).await
+            });
+        }
+        if let Some(admitted) = admission(host, record) {
+            let (names, firewall) = (names.clone(), self.firewall.clone());
+            cleanup.push("network", move || async move {
+                firewall.remove(&admitted).await?;
+                netns::teardown(&names).await
+            });
+        }
+        {
+            let paths = paths.clone();
+            cleanup.push("disk mount", move || async move {
+                volume::release(&paths).await
+            });
+        }
+        let rootfs = paths.rootfs();
+        cleanup.push(
+            "overlay mount",
+            move || async move { unmount(rootfs).await },
+        );
+        let (runtime, container_id) = (runtime.clone(), names.container_id);
+        cleanup.push("container", move || async move {
+            runtime.destroy(&container_id).await
+        });
+    }
+
+    /// Builds and boots a sandbox no container of which exists: address, network and disk,
+    /// overlay and spec, then the container (restored from its memory image where there is
+    /// one), then waits for the agent. Each part that exists already is kept.
+    async fn build(
+        &self,
+        host: &Arc<Host>,
+        record: &mut SandboxRecord,
+        fresh: bool,
+        cleanup: &mut CleanupStack,
+        runtime: Arc<dyn RuntimeDriver>,
+    ) -> Result<Ipv4Addr, HostdError> {
+        let id = record.sandbox_id;
+        let names = host.names(id);
+        let paths = host.layout.sandbox(id);
         let ids = runtime.user_namespace();
         let mut lower = host.templates.ensure(&record.spec.template).await?;
         if let Some(ids) = ids {
@@ -119,6 +233,7 @@ impl OciBackend {
         let link = host
             .claim_address(record, netns::foreign_slots(host.allocator.pool()))
             .await?;
+        crash_point(Step::Address);
 
         let admitted = Admission {
             veth: names.veth_host.clone(),
@@ -152,11 +267,11 @@ impl OciBackend {
         let (network, disk) = tokio::join!(network, volume::ensure(&paths, disk_mib));
         network?;
         disk?;
+        crash_point(Step::Network);
 
         let container_id = names.container_id.clone();
-        let status = runtime.status(&container_id).await?;
         let rootfs = paths.rootfs();
-        if let (Some(ids), false) = (ids, status == Some(ContainerStatus::Running)) {
+        if let Some(ids) = ids {
             // The upper dir must be the sandbox's own: new, or written before sandboxes had a
             // user namespace (then shifted once, unmounted, as no container runs on it). It
             // lies on the sandbox's disk, mounted above.
@@ -191,6 +306,7 @@ impl OciBackend {
                 cgroups_path: &names.cgroup,
                 user_namespace: ids,
                 seccomp: &seccomp,
+                pids_limit: runtime.pids_limit(),
             })?;
             write_json_atomic(&paths.oci_config(), &spec)
         };
@@ -200,48 +316,45 @@ impl OciBackend {
         if !(restorable && paths.oci_config().is_file()) {
             write_spec()?;
         }
+        crash_point(Step::Mounted);
 
-        if fresh || status != Some(ContainerStatus::Running) {
+        {
             let (runtime, container_id) = (runtime.clone(), container_id.clone());
             cleanup.push("container", move || async move {
                 runtime.destroy(&container_id).await
             });
         }
-        if status != Some(ContainerStatus::Running) {
-            // Each boot's console starts empty, so a failed boot quotes only its own output.
-            let console_log = paths.console_log();
-            std::fs::File::create(&console_log)
-                .map_err(HostdError::io(format!("create {}", console_log.display())))?;
-            remove_file_if_present(&crate::console::rotated(&console_log))?;
-            let request = RunRequest {
-                container_id: &container_id,
-                bundle: paths.dir(),
-                console_log: &console_log,
-            };
-            let mut restored = false;
-            if restorable {
-                let started = Instant::now();
-                match runtime.restore(request, &snapshot).await {
-                    Ok(()) => {
-                        restored = true;
-                        tracing::info!(elapsed = ?started.elapsed(), "memory snapshot restored");
-                    }
-                    Err(error) => {
-                        tracing::warn!(error = %error.report(), "restore failed; booting from disk");
-                        runtime.destroy(&container_id).await?;
-                        write_spec()?;
-                    }
+        // Each boot's console starts empty, so a failed boot quotes only its own output.
+        let console_log = paths.console_log();
+        std::fs::File::create(&console_log)
+            .map_err(HostdError::io(format!("create {}", console_log.display())))?;
+        remove_file_if_present(&crate::console::rotated(&console_log))?;
+        let request = RunRequest {
+            container_id: &container_id,
+            bundle: paths.dir(),
+            console_log: &console_log,
+        };
+        let mut restored = false;
+        if restorable {
+            let started = Instant::now();
+            match runtime.restore(request, &snapshot).await {
+                Ok(()) => {
+                    restored = true;
+                    tracing::info!(elapsed = ?started.elapsed(), "memory snapshot restored");
                 }
-            }
-            if !restored {
-                if status.is_some() {
+                Err(error) => {
+                    tracing::warn!(error = %error.report(), "restore failed; booting from disk");
                     runtime.destroy(&container_id).await?;
+                    write_spec()?;
                 }
-                runtime.run(request).await?;
             }
-            // The image is spent: a later start must not resume stale memory over a newer disk.
-            remove_dir_if_present(&snapshot).await?;
         }
+        if !restored {
+            runtime.run(request).await?;
+        }
+        crash_point(Step::Container);
+        // The image is spent: a later start must not resume stale memory over a newer disk.
+        remove_dir_if_present(&snapshot).await?;
         let address = SocketAddr::new(link.sandbox.into(), AGENT_PORT);
         wait_for_agent(&*runtime, address, &container_id, paths.console_log()).await?;
         Ok(link.sandbox)
