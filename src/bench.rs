@@ -13,6 +13,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
 
+mod preview;
 mod scale;
 
 /// How often a sandbox is polled while waiting for a state.
@@ -159,6 +160,19 @@ impl Client {
             }
             tokio::time::sleep(POLL_INTERVAL).await;
         }
+    }
+
+    /// Deletes a sandbox and waits until it is `deleted`.
+    async fn delete(&self, id: &str) -> anyhow::Result<()> {
+        self.transition(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{id}"),
+            None,
+            Some(id),
+            "deleted",
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Sends `method path` (expecting 2xx) and waits for `state`; returns the elapsed time.
@@ -385,6 +399,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         "throughput: {} creates + {} deletes in flight at once took {:.2} s: {:.1} lifecycle commands/s",
         args.burst, args.burst, burst_elapsed.as_secs_f64(), throughput
     );
+    // The preview figures, when the stack runs a proxy (`berth dev` writes where).
+    if let (Some(url), Some(domain)) = (lookup("BERTH_PROXY"), lookup("BERTH_PREVIEW_DOMAIN")) {
+        preview::run(&client, &preview::ProxyTarget { url, domain }).await?;
+    }
     Ok(())
 }
 

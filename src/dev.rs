@@ -71,6 +71,33 @@ pub struct DevArgs {
     limits: crate::limits_args::ApiLimitArgs,
     #[command(flatten)]
     timing: berth::timing_args::ReconcilerTimingArgs,
+    /// Where the preview proxy listens.
+    #[arg(long, env = "BERTH_PROXY_ADDR", default_value = berth_api::preview::DEFAULT_PROXY_LISTEN)]
+    proxy_addr: SocketAddr,
+    #[command(flatten)]
+    preview: crate::preview_args::PreviewArgs,
+}
+
+/// The preview settings of the dev stack: the flags', with a fresh random secret when none
+/// is given, and the proxy's port in the domain (so handed-out URLs open as they are).
+fn dev_preview(args: &DevArgs) -> anyhow::Result<berth_api::preview::PreviewConfig> {
+    let mut preview = args.preview.config()?;
+    if preview.secret.is_none() {
+        let secret: [u8; 32] = rand::random();
+        preview.secret = Some(std::sync::Arc::new(secret.to_vec()));
+    }
+    preview.domain = config_domain(args);
+    Ok(preview)
+}
+
+/// The preview domain with the proxy's port, unless it names one or the port is 80.
+fn config_domain(args: &DevArgs) -> String {
+    let domain = &args.preview.preview_domain;
+    match args.proxy_addr.port() {
+        80 => domain.clone(),
+        _ if domain.contains(':') => domain.clone(),
+        port => format!("{domain}:{port}"),
+    }
 }
 
 /// The machine's host name, for host names in heartbeats.
@@ -507,6 +534,8 @@ async fn run_stack(
     config.api.limits = args.limits.config();
     // One window for placement and for a failed create's retry.
     config.api.heartbeat_freshness = args.timing.heartbeat_freshness.into();
+    config.api.preview = dev_preview(args)?;
+    config.proxy_listen = Some(args.proxy_addr);
     if let Reconciler::Leader(reconciler) = &mut config.reconciler {
         args.timing.apply(reconciler);
     }
@@ -521,6 +550,12 @@ async fn run_stack(
         );
         host.address_pool = pool_for(args.address_pool, i as u8)?;
         host.nats_creds = auth.as_ref().map(|(_, hosts)| hosts[i].clone());
+        // The stack derives each host's key from the preview secret.
+        host.forwarder = Some(berth_hostd::forwarder::ForwarderConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            key: [0; 32],
+        });
         config.hosts.push(host);
     }
     let mut stack = Stack::start(config, Pools::shared(db.clone()), &shutdown).await?;
@@ -545,7 +580,7 @@ async fn run_stack(
         state_dir.join("stack.env"),
         format!(
             "BERTH_API=http://{api_addr}\nDATABASE_URL={database_url}\nNATS_URL={nats_url}\n\
-             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\n{}",
+             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\n{}{}",
             args.subject_prefix,
             state_dir.join("hosts").display(),
             match &auth {
@@ -554,10 +589,23 @@ async fn run_stack(
                     control_plane_creds_path(state_dir).display()
                 ),
                 None => String::new(),
+            },
+            match stack.proxy_addr {
+                Some(proxy) => format!(
+                    "BERTH_PROXY=http://{proxy}\nBERTH_PREVIEW_DOMAIN={}\n",
+                    config_domain(args)
+                ),
+                None => String::new(),
             }
         ),
     )?;
     println!("api: http://{api_addr}");
+    if let Some(proxy) = stack.proxy_addr {
+        println!(
+            "preview: http://{{port}}-{{sandbox_id}}.{} (proxy on {proxy})",
+            config_domain(args)
+        );
+    }
     println!("api key: {key}");
     println!("ready: {} hosts", args.hosts);
 

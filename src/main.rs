@@ -4,6 +4,7 @@
 mod bench;
 mod dev;
 mod limits_args;
+mod preview_args;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -65,6 +66,19 @@ enum Cmd {
         #[arg(long, env = "BERTH_HEARTBEAT_FRESHNESS",
               default_value_t = berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS.into())]
         heartbeat_freshness: humantime::Duration,
+        #[command(flatten)]
+        preview: preview_args::PreviewArgs,
+    },
+    /// Serve preview URLs: forward HTTP, WebSocket and SSE to a port inside a sandbox,
+    /// through its host's forwarder, waking stopped sandboxes.
+    Proxy {
+        #[command(flatten)]
+        conn: Conn,
+        /// Listen address.
+        #[arg(long, env = "BERTH_PROXY_ADDR", default_value = berth_api::preview::DEFAULT_PROXY_LISTEN)]
+        listen: SocketAddr,
+        #[command(flatten)]
+        preview: preview_args::PreviewArgs,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -128,6 +142,8 @@ enum Cmd {
         #[arg(long, env = "BERTH_HEARTBEAT_INTERVAL",
               default_value_t = berth_hostd::DEFAULT_HEARTBEAT_INTERVAL.into())]
         heartbeat_interval: humantime::Duration,
+        #[command(flatten)]
+        forwarder: preview_args::ForwarderArgs,
     },
     /// The in-sandbox agent (runs as PID 1 inside each sandbox).
     Agent {
@@ -233,6 +249,15 @@ enum AdminCmd {
         /// Where to write the credentials (mode 0600; must not exist).
         #[arg(long)]
         creds_out: PathBuf,
+    },
+    /// Print a host's preview forwarder key (hex), derived from the preview secret: give it
+    /// to that host's `berth hostd --forwarder-key`.
+    ForwarderKey {
+        /// The host's id.
+        host_id: HostId,
+        /// The preview secret the API and the proxy use.
+        #[arg(long, env = "BERTH_PREVIEW_SECRET", hide_env_values = true)]
+        preview_secret: String,
     },
     /// Forget a host's registration: the scheduler drops its heartbeats from now on, and the
     /// next `nats-config` leaves its key out (reload nats-server to shut it out of NATS).
@@ -431,6 +456,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             metrics_addr,
             disk,
             heartbeat_freshness,
+            preview,
         } => {
             let disk_args_private = disk.sandbox_egress_allow_private;
             let disk = disk.limits()?;
@@ -446,9 +472,35 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             config.sandbox_egress_private = disk_args_private;
             config.metrics_on_api = metrics_addr.is_none();
             config.heartbeat_freshness = heartbeat_freshness.into();
+            config.preview = preview.config()?;
             let state =
                 berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
             berth_api::run(state, shutdown).await?;
+        }
+        Cmd::Proxy {
+            conn,
+            listen,
+            preview,
+        } => {
+            let config = preview.config()?;
+            anyhow::ensure!(
+                config.secret.is_some(),
+                "berth proxy needs --preview-secret (BERTH_PREVIEW_SECRET)"
+            );
+            let shutdown = shutdown_on_signal();
+            let db = connect_db(&conn.database_url).await?;
+            let nats = conn.nats.connect().await?;
+            let subjects = subjects(&conn.nats.subject_prefix)?;
+            let guards = berth_api::limits::Guards::new(Default::default());
+            let proxy =
+                berth_api::preview::Preview::new(db, guards, config, Default::default());
+            tokio::spawn(berth_api::preview::routes::evict_on_events(
+                proxy.clone(),
+                nats,
+                subjects,
+                shutdown.clone(),
+            ));
+            berth_api::preview::server::run(listen, proxy, shutdown).await?;
         }
         Cmd::Scheduler { conn, metrics_addr } => {
             let shutdown = shutdown_on_signal();
@@ -486,6 +538,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             runtimes,
             sim_boot_ms,
             heartbeat_interval,
+            forwarder,
         } => {
             let name = name.unwrap_or_else(dev::hostname);
             let spec = nats.connect_spec()?;
@@ -516,6 +569,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             }
             config.sim_boot = std::time::Duration::from_millis(sim_boot_ms);
             config.heartbeat_interval = heartbeat_interval.into();
+            config.forwarder = forwarder.config()?;
             let shutdown = shutdown_on_signal();
             serve_metrics(metrics_addr, &shutdown).await?;
             berth_hostd::run(config, shutdown).await?;
@@ -619,6 +673,12 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                         creds_out.display()
                     );
                     println!("{host}");
+                }
+                AdminCmd::ForwarderKey {
+                    host_id,
+                    preview_secret,
+                } => {
+                    println!("{}", preview_args::forwarder_key_hex(&preview_secret, host_id));
                 }
                 AdminCmd::RemoveHost { host_id } => {
                     if !berth_store::hosts::unregister(&db, host_id).await? {

@@ -19,6 +19,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use futures::FutureExt;
 use berth_schemas::Subjects;
 use sqlx::PgPool;
 use tokio::task::JoinSet;
@@ -77,8 +78,12 @@ pub struct StackConfig {
     pub api: berth_api::ApiConfig,
     /// Which reconciler parts run.
     pub reconciler: Reconciler,
-    /// One in-process hostd per entry (each with its own state dir and address pool).
+    /// One in-process hostd per entry (each with its own state dir and address pool). A host
+    /// with a forwarder gets its key derived from `api.preview.secret` here.
     pub hosts: Vec<berth_hostd::HostdConfig>,
+    /// Where the preview proxy listens (port 0 takes a free port; `None`: no proxy). It uses
+    /// `api.preview`.
+    pub proxy_listen: Option<SocketAddr>,
 }
 
 impl StackConfig {
@@ -94,6 +99,7 @@ impl StackConfig {
             ))),
             subjects,
             hosts: Vec::new(),
+            proxy_listen: None,
         }
     }
 }
@@ -102,6 +108,8 @@ impl StackConfig {
 pub struct Stack {
     /// Where the API listens.
     pub api_addr: SocketAddr,
+    /// Where the preview proxy listens, when it runs.
+    pub proxy_addr: Option<SocketAddr>,
     /// The API's pool.
     pub db: PgPool,
     /// The stack's NATS connection.
@@ -134,13 +142,18 @@ impl Stack {
         let started_at = sqlx::query_scalar("SELECT now()")
             .fetch_one(&pools.api)
             .await?;
-        for host in &config.hosts {
+        for host in &mut config.hosts {
             let id = match host.nats_creds.as_ref().map(|c| c.role) {
                 Some(berth_schemas::nats_auth::Role::Host(id)) => {
                     berth_hostd::adopt_host_id(&host.state_dir, id)?
                 }
                 _ => berth_hostd::host_id(&host.state_dir)?,
             };
+            if let (Some(secret), Some(forwarder)) =
+                (&config.api.preview.secret, host.forwarder.as_mut())
+            {
+                forwarder.key = berth_schemas::preview::forwarder_key(secret, id);
+            }
             let key = host.nats_creds.as_ref().map(|c| c.public_key());
             berth_store::hosts::register(&pools.api, id, key.as_deref())
                 .await
@@ -204,6 +217,34 @@ impl Stack {
             let stop = stop.clone();
             tasks.spawn(async move { berth_hostd::run(host, stop).await.context("hostd") });
         }
+        let proxy_addr = match config.proxy_listen {
+            Some(addr) => {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("bind the preview proxy to {addr}"))?;
+                let bound = listener.local_addr()?;
+                let proxy = berth_api::preview::Preview::new(
+                    pools.api.clone(),
+                    berth_api::limits::Guards::new(config.api.limits.clone()),
+                    config.api.preview.clone(),
+                    config.api.overcommit,
+                );
+                tasks.spawn(berth_api::preview::routes::evict_on_events(
+                    proxy.clone(),
+                    nats.clone(),
+                    subjects.clone(),
+                    stop.clone(),
+                ).map(Ok));
+                let halt = stop.clone();
+                tasks.spawn(async move {
+                    berth_api::preview::server::serve(listener, proxy, halt)
+                        .await
+                        .context("preview proxy")
+                });
+                Some(bound)
+            }
+            None => None,
+        };
         let state = berth_api::AppState::new(
             pools.api.clone(),
             nats.clone(),
@@ -217,6 +258,7 @@ impl Stack {
         });
         Ok(Stack {
             api_addr,
+            proxy_addr,
             db: pools.api,
             nats,
             subjects,

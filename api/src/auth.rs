@@ -29,8 +29,18 @@ pub struct Caller {
 }
 
 async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiError> {
-    let key = parts
-        .headers
+    principal_of(
+        &parts.headers,
+        crate::limits::peer_ip(&parts.extensions),
+        &state.db,
+        &state.guards,
+    )
+    .await
+}
+
+/// The berth API key of an `Authorization: Bearer` header, if it carries one.
+pub fn bearer_key(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         // The scheme is case-insensitive (RFC 9110 §11.1).
@@ -38,22 +48,32 @@ async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiErro
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, key)| key.trim())
         .filter(|k| k.starts_with(KEY_PREFIX))
-        .ok_or(ApiError::Unauthorized)?;
+}
+
+/// Resolves the request's bearer key (cache first, then Postgres within the client address
+/// `peer`'s lookup budget) and counts the request against the key's rate.
+///
+/// Errors: [`ApiError::Unauthorized`] without a known key; [`ApiError`]'s rate refusals.
+pub(crate) async fn principal_of(
+    headers: &axum::http::HeaderMap,
+    peer: Option<std::net::IpAddr>,
+    db: &sqlx::PgPool,
+    guards: &crate::limits::Guards,
+) -> Result<Principal, ApiError> {
+    let key = bearer_key(headers).ok_or(ApiError::Unauthorized)?;
     let hash = crate::service::keys::hash(key);
-    let principal = match state.guards.cached_key(&hash) {
+    let principal = match guards.cached_key(&hash) {
         Some(principal) => principal,
         None => {
-            state
-                .guards
-                .check_lookup(crate::limits::peer_ip(&parts.extensions))?;
-            let principal = crate::service::keys::authenticate_hash(&state.db, &hash)
+            guards.check_lookup(peer)?;
+            let principal = crate::service::keys::authenticate_hash(db, &hash)
                 .await?
                 .ok_or(ApiError::Unauthorized)?;
-            state.guards.cache_key(hash, principal);
+            guards.cache_key(hash, principal);
             principal
         }
     };
-    state.guards.check_key(principal.key_id)?;
+    guards.check_key(principal.key_id)?;
     Ok(principal)
 }
 

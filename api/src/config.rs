@@ -8,6 +8,7 @@ use berth_schemas::Subjects;
 use crate::http::events::EventStreamConfig;
 use crate::limits::LimitsConfig;
 use crate::model::DiskLimits;
+use crate::preview::PreviewConfig;
 use crate::webhooks::delivery::WebhookConfig;
 
 /// Default listen address of the API.
@@ -44,6 +45,9 @@ pub struct ApiConfig {
     /// multicast and reserved ranges are refused either way
     /// ([`berth_schemas::network::Network::check_tenant`]).
     pub sandbox_egress_private: bool,
+    /// Preview URLs: the domain, the secret, the wake timeout (see [`PreviewConfig`]); off
+    /// without a secret.
+    pub preview: PreviewConfig,
 }
 
 impl ApiConfig {
@@ -65,6 +69,7 @@ impl ApiConfig {
             limits: Default::default(),
             metrics_on_api: true,
             sandbox_egress_private: false,
+            preview: PreviewConfig::default(),
         }
     }
 }

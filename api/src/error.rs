@@ -117,6 +117,10 @@ pub enum ApiError {
     /// 500 `internal`: logged with its cause; the client sees no detail.
     #[error("internal error")]
     Internal(String),
+    /// 503 `not_configured`: a feature the operator has not configured (previews without a
+    /// preview secret).
+    #[error("{0}")]
+    NotConfigured(String),
 }
 
 impl ApiError {
@@ -147,6 +151,7 @@ impl ApiError {
             ApiError::HostUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),
             ApiError::Agent(_) => (StatusCode::BAD_GATEWAY, "agent_error"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            ApiError::NotConfigured(_) => (StatusCode::SERVICE_UNAVAILABLE, "not_configured"),
         }
     }
 
@@ -259,6 +264,14 @@ impl IntoResponse for ApiError {
 /// allowed, 413 body too large, a query that does not parse) answer plain text or nothing.
 pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let response = next.run(req).await;
+    // A preview's answer is the sandbox's own (or a page for a browser): left alone.
+    if response
+        .extensions()
+        .get::<crate::preview::page::PreviewResponse>()
+        .is_some()
+    {
+        return response;
+    }
     let status = response.status();
     let is_json = response
         .headers()

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod model;
 pub mod openapi;
 pub mod outbox;
+pub mod preview;
 pub mod server;
 pub mod service;
 pub mod webhooks;
@@ -58,6 +59,9 @@ pub struct AppState {
     /// Rate limiters, the key cache and per-org concurrency counts, built from
     /// `config.limits`.
     pub guards: std::sync::Arc<limits::Guards>,
+    /// The preview proxy of the path route (`/v1/sandboxes/{id}/ports/{port}/…`), sharing
+    /// `guards`.
+    pub preview: std::sync::Arc<preview::Preview>,
 }
 
 impl AppState {
@@ -69,8 +73,15 @@ impl AppState {
         config: ApiConfig,
         prometheus: PrometheusHandle,
     ) -> Self {
+        let guards = limits::Guards::new(config.limits.clone());
         Self {
-            guards: limits::Guards::new(config.limits.clone()),
+            preview: preview::Preview::new(
+                db.clone(),
+                guards.clone(),
+                config.preview.clone(),
+                config.overcommit,
+            ),
+            guards,
             db,
             nats,
             subjects,
@@ -124,6 +135,12 @@ pub async fn serve(
         shutdown.clone(),
     ));
     http::events::describe_metrics();
+    let preview_routes = tokio::spawn(preview::routes::evict_on_events(
+        state.preview.clone(),
+        state.nats.clone(),
+        state.subjects.clone(),
+        shutdown.clone(),
+    ));
     let webhooks = tokio::spawn(webhooks::delivery::run(
         state.db.clone(),
         state.config.webhooks.clone(),
@@ -154,5 +171,6 @@ pub async fn serve(
     shutdown.cancel();
     let _ = relay.await;
     let _ = webhooks.await;
+    let _ = preview_routes.await;
     served
 }

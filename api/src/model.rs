@@ -65,6 +65,37 @@ pub struct CreateSandbox {
     /// reachable. Sandboxes have IPv4 only.
     #[schema(value_type = Option<Object>, example = json!({"egress": ["10.1.0.0/16"]}))]
     pub network: Option<serde_json::Value>,
+    /// Whether a preview request to the sandbox while it is stopped starts it (and is held
+    /// until it runs); default `true`. With `false` such a request gets 409 with the state.
+    pub auto_resume: Option<bool>,
+    /// Ports (1 to 65535, at most 16) that anyone may reach through the preview proxy without
+    /// a key or token; default none (every port is private to the owning org).
+    pub public_ports: Option<Vec<u16>>,
+}
+
+/// At most this many `public_ports`.
+pub const MAX_PUBLIC_PORTS: usize = 16;
+
+/// `public_ports` checked (1 to 65535, at most [`MAX_PUBLIC_PORTS`]), sorted and deduplicated.
+///
+/// Errors: [`ApiError::InvalidRequest`] naming `public_ports`.
+pub fn valid_public_ports(ports: Vec<u16>) -> Result<Vec<u16>, ApiError> {
+    if ports.contains(&0) {
+        return Err(ApiError::invalid(
+            "public_ports",
+            "public_ports are 1 to 65535",
+        ));
+    }
+    let mut ports = ports;
+    ports.sort_unstable();
+    ports.dedup();
+    if ports.len() > MAX_PUBLIC_PORTS {
+        return Err(ApiError::invalid(
+            "public_ports",
+            format!("public_ports holds at most {MAX_PUBLIC_PORTS} ports"),
+        ));
+    }
+    Ok(ports)
 }
 
 /// The operator's bounds on `disk_mib`: the default a create gets and the largest it may ask
@@ -143,6 +174,10 @@ pub struct ValidCreate {
     pub disk_mib: u32,
     /// The network policy; public egress when the request named none.
     pub network: Network,
+    /// Whether a preview request starts it when stopped; `true` unless the request said not.
+    pub auto_resume: bool,
+    /// Its public preview ports, sorted, without repeats.
+    pub public_ports: Vec<u16>,
 }
 
 /// The longest `auto_stop_minutes` (a week).
@@ -232,8 +267,11 @@ impl CreateSandbox {
                 Network::from_api(value).map_err(|e| ApiError::invalid("network", e.0))?
             }
         };
+        let public_ports = valid_public_ports(self.public_ports.unwrap_or_default())?;
         Ok(ValidCreate {
             network,
+            auto_resume: self.auto_resume.unwrap_or(true),
+            public_ports,
             template,
             resources: Resources { vcpus, memory_mib },
             metadata: serde_json::Value::Object(metadata),
@@ -298,6 +336,16 @@ pub struct Sandbox {
     /// create named none).
     #[schema(value_type = Object, example = json!({"egress": "public"}))]
     pub network: serde_json::Value,
+    /// Whether a preview request starts it when it is stopped.
+    #[serde(default = "yes")]
+    pub auto_resume: bool,
+    /// Ports anyone may reach through the preview proxy without a key, ascending.
+    #[serde(default)]
+    pub public_ports: Vec<u16>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl From<SandboxRow> for Sandbox {
@@ -321,6 +369,8 @@ impl From<SandboxRow> for Sandbox {
             auto_delete_minutes: row.auto_delete_minutes,
             disk_mib: row.disk_mib,
             network: row.network.to_api(),
+            auto_resume: row.auto_resume,
+            public_ports: row.public_ports,
         }
     }
 }

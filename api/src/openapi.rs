@@ -56,8 +56,11 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
         hosts::drain,
         hosts::cordon,
         hosts::uncordon,
+        crate::http::preview::token,
     ),
     components(schemas(
+        crate::http::preview::TokenRequest,
+        crate::http::preview::PreviewTokenResponse,
         model::CreateSandbox,
         model::Sandbox,
         model::SandboxList,

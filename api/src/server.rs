@@ -1,4 +1,4 @@
-//! The HTTP/1.1 server loop (hyper, in place of `axum::serve`, which sets no timer and so
+//! The HTTP/1.1 server loop (hyper, with upgrades for the preview path route's WebSockets, in place of `axum::serve`, which sets no timer and so
 //! enforces no header timeout): a cap on open connections, a header-read timeout that is
 //! also the keep-alive idle timeout, the client's address for the rate limits, and graceful
 //! shutdown.
@@ -30,7 +30,7 @@ use std::time::Duration;
 use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -109,8 +109,11 @@ pub async fn serve(
         n => n,
     }));
     let per_ip = Arc::new(PerIp::default());
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
+    // HTTP/1.1 only (hyper-util's auto builder, whose upgradeable connection shuts down
+    // gracefully; plain hyper's does not).
+    let mut http = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).http1_only();
+    http.http1()
+        .timer(TokioTimer::new())
         .header_read_timeout(Some(limits.header_read_timeout).filter(|timeout| !timeout.is_zero()))
         .keep_alive(true);
     let graceful = GracefulShutdown::new();
@@ -157,7 +160,10 @@ pub async fn serve(
             });
             app.clone().oneshot(request)
         });
-        let connection = http.serve_connection(TokioIo::new(stream), service);
+        // Upgrades: a WebSocket through the preview path route.
+        let connection = http
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(e) = connection.await {

@@ -51,6 +51,7 @@ pub mod error;
 pub mod fault;
 pub mod fence;
 pub mod firewall;
+pub mod forwarder;
 pub mod gate;
 pub mod host;
 pub mod isolation;
@@ -152,6 +153,9 @@ pub struct HostdConfig {
     /// range public egress refuses (`berth_schemas::network::BLOCKED_V4`): the resolver of
     /// a cloud network at a private address, say. Default: none.
     pub sandbox_egress_allow: Vec<berth_schemas::network::Ipv4Net>,
+    /// The preview port forwarder (see [`forwarder`]); `None`: this host runs none, and its
+    /// sandboxes have no preview URLs. Default: none.
+    pub forwarder: Option<forwarder::ForwarderConfig>,
 }
 
 impl HostdConfig {
@@ -180,6 +184,7 @@ impl HostdConfig {
             template_cache: PathBuf::from(template::DEFAULT_TEMPLATE_CACHE),
             sim_boot: runtime::sim::DEFAULT_SIM_BOOT,
             sandbox_egress_allow: Vec::new(),
+            forwarder: None,
         }
     }
 }
@@ -237,6 +242,19 @@ async fn run_as(
 
     // Stop the siblings when one part fails for good.
     let stop = shutdown.child_token();
+    let (forwarding, forwarder_address) = match &config.forwarder {
+        Some(f) => {
+            let (listener, advertise) = forwarder::bind(f).await?;
+            let task = tokio::spawn(forwarder::serve(
+                host.clone(),
+                listener,
+                f.key,
+                stop.clone(),
+            ));
+            (Some(task), Some(advertise.to_string()))
+        }
+        None => (None, None),
+    };
     let heartbeats = tokio::spawn(heartbeat::run(
         host.clone(),
         nats.clone(),
@@ -245,6 +263,7 @@ async fn run_as(
             name: config.name.clone(),
             capacity: config.capacity,
             interval: config.heartbeat_interval,
+            forwarder: forwarder_address,
         },
         stop.clone(),
     ));
@@ -262,6 +281,9 @@ async fn run_as(
         source: std::io::Error::other(e),
     })?;
     let _ = heartbeats.await;
+    if let Some(task) = forwarding {
+        let _ = task.await;
+    }
     // A server that no longer lets this host in (its key removed) never answers a flush.
     match tokio::time::timeout(SHUTDOWN_FLUSH_TIMEOUT, nats.flush()).await {
         Ok(Ok(())) => {}

@@ -18,6 +18,7 @@ pub mod cloudevents;
 pub mod host_state;
 pub mod ids;
 pub mod network;
+pub mod preview;
 pub mod state;
 pub mod subjects;
 pub mod trace;

@@ -16,11 +16,12 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 4 (this one): a result may be [`ResultOutcome::Rejected`] (the request's fault, not
+/// Version 5 (this one): a heartbeat ends with the host's port-forwarder address. Version 4:
+/// a result may be [`ResultOutcome::Rejected`] (the request's fault, not
 /// the host's). Version 3: a sandbox's spec carries its disk limit (`disk_mib`) and then its
 /// network policy. Version 2: a command's spec is optional and names the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 4;
+pub const WIRE_VERSION: u16 = 5;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -294,6 +295,8 @@ pub struct Heartbeat {
     pub runtimes: Vec<RuntimeInfo>,
     /// Every sandbox the host holds, one line each; the reconciler compares it with Postgres.
     pub inventory: Vec<InventoryItem>,
+    /// Where the host's preview port forwarder listens (`ip:port`); `None`: it runs none.
+    pub forwarder: Option<String>,
 }
 
 /// A request for a sandbox's agent, sent through its host by NATS request/reply on

@@ -96,6 +96,19 @@ fn host_resources(vcpus: i32, memory_mib: i64) -> Resources {
     }
 }
 
+/// Where `host`'s port forwarder listens (`ip:port`, from its last heartbeat); `None` when
+/// the host is unknown or runs none.
+pub async fn forwarder(db: impl PgExecutor<'_>, host: HostId) -> Result<Option<String>, StoreError> {
+    let found: Option<(Option<String>,)> = timed(
+        Op::HostForwarder,
+        sqlx::query_as("SELECT forwarder FROM hosts WHERE id = $1")
+            .bind(host)
+            .fetch_optional(db),
+    )
+    .await?;
+    Ok(found.and_then(|(f,)| f))
+}
+
 /// Upserts the host's row from one heartbeat, stamping `last_seen` with the database clock
 /// (never the host's, so hosts with skewed clocks are judged fairly). The state follows
 /// [`HostEvent::Heartbeat`]: a `lost` host that speaks again is `ready`; `draining` and
@@ -126,8 +139,8 @@ pub async fn upsert_heartbeat(db: impl PgExecutor<'_>, hb: &Heartbeat) -> Result
         sqlx::query(
             "INSERT INTO hosts (id, name, capacity_vcpus, capacity_memory_mib, runtimes,
                                 memory_snapshot, used_vcpus, used_memory_mib, heartbeat_seq,
-                                inventory, last_seen)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now())
+                                inventory, last_seen, forwarder)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now(), $13)
              ON CONFLICT (id) DO UPDATE SET
                  name = EXCLUDED.name,
                  capacity_vcpus = EXCLUDED.capacity_vcpus,
@@ -138,6 +151,7 @@ pub async fn upsert_heartbeat(db: impl PgExecutor<'_>, hb: &Heartbeat) -> Result
                  used_memory_mib = EXCLUDED.used_memory_mib,
                  heartbeat_seq = EXCLUDED.heartbeat_seq,
                  inventory = EXCLUDED.inventory,
+                 forwarder = EXCLUDED.forwarder,
                  last_seen = now(),
                  state = CASE WHEN hosts.state = ANY($11) THEN $12 ELSE hosts.state END,
                  state_changed_at = CASE WHEN hosts.state = ANY($11) THEN now()
@@ -155,6 +169,7 @@ pub async fn upsert_heartbeat(db: impl PgExecutor<'_>, hb: &Heartbeat) -> Result
         .bind(inventory)
         .bind(&revived)
         .bind(HostState::Ready.as_str())
+        .bind(&hb.forwarder)
         .execute(db),
     )
     .await?;

@@ -68,6 +68,8 @@ ops! {
     CapacityDrift => "capacity_drift",
     /// [`crate::hosts::upsert_heartbeat`]: a host's heartbeat.
     HostUpsert => "host_upsert",
+    /// [`crate::hosts::forwarder`]: where a host's preview forwarder listens.
+    HostForwarder => "host_forwarder",
     /// [`crate::hosts::placeable`]: the hosts a sandbox may be placed on.
     HostCandidates => "host_candidates",
     /// [`crate::hosts::lock_if_free`]: one host `FOR UPDATE` unless another transaction holds it.

@@ -36,6 +36,7 @@ async fn host(db: &PgPool) -> HostId {
                 memory_snapshot: false,
             }],
             inventory: vec![],
+            forwarder: None,
         },
     )
     .await
@@ -72,6 +73,8 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
             auto_stop_minutes: None,
             auto_delete_minutes: None,
             disk_mib: 256,
+            auto_resume: true,
+            public_ports: vec![],
         },
     )
     .await

@@ -40,6 +40,7 @@ pub async fn heartbeat(db: &PgPool, host: HostId, capacity: Resources) {
                 memory_snapshot: false,
             }],
             inventory: Vec::new(),
+            forwarder: None,
         },
     )
     .await

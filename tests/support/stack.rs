@@ -124,8 +124,15 @@ pub struct Stack {
     pub root: PathBuf,
     /// The NATS the stack and its hosts use.
     pub nats_target: NatsTarget,
+    /// Where the preview proxy listens (`{port}-{id}.`[`PREVIEW_DOMAIN`] by Host header).
+    pub proxy_addr: std::net::SocketAddr,
     control_plane: Option<berth::stack::Stack>,
 }
+
+/// The preview secret of every test stack (its hosts' forwarder keys derive from it).
+pub const PREVIEW_SECRET: &[u8] = b"the preview secret of the test stacks, 32+ bytes";
+/// The preview domain of every test stack.
+pub const PREVIEW_DOMAIN: &str = "preview.test";
 
 /// Which NATS a stack runs on: the shared open one ([`NatsTarget::shared`]), or one the test
 /// started with auth on (the control plane's credentials; hosts get theirs one by one).
@@ -208,6 +215,12 @@ impl Stack {
         config.api.limits = berth_api::limits::LimitsConfig::without_rate_limits();
         // The tests' egress targets are private networks they make.
         config.api.sandbox_egress_private = true;
+        config.api.preview.secret = Some(std::sync::Arc::new(PREVIEW_SECRET.to_vec()));
+        config.api.preview.domain = PREVIEW_DOMAIN.to_owned();
+        // A wake on a loaded machine is slow; a held request must still end before the
+        // client's own timeout.
+        config.api.preview.wake_timeout = HTTP_TIMEOUT - Duration::from_secs(15);
+        config.proxy_listen = Some(listen);
         configure(&mut config.api);
         let mut reconciler = berth_reconciler::ReconcilerConfig::new(subjects.clone());
         reconciler.pass = pass;
@@ -224,6 +237,7 @@ impl Stack {
             .unwrap();
         let mut stack = Stack {
             base: control_plane.api_url(),
+            proxy_addr: control_plane.proxy_addr.expect("the test stack runs a proxy"),
             key,
             db,
             subjects,
@@ -397,6 +411,11 @@ async fn spawn_hostd(db: &PgPool, subjects: &Subjects, url: &str, host: &mut Hos
         .arg("--name")
         .arg(host.state_dir.file_name().unwrap())
         .args(&host.extra_args)
+        // Every test host runs a preview forwarder on loopback.
+        .arg("--forwarder-listen")
+        .arg("127.0.0.1:0")
+        .arg("--forwarder-key")
+        .arg(hex::encode(berth_schemas::preview::forwarder_key(PREVIEW_SECRET, id)))
         .args(
             host.creds_file
                 .iter()

@@ -10,6 +10,7 @@ pub mod extract;
 pub mod files;
 pub mod hosts;
 pub mod idempotency;
+pub mod preview;
 pub mod sandboxes;
 pub mod templates;
 pub mod webhooks;
@@ -56,6 +57,18 @@ pub fn router(state: AppState) -> Router {
                 .layer(axum::extract::DefaultBodyLimit::disable()),
         )
         .route("/v1/sandboxes/{id}/events", get(events::events))
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/token",
+            post(preview::token).fallback(preview::forward),
+        )
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}",
+            axum::routing::any(preview::forward),
+        )
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/{*rest}",
+            axum::routing::any(preview::forward),
+        )
         .route("/v1/templates", get(templates::templates))
         .route("/v1/events", get(events::stream))
         .route("/v1/webhooks", post(webhooks::create).get(webhooks::list))

@@ -103,6 +103,8 @@ pub async fn create(
             auto_delete_minutes: req.auto_delete_minutes,
             disk_mib: req.disk_mib,
             network: req.network,
+            auto_resume: req.auto_resume,
+            public_ports: req.public_ports,
         },
     )
     .await?;

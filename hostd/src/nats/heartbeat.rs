@@ -28,6 +28,8 @@ pub struct HeartbeatConfig {
     pub capacity: Resources,
     /// Time between heartbeats.
     pub interval: Duration,
+    /// The preview forwarder's advertised address, when this host runs one.
+    pub forwarder: Option<String>,
 }
 
 /// Publishes heartbeats until `shutdown`. A round whose observation fails (the runtime does
@@ -71,6 +73,7 @@ pub async fn run(
                 })
                 .collect(),
             inventory,
+            forwarder: config.forwarder.clone(),
         };
         if let Err(e) = nats
             .publish(config.subject.clone(), wire::encode(&heartbeat).into())

@@ -25,7 +25,7 @@ use crate::{commands, StoreError};
 /// The columns [`SandboxRow::from_row`] reads, unqualified (select from `sandboxes`).
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
-     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network";
+     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, public_ports";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -80,6 +80,10 @@ pub struct SandboxRow {
     pub disk_mib: u32,
     /// Its network policy (the `network` column, in the API's JSON spelling).
     pub network: Network,
+    /// Whether a preview request starts it when it is stopped (`sandboxes.auto_resume`).
+    pub auto_resume: bool,
+    /// The ports anyone may reach through the preview proxy without a key, ascending.
+    pub public_ports: Vec<u16>,
 }
 
 impl SandboxRow {
@@ -115,6 +119,13 @@ impl SandboxRow {
             disk_mib: u32::try_from(row.try_get::<i32, _>("disk_mib").map_err(get)?)
                 .map_err(|e| corrupt("sandboxes.disk_mib", e))?,
             network: network(&row.try_get("network").map_err(get)?)?,
+            auto_resume: row.try_get("auto_resume").map_err(get)?,
+            public_ports: row
+                .try_get::<Vec<i32>, _>("public_ports")
+                .map_err(get)?
+                .into_iter()
+                .map(|p| u16::try_from(p).map_err(|e| corrupt("sandboxes.public_ports", e)))
+                .collect::<Result<_, _>>()?,
         })
     }
 
@@ -204,6 +215,10 @@ pub struct NewSandbox {
     pub disk_mib: u32,
     /// Its network policy, already validated.
     pub network: Network,
+    /// Whether a preview request starts it when it is stopped.
+    pub auto_resume: bool,
+    /// Ports reachable through the preview proxy without a key (validated: 1 to 65535).
+    pub public_ports: Vec<u16>,
 }
 
 /// Writes a new `provisioning` sandbox holding the capacity its placement reserved, its
@@ -221,8 +236,9 @@ pub async fn create(
         sqlx::query(&format!(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
-                                    auto_delete_minutes, runtime, disk_mib, network)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14)
+                                    auto_delete_minutes, runtime, disk_mib, network,
+                                    auto_resume, public_ports)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -239,6 +255,8 @@ pub async fn create(
         .bind(new.runtime.as_str())
         .bind(i32::try_from(new.disk_mib).unwrap_or(i32::MAX))
         .bind(new.network.to_api())
+        .bind(new.auto_resume)
+        .bind(new.public_ports.iter().map(|p| i32::from(*p)).collect::<Vec<i32>>())
         .fetch_one(&mut *conn),
     )
     .await?;
@@ -336,6 +354,19 @@ pub async fn list(
     )
     .await?;
     rows(&found)
+}
+
+/// One sandbox by id, of whichever org (the preview proxy learns the org from the row, then
+/// checks the caller against it); `None` when no row has that id.
+pub async fn find(db: impl PgExecutor<'_>, id: SandboxId) -> Result<Option<SandboxRow>, StoreError> {
+    let found = timed(
+        Op::SandboxGet,
+        sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(db),
+    )
+    .await?;
+    found.as_ref().map(SandboxRow::from_row).transpose()
 }
 
 /// Marks the sandbox active now (`last_activity_at`, which auto-stop measures from).
