@@ -41,6 +41,8 @@ enum LogFormat {
     Json,
 }
 
+// Parsed once at start and consumed: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Serve the HTTP API and run the outbox relay.
