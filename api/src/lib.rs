@@ -22,6 +22,7 @@ pub mod openapi;
 pub mod outbox;
 pub mod server;
 pub mod service;
+pub mod watch;
 pub mod webhooks;
 
 // The paths other crates, `src/` and `tests/` use, kept where they were.
@@ -58,6 +59,9 @@ pub struct AppState {
     /// Rate limiters, the key cache and per-org concurrency counts, built from
     /// `config.limits`.
     pub guards: std::sync::Arc<limits::Guards>,
+    /// Wakes waiting requests when a sandbox's state changes (`LISTEN`, opened by the first
+    /// wait).
+    pub watch: watch::SandboxWatch,
 }
 
 impl AppState {
@@ -71,6 +75,7 @@ impl AppState {
     ) -> Self {
         Self {
             guards: limits::Guards::new(config.limits.clone()),
+            watch: watch::SandboxWatch::new(db.clone()),
             db,
             nats,
             subjects,
@@ -130,6 +135,7 @@ pub async fn serve(
         shutdown.clone(),
     ));
     let (limits, state_guards) = (state.config.limits.clone(), state.guards.clone());
+    let watch = state.watch.clone();
     // Long-lived responses (the SSE stream) end on shutdown, or graceful shutdown would wait
     // for them forever.
     let app = router(state).layer(axum::Extension(http::events::StreamShutdown(
@@ -152,6 +158,7 @@ pub async fn serve(
         .map_err(ApiRunError::Serve);
     let _ = sweeper.await;
     shutdown.cancel();
+    watch.stop();
     let _ = relay.await;
     let _ = webhooks.await;
     served

@@ -72,6 +72,8 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
             auto_stop_minutes: None,
             auto_delete_minutes: None,
             disk_mib: 256,
+            expires_at: None,
+            on_expiry: Default::default(),
         },
     )
     .await

@@ -1,6 +1,7 @@
 //! Operating Berth: lifecycle events on the stream and over SSE, webhooks, metrics and
 //! Prometheus rules, the command relay, and running a fleet (leadership, drain and cordon,
-//! start caps, automatic stop and delete).
+//! start caps, automatic stop and delete), a sandbox's settings after create (PATCH, expiry,
+//! renew, the metadata filter) and waiting for a state without polling.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -12,4 +13,6 @@ mod limits;
 mod nats_auth;
 mod observability;
 mod relay;
+mod settings;
+mod wait;
 mod webhooks;

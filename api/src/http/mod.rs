@@ -11,6 +11,7 @@ pub mod files;
 pub mod hosts;
 pub mod idempotency;
 pub mod sandboxes;
+pub mod settings;
 pub mod templates;
 pub mod webhooks;
 
@@ -37,8 +38,12 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/v1/sandboxes/{id}",
-            get(sandboxes::get).delete(sandboxes::delete),
+            get(sandboxes::get)
+                .delete(sandboxes::delete)
+                .patch(settings::patch),
         )
+        .route("/v1/sandboxes/{id}/renew", post(settings::renew))
+        .route("/v1/sandboxes/{id}/wait", get(settings::wait_for))
         .route("/v1/sandboxes/{id}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/v1/sandboxes/{id}/start", post(sandboxes::start))

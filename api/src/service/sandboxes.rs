@@ -103,6 +103,8 @@ pub async fn create(
             auto_delete_minutes: req.auto_delete_minutes,
             disk_mib: req.disk_mib,
             network: req.network,
+            expires_at: req.expires_at,
+            on_expiry: req.on_expiry,
         },
     )
     .await?;
@@ -125,10 +127,12 @@ pub async fn get(db: &PgPool, org: OrgId, id: SandboxId) -> Result<Sandbox, Serv
 }
 
 /// Which sandboxes a list wants.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ListFilter {
     /// Only this state; `None`: every state but `deleted`.
     pub state: Option<SandboxState>,
+    /// Only sandboxes whose metadata holds every pair of this JSON object of strings.
+    pub metadata: Option<serde_json::Value>,
     /// Only ids before this one (the previous page's cursor).
     pub before: Option<SandboxId>,
     /// Page size.
@@ -150,6 +154,7 @@ pub async fn list(db: &PgPool, org: OrgId, filter: ListFilter) -> Result<Page, S
         db,
         org,
         filter.state,
+        filter.metadata.as_ref(),
         filter.before,
         i64::from(filter.limit) + 1,
     )

@@ -10,6 +10,7 @@
 //! - Org scoping (guarantee 7): [`get`], [`lock`] and [`list`] take the caller's org.
 
 use berth_schemas::network::Network;
+use berth_schemas::state::ExpiryAction;
 use berth_schemas::wire::{Command, Resources, Runtime, SandboxSpec, StopMode};
 use berth_schemas::{
     CommandId, CommandKind, Generation, HostId, OrgId, Reason, SandboxId, SandboxState,
@@ -25,7 +26,7 @@ use crate::{commands, StoreError};
 /// The columns [`SandboxRow::from_row`] reads, unqualified (select from `sandboxes`).
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
-     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network";
+     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, expires_at, on_expiry";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -80,6 +81,10 @@ pub struct SandboxRow {
     pub disk_mib: u32,
     /// Its network policy (the `network` column, in the API's JSON spelling).
     pub network: Network,
+    /// When the reconciler's pass applies [`SandboxRow::on_expiry`]; `None`: never.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// What its expiry does: stop (the default) or delete.
+    pub on_expiry: ExpiryAction,
 }
 
 impl SandboxRow {
@@ -115,6 +120,12 @@ impl SandboxRow {
             disk_mib: u32::try_from(row.try_get::<i32, _>("disk_mib").map_err(get)?)
                 .map_err(|e| corrupt("sandboxes.disk_mib", e))?,
             network: network(&row.try_get("network").map_err(get)?)?,
+            expires_at: row.try_get("expires_at").map_err(get)?,
+            on_expiry: row
+                .try_get::<String, _>("on_expiry")
+                .map_err(get)?
+                .parse()
+                .map_err(|e| corrupt("sandboxes.on_expiry", e))?,
         })
     }
 
@@ -204,6 +215,10 @@ pub struct NewSandbox {
     pub disk_mib: u32,
     /// Its network policy, already validated.
     pub network: Network,
+    /// When its expiry applies; `None`: never.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// What its expiry does.
+    pub on_expiry: ExpiryAction,
 }
 
 /// Writes a new `provisioning` sandbox holding the capacity its placement reserved, its
@@ -221,8 +236,10 @@ pub async fn create(
         sqlx::query(&format!(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
-                                    auto_delete_minutes, runtime, disk_mib, network)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14)
+                                    auto_delete_minutes, runtime, disk_mib, network, expires_at,
+                                    on_expiry)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15,
+                     $16)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -239,6 +256,8 @@ pub async fn create(
         .bind(new.runtime.as_str())
         .bind(i32::try_from(new.disk_mib).unwrap_or(i32::MAX))
         .bind(new.network.to_api())
+        .bind(new.expires_at)
+        .bind(new.on_expiry.as_str())
         .fetch_one(&mut *conn),
     )
     .await?;
@@ -310,11 +329,13 @@ pub async fn lock(
 }
 
 /// One page of the org's sandboxes, newest first: those in `state` (without it, all but
-/// tombstones), older than `before` when given, at most `limit`.
+/// tombstones) whose metadata holds every pair of `metadata` (a JSON object of strings) when
+/// given, older than `before` when given, at most `limit`.
 pub async fn list(
     db: impl PgExecutor<'_>,
     org: OrgId,
     state: Option<SandboxState>,
+    metadata: Option<&serde_json::Value>,
     before: Option<SandboxId>,
     limit: i64,
 ) -> Result<Vec<SandboxRow>, StoreError> {
@@ -325,6 +346,7 @@ pub async fn list(
               WHERE org_id = $1
                 AND ($2::text IS NULL AND state <> 'deleted' OR state = $2)
                 AND ($3::uuid IS NULL OR id < $3)
+                AND ($5::jsonb IS NULL OR metadata @> $5)
               ORDER BY id DESC
               LIMIT $4"
         ))
@@ -332,6 +354,7 @@ pub async fn list(
         .bind(state.map(SandboxState::as_str))
         .bind(before)
         .bind(limit)
+        .bind(metadata)
         .fetch_all(db),
     )
     .await?;
@@ -381,12 +404,14 @@ pub async fn org_usage(conn: &mut PgConnection, org: OrgId) -> Result<Usage, Sto
 }
 
 mod converge;
+mod settings;
 mod write;
 
 pub use converge::{
     capacity_drift, count_by_state, lock_due, lock_failed_guests, lock_stranded, lock_timed_out,
     purge_tombstones, CommandTimeouts, Due,
 };
+pub use settings::{clear_expiry, lock_expired, update_settings, SettingsChange};
 pub use write::{move_create, write_result, write_transition, ResultWrite, Transition, Written};
 
 #[cfg(test)]
