@@ -148,7 +148,6 @@ async fn patching_auto_stop_from_off_to_one_minute_rearms_it_from_now_and_stops_
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_sandbox_expires_by_stop_or_by_delete_with_reason_expired(db: PgPool) {
     let stack = Stack::start_with(db, 1, quick_passes()).await;
-    let soon = (Utc::now() + chrono::Duration::seconds(2)).to_rfc3339();
     let (status, to_stop) = stack
         .call(
             Method::POST,
@@ -159,6 +158,10 @@ async fn a_sandbox_expires_by_stop_or_by_delete_with_reason_expired(db: PgPool) 
     assert_eq!(status, 202, "{to_stop}");
     assert_eq!(to_stop["on_expiry"], "stop", "stop is the default action");
     assert!(to_stop["expires_at"].is_string(), "{to_stop}");
+    // Far enough ahead that a slow request on a loaded machine still sends it in the future;
+    // microseconds, as Postgres keeps them.
+    let soon = (Utc::now() + chrono::Duration::seconds(10))
+        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
     let (status, to_delete) = stack
         .call(
             Method::POST,
