@@ -245,3 +245,76 @@ async fn a_wait_answers_409_when_the_sandbox_settles_where_it_cannot_reach_the_t
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }
+
+/// Through the API router with a host row and a synthesized host result: an org's waits past
+/// `max_concurrent_waits` are refused before the request they follow changes anything, and
+/// the one holding the slot answers when the result arrives.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn waits_past_the_orgs_cap_are_refused_before_anything_changes(db: PgPool) {
+    use crate::support::inproc::{self, Api};
+    use axum::http::Method as M;
+    use berth_schemas::{CommandKind, HostId};
+
+    inproc::heartbeat(&db, HostId::new(), inproc::HOST_CAPACITY).await;
+    let nats = async_nats::connect(crate::support::nats_url())
+        .await
+        .unwrap();
+    let api = Api::configured(db.clone(), nats, crate::support::unique_subjects(), |c| {
+        c.limits.org_max_waits = 1
+    });
+    let org = inproc::org(&db).await;
+    let id = api.create(&org.key, inproc::SANDBOX).await;
+    let wait = format!("/v1/sandboxes/{id}/wait?state=running&timeout=120s");
+    let first = tokio::spawn({
+        let (api, key, wait) = (api.clone(), org.key.clone(), wait.clone());
+        async move { api.call(&key, M::GET, &wait, None, None).await }
+    });
+    let probe = format!("/v1/sandboxes/{id}/wait?state=running&timeout=0s");
+    crate::support::eventually("the first wait holds the org's only slot", || async {
+        let reply = api.call(&org.key, M::GET, &probe, None, None).await;
+        assert!(matches!(reply.status, 408 | 429), "{}", reply.body);
+        reply.status == 429
+    })
+    .await;
+    let refused = api
+        .call(
+            &org.key,
+            M::POST,
+            "/v1/sandboxes?wait=running",
+            None,
+            Some(inproc::SANDBOX),
+        )
+        .await;
+    assert_eq!(
+        (refused.status, refused.code()),
+        (429, "too_many_concurrent")
+    );
+    assert_eq!(refused.body["error"]["limit"], "max_concurrent_waits");
+    let sandboxes: i64 = sqlx::query_scalar("SELECT count(*) FROM sandboxes")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(sandboxes, 1, "the refused create wrote nothing");
+    assert!(
+        !first.is_finished(),
+        "the first wait answered while provisioning"
+    );
+
+    // The host reports the create: the waiting request answers with the running sandbox.
+    let create = inproc::commands_of(&db, id).await.pop().unwrap();
+    berth_reconciler::results::apply(
+        &db,
+        &inproc::result_for(&create, inproc::succeeded(CommandKind::Create)),
+    )
+    .await
+    .unwrap();
+    let answered = first.await.unwrap();
+    assert_eq!(answered.status, 200, "{}", answered.body);
+    assert_eq!(answered.body["state"], "running");
+    // Its slot is free again.
+    let again = api.call(&org.key, M::GET, &probe, None, None).await;
+    assert_eq!(
+        (again.status, again.body["state"].as_str()),
+        (200, Some("running"))
+    );
+}

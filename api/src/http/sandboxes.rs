@@ -14,9 +14,10 @@ use super::events::StreamShutdown;
 use super::extract::json_error;
 use super::extract::parse_path_id;
 use super::idempotency::{render_replayable, stored, Idempotency};
-use super::settings::{answer_when, stop_token, WaitQuery};
+use super::settings::{answer_when, stop_token, wait_slot, WaitFor, WaitQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::limits::ConcurrencyPermit;
 use crate::model::{check_metadata_entry, CreateSandbox, Sandbox, SandboxList, MAX_METADATA_KEYS};
 use crate::service::idempotency::Replayable;
 use crate::service::sandboxes::{self, LifecycleOutcome, ListFilter, PlacementPolicy};
@@ -35,7 +36,7 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
 /// Parses the `?wait=` parameters of a create or lifecycle route.
 fn wait_of(
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<Option<super::settings::WaitFor>, ApiError> {
+) -> Result<Option<WaitFor>, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::InvalidRequest {
         field: None,
         message: e.body_text(),
@@ -66,7 +67,7 @@ pub async fn create(
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let wait = wait_of(query)?;
+    let wait = wait_slot(&app, &caller, wait_of(query)?)?;
     let idem = Idempotency::from_headers(&headers, "POST", "/v1/sandboxes", &body)?;
     let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
         b"{}"
@@ -266,7 +267,7 @@ async fn lifecycle(
     id: SandboxId,
     request: Request,
     idem: Option<Idempotency>,
-    wait: Option<super::settings::WaitFor>,
+    wait: Option<(WaitFor, ConcurrencyPermit)>,
     stop: &tokio_util::sync::CancellationToken,
 ) -> Result<Response, ApiError> {
     let outcome = sandboxes::lifecycle(
@@ -309,7 +310,7 @@ macro_rules! lifecycle_route {
             shutdown: Option<Extension<StreamShutdown>>,
             query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
         ) -> Result<Response, ApiError> {
-            let wait = wait_of(query)?;
+            let wait = wait_slot(&app, &caller, wait_of(query)?)?;
             let idem = Idempotency::from_headers(&headers, "POST", $path, id.as_bytes())?;
             let stop = stop_token(shutdown);
             lifecycle(&app, &caller, parse_id(&id)?, $request, idem, wait, &stop).await
@@ -357,7 +358,7 @@ pub async fn delete(
     shutdown: Option<Extension<StreamShutdown>>,
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let wait = wait_of(query)?;
+    let wait = wait_slot(&app, &caller, wait_of(query)?)?;
     let stop = stop_token(shutdown);
     lifecycle(
         &app,

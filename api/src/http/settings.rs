@@ -21,6 +21,7 @@ use super::idempotency::{render_replayable, stored, Idempotency};
 use super::sandboxes::parse_id;
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::limits::{ConcurrencyPermit, Concurrent};
 use crate::model::settings::{PatchSandbox, RenewSandbox};
 use crate::model::Sandbox;
 use crate::service::wait::{DEFAULT_WAIT_TIMEOUT, MAX_WAIT_TIMEOUT};
@@ -167,12 +168,26 @@ pub(crate) fn stop_token(shutdown: Option<Extension<StreamShutdown>>) -> Cancell
     shutdown.map(|Extension(s)| s.0).unwrap_or_default()
 }
 
-/// Waits as `wait` says on the caller's sandbox `id` and answers it with 200.
+/// A slot of the org's concurrent waits, taken before the request it follows changes
+/// anything (so a create never commits and then answers 429).
+///
+/// Errors: 429 `too_many_concurrent` (`max_concurrent_waits`).
+pub(crate) fn wait_slot(
+    app: &AppState,
+    caller: &Caller,
+    wait: Option<WaitFor>,
+) -> Result<Option<(WaitFor, ConcurrencyPermit)>, ApiError> {
+    wait.map(|w| Ok((w, app.guards.concurrency(caller.org_id, Concurrent::Waits)?)))
+        .transpose()
+}
+
+/// Waits as `wait` says on the caller's sandbox `id` and answers it with 200; `_slot` is held
+/// until then.
 pub(crate) async fn answer_when(
     app: &AppState,
     caller: &Caller,
     id: SandboxId,
-    wait: WaitFor,
+    (wait, _slot): (WaitFor, ConcurrencyPermit),
     stop: &CancellationToken,
 ) -> Result<Response, ApiError> {
     let sandbox = wait::wait(
@@ -209,6 +224,7 @@ pub struct WaitStateQuery {
         (status = 404, description = "`not_found`"),
         (status = 408, description = "`timeout`: not there within `timeout`; `state` is its state, `sandbox_id` its id"),
         (status = 409, description = "`conflict`: settled where it cannot get there; `state` is its state, `sandbox_id` its id"),
+        (status = 429, description = "`too_many_concurrent`: the org holds `max_concurrent_waits` open waits on this API process"),
     ), security(("bearer" = [])))]
 pub async fn wait_for(
     State(app): State<AppState>,
@@ -226,7 +242,8 @@ pub async fn wait_for(
         target: parse_target("state", &q.state)?,
         timeout: parse_timeout(q.timeout.as_deref())?,
     };
-    answer_when(&app, &caller, id, wait, &stop_token(shutdown)).await
+    let slot = wait_slot(&app, &caller, Some(wait))?.expect("a wait was given");
+    answer_when(&app, &caller, id, slot, &stop_token(shutdown)).await
 }
 
 #[cfg(test)]
