@@ -10,7 +10,7 @@ use berth_reconciler::pass::PassConfig;
 use reqwest::Method;
 use sqlx::PgPool;
 
-use crate::support::Stack;
+use crate::support::{Stack, SETTLE_TIMEOUT};
 
 const BODY: &str = r#"{"template": "base", "memory_mib": 256}"#;
 
@@ -265,17 +265,33 @@ async fn waits_past_the_orgs_cap_are_refused_before_anything_changes(db: PgPool)
     let org = inproc::org(&db).await;
     let id = api.create(&org.key, inproc::SANDBOX).await;
     let wait = format!("/v1/sandboxes/{id}/wait?state=running&timeout=120s");
-    let first = tokio::spawn({
+    let spawn_first = || {
         let (api, key, wait) = (api.clone(), org.key.clone(), wait.clone());
-        async move { api.call(&key, M::GET, &wait, None, None).await }
-    });
+        tokio::spawn(async move { api.call(&key, M::GET, &wait, None, None).await })
+    };
     let probe = format!("/v1/sandboxes/{id}/wait?state=running&timeout=0s");
-    crate::support::eventually("the first wait holds the org's only slot", || async {
+    // A probe (timeout 0 s: 408 at once while provisioning) is refused once the first wait
+    // holds the org's only slot; a probe that took the slot first makes the first one 429,
+    // and it is sent again.
+    let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
+    let mut first = spawn_first();
+    loop {
+        if first.is_finished() {
+            let early = first.await.unwrap();
+            assert_eq!(early.status, 429, "the first wait answered: {}", early.body);
+            first = spawn_first();
+        }
         let reply = api.call(&org.key, M::GET, &probe, None, None).await;
         assert!(matches!(reply.status, 408 | 429), "{}", reply.body);
-        reply.status == 429
-    })
-    .await;
+        if reply.status == 429 && !first.is_finished() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the first wait never held the slot"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let refused = api
         .call(
             &org.key,
