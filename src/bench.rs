@@ -4,7 +4,9 @@
 //!
 //! Latencies are observed from the client: a request is sent, then the sandbox is polled every
 //! [`POLL_INTERVAL`] until it reaches the target state, so each figure carries up to one poll
-//! interval of observation error.
+//! interval of observation error. Time to interactive is measured without polling: a create
+//! with `?wait=running` (answered when the database notifies the state change), then the
+//! first exec, answered.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,6 +26,8 @@ const TRANSITION_TIMEOUT: Duration = Duration::from_secs(120);
 const FLOOR_SAMPLES: usize = 20;
 /// Postgres and JetStream floor samples (cheap, so more).
 const CHEAP_FLOOR_SAMPLES: usize = 200;
+/// The longest wait the API grants, in seconds (`berth_api::service::wait::MAX_WAIT_TIMEOUT`).
+const MAX_WAIT_SECS: u64 = berth_api::service::wait::MAX_WAIT_TIMEOUT.as_secs();
 
 /// Flags of `berth bench`.
 #[derive(Args, Debug)]
@@ -141,6 +145,36 @@ impl Client {
         let status = resp.status().as_u16();
         let value = resp.json().await.unwrap_or(Value::Null);
         Ok((status, value))
+    }
+
+    /// Time to interactive: `POST /v1/sandboxes?wait=running` (the API answers once it runs,
+    /// without polling), then the first exec answered. Returns (create→running as the wait
+    /// answered it, create→first exec answered, the id).
+    async fn interactive(&self, body: &Value) -> anyhow::Result<(Duration, Duration, String)> {
+        let started = Instant::now();
+        let path = format!(
+            "/v1/sandboxes?wait=running&timeout={}s",
+            TRANSITION_TIMEOUT.as_secs().min(MAX_WAIT_SECS)
+        );
+        let (status, created) = self
+            .send(reqwest::Method::POST, &path, Some(body.clone()))
+            .await?;
+        if status != 200 || created["state"] != "running" {
+            bail!("create with wait: {status} {created}");
+        }
+        let running = started.elapsed();
+        let id = created["id"].as_str().unwrap_or_default().to_owned();
+        let (status, out) = self
+            .send(
+                reqwest::Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(json!({"cmd": ["echo", "hi"]})),
+            )
+            .await?;
+        if status != 200 || out["stdout"] != "hi\n" {
+            bail!("first exec failed: {status} {out}");
+        }
+        Ok((running, started.elapsed(), id))
     }
 
     async fn wait(&self, id: &str, state: &str) -> anyhow::Result<()> {
@@ -308,6 +342,25 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
     }
 
+    // Time to interactive: create (waited on, no polling) → first exec answered.
+    let mut waited_create = Samples::default();
+    let mut interactive = Samples::default();
+    for _ in 0..args.sandboxes {
+        let (running, first_exec, id) = client.interactive(&sandbox).await?;
+        waited_create.push(running);
+        interactive.push(first_exec);
+        let (status, gone) = client
+            .send(
+                reqwest::Method::DELETE,
+                &format!("/v1/sandboxes/{id}?wait=deleted&timeout={MAX_WAIT_SECS}s"),
+                None,
+            )
+            .await?;
+        if status != 200 {
+            bail!("delete with wait: {status} {gone}");
+        }
+    }
+
     // Throughput: a burst of creates, then deletes, all in flight at once.
     let burst_started = Instant::now();
     let created = futures::future::try_join_all((0..args.burst).map(|_| {
@@ -378,6 +431,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     row("create→running", &create, "runc run", &runc_floor);
     row("exec round trip", &exec, "—", &Samples::default());
+    row(
+        "create→running (?wait=running)",
+        &waited_create,
+        "runc run",
+        &runc_floor,
+    );
+    row(
+        "time to interactive (create→first exec answered)",
+        &interactive,
+        "runc run",
+        &runc_floor,
+    );
     row("stop→stopped", &stop, "—", &Samples::default());
     row("start→running", &start, "runc run", &runc_floor);
     row("delete→deleted", &delete, "—", &Samples::default());

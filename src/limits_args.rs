@@ -59,6 +59,9 @@ pub struct ApiLimitArgs {
     /// Concurrent execs per org.
     #[arg(long, env = "BERTH_ORG_MAX_EXECS", default_value_t = limits::DEFAULT_ORG_MAX_EXECS)]
     pub org_max_execs: usize,
+    /// Concurrent waits for a sandbox's state (`GET …/wait`, `?wait=`) per org.
+    #[arg(long, env = "BERTH_ORG_MAX_WAITS", default_value_t = limits::DEFAULT_ORG_MAX_WAITS)]
+    pub org_max_waits: usize,
 }
 
 impl ApiLimitArgs {
@@ -86,6 +89,7 @@ impl ApiLimitArgs {
             org_max_streams: self.org_max_streams,
             org_max_transfers: self.org_max_transfers,
             org_max_execs: self.org_max_execs,
+            org_max_waits: self.org_max_waits,
         }
     }
 }

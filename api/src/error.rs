@@ -4,7 +4,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use berth_schemas::SandboxState;
+use berth_schemas::{SandboxId, SandboxState};
 use berth_store::StoreError;
 use serde_json::json;
 use tracing::error;
@@ -104,6 +104,29 @@ pub enum ApiError {
         /// What conflicted, for the operator.
         message: String,
     },
+    /// 409 `conflict` of a wait (`GET …/wait`, `?wait=` on a create or lifecycle request):
+    /// the sandbox settled in `state`, from which it cannot reach the target; carries the
+    /// state and the sandbox's id (a create's client learns it here).
+    #[error("{message}")]
+    WaitConflict {
+        /// The sandbox's state now.
+        state: SandboxState,
+        /// The sandbox waited on.
+        sandbox_id: SandboxId,
+        /// What happened, for the client.
+        message: String,
+    },
+    /// 408 `timeout`: a wait's timeout passed before the sandbox reached the target; carries
+    /// its state and id (the request it followed was accepted: waiting again is safe).
+    #[error("{message}")]
+    WaitTimeout {
+        /// The sandbox's state when the wait ended.
+        state: SandboxState,
+        /// The sandbox waited on.
+        sandbox_id: SandboxId,
+        /// What happened, for the client.
+        message: String,
+    },
     /// A fenced write found the sandbox moved on (someone else's transition won): 409
     /// `conflict`; the client reads the sandbox again.
     #[error("{0}")]
@@ -145,9 +168,11 @@ impl ApiError {
             }
             ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
             ApiError::Unavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            ApiError::Conflict { .. } | ApiError::HostConflict { .. } | ApiError::Fenced(_) => {
-                (StatusCode::CONFLICT, "conflict")
-            }
+            ApiError::Conflict { .. }
+            | ApiError::HostConflict { .. }
+            | ApiError::Fenced(_)
+            | ApiError::WaitConflict { .. } => (StatusCode::CONFLICT, "conflict"),
+            ApiError::WaitTimeout { .. } => (StatusCode::REQUEST_TIMEOUT, "timeout"),
             ApiError::HostUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "host_unavailable"),
             ApiError::Agent(_) => (StatusCode::BAD_GATEWAY, "agent_error"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
@@ -188,6 +213,17 @@ impl From<ServiceError> for ApiError {
                 ApiError::HostConflict { state, message }
             }
             e @ ServiceError::TooManyWebhooks { .. } => ApiError::invalid("url", e.to_string()),
+            ServiceError::InvalidRequest { field, message } => ApiError::invalid(field, message),
+            e @ ServiceError::WaitConflict { sandbox, state, .. } => ApiError::WaitConflict {
+                state,
+                sandbox_id: sandbox,
+                message: e.to_string(),
+            },
+            e @ ServiceError::WaitTimeout { sandbox, state, .. } => ApiError::WaitTimeout {
+                state,
+                sandbox_id: sandbox,
+                message: e.to_string(),
+            },
             ServiceError::Internal(cause) => ApiError::Internal(cause),
             ServiceError::Database(e) => e.into(),
             ServiceError::Store(e) => e.into(),
@@ -230,6 +266,15 @@ impl IntoResponse for ApiError {
                 field: Some(field), ..
             } => body["field"] = json!(field),
             ApiError::Conflict { state, .. } => body["state"] = json!(state),
+            ApiError::WaitConflict {
+                state, sandbox_id, ..
+            }
+            | ApiError::WaitTimeout {
+                state, sandbox_id, ..
+            } => {
+                body["state"] = json!(state);
+                body["sandbox_id"] = json!(sandbox_id);
+            }
             ApiError::HostConflict { state, .. } => body["state"] = json!(state),
             ApiError::QuotaExceeded { limit, value } => {
                 body["limit"] = json!(limit);

@@ -23,6 +23,7 @@ pub mod outbox;
 pub mod preview;
 pub mod server;
 pub mod service;
+pub mod watch;
 pub mod webhooks;
 
 // The paths other crates, `src/` and `tests/` use, kept where they were.
@@ -62,6 +63,9 @@ pub struct AppState {
     /// The preview proxy of the path route (`/v1/sandboxes/{id}/ports/{port}/…`), sharing
     /// `guards`.
     pub preview: std::sync::Arc<preview::Preview>,
+    /// Wakes waiting requests when a sandbox's state changes (`LISTEN`, opened by the first
+    /// wait).
+    pub watch: watch::SandboxWatch,
 }
 
 impl AppState {
@@ -82,6 +86,7 @@ impl AppState {
                 config.overcommit,
             ),
             guards,
+            watch: watch::SandboxWatch::new(db.clone()),
             db,
             nats,
             subjects,
@@ -147,6 +152,7 @@ pub async fn serve(
         shutdown.clone(),
     ));
     let (limits, state_guards) = (state.config.limits.clone(), state.guards.clone());
+    let watch = state.watch.clone();
     // Long-lived responses (the SSE stream) end on shutdown, or graceful shutdown would wait
     // for them forever.
     let app = router(state).layer(axum::Extension(http::events::StreamShutdown(
@@ -169,6 +175,7 @@ pub async fn serve(
         .map_err(ApiRunError::Serve);
     let _ = sweeper.await;
     shutdown.cancel();
+    watch.stop();
     let _ = relay.await;
     let _ = webhooks.await;
     let _ = preview_routes.await;

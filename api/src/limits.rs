@@ -70,6 +70,8 @@ pub const DEFAULT_ORG_MAX_STREAMS: usize = 16;
 pub const DEFAULT_ORG_MAX_TRANSFERS: usize = 8;
 /// Default concurrent `exec` calls per org.
 pub const DEFAULT_ORG_MAX_EXECS: usize = 32;
+/// Default concurrent waits (`GET …/wait`, `?wait=`) per org.
+pub const DEFAULT_ORG_MAX_WAITS: usize = 64;
 /// How often idle rate-limit state is dropped.
 pub const RATE_STATE_SWEEP: Duration = Duration::from_secs(60);
 
@@ -125,6 +127,8 @@ pub struct LimitsConfig {
     pub org_max_transfers: usize,
     /// Concurrent execs per org.
     pub org_max_execs: usize,
+    /// Concurrent waits for a sandbox's state per org.
+    pub org_max_waits: usize,
 }
 
 impl Default for LimitsConfig {
@@ -151,6 +155,7 @@ impl Default for LimitsConfig {
             org_max_streams: DEFAULT_ORG_MAX_STREAMS,
             org_max_transfers: DEFAULT_ORG_MAX_TRANSFERS,
             org_max_execs: DEFAULT_ORG_MAX_EXECS,
+            org_max_waits: DEFAULT_ORG_MAX_WAITS,
         }
     }
 }
@@ -179,6 +184,8 @@ pub enum Concurrent {
     Transfers,
     /// `POST …/exec`.
     Execs,
+    /// `GET …/wait` and `?wait=` on a create or lifecycle request.
+    Waits,
 }
 
 impl Concurrent {
@@ -188,6 +195,7 @@ impl Concurrent {
             Concurrent::Streams => "max_concurrent_streams",
             Concurrent::Transfers => "max_concurrent_transfers",
             Concurrent::Execs => "max_concurrent_execs",
+            Concurrent::Waits => "max_concurrent_waits",
         }
     }
 }
@@ -313,6 +321,7 @@ impl Guards {
             Concurrent::Streams => self.config.org_max_streams,
             Concurrent::Transfers => self.config.org_max_transfers,
             Concurrent::Execs => self.config.org_max_execs,
+            Concurrent::Waits => self.config.org_max_waits,
         };
         let mut in_flight = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         let count = in_flight.entry((org, kind)).or_default();

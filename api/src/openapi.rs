@@ -5,7 +5,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::http::{events, exec, files, hosts, sandboxes, templates};
+use crate::http::{events, exec, files, hosts, sandboxes, settings, templates};
 use crate::model;
 
 /// The API description, with the lifecycle table.
@@ -35,6 +35,19 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
 | unarchiving    | =              | 409          | stopping |
 | failed-start   | starting       | =            | stopping |
 | deleted        | 409            | 409          | =        |
+
+`PATCH /v1/sandboxes/{id}` and `POST …/renew` are accepted in every state but a sandbox being
+deleted or deleted (409); they change settings, not the state, and emit `sandbox.updated`.
+
+## Waiting
+
+`GET /v1/sandboxes/{id}/wait?state=running|stopped|deleted&timeout=30s`, or `?wait=…&timeout=…`
+on a create or lifecycle request, answers 200 with the sandbox as soon as it is in that state
+(woken by the database's notification of the change, not by polling); 409 with `state` and
+`sandbox_id` when it settled where it cannot get there without a new request (a settled state
+— `running`, `stopped`, `failed-start` — other than the target, or being deleted); 408
+`timeout` with `state` and `sandbox_id` when `timeout` (default 30 s, at most 5 minutes)
+passes first.
 "#;
 
 #[derive(OpenApi)]
@@ -49,6 +62,9 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
         sandboxes::pause,
         sandboxes::start,
         sandboxes::resume,
+        settings::patch,
+        settings::renew,
+        settings::wait_for,
         events::events,
         templates::templates,
         exec::exec,
@@ -62,6 +78,8 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
         crate::http::preview::TokenRequest,
         crate::http::preview::PreviewTokenResponse,
         model::CreateSandbox,
+        model::settings::PatchSandbox,
+        model::settings::RenewSandbox,
         model::Sandbox,
         model::SandboxList,
         model::ExecBody,
@@ -138,9 +156,15 @@ mod tests {
             "/v1/sandboxes/{id}/stop",
             "/v1/sandboxes/{id}/start",
             "/v1/sandboxes/{id}/exec",
+            "/v1/sandboxes/{id}/renew",
+            "/v1/sandboxes/{id}/wait",
         ] {
             assert!(doc.paths.paths.contains_key(path), "{path}");
         }
+        assert!(
+            doc.paths.paths["/v1/sandboxes/{id}"].patch.is_some(),
+            "PATCH /v1/sandboxes/{{id}}"
+        );
         let description = doc.info.description.unwrap();
         for state in berth_schemas::SandboxState::ALL
             .iter()

@@ -1,6 +1,6 @@
 //! The leader's periodic pass: converge what results alone cannot — silent hosts, commands a
 //! host never answered, guests that stopped answering, sandboxes stranded on lost hosts,
-//! auto-stop, auto-delete, tombstone purge — and export the capacity invariant.
+//! expiry, auto-stop, auto-delete, tombstone purge — and export the capacity invariant.
 //!
 //! Source: the seed lifecycle doc, "Let the reconciler converge" (`shared/reference/003_…`).
 //!
@@ -17,8 +17,8 @@
 use std::time::{Duration, Instant};
 
 use berth_schemas::state::{
-    on_guest_failure, on_host_lost, on_inventory, on_request, on_timeout, Decision, Failure,
-    InventoryVerdict, Request, HOST_LOST_MESSAGE,
+    on_expiry, on_guest_failure, on_host_lost, on_inventory, on_request, on_timeout, Decision,
+    Expiry, ExpiryAction, Failure, InventoryVerdict, Request, HOST_LOST_MESSAGE,
 };
 use berth_schemas::wire::Command;
 use berth_schemas::{CommandId, CommandKind, Generation, Reason};
@@ -108,6 +108,8 @@ pub enum Action {
     GuestUnhealthy,
     /// Sandboxes failed because their host stayed `lost` past [`PassConfig::failover_after`].
     HostLostFailover,
+    /// Sandboxes whose `expires_at` passed: stopped or deleted as their `on_expiry` says.
+    Expired,
     /// `running` sandboxes stopped after `auto_stop_minutes` idle.
     AutoStop,
     /// `stopped` or `failed-start` sandboxes deleted after `auto_delete_minutes`.
@@ -128,6 +130,7 @@ impl Action {
             Action::CommandTimeout => "command_timeout",
             Action::GuestUnhealthy => "guest_unhealthy",
             Action::HostLostFailover => "host_lost_failover",
+            Action::Expired => "expired",
             Action::AutoStop => "auto_stop",
             Action::AutoDelete => "auto_delete",
             Action::TombstonePurge => "tombstone_purge",
@@ -235,6 +238,8 @@ async fn run_actions(
     report.actions.push((Action::GuestUnhealthy, n));
     let n = fail_over_lost_hosts(db, config, lease).await?;
     report.actions.push((Action::HostLostFailover, n));
+    let n = expire(db, config, lease).await?;
+    report.actions.push((Action::Expired, n));
     let n = auto_lifecycle(db, config, lease, Request::Stop).await?;
     report.actions.push((Action::AutoStop, n));
     let n = auto_lifecycle(db, config, lease, Request::Delete).await?;
@@ -350,6 +355,58 @@ async fn fail_over_lost_hosts(
     let mut n = 0;
     for row in sandboxes::lock_stranded(&mut tx, silent_for, config.batch).await? {
         fail_sandbox(&mut tx, &row, on_host_lost(), HOST_LOST_MESSAGE).await?;
+        n += 1;
+    }
+    commit(tx).await?;
+    Ok(n)
+}
+
+/// Expiry: each sandbox whose `expires_at` passed gets its `on_expiry` action as
+/// [`on_expiry`] decides — the request's transition with reason `expired` (and its expiry
+/// cleared: it fires once), only the expiry cleared when the sandbox is already there, or
+/// nothing yet while a conflicting transition is in flight (a later pass sees it settled).
+/// Returns how many transitions it wrote.
+async fn expire(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, PassError> {
+    let mut tx = fenced(db, lease).await?;
+    let mut n = 0;
+    for row in sandboxes::lock_expired(&mut tx, config.batch).await? {
+        let Decision::Transition {
+            to,
+            command,
+            capacity,
+        } = (match on_expiry(row.state, row.deleting(), row.on_expiry) {
+            Expiry::Apply(decision) => decision,
+            Expiry::Settled => {
+                sandboxes::clear_expiry(&mut tx, &row, row.generation).await?;
+                continue;
+            }
+            Expiry::Later => continue,
+        })
+        else {
+            continue;
+        };
+        let message = format!(
+            "expired at {}: {}",
+            row.expires_at.map(|t| t.to_rfc3339()).unwrap_or_default(),
+            row.on_expiry
+        );
+        let written = sandboxes::write_transition(
+            &mut tx,
+            &row,
+            &Transition {
+                to,
+                command: Some(command),
+                capacity,
+                reason: Reason::Expired,
+                delete: row.on_expiry == ExpiryAction::Delete,
+                message: Some(&message),
+                activity: false,
+                overcommit: Overcommit::default(),
+            },
+        )
+        .await?;
+        sandboxes::clear_expiry(&mut tx, &row, written.row.generation).await?;
+        info!(sandbox_id = %row.id, action = %row.on_expiry, "sandbox expired");
         n += 1;
     }
     commit(tx).await?;

@@ -28,6 +28,11 @@ pub const DATA_CONTENT_TYPE: &str = "application/json";
 pub const TYPE_PREFIX: &str = "dev.berth.";
 /// The type of the event saying a webhook was disabled after a run of failed deliveries.
 pub const WEBHOOK_DISABLED: &str = "dev.berth.webhook.disabled";
+/// The type of the event saying a sandbox's settings changed (`PATCH`, renew) without a
+/// state change: `from` and `to` are both its state, `message` names what changed.
+pub const SANDBOX_UPDATED: &str = "dev.berth.sandbox.updated";
+/// [`SANDBOX_UPDATED`] as the `events.type` column spells it.
+pub const SANDBOX_UPDATED_ROW: &str = "sandbox.updated";
 
 /// One CloudEvent with typed `data`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,7 +43,7 @@ pub struct CloudEvent<T> {
     pub id: EventId,
     /// `/berth/orgs/<org_id>`: the org the event belongs to.
     pub source: String,
-    /// `dev.berth.sandbox.<state>` or [`WEBHOOK_DISABLED`].
+    /// `dev.berth.sandbox.<state>`, [`SANDBOX_UPDATED`] or [`WEBHOOK_DISABLED`].
     #[serde(rename = "type")]
     pub kind: String,
     /// `sandboxes/<sandbox_id>` or `webhooks/<webhook_id>`.
@@ -102,6 +107,7 @@ pub fn normalize_type(raw: &str) -> Option<String> {
         format!("{TYPE_PREFIX}{raw}")
     };
     let known = full == WEBHOOK_DISABLED
+        || full == SANDBOX_UPDATED
         || full
             .strip_prefix("dev.berth.sandbox.")
             .and_then(|s| s.parse::<SandboxState>().ok())
@@ -114,13 +120,28 @@ fn org_source(org: OrgId) -> String {
 }
 
 impl CloudEvent<SandboxEventData> {
-    /// The CloudEvent of one sandbox event row.
+    /// The CloudEvent of one sandbox state change.
     pub fn sandbox(id: EventId, time: DateTime<Utc>, data: SandboxEventData) -> Self {
+        let kind = sandbox_event_type(data.to);
+        Self::sandbox_of_kind(id, time, kind, data)
+    }
+
+    /// The CloudEvent of a change of a sandbox's settings ([`SANDBOX_UPDATED`]).
+    pub fn sandbox_updated(id: EventId, time: DateTime<Utc>, data: SandboxEventData) -> Self {
+        Self::sandbox_of_kind(id, time, SANDBOX_UPDATED.to_owned(), data)
+    }
+
+    fn sandbox_of_kind(
+        id: EventId,
+        time: DateTime<Utc>,
+        kind: String,
+        data: SandboxEventData,
+    ) -> Self {
         Self {
             specversion: SPEC_VERSION.to_owned(),
             id,
             source: org_source(data.org_id),
-            kind: sandbox_event_type(data.to),
+            kind,
             subject: format!("sandboxes/{}", data.sandbox_id),
             time,
             datacontenttype: DATA_CONTENT_TYPE.to_owned(),
@@ -221,6 +242,10 @@ mod tests {
         assert_eq!(
             normalize_type("dev.berth.webhook.disabled").as_deref(),
             Some(WEBHOOK_DISABLED)
+        );
+        assert_eq!(
+            normalize_type("sandbox.updated").as_deref(),
+            Some(SANDBOX_UPDATED)
         );
         for bad in ["sandbox.lost", "sandbox.nope", "running", "", "dev.berth."] {
             assert_eq!(normalize_type(bad), None, "{bad:?}");

@@ -10,7 +10,7 @@
 //!   cursor.
 //! - An event's CloudEvent `id` is its row id, on every path.
 
-use berth_schemas::cloudevents::{CloudEvent, SandboxEventData, TYPE_PREFIX};
+use berth_schemas::cloudevents::{CloudEvent, SandboxEventData, SANDBOX_UPDATED_ROW, TYPE_PREFIX};
 use berth_schemas::{CommandId, EventId, Generation, OrgId, Reason, SandboxId, SandboxState};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
@@ -49,6 +49,23 @@ impl NewEvent<'_> {
 
 /// Inserts an event row in the caller's transaction and returns its id.
 pub async fn insert(conn: &mut PgConnection, event: &NewEvent<'_>) -> Result<EventId, StoreError> {
+    insert_of_type(conn, event, &event.event_type()).await
+}
+
+/// Inserts a `sandbox.updated` event (a change of settings, no state change: `from` = `to` =
+/// the sandbox's state) in the caller's transaction and returns its id.
+pub async fn insert_updated(
+    conn: &mut PgConnection,
+    event: &NewEvent<'_>,
+) -> Result<EventId, StoreError> {
+    insert_of_type(conn, event, SANDBOX_UPDATED_ROW).await
+}
+
+async fn insert_of_type(
+    conn: &mut PgConnection,
+    event: &NewEvent<'_>,
+    kind: &str,
+) -> Result<EventId, StoreError> {
     let id = EventId::new();
     timed(
         Op::EventInsert,
@@ -60,7 +77,7 @@ pub async fn insert(conn: &mut PgConnection, event: &NewEvent<'_>) -> Result<Eve
         .bind(id)
         .bind(event.sandbox_id)
         .bind(event.org_id)
-        .bind(event.event_type())
+        .bind(kind)
         .bind(event.from.map(SandboxState::as_str))
         .bind(event.to.as_str())
         .bind(event.reason.as_str())
@@ -119,7 +136,7 @@ pub async fn list_for_sandbox(
 }
 
 /// The columns [`EventRecord::from_row`] reads (select from `events`).
-pub const EVENT_COLUMNS: &str = "id, sandbox_id, org_id, from_state, to_state, reason, \
+pub const EVENT_COLUMNS: &str = "id, sandbox_id, org_id, type, from_state, to_state, reason, \
      generation, command_id, message, at, seq";
 
 /// The advisory lock under which [`mark_published`] stamps `seq` (ASCII "BERTHSEQ").
@@ -156,9 +173,15 @@ impl EventRecord {
             message: "NULL in a NOT NULL column".into(),
         })?;
         let at: DateTime<Utc> = row.try_get("at").map_err(get)?;
+        let kind: String = row.try_get("type").map_err(get)?;
+        let render = if kind == SANDBOX_UPDATED_ROW {
+            CloudEvent::sandbox_updated
+        } else {
+            CloudEvent::sandbox
+        };
         Ok(Self {
             seq: row.try_get("seq").map_err(get)?,
-            event: CloudEvent::sandbox(
+            event: render(
                 row.try_get("id").map_err(get)?,
                 at,
                 SandboxEventData {

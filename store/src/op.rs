@@ -62,6 +62,13 @@ ops! {
     /// [`crate::sandboxes::lock_due`] with `Due::AutoDelete`: `stopped`/`failed-start` rows past
     /// `auto_delete_minutes`.
     SandboxAutoDelete => "sandbox_auto_delete",
+    /// [`crate::sandboxes::update_settings`]: a fenced write of a sandbox's settings (PATCH,
+    /// renew).
+    SandboxUpdateSettings => "sandbox_update_settings",
+    /// [`crate::sandboxes::lock_expired`]: rows whose `expires_at` has passed.
+    SandboxExpired => "sandbox_expired",
+    /// [`crate::sandboxes::clear_expiry`]: clears an applied expiry.
+    SandboxClearExpiry => "sandbox_clear_expiry",
     /// [`crate::sandboxes::purge_tombstones`]: deletes old `deleted` rows.
     SandboxPurge => "sandbox_purge",
     /// [`crate::sandboxes::capacity_drift`]: hosts whose reserved sums disagree (guarantee 4).

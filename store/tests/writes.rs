@@ -75,6 +75,8 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
             disk_mib: 256,
             auto_resume: true,
             public_ports: vec![],
+            expires_at: None,
+            on_expiry: Default::default(),
         },
     )
     .await

@@ -1,6 +1,8 @@
 //! Operating Berth: lifecycle events on the stream and over SSE, webhooks, metrics and
 //! Prometheus rules, the command relay, and running a fleet (leadership, drain and cordon,
-//! start caps, automatic stop and delete), and preview URLs (`preview.rs`).
+//! start caps, automatic stop and delete), preview URLs (`preview.rs`), a sandbox's settings
+//! after create (PATCH, expiry, renew, the metadata filter) and waiting for a state without
+//! polling.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -14,4 +16,6 @@ mod observability;
 mod preview;
 mod preview_kit;
 mod relay;
+mod settings;
+mod wait;
 mod webhooks;

@@ -385,13 +385,32 @@ async fn a_stopped_sandbox_is_woken_by_one_request_and_started_once_by_twenty(db
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn without_auto_resume_a_request_gets_409_and_the_sandbox_stays_stopped(db: PgPool) {
+async fn with_auto_resume_patched_off_a_request_gets_409_and_the_sandbox_stays_stopped(db: PgPool) {
     let stack = Stack::start(db, 1).await;
     let id = create_running(
         &stack,
-        json!({"template": "base", "vcpus": 1, "memory_mib": 256, "auto_resume": false}),
+        json!({"template": "base", "vcpus": 1, "memory_mib": 256}),
     )
     .await;
+    // Turned off after create, by PATCH (the proxy's cached route must not keep the old value).
+    let (status, body) = stack
+        .call(
+            Method::PATCH,
+            &format!("/v1/sandboxes/{id}"),
+            Some(json!({"auto_resume": false, "public_ports": [9000, 8000]})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["auto_resume"], false);
+    assert_eq!(body["public_ports"], json!([8000, 9000]));
+    let (status, body) = stack
+        .call(
+            Method::PATCH,
+            &format!("/v1/sandboxes/{id}"),
+            Some(json!({"public_ports": []})),
+        )
+        .await;
+    assert_eq!((status, body["public_ports"].clone()), (200, json!([])), "{body}");
     assert_eq!(stack.request(&id, "stop").await.0, 202);
     stack.wait_state(&id, "stopped").await;
     let (status, page, headers) = get_by_host(&stack, &id, 8000, "/", Some(&stack.key)).await;

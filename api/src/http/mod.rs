@@ -12,6 +12,7 @@ pub mod hosts;
 pub mod idempotency;
 pub mod preview;
 pub mod sandboxes;
+pub mod settings;
 pub mod templates;
 pub mod webhooks;
 
@@ -38,8 +39,12 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/v1/sandboxes/{id}",
-            get(sandboxes::get).delete(sandboxes::delete),
+            get(sandboxes::get)
+                .delete(sandboxes::delete)
+                .patch(settings::patch),
         )
+        .route("/v1/sandboxes/{id}/renew", post(settings::renew))
+        .route("/v1/sandboxes/{id}/wait", get(settings::wait_for))
         .route("/v1/sandboxes/{id}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/v1/sandboxes/{id}/start", post(sandboxes::start))
@@ -63,6 +68,12 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/v1/sandboxes/{id}/ports/{port}",
+            axum::routing::any(preview::forward),
+        )
+        // The catch-all needs at least one character, so `…/ports/{port}/` (the sandbox's `/`)
+        // is a route of its own.
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}/",
             axum::routing::any(preview::forward),
         )
         .route(

@@ -6,17 +6,20 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use axum::Json;
+use axum::{Extension, Json};
 use berth_schemas::state::Request;
 use berth_schemas::{HostId, SandboxId, SandboxState};
-use serde::Deserialize;
 
+use super::events::StreamShutdown;
 use super::extract::json_error;
 use super::extract::parse_path_id;
 use super::idempotency::{render_replayable, stored, Idempotency};
+use super::settings::{answer_when, stop_token, wait_slot, WaitFor, WaitQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::model::{CreateSandbox, Sandbox, SandboxList};
+use crate::limits::ConcurrencyPermit;
+use crate::model::{check_metadata_entry, CreateSandbox, Sandbox, SandboxList, MAX_METADATA_KEYS};
+use crate::service::idempotency::Replayable;
 use crate::service::sandboxes::{self, LifecycleOutcome, ListFilter, PlacementPolicy};
 use crate::AppState;
 
@@ -30,10 +33,24 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
     parse_path_id(raw, "sandbox")
 }
 
+/// Parses the `?wait=` parameters of a create or lifecycle route.
+fn wait_of(
+    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Option<WaitFor>, ApiError> {
+    let Query(q) = query.map_err(|e| ApiError::InvalidRequest {
+        field: None,
+        message: e.body_text(),
+    })?;
+    q.parse()
+}
+
 /// `POST /v1/sandboxes`
-#[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox,
+#[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox, params(WaitQuery),
     responses(
         (status = 202, description = "Accepted; the sandbox is `provisioning`", body = Sandbox),
+        (status = 200, description = "With `?wait=`: the sandbox in that state", body = Sandbox),
+        (status = 408, description = "With `?wait=`: `timeout`; the sandbox was created (`sandbox_id`) and is in `state`"),
+        (status = 409, description = "With `?wait=`: `conflict`; the sandbox was created (`sandbox_id`) but settled in `state` (e.g. `failed-start`)"),
         (status = 400, description = "`invalid_request`: malformed JSON or a size out of range (the field is named; `disk_mib` beyond the operator's maximum too)"),
         (status = 400, description = "`invalid_request`: malformed JSON, a size out of range or a malformed `network` policy (the field is named)"),
         (status = 429, description = "`quota_exceeded`: the org's quota (`limit` names it) would be passed"),
@@ -46,8 +63,11 @@ pub async fn create(
     State(app): State<AppState>,
     caller: Caller,
     headers: HeaderMap,
+    shutdown: Option<Extension<StreamShutdown>>,
+    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let wait = wait_slot(&app, &caller, wait_of(query)?)?;
     let idem = Idempotency::from_headers(&headers, "POST", "/v1/sandboxes", &body)?;
     let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
         b"{}"
@@ -67,7 +87,17 @@ pub async fn create(
         stored(StatusCode::ACCEPTED, s)
     })
     .await?;
-    Ok(render_replayable(outcome))
+    let Some(wait) = wait else {
+        return Ok(render_replayable(outcome));
+    };
+    let id = match &outcome {
+        Replayable::Fresh(sandbox, _) => Some(sandbox.id),
+        Replayable::Replayed(stored) => stored.body["id"].as_str().and_then(|s| s.parse().ok()),
+    };
+    match id {
+        Some(id) => answer_when(&app, &caller, id, wait, &stop_token(shutdown)).await,
+        None => Ok(render_replayable(outcome)),
+    }
 }
 
 /// Reads one sandbox of the caller's org; another org's sandbox is "not found".
@@ -112,10 +142,14 @@ pub async fn get(
     Ok(Json(fetch(&app, &caller, parse_id(&id)?).await?))
 }
 
-/// `GET /v1/sandboxes` query.
-#[derive(Debug, Deserialize, utoipa::IntoParams)]
+/// The prefix of a metadata filter's parameter name (`metadata.team=ml`).
+pub const METADATA_FILTER_PREFIX: &str = "metadata.";
+
+/// `GET /v1/sandboxes` query. Besides these, `metadata.KEY=VALUE` (repeatable for different
+/// keys, at most 64) keeps only sandboxes whose metadata holds every such pair. Unknown
+/// parameters are refused.
+#[derive(Debug, Default, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
 pub struct ListQuery {
     /// Only sandboxes in this state. Without it, tombstones (`deleted`) are left out.
     pub state: Option<String>,
@@ -123,6 +157,53 @@ pub struct ListQuery {
     pub limit: Option<u32>,
     /// `next_cursor` of the previous page.
     pub cursor: Option<String>,
+    /// `metadata.KEY=VALUE` pairs, as a JSON object of strings.
+    #[param(rename = "metadata.KEY", value_type = Option<String>)]
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl ListQuery {
+    /// Reads the query's pairs.
+    ///
+    /// Errors: 400 naming the parameter: an unknown one, one given twice, a `limit` that is
+    /// not a number, metadata keys or values beyond the metadata bounds.
+    pub fn from_pairs(pairs: Vec<(String, String)>) -> Result<Self, ApiError> {
+        let mut q = ListQuery::default();
+        let twice = |name: &str| ApiError::invalid(name, format!("{name} is given twice"));
+        for (name, value) in pairs {
+            match name.as_str() {
+                "state" if q.state.is_none() => q.state = Some(value),
+                "cursor" if q.cursor.is_none() => q.cursor = Some(value),
+                "limit" if q.limit.is_none() => {
+                    q.limit = Some(value.parse().map_err(|_| {
+                        ApiError::invalid("limit", format!("limit must be a number, got {value:?}"))
+                    })?)
+                }
+                "state" | "cursor" | "limit" => return Err(twice(&name)),
+                _ => {
+                    let Some(key) = name.strip_prefix(METADATA_FILTER_PREFIX) else {
+                        return Err(ApiError::invalid(
+                            &name,
+                            format!("unknown query parameter {name:?}"),
+                        ));
+                    };
+                    let value = serde_json::Value::String(value);
+                    check_metadata_entry(key, Some(&value))?;
+                    let filter = q.metadata.get_or_insert_with(Default::default);
+                    if filter.insert(key.to_owned(), value).is_some() {
+                        return Err(twice(&name));
+                    }
+                    if filter.len() > MAX_METADATA_KEYS {
+                        return Err(ApiError::invalid(
+                            "metadata",
+                            format!("at most {MAX_METADATA_KEYS} metadata filters"),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(q)
+    }
 }
 
 /// `GET /v1/sandboxes`: the caller's sandboxes, newest first, cursor-paginated.
@@ -132,12 +213,13 @@ pub struct ListQuery {
 pub async fn list(
     State(app): State<AppState>,
     caller: Caller,
-    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+    query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<SandboxList>, ApiError> {
-    let Query(q) = query.map_err(|e| ApiError::InvalidRequest {
+    let Query(pairs) = query.map_err(|e| ApiError::InvalidRequest {
         field: None,
         message: e.body_text(),
     })?;
+    let q = ListQuery::from_pairs(pairs)?;
     let state = q
         .state
         .as_deref()
@@ -162,6 +244,7 @@ pub async fn list(
         caller.org_id,
         ListFilter {
             state,
+            metadata: q.metadata.map(serde_json::Value::Object),
             before: cursor,
             limit,
         },
@@ -175,12 +258,17 @@ pub async fn list(
 
 /// Runs a lifecycle request; 202 with the sandbox when something changed, 200 when the sandbox
 /// is already at or heading to the target.
+///
+/// With `wait`, answers once the sandbox is in the state it names instead (200, or the wait's
+/// 408/409).
 async fn lifecycle(
     app: &AppState,
     caller: &Caller,
     id: SandboxId,
     request: Request,
     idem: Option<Idempotency>,
+    wait: Option<(WaitFor, ConcurrencyPermit)>,
+    stop: &tokio_util::sync::CancellationToken,
 ) -> Result<Response, ApiError> {
     let outcome = sandboxes::lifecycle(
         &app.db,
@@ -195,19 +283,23 @@ async fn lifecycle(
         },
     )
     .await?;
-    Ok(render_replayable(outcome))
+    match wait {
+        Some(wait) => answer_when(app, caller, id, wait, stop).await,
+        None => Ok(render_replayable(outcome)),
+    }
 }
 
 macro_rules! lifecycle_route {
     ($name:ident, $path:literal, $request:expr, $what:literal) => {
         #[doc = concat!("`POST ", $path, "`: ", $what)]
-        #[utoipa::path(post, path = $path, params(("id" = String, Path)),
+        #[utoipa::path(post, path = $path, params(("id" = String, Path), WaitQuery),
             description = $what,
             responses(
                 (status = 202, description = "Accepted; the transition is in flight", body = Sandbox),
-                (status = 200, description = "Already at or heading to the target; nothing changed", body = Sandbox),
+                (status = 200, description = "Already at or heading to the target; nothing changed. With `?wait=`: the sandbox in that state", body = Sandbox),
                 (status = 404, description = "`not_found`"),
-                (status = 409, description = "`conflict`: a conflicting transition is in flight; `state` is the current state"),
+                (status = 408, description = "With `?wait=`: `timeout`; the request was accepted, the sandbox is in `state`"),
+                (status = 409, description = "`conflict`: a conflicting transition is in flight; `state` is the current state (with `?wait=`: also a sandbox that settled where it cannot reach the waited state)"),
                 (status = 503, description = "`no_capacity` (start): the sandbox's host has no headroom"),
             ), security(("bearer" = [])))]
         pub async fn $name(
@@ -215,9 +307,13 @@ macro_rules! lifecycle_route {
             caller: Caller,
             Path(id): Path<String>,
             headers: HeaderMap,
+            shutdown: Option<Extension<StreamShutdown>>,
+            query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
         ) -> Result<Response, ApiError> {
+            let wait = wait_slot(&app, &caller, wait_of(query)?)?;
             let idem = Idempotency::from_headers(&headers, "POST", $path, id.as_bytes())?;
-            lifecycle(&app, &caller, parse_id(&id)?, $request, idem).await
+            let stop = stop_token(shutdown);
+            lifecycle(&app, &caller, parse_id(&id)?, $request, idem, wait, &stop).await
         }
     };
 }
@@ -248,16 +344,30 @@ lifecycle_route!(
 );
 
 /// `DELETE /v1/sandboxes/{id}`: accepted from every state; repeating it changes nothing.
-#[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path), WaitQuery),
     responses(
         (status = 202, description = "Accepted; `deleted_at` is set and the sandbox settles as `deleted`", body = Sandbox),
-        (status = 200, description = "Already being deleted or deleted", body = Sandbox),
+        (status = 200, description = "Already being deleted or deleted (with `?wait=deleted`: deleted)", body = Sandbox),
         (status = 404, description = "`not_found`"),
+        (status = 408, description = "With `?wait=`: `timeout`"),
     ), security(("bearer" = [])))]
 pub async fn delete(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    shutdown: Option<Extension<StreamShutdown>>,
+    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    lifecycle(&app, &caller, parse_id(&id)?, Request::Delete, None).await
+    let wait = wait_slot(&app, &caller, wait_of(query)?)?;
+    let stop = stop_token(shutdown);
+    lifecycle(
+        &app,
+        &caller,
+        parse_id(&id)?,
+        Request::Delete,
+        None,
+        wait,
+        &stop,
+    )
+    .await
 }

@@ -12,10 +12,12 @@ pub mod idempotency;
 pub mod keys;
 pub mod quota;
 pub mod sandboxes;
+pub mod settings;
 pub mod templates;
+pub mod wait;
 pub mod webhooks;
 
-use berth_schemas::SandboxState;
+use berth_schemas::{SandboxId, SandboxState};
 
 /// Every refusal or failure of a use case.
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +78,37 @@ pub enum ServiceError {
     TooManyWebhooks {
         /// The most webhooks an org may have.
         max: i64,
+    },
+    /// A value the request gave is refused once the sandbox is read (metadata that would grow
+    /// too large, an expiry extended too far); names the field.
+    #[error("{message}")]
+    InvalidRequest {
+        /// The offending field.
+        field: &'static str,
+        /// What is wrong, for the client.
+        message: String,
+    },
+    /// A wait ended without the sandbox reaching its target: it settled in `state`, from
+    /// which nothing leads there without a new request (or is being deleted).
+    #[error("sandbox {sandbox} is {state}; it cannot become {target} without a new request")]
+    WaitConflict {
+        /// The sandbox waited on.
+        sandbox: SandboxId,
+        /// Its state now.
+        state: SandboxState,
+        /// The state waited for.
+        target: SandboxState,
+    },
+    /// A wait's timeout passed (or the API is shutting down) before the sandbox reached its
+    /// target.
+    #[error("sandbox {sandbox} did not become {target} within the wait; it is {state}")]
+    WaitTimeout {
+        /// The sandbox waited on.
+        sandbox: SandboxId,
+        /// Its state when the wait ended.
+        state: SandboxState,
+        /// The state waited for.
+        target: SandboxState,
     },
     /// A broken invariant; logged, never shown.
     #[error("{0}")]

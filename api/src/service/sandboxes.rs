@@ -105,6 +105,8 @@ pub async fn create(
             network: req.network,
             auto_resume: req.auto_resume,
             public_ports: req.public_ports,
+            expires_at: req.expires_at,
+            on_expiry: req.on_expiry,
         },
     )
     .await?;
@@ -127,10 +129,12 @@ pub async fn get(db: &PgPool, org: OrgId, id: SandboxId) -> Result<Sandbox, Serv
 }
 
 /// Which sandboxes a list wants.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ListFilter {
     /// Only this state; `None`: every state but `deleted`.
     pub state: Option<SandboxState>,
+    /// Only sandboxes whose metadata holds every pair of this JSON object of strings.
+    pub metadata: Option<serde_json::Value>,
     /// Only ids before this one (the previous page's cursor).
     pub before: Option<SandboxId>,
     /// Page size.
@@ -152,6 +156,7 @@ pub async fn list(db: &PgPool, org: OrgId, filter: ListFilter) -> Result<Page, S
         db,
         org,
         filter.state,
+        filter.metadata.as_ref(),
         filter.before,
         i64::from(filter.limit) + 1,
     )

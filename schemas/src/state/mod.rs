@@ -8,6 +8,8 @@
 //!   ([`on_timeout`]), a guest that stopped answering or vanished ([`on_guest_failure`]), a host
 //!   that was lost ([`on_host_lost`]) and a container a host reports that no row wants there
 //!   ([`on_inventory`]).
+//! - `settle.rs`: an expiry the pass applies ([`on_expiry`]) and what a waiting request answers
+//!   ([`wait_verdict`]).
 //!
 //! Every decision carries its [`Capacity`] change, so capacity (guarantee 4) is decided here
 //! and applied by the store in the same transaction as the state write.
@@ -275,6 +277,8 @@ pub enum Reason {
     /// The sandbox's host failed its create by its own fault; the create was sent to another
     /// host ([`retries_elsewhere`]).
     RetriedElsewhere,
+    /// `expires_at` passed; the sandbox's `on_expiry` action was applied.
+    Expired,
 }
 
 impl Reason {
@@ -290,6 +294,7 @@ impl Reason {
             Reason::RuntimeError => "runtime_error",
             Reason::Compensation => "compensation",
             Reason::RetriedElsewhere => "retried_elsewhere",
+            Reason::Expired => "expired",
         }
     }
 }
@@ -297,6 +302,7 @@ impl Reason {
 mod converge;
 mod request;
 mod result;
+mod settle;
 
 pub use converge::{
     on_guest_failure, on_host_lost, on_inventory, on_timeout, Failure, GuestFailure,
@@ -305,6 +311,7 @@ pub use converge::{
 };
 pub use request::{on_request, Decision, Refusal};
 pub use result::{on_result, retries_elsewhere, Fault, Outcome, ResultDecision, MAX_CREATE_HOSTS};
+pub use settle::{on_expiry, wait_verdict, Expiry, ExpiryAction, WaitTarget, WaitVerdict};
 
 #[cfg(test)]
 mod tests {

@@ -10,6 +10,7 @@
 //! - Org scoping (guarantee 7): [`get`], [`lock`] and [`list`] take the caller's org.
 
 use berth_schemas::network::Network;
+use berth_schemas::state::ExpiryAction;
 use berth_schemas::wire::{Command, Resources, Runtime, SandboxSpec, StopMode};
 use berth_schemas::{
     CommandId, CommandKind, Generation, HostId, OrgId, Reason, SandboxId, SandboxState,
@@ -25,7 +26,8 @@ use crate::{commands, StoreError};
 /// The columns [`SandboxRow::from_row`] reads, unqualified (select from `sandboxes`).
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
-     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, public_ports";
+     deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
+     public_ports, expires_at, on_expiry";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -84,6 +86,10 @@ pub struct SandboxRow {
     pub auto_resume: bool,
     /// The ports anyone may reach through the preview proxy without a key, ascending.
     pub public_ports: Vec<u16>,
+    /// When the reconciler's pass applies [`SandboxRow::on_expiry`]; `None`: never.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// What its expiry does: stop (the default) or delete.
+    pub on_expiry: ExpiryAction,
 }
 
 impl SandboxRow {
@@ -126,6 +132,12 @@ impl SandboxRow {
                 .into_iter()
                 .map(|p| u16::try_from(p).map_err(|e| corrupt("sandboxes.public_ports", e)))
                 .collect::<Result<_, _>>()?,
+            expires_at: row.try_get("expires_at").map_err(get)?,
+            on_expiry: row
+                .try_get::<String, _>("on_expiry")
+                .map_err(get)?
+                .parse()
+                .map_err(|e| corrupt("sandboxes.on_expiry", e))?,
         })
     }
 
@@ -219,6 +231,10 @@ pub struct NewSandbox {
     pub auto_resume: bool,
     /// Ports reachable through the preview proxy without a key (validated: 1 to 65535).
     pub public_ports: Vec<u16>,
+    /// When its expiry applies; `None`: never.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// What its expiry does.
+    pub on_expiry: ExpiryAction,
 }
 
 /// Writes a new `provisioning` sandbox holding the capacity its placement reserved, its
@@ -237,8 +253,9 @@ pub async fn create(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
                                     auto_delete_minutes, runtime, disk_mib, network,
-                                    auto_resume, public_ports)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16)
+                                    auto_resume, public_ports, expires_at, on_expiry)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
+                     $17, $18)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -257,6 +274,8 @@ pub async fn create(
         .bind(new.network.to_api())
         .bind(new.auto_resume)
         .bind(new.public_ports.iter().map(|p| i32::from(*p)).collect::<Vec<i32>>())
+        .bind(new.expires_at)
+        .bind(new.on_expiry.as_str())
         .fetch_one(&mut *conn),
     )
     .await?;
@@ -328,11 +347,13 @@ pub async fn lock(
 }
 
 /// One page of the org's sandboxes, newest first: those in `state` (without it, all but
-/// tombstones), older than `before` when given, at most `limit`.
+/// tombstones) whose metadata holds every pair of `metadata` (a JSON object of strings) when
+/// given, older than `before` when given, at most `limit`.
 pub async fn list(
     db: impl PgExecutor<'_>,
     org: OrgId,
     state: Option<SandboxState>,
+    metadata: Option<&serde_json::Value>,
     before: Option<SandboxId>,
     limit: i64,
 ) -> Result<Vec<SandboxRow>, StoreError> {
@@ -343,6 +364,7 @@ pub async fn list(
               WHERE org_id = $1
                 AND ($2::text IS NULL AND state <> 'deleted' OR state = $2)
                 AND ($3::uuid IS NULL OR id < $3)
+                AND ($5::jsonb IS NULL OR metadata @> $5)
               ORDER BY id DESC
               LIMIT $4"
         ))
@@ -350,6 +372,7 @@ pub async fn list(
         .bind(state.map(SandboxState::as_str))
         .bind(before)
         .bind(limit)
+        .bind(metadata)
         .fetch_all(db),
     )
     .await?;
@@ -412,12 +435,14 @@ pub async fn org_usage(conn: &mut PgConnection, org: OrgId) -> Result<Usage, Sto
 }
 
 mod converge;
+mod settings;
 mod write;
 
 pub use converge::{
     capacity_drift, count_by_state, lock_due, lock_failed_guests, lock_stranded, lock_timed_out,
     purge_tombstones, CommandTimeouts, Due,
 };
+pub use settings::{clear_expiry, lock_expired, update_settings, SettingsChange};
 pub use write::{move_create, write_result, write_transition, ResultWrite, Transition, Written};
 
 #[cfg(test)]

@@ -1,6 +1,10 @@
-//! Request and response bodies of the sandbox API, and their validation.
+//! Request and response bodies of the sandbox API, and their validation. The bodies of the
+//! settings routes (PATCH, renew) are in [`settings`].
+
+pub mod settings;
 
 use berth_schemas::network::Network;
+use berth_schemas::state::ExpiryAction;
 use berth_schemas::wire::Resources;
 use berth_schemas::{Generation, HostId, SandboxId, SandboxState};
 use berth_store::SandboxRow;
@@ -71,6 +75,13 @@ pub struct CreateSandbox {
     /// Ports (1 to 65535, at most 16) that anyone may reach through the preview proxy without
     /// a key or token; default none (every port is private to the owning org).
     pub public_ports: Option<Vec<u16>>,
+    /// When the reconciler applies `on_expiry` (RFC 3339), in the future and at most a year
+    /// ahead; `PATCH` and `POST …/renew` move it. Not with `timeout_seconds`.
+    pub expires_at: Option<String>,
+    /// The expiry as seconds from now (1 to 31536000); not with `expires_at`.
+    pub timeout_seconds: Option<i64>,
+    /// What the expiry does: `stop` (the default; the disk is kept) or `delete`.
+    pub on_expiry: Option<String>,
 }
 
 /// At most this many `public_ports`.
@@ -178,12 +189,57 @@ pub struct ValidCreate {
     pub auto_resume: bool,
     /// Its public preview ports, sorted, without repeats.
     pub public_ports: Vec<u16>,
+    /// When the expiry applies; `None`: never.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// What the expiry does; [`ExpiryAction::Stop`] when the request named none.
+    pub on_expiry: ExpiryAction,
 }
 
 /// The longest `auto_stop_minutes` (a week).
 pub const MAX_AUTO_STOP_MINUTES: u32 = 7 * 24 * 60;
 /// The longest `auto_delete_minutes` (a year).
 pub const MAX_AUTO_DELETE_MINUTES: u32 = 365 * 24 * 60;
+
+/// The 400 of a metadata object over [`MAX_METADATA_KEYS`].
+pub(crate) fn too_many_keys() -> ApiError {
+    ApiError::invalid(
+        "metadata",
+        format!("metadata holds at most {MAX_METADATA_KEYS} keys"),
+    )
+}
+
+/// Checks one metadata pair: a key of 1 to [`MAX_METADATA_LEN`] bytes and a string value of
+/// at most that many, neither with NUL. `value` `None` stands for a JSON `null`, which only a
+/// PATCH may give (it deletes the key); the caller decides whether it is allowed.
+///
+/// Errors: 400 naming `metadata`.
+pub(crate) fn check_metadata_entry(
+    key: &str,
+    value: Option<&serde_json::Value>,
+) -> Result<(), ApiError> {
+    let v = match value {
+        None => "",
+        Some(v) => v.as_str().ok_or_else(|| {
+            ApiError::invalid(
+                "metadata",
+                format!("metadata value of {key:?} must be a string"),
+            )
+        })?,
+    };
+    if key.contains('\0') || v.contains('\0') {
+        return Err(ApiError::invalid(
+            "metadata",
+            "metadata cannot contain NUL bytes",
+        ));
+    }
+    if key.is_empty() || key.len() > MAX_METADATA_LEN || v.len() > MAX_METADATA_LEN {
+        return Err(ApiError::invalid(
+            "metadata",
+            format!("metadata keys are 1 to {MAX_METADATA_LEN} bytes, values at most {MAX_METADATA_LEN}"),
+        ));
+    }
+    Ok(())
+}
 
 fn minutes(field: &str, value: Option<u32>, max: u32) -> Result<Option<i32>, ApiError> {
     match value {
@@ -236,30 +292,10 @@ impl CreateSandbox {
         }
         let metadata = self.metadata.unwrap_or_default();
         if metadata.len() > MAX_METADATA_KEYS {
-            return Err(ApiError::invalid(
-                "metadata",
-                format!("metadata holds at most {MAX_METADATA_KEYS} keys"),
-            ));
+            return Err(too_many_keys());
         }
         for (k, v) in &metadata {
-            let Some(v) = v.as_str() else {
-                return Err(ApiError::invalid(
-                    "metadata",
-                    format!("metadata value of {k:?} must be a string"),
-                ));
-            };
-            if k.contains('\0') || v.contains('\0') {
-                return Err(ApiError::invalid(
-                    "metadata",
-                    "metadata cannot contain NUL bytes",
-                ));
-            }
-            if k.is_empty() || k.len() > MAX_METADATA_LEN || v.len() > MAX_METADATA_LEN {
-                return Err(ApiError::invalid(
-                    "metadata",
-                    format!("metadata keys are 1 to {MAX_METADATA_LEN} bytes, values at most {MAX_METADATA_LEN}"),
-                ));
-            }
+            check_metadata_entry(k, Some(v))?;
         }
         let network = match &self.network {
             None => Network::default(),
@@ -268,7 +304,27 @@ impl CreateSandbox {
             }
         };
         let public_ports = valid_public_ports(self.public_ports.unwrap_or_default())?;
+        let now = Utc::now();
+        let expires_at = match (self.expires_at, self.timeout_seconds) {
+            (Some(_), Some(_)) => {
+                return Err(ApiError::invalid(
+                    "timeout_seconds",
+                    "give expires_at or timeout_seconds, not both",
+                ))
+            }
+            (Some(at), None) => Some(settings::expiry_at("expires_at", &at, now)?),
+            (None, Some(secs)) => Some(settings::expiry_in("timeout_seconds", secs, now)?),
+            (None, None) => None,
+        };
+        let on_expiry = self
+            .on_expiry
+            .as_deref()
+            .map(settings::on_expiry)
+            .transpose()?
+            .unwrap_or_default();
         Ok(ValidCreate {
+            expires_at,
+            on_expiry,
             network,
             auto_resume: self.auto_resume.unwrap_or(true),
             public_ports,
@@ -321,7 +377,8 @@ pub struct Sandbox {
     pub last_stop: Option<String>,
     /// When the create was accepted.
     pub created_at: DateTime<Utc>,
-    /// When the row last changed (a request, a host's result or the reconciler).
+    /// When the sandbox's state last changed (a request, a host's result or the reconciler),
+    /// or its `auto_delete_minutes` was re-armed by a PATCH: auto-delete measures from it.
     pub updated_at: DateTime<Utc>,
     /// Set when a delete was accepted.
     pub deleted_at: Option<DateTime<Utc>>,
@@ -342,6 +399,10 @@ pub struct Sandbox {
     /// Ports anyone may reach through the preview proxy without a key, ascending.
     #[serde(default)]
     pub public_ports: Vec<u16>,
+    /// When the reconciler applies `on_expiry`; `None`: never (also once an expiry applied).
+    pub expires_at: Option<DateTime<Utc>>,
+    /// What the expiry does: `stop` or `delete`.
+    pub on_expiry: String,
 }
 
 fn yes() -> bool {
@@ -371,6 +432,8 @@ impl From<SandboxRow> for Sandbox {
             network: row.network.to_api(),
             auto_resume: row.auto_resume,
             public_ports: row.public_ports,
+            expires_at: row.expires_at,
+            on_expiry: row.on_expiry.as_str().to_owned(),
         }
     }
 }
@@ -438,15 +501,15 @@ pub struct Event {
     /// The sandbox it is about.
     #[schema(value_type = String, format = Uuid)]
     pub sandbox_id: SandboxId,
-    /// `sandbox.<state>`.
+    /// `sandbox.<state>`, or `sandbox.updated` for a change of settings (PATCH, renew).
     #[serde(rename = "type")]
     pub kind: String,
     /// The state before; `None` for the first event of a sandbox.
     pub from: Option<String>,
     /// The state after.
     pub to: String,
-    /// `user_request`, `host_report`, `timeout`, `auto_stop`, `host_lost`, `runtime_error`,
-    /// `compensation`.
+    /// `user_request`, `host_report`, `timeout`, `auto_stop`, `auto_delete`, `host_lost`,
+    /// `runtime_error`, `compensation`, `expired`.
     pub reason: String,
     /// The sandbox's generation after the transition.
     pub generation: i64,
