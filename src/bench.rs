@@ -14,6 +14,7 @@ use clap::Args;
 use serde_json::{json, Value};
 
 mod scale;
+mod verdict;
 
 /// How often a sandbox is polled while waiting for a state.
 const POLL_INTERVAL: Duration = Duration::from_millis(2);

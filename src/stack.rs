@@ -79,6 +79,9 @@ pub struct StackConfig {
     pub reconciler: Reconciler,
     /// One in-process hostd per entry (each with its own state dir and address pool).
     pub hosts: Vec<berth_hostd::HostdConfig>,
+    /// Run the scheduler's heartbeat consumer (default). A test that stands in a consumer of
+    /// its own (a delayed one) turns it off.
+    pub heartbeat_consumer: bool,
 }
 
 impl StackConfig {
@@ -94,6 +97,7 @@ impl StackConfig {
             ))),
             subjects,
             hosts: Vec::new(),
+            heartbeat_consumer: true,
         }
     }
 }
@@ -172,11 +176,13 @@ impl Stack {
             subjects: subjects.clone(),
         };
         let (db, bus, halt) = (pools.scheduler.clone(), nats.clone(), stop.clone());
-        tasks.spawn(async move {
-            berth_scheduler::run(scheduler, db, bus, halt)
-                .await
-                .context("scheduler")
-        });
+        if config.heartbeat_consumer {
+            tasks.spawn(async move {
+                berth_scheduler::run(scheduler, db, bus, halt)
+                    .await
+                    .context("scheduler")
+            });
+        }
         let (db, bus, halt) = (pools.reconciler.clone(), nats.clone(), stop.clone());
         let (reconciler, result_subjects) = (config.reconciler, subjects.clone());
         // A create retried elsewhere is placed within the API's heartbeat window.

@@ -36,6 +36,7 @@ async fn host(db: &PgPool) -> HostId {
                 memory_snapshot: false,
             }],
             inventory: vec![],
+            sent_at_ms: 0,
         },
     )
     .await

@@ -85,6 +85,7 @@ fn heartbeat(host: HostId) -> Heartbeat {
             memory_snapshot: false,
         }],
         inventory: Vec::new(),
+        sent_at_ms: 0,
     }
 }
 

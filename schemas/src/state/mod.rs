@@ -294,6 +294,7 @@ impl Reason {
     }
 }
 
+pub mod breaker;
 mod converge;
 mod request;
 mod result;
