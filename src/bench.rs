@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 
 mod preview;
 mod scale;
+mod verdict;
 
 /// How often a sandbox is polled while waiting for a state.
 const POLL_INTERVAL: Duration = Duration::from_millis(2);

@@ -1,7 +1,8 @@
 //! The library half of the root package: what `berth` (the binary) and the end-to-end tests
 //! share: the in-process control plane, [`stack`], and issuing NATS credentials and server
-//! configs, [`nats_access`].
+//! configs, [`nats_access`]; the operator's circuit breaker commands, [`breaker_admin`].
 
+pub mod breaker_admin;
 pub mod nats_access;
 pub mod stack;
 pub mod timing_args;

@@ -267,6 +267,19 @@ enum AdminCmd {
         /// The host's id.
         host_id: HostId,
     },
+    /// Show the reconciler's tripped circuit breakers (per host and for the fleet) and the
+    /// newest host events.
+    BreakerList,
+    /// Release a tripped circuit breaker: the next reconciler pass fails the guests its
+    /// evidence shows failed there (README, "Operations").
+    BreakerRelease {
+        /// The host whose breaker to release.
+        #[arg(long, conflicts_with = "fleet", required_unless_present = "fleet")]
+        host: Option<HostId>,
+        /// Release the fleet's breaker (which lets every host act).
+        #[arg(long)]
+        fleet: bool,
+    },
     /// Render nats-server's `authorization` block: the control plane's key and every
     /// registered host's, each with its permissions. Include it in the server's config and
     /// reload the server (`nats-server --signal reload`) after each `add-host`.
@@ -690,6 +703,11 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                         "host {host_id} unregistered; now re-render the server's users \
                          (berth admin nats-config) and reload nats-server"
                     );
+                }
+                AdminCmd::BreakerList => print!("{}", berth::breaker_admin::list(&db).await?),
+                AdminCmd::BreakerRelease { host, fleet: _ } => {
+                    berth::breaker_admin::release(&db, host).await?;
+                    eprintln!("released; the next reconciler pass acts on it");
                 }
                 AdminCmd::NatsConfig {
                     control_plane_creds,

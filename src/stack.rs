@@ -84,6 +84,9 @@ pub struct StackConfig {
     /// Where the preview proxy listens (port 0 takes a free port; `None`: no proxy). It uses
     /// `api.preview`.
     pub proxy_listen: Option<SocketAddr>,
+    /// Run the scheduler's heartbeat consumer (default). A test that stands in a consumer of
+    /// its own (a delayed one) turns it off.
+    pub heartbeat_consumer: bool,
 }
 
 impl StackConfig {
@@ -100,6 +103,7 @@ impl StackConfig {
             subjects,
             hosts: Vec::new(),
             proxy_listen: None,
+            heartbeat_consumer: true,
         }
     }
 }
@@ -185,11 +189,13 @@ impl Stack {
             subjects: subjects.clone(),
         };
         let (db, bus, halt) = (pools.scheduler.clone(), nats.clone(), stop.clone());
-        tasks.spawn(async move {
-            berth_scheduler::run(scheduler, db, bus, halt)
-                .await
-                .context("scheduler")
-        });
+        if config.heartbeat_consumer {
+            tasks.spawn(async move {
+                berth_scheduler::run(scheduler, db, bus, halt)
+                    .await
+                    .context("scheduler")
+            });
+        }
         let (db, bus, halt) = (pools.reconciler.clone(), nats.clone(), stop.clone());
         let (reconciler, result_subjects) = (config.reconciler, subjects.clone());
         // A create retried elsewhere is placed within the API's heartbeat window.

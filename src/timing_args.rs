@@ -1,9 +1,10 @@
 //! Operator flags (with env fallbacks) for the reconciler's timings: how often it passes, when
 //! a silent host is lost, when its sandboxes fail over, how long each command may go
-//! unanswered, how long inventory evidence must be, how long tombstones and idempotency keys
-//! are kept, and its leader lease (issue 12, item 6); and how it judges hosts' health (item
-//! 2). Defaults are the constants of `berth_reconciler` and `berth_schemas::host_state`;
-//! README "Configuration" lists them all.
+//! unanswered, how long inventory evidence must be and how old it may be, the circuit breaker
+//! of guest failures, how long tombstones and idempotency keys are kept, and its leader lease
+//! (issue 12, items 6 and 1); and how it judges hosts' health (item 2). Defaults are the
+//! constants of `berth_reconciler` and `berth_schemas::host_state`; README "Configuration"
+//! lists them all.
 
 use berth_reconciler::health::HealthConfig;
 use berth_reconciler::pass::{self, PassConfig};
@@ -48,6 +49,27 @@ pub struct ReconcilerTimingArgs {
     #[arg(long, env = "BERTH_RECONCILE_BATCH", default_value_t = pass::DEFAULT_BATCH,
           value_parser = clap::value_parser!(i64).range(1..))]
     pub reconcile_batch: i64,
+    /// A host whose newest inventory (its heartbeat's send time) is older than this is not
+    /// judged: no guest failed and no orphan compensated there until fresher evidence comes.
+    #[arg(long, env = "BERTH_EVIDENCE_MAX_AGE", default_value_t = pass::DEFAULT_EVIDENCE_MAX_AGE.into())]
+    pub evidence_max_age: Duration,
+    /// The circuit breaker trips when a pass would fail more than this share (0–1) of one
+    /// host's running sandboxes at once.
+    #[arg(long, env = "BERTH_BREAKER_HOST_SHARE", default_value_t = pass::DEFAULT_BREAKER_HOST_SHARE,
+          value_parser = share)]
+    pub breaker_host_share: f64,
+    /// ... or more than this share (0–1) of the fleet's running sandboxes.
+    #[arg(long, env = "BERTH_BREAKER_FLEET_SHARE", default_value_t = pass::DEFAULT_BREAKER_FLEET_SHARE,
+          value_parser = share)]
+    pub breaker_fleet_share: f64,
+    /// Fewer failures than this (in one host, or the fleet) never trip the breaker.
+    #[arg(long, env = "BERTH_BREAKER_MIN_FAILURES", default_value_t = pass::DEFAULT_BREAKER_MIN_FAILURES)]
+    pub breaker_min_failures: u64,
+    /// A tripped breaker acts once its share stayed exceeded, on new evidence, for this many
+    /// consecutive passes (1: at once); before that, only on `berth admin breaker-release`.
+    #[arg(long, env = "BERTH_BREAKER_PERSIST_PASSES", default_value_t = pass::DEFAULT_BREAKER_PERSIST_PASSES,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub breaker_persist_passes: u32,
     /// How long the leader's lease lasts without renewal (another reconciler takes over after).
     #[arg(long, env = "BERTH_LEADER_LEASE", default_value_t = berth_reconciler::DEFAULT_LEASE_TTL.into())]
     pub leader_lease: Duration,
@@ -87,6 +109,13 @@ impl ReconcilerTimingArgs {
             tombstone_retention: self.tombstone_retention.into(),
             idempotency_retention: self.idempotency_retention.into(),
             batch: self.reconcile_batch,
+            evidence_max_age: self.evidence_max_age.into(),
+            breaker: pass::GuestBreaker {
+                host_share: self.breaker_host_share,
+                fleet_share: self.breaker_fleet_share,
+                min_failures: self.breaker_min_failures,
+                persist_passes: self.breaker_persist_passes,
+            },
             health: self.health(),
         }
     }
@@ -109,6 +138,14 @@ impl ReconcilerTimingArgs {
     pub fn apply(&self, config: &mut ReconcilerConfig) {
         config.pass = self.pass();
         config.lease_ttl = self.leader_lease.into();
+    }
+}
+
+/// A share between 0 and 1.
+fn share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a share between 0 and 1")),
     }
 }
 
@@ -136,6 +173,8 @@ mod tests {
         assert_eq!(pass.inventory_grace, built_in.inventory_grace);
         assert_eq!(pass.batch, built_in.batch);
         assert_eq!(pass.health, built_in.health);
+        assert_eq!(pass.evidence_max_age, built_in.evidence_max_age);
+        assert_eq!(pass.breaker, built_in.breaker);
 
         let set = Cli::try_parse_from([
             "berth",
@@ -171,6 +210,16 @@ mod tests {
             "90s",
             "--heartbeat-freshness",
             "8s",
+            "--evidence-max-age",
+            "2m",
+            "--breaker-host-share",
+            "0.25",
+            "--breaker-fleet-share",
+            "0.05",
+            "--breaker-min-failures",
+            "9",
+            "--breaker-persist-passes",
+            "4",
         ])
         .unwrap()
         .timing;
@@ -204,6 +253,16 @@ mod tests {
             ),
             (s(3), s(60), s(90), s(8))
         );
+        assert_eq!(pass.evidence_max_age, s(120));
+        assert_eq!(
+            pass.breaker,
+            pass::GuestBreaker {
+                host_share: 0.25,
+                fleet_share: 0.05,
+                min_failures: 9,
+                persist_passes: 4
+            }
+        );
         let mut config = ReconcilerConfig::new(berth_schemas::Subjects::new("t").unwrap());
         set.apply(&mut config);
         assert_eq!(config.lease_ttl, s(20));
@@ -212,6 +271,9 @@ mod tests {
             vec!["berth", "--host-lost-after", "soon"],
             vec!["berth", "--reconcile-batch", "0"],
             vec!["berth", "--host-degrade-after", "0"],
+            vec!["berth", "--breaker-host-share", "1.5"],
+            vec!["berth", "--breaker-fleet-share", "-0.1"],
+            vec!["berth", "--breaker-persist-passes", "0"],
         ] {
             assert!(Cli::try_parse_from(&bad).is_err(), "{bad:?}");
         }

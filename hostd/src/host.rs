@@ -119,7 +119,37 @@ pub struct Host {
     pub gates: Arc<AgentGates>,
     /// Everything a real host and a sim host do differently.
     pub backend: Arc<dyn Backend>,
+    /// The sequence of this host's heartbeats, which its results echo.
+    pub heartbeat_seq: HeartbeatSeq,
     records: Mutex<HashMap<SandboxId, SandboxRecord>>,
+}
+
+/// The sequence of a host's heartbeats ([`berth_schemas::wire::Heartbeat::seq`]): each takes
+/// `max(previous + 1, now in Unix milliseconds)`, so it rises within a process and, as long as
+/// the host's clock does not go back by more than a restart takes, across restarts too.
+#[derive(Debug, Default)]
+pub struct HeartbeatSeq(std::sync::atomic::AtomicU64);
+
+impl HeartbeatSeq {
+    /// Takes the next sequence number for a heartbeat sent at `now_ms` (Unix milliseconds). A
+    /// heartbeat takes it before observing its inventory, so a result that read
+    /// [`HeartbeatSeq::current`] after its command was applied is older than every heartbeat
+    /// with a greater number.
+    pub fn next(&self, now_ms: u64) -> u64 {
+        use std::sync::atomic::Ordering;
+        let prev = self
+            .0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |prev| {
+                Some(prev.saturating_add(1).max(now_ms))
+            })
+            .unwrap_or_else(|prev| prev);
+        prev.saturating_add(1).max(now_ms)
+    }
+
+    /// The newest number taken (0 before the first heartbeat).
+    pub fn current(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 impl Host {
@@ -151,6 +181,7 @@ impl Host {
             runtimes,
             gates: AgentGates::new(),
             backend,
+            heartbeat_seq: HeartbeatSeq::default(),
             records: Mutex::new(records),
         })
     }
@@ -341,6 +372,20 @@ pub fn guest_status(phase: Phase, container_running: bool, agent_answers: bool) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_heartbeat_sequence_rises_by_one_or_jumps_to_the_clock() {
+        let seq = HeartbeatSeq::default();
+        assert_eq!(seq.current(), 0);
+        assert_eq!(seq.next(1_000), 1_000);
+        // The clock did not move (or went back): still one more than before.
+        assert_eq!(seq.next(1_000), 1_001);
+        assert_eq!(seq.next(500), 1_002);
+        assert_eq!(seq.current(), 1_002);
+        // A restarted hostd starts from its clock, above what its predecessor sent.
+        let restarted = HeartbeatSeq::default();
+        assert!(restarted.next(2_000) > seq.current());
+    }
 
     #[test]
     fn a_running_container_whose_agent_answers_is_running() {

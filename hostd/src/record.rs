@@ -62,8 +62,14 @@ pub struct StoredResult {
 }
 
 impl StoredResult {
-    /// The wire result for this stored outcome.
-    pub fn to_wire(&self, host_id: HostId, sandbox_id: SandboxId) -> CommandResult {
+    /// The wire result for this stored outcome; `heartbeat_seq` is the host's newest heartbeat
+    /// sequence, read after the command was applied ([`crate::host::HeartbeatSeq::current`]).
+    pub fn to_wire(
+        &self,
+        host_id: HostId,
+        sandbox_id: SandboxId,
+        heartbeat_seq: u64,
+    ) -> CommandResult {
         CommandResult {
             command_id: self.command_id,
             sandbox_id,
@@ -71,6 +77,7 @@ impl StoredResult {
             generation: self.generation,
             kind: self.kind,
             outcome: self.outcome.clone(),
+            heartbeat_seq,
         }
     }
 }

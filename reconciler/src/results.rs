@@ -343,7 +343,7 @@ async fn apply_once(
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
-    commands::complete(&mut tx, result.command_id, completed).await?;
+    commands::complete(&mut tx, result.command_id, completed, result.heartbeat_seq).await?;
     if matches!(result.kind, CommandKind::Create | CommandKind::Start) {
         // A boot finished: the relay may publish a start it held back for this host's cap.
         commands::notify_relay(&mut tx).await?;

@@ -5,6 +5,14 @@
 //! Heartbeats are core NATS (at most once): only the latest matters, and a lost one is
 //! replaced a few seconds later. Scheduler replicas share the queue group [`QUEUE_GROUP`].
 //!
+//! # Keeping up
+//! Everything waiting on the subscription is taken at once (up to [`MAX_BATCH`]); of each
+//! host only the heartbeat with the greatest `seq` is kept, and the batch is upserted in one
+//! statement whose row check lets only a newer heartbeat replace a stored one (so replicas and
+//! late deliveries cannot go back in time). The ingest lag — database time of the upsert minus
+//! the host's send time — is exported as `berth_heartbeat_ingest_lag_seconds` (the largest of
+//! the latest batch) and alerted on (`deploy/prometheus/alerts.yml`).
+//!
 //! # Only a host speaks for itself
 //! A heartbeat is applied only when it arrived on its own host's subject (the payload's
 //! `host_id` is the subject's last token: NATS permissions let a host publish only there) and
@@ -61,11 +69,15 @@ pub async fn consume(
                     warn!(host_id = %hb.host_id, subject = %msg.subject, "heartbeat on another host's subject; dropped");
                     reject(Rejected::ForeignSubject);
                 }
-                // Arrival order is send order for one host (one connection): the last wins.
+                // The greatest `seq` of a host wins (its row is checked again on upsert).
                 Ok(hb) => {
-                    if newest.insert(hb.host_id, hb).is_some() {
+                    let newer = newest.get(&hb.host_id).is_none_or(|kept| kept.seq <= hb.seq);
+                    if newest.contains_key(&hb.host_id) {
                         metrics::counter!("berth_heartbeats_total", "outcome" => "superseded")
                             .increment(1);
+                    }
+                    if newer {
+                        newest.insert(hb.host_id, hb);
                     }
                 }
                 Err(error) => {
@@ -85,25 +97,47 @@ pub async fn consume(
                 continue;
             }
         };
-        for hb in newest.values() {
-            if !registered.contains(&hb.host_id) {
+        let mut accepted = Vec::with_capacity(newest.len());
+        for hb in newest.into_values() {
+            if registered.contains(&hb.host_id) {
+                accepted.push(hb);
+            } else {
                 warn!(host_id = %hb.host_id, name = %hb.name, "heartbeat of an unregistered host; dropped (berth admin add-host)");
                 reject(Rejected::Unregistered);
-                continue;
             }
-            match apply(db, hb).await {
-                Ok(()) => {
-                    debug!(host_id = %hb.host_id, seq = hb.seq, "heartbeat applied");
-                    metrics::counter!("berth_heartbeats_total", "outcome" => "applied")
-                        .increment(1);
-                }
-                Err(error) => {
-                    warn!(host_id = %hb.host_id, %error, "heartbeat not applied");
-                    metrics::counter!("berth_heartbeats_total", "outcome" => "error").increment(1);
-                }
+        }
+        if accepted.is_empty() {
+            continue;
+        }
+        match apply_batch(db, &accepted).await {
+            Ok(applied) => {
+                debug!(applied = applied.len(), batch = accepted.len(), "heartbeats applied");
+                metrics::counter!("berth_heartbeats_total", "outcome" => "applied")
+                    .increment(applied.len() as u64);
+                // Older than what the host's row already holds (the newest wins).
+                metrics::counter!("berth_heartbeats_total", "outcome" => "superseded")
+                    .increment((accepted.len() - applied.len()) as u64);
+                record_lag(&applied);
+            }
+            Err(error) => {
+                warn!(%error, batch = accepted.len(), "heartbeats not applied");
+                metrics::counter!("berth_heartbeats_total", "outcome" => "error")
+                    .increment(accepted.len() as u64);
             }
         }
     }
+}
+
+/// Exports the ingest lag of a batch: `berth_heartbeat_ingest_lag_seconds` (the largest lag
+/// of the latest batch: seconds from a host's send time to its upsert, database clock) and
+/// the histogram `berth_heartbeat_ingest_lag_histogram_seconds` of every applied heartbeat.
+fn record_lag(applied: &[berth_store::heartbeats::Applied]) {
+    let mut max = 0.0_f64;
+    for a in applied {
+        metrics::histogram!("berth_heartbeat_ingest_lag_histogram_seconds").record(a.lag_seconds);
+        max = max.max(a.lag_seconds);
+    }
+    metrics::gauge!("berth_heartbeat_ingest_lag_seconds").set(max);
 }
 
 /// Why a heartbeat was not applied (the `reason` label of `berth_heartbeats_rejected_total`).
@@ -139,6 +173,16 @@ pub fn subject_host(subject: &str) -> Option<HostId> {
 /// decisions and stay.
 pub async fn apply(db: &PgPool, hb: &Heartbeat) -> Result<(), StoreError> {
     berth_store::hosts::upsert_heartbeat(db, hb).await
+}
+
+/// Upserts a batch of registered hosts' heartbeats in one statement
+/// ([`berth_store::heartbeats::upsert`]: each host's newest wins, also against its row).
+/// Returns those applied, with their lag.
+pub async fn apply_batch(
+    db: &PgPool,
+    batch: &[Heartbeat],
+) -> Result<Vec<berth_store::heartbeats::Applied>, StoreError> {
+    berth_store::heartbeats::upsert(db, batch).await
 }
 
 #[cfg(test)]

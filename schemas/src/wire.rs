@@ -16,12 +16,15 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 5 (this one): a heartbeat ends with the host's port-forwarder address. Version 4:
-/// a result may be [`ResultOutcome::Rejected`] (the request's fault, not
-/// the host's). Version 3: a sandbox's spec carries its disk limit (`disk_mib`) and then its
-/// network policy. Version 2: a command's spec is optional and names the sandbox's runtime.
+/// Version 6 (this one): a heartbeat ends with its host-side send time
+/// ([`Heartbeat::sent_at_ms`]) and a result with the host's heartbeat sequence at the moment the
+/// command was applied ([`CommandResult::heartbeat_seq`]). Version 5: a heartbeat ends with the
+/// host's port-forwarder address. Version 4: a result may be [`ResultOutcome::Rejected`] (the
+/// request's fault, not the host's). Version 3: a sandbox's spec carries its disk limit
+/// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
+/// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 5;
+pub const WIRE_VERSION: u16 = 6;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -233,6 +236,11 @@ pub struct CommandResult {
     pub kind: CommandKind,
     /// What the host did.
     pub outcome: ResultOutcome,
+    /// The host's newest [`Heartbeat::seq`] when the work was done: every heartbeat with a
+    /// greater `seq` observed its inventory after this command was applied, so only those are
+    /// evidence about the sandbox's state after it (the reconciler's pass judges nothing on an
+    /// older one). 0 when the host had not sent a heartbeat yet.
+    pub heartbeat_seq: u64,
 }
 
 /// A sandbox's status as the host sees it, reported in every heartbeat.
@@ -284,7 +292,11 @@ pub struct Heartbeat {
     pub host_id: HostId,
     /// Human-readable host name (hostname plus index in `berth dev`).
     pub name: String,
-    /// Monotonic per hostd process; lets a consumer drop an older heartbeat that arrives late.
+    /// Strictly increasing per host, across hostd restarts too: each heartbeat takes
+    /// `max(previous + 1, sent_at_ms)`, so a restarted hostd (whose clock moved on) continues
+    /// above its predecessor. Taken before the inventory is observed, so a heartbeat with a
+    /// greater `seq` than [`CommandResult::heartbeat_seq`] saw the host after that command.
+    /// Lets a consumer drop an older heartbeat that arrives late (the newest wins).
     pub seq: u64,
     /// What the host offers to sandboxes.
     pub capacity: Resources,
@@ -297,6 +309,11 @@ pub struct Heartbeat {
     pub inventory: Vec<InventoryItem>,
     /// Where the host's preview port forwarder listens (`ip:port`); `None`: it runs none.
     pub forwarder: Option<String>,
+    /// When the host began observing this heartbeat's inventory, in milliseconds since the
+    /// Unix epoch on the host's clock: the inventory is no older than this. The consumer
+    /// measures its ingest lag against it, and the reconciler judges a sandbox only on an
+    /// inventory taken after the sandbox's last change.
+    pub sent_at_ms: u64,
 }
 
 /// A request for a sandbox's agent, sent through its host by NATS request/reply on

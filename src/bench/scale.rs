@@ -11,12 +11,18 @@
 //!   `--rate` per second (the request commits row, placement, command and event);
 //! - the reconciler pass ([`berth_reconciler::pass::run_pass`] under the real lease) at that
 //!   size, `--passes` times, while heartbeats keep arriving;
+//! - what the reconciler did to a loaded fleet: its periodic pass also runs (every default
+//!   interval) while the creates and the lifecycle commands load the control plane, and the
+//!   bench prints how many guests all passes failed, how many of those were alive (false
+//!   failures, witnessed by the sim runtime), and how many containers they compensated as
+//!   orphans ([`super::verdict`]);
 //! - `GET /v1/sandboxes` latency: a page of 50, a page filtered by state, the next page;
 //! - sustained lifecycle commands per second: stop, start and delete of
 //!   `--lifecycle-sandboxes` sandboxes, each phase as fast as the API accepts, timed until the
 //!   database shows every sandbox in the target state.
 //!
-//! The reconciler's periodic leader pass is not run, so the only passes are the measured ones.
+//! The reconciler's own leader loop is not run: the bench runs the passes itself, under the
+//! reconciler's lease, so it can read their reports.
 //! The sim hosts' state dirs live on tmpfs (`--sim-hosts-dir`): one disk shared by hundreds of
 //! simulated hosts would measure that disk's fsync rate, not the control plane.
 
@@ -31,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 
 use berth::stack::{Pools, Reconciler, Stack, StackConfig};
 
+use super::verdict::{verdict, PassLoop};
 use super::{ms, Client, Samples};
 use crate::dev::{start_private_nats, start_private_postgres, PrivateService};
 
@@ -50,8 +57,6 @@ const SETTLE_POLL: Duration = Duration::from_millis(100);
 const IDLE_HEARTBEAT_WINDOW: Duration = Duration::from_secs(10);
 /// Samples of each `GET /v1/sandboxes` variant and of sim exec.
 const READ_SAMPLES: usize = 200;
-/// Lease name of the measured passes (the reconciler's own).
-const PASS_LEASE_TTL: Duration = Duration::from_secs(600);
 /// Sandbox size in the scale bench.
 const SANDBOX_VCPUS: u32 = 1;
 const SANDBOX_MEMORY_MIB: u32 = 128;
@@ -278,7 +283,7 @@ async fn measure(
     let db = pools.api.clone();
     let listen = "127.0.0.1:0".parse().expect("a socket address");
     let mut config = StackConfig::new(nats_url, subjects.clone(), listen);
-    // No periodic pass: the only passes are the measured ones.
+    // No leader loop: the bench runs the passes (periodic while loading, then measured).
     config.reconciler = Reconciler::ResultsOnly;
     // One key from one address drives the whole fleet: no request rate limits.
     config.api.limits = berth_api::limits::LimitsConfig::without_rate_limits();
@@ -317,6 +322,20 @@ async fn measure(
         tokio::time::sleep(IDLE_HEARTBEAT_WINDOW).await;
         let hb_idle = (heartbeats_applied(&prometheus) - hb0) / IDLE_HEARTBEAT_WINDOW.as_secs_f64();
 
+        // The reconciler's lease for the whole run: its periodic pass runs while the fleet is
+        // loaded, as a leader's would.
+        let lease = berth_store::leases::acquire(
+            &db,
+            berth_reconciler::LEASE_NAME,
+            uuid::Uuid::now_v7(),
+            super::verdict::LEASE_TTL,
+        )
+        .await?
+        .context("reconciler lease taken by someone else")?;
+        let pass_config = berth_reconciler::pass::PassConfig::default();
+        let reports = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let periodic = PassLoop::start(db.clone(), pass_config.clone(), lease, reports.clone());
+
         // Creates at the controlled rate.
         let hb0 = heartbeats_applied(&prometheus);
         let create_started = Instant::now();
@@ -346,22 +365,16 @@ async fn measure(
             .collect();
 
         // Let every host report its full inventory before the passes.
+        periodic.stop().await?;
         tokio::time::sleep(args.heartbeat_interval * 2).await;
-        let lease = berth_store::leases::acquire(
-            &db,
-            berth_reconciler::LEASE_NAME,
-            uuid::Uuid::now_v7(),
-            PASS_LEASE_TTL,
-        )
-        .await?
-        .context("reconciler lease taken by someone else")?;
-        let pass_config = berth_reconciler::pass::PassConfig::default();
+        let lease = super::verdict::renew(&db, lease).await?;
         let mut pass = Samples::default();
         let mut pass_actions = Vec::new();
         for _ in 0..args.passes {
             let t = Instant::now();
             let report = berth_reconciler::pass::run_pass(&db, &pass_config, &lease).await?;
             pass.push(t.elapsed());
+            reports.lock().unwrap_or_else(|e| e.into_inner()).push(report.clone());
             pass_actions.push(
                 report
                     .actions
@@ -372,7 +385,6 @@ async fn measure(
                     .join(","),
             );
         }
-        berth_store::leases::release(&db, &lease).await?;
 
         // Reads.
         let mut list_page = Samples::default();
@@ -422,7 +434,9 @@ async fn measure(
             exec.push(t.elapsed());
         }
 
-        // Sustained lifecycle commands: stop, start, delete of a slice, each phase unthrottled.
+        // Sustained lifecycle commands: stop, start, delete of a slice, each phase unthrottled,
+        // with the periodic pass running.
+        let periodic = PassLoop::start(db.clone(), pass_config.clone(), lease, reports.clone());
         let slice: Vec<&String> = ids.iter().take(args.lifecycle_sandboxes).collect();
         let mut phases = Vec::new();
         for (name, method, suffix, state) in [
@@ -453,6 +467,10 @@ async fn measure(
             let elapsed = done - t;
             phases.push((name, latency, accepted.len(), failed, elapsed));
         }
+        periodic.stop().await?;
+        berth_store::leases::release(&db, &lease).await?;
+        let reports = std::mem::take(&mut *reports.lock().unwrap_or_else(|e| e.into_inner()));
+        let judged = verdict(&db, &reports).await?;
         let lifecycle_total: Duration = phases.iter().map(|p| p.4).sum();
         let lifecycle_commands: usize = phases.iter().map(|p| p.2).sum();
 
@@ -512,6 +530,15 @@ async fn measure(
         );
         println!();
         println!("pass actions: {}", pass_actions.join(" | "));
+        println!();
+        println!("| reconciler under load ({} passes: periodic while creating and in the lifecycle phases, and the measured ones) | n |", judged.passes);
+        println!("|---|---|");
+        println!("| guests failed | {} |", judged.guest_failures);
+        println!("| false failures (failed while the sim guest was alive) | {} |", judged.false_failures);
+        println!("| orphans stopped | {} |", judged.orphans_stopped);
+        println!("| orphans destroyed | {} |", judged.orphans_destroyed);
+        println!("| most hosts one pass left alone (evidence too old) | {} |", judged.most_stale_hosts);
+        println!("| most guest failures one pass's circuit breaker held | {} |", judged.most_held);
         println!();
         println!("| profile (whole run) | observations | mean ms |");
         println!("|---|---|---|");

@@ -102,20 +102,24 @@ pub async fn issued(conn: &mut PgConnection, id: CommandId) -> Result<Option<Iss
     .transpose()
 }
 
-/// Marks the command completed with `outcome`, unless it already is.
+/// Marks the command completed with `outcome`, unless it already is, with `host_seq`: the
+/// host's heartbeat sequence when it applied the command (`CommandResult::heartbeat_seq`; the
+/// reconciler judges the sandbox only on a later heartbeat of that host).
 pub async fn complete(
     conn: &mut PgConnection,
     id: CommandId,
     outcome: CommandOutcome,
+    host_seq: u64,
 ) -> Result<(), StoreError> {
     timed(
         Op::CommandComplete,
         sqlx::query(
-            "UPDATE commands SET completed_at = now(), outcome = $2
+            "UPDATE commands SET completed_at = now(), outcome = $2, host_seq = $3
               WHERE id = $1 AND completed_at IS NULL",
         )
         .bind(id)
         .bind(outcome.as_str())
+        .bind(i64::try_from(host_seq).unwrap_or(i64::MAX))
         .execute(conn),
     )
     .await?;

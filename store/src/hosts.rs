@@ -109,70 +109,12 @@ pub async fn forwarder(db: impl PgExecutor<'_>, host: HostId) -> Result<Option<S
     Ok(found.and_then(|(f,)| f))
 }
 
-/// Upserts the host's row from one heartbeat, stamping `last_seen` with the database clock
-/// (never the host's, so hosts with skewed clocks are judged fairly). The state follows
+/// Upserts the host's row from one heartbeat: [`crate::heartbeats::upsert`] of a batch of
+/// one (the newest heartbeat wins; `last_seen` on the database clock). The state follows
 /// [`HostEvent::Heartbeat`]: a `lost` host that speaks again is `ready`; `draining` and
 /// `cordoned` are operator decisions and stay.
 pub async fn upsert_heartbeat(db: impl PgExecutor<'_>, hb: &Heartbeat) -> Result<(), StoreError> {
-    let runtimes: Vec<String> = hb.runtimes.iter().map(|r| r.name.clone()).collect();
-    let memory_snapshot = hb.runtimes.iter().any(|r| r.memory_snapshot);
-    let inventory = serde_json::Value::Array(
-        hb.inventory
-            .iter()
-            .map(|i| {
-                serde_json::json!({
-                    "sandbox_id": i.sandbox_id.to_string(),
-                    "generation": i.generation.0,
-                    "status": i.status.as_str(),
-                })
-            })
-            .collect(),
-    );
-    // The states a heartbeat moves to `ready` (today: `lost`).
-    let revived: Vec<&str> = HostState::ALL
-        .into_iter()
-        .filter(|s| *s != HostState::Ready && s.on(HostEvent::Heartbeat) == Ok(HostState::Ready))
-        .map(HostState::as_str)
-        .collect();
-    timed(
-        Op::HostUpsert,
-        sqlx::query(
-            "INSERT INTO hosts (id, name, capacity_vcpus, capacity_memory_mib, runtimes,
-                                memory_snapshot, used_vcpus, used_memory_mib, heartbeat_seq,
-                                inventory, last_seen, forwarder)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now(), $13)
-             ON CONFLICT (id) DO UPDATE SET
-                 name = EXCLUDED.name,
-                 capacity_vcpus = EXCLUDED.capacity_vcpus,
-                 capacity_memory_mib = EXCLUDED.capacity_memory_mib,
-                 runtimes = EXCLUDED.runtimes,
-                 memory_snapshot = EXCLUDED.memory_snapshot,
-                 used_vcpus = EXCLUDED.used_vcpus,
-                 used_memory_mib = EXCLUDED.used_memory_mib,
-                 heartbeat_seq = EXCLUDED.heartbeat_seq,
-                 inventory = EXCLUDED.inventory,
-                 forwarder = EXCLUDED.forwarder,
-                 last_seen = now(),
-                 state = CASE WHEN hosts.state = ANY($11) THEN $12 ELSE hosts.state END,
-                 state_changed_at = CASE WHEN hosts.state = ANY($11) THEN now()
-                                         ELSE hosts.state_changed_at END",
-        )
-        .bind(hb.host_id)
-        .bind(&hb.name)
-        .bind(i32::try_from(hb.capacity.vcpus).unwrap_or(i32::MAX))
-        .bind(i64::from(hb.capacity.memory_mib))
-        .bind(&runtimes)
-        .bind(memory_snapshot)
-        .bind(i32::try_from(hb.used.vcpus).unwrap_or(i32::MAX))
-        .bind(i64::from(hb.used.memory_mib))
-        .bind(i64::try_from(hb.seq).unwrap_or(i64::MAX))
-        .bind(inventory)
-        .bind(&revived)
-        .bind(HostState::Ready.as_str())
-        .bind(&hb.forwarder)
-        .execute(db),
-    )
-    .await?;
+    crate::heartbeats::upsert(db, std::slice::from_ref(hb)).await?;
     Ok(())
 }
 
@@ -585,14 +527,19 @@ pub struct ReportedRow {
 }
 
 /// Up to `batch` running or unhealthy containers in the inventories of hosts in service whose
-/// row is missing, names another host, or is in [`UNWANTED_RUNNING_ON_ITS_HOST`] — only once
-/// the host's heartbeat is `grace` newer than the row's last change, and only when no command
-/// for that sandbox on that host is still open.
+/// row is missing, names another host, or is in [`UNWANTED_RUNNING_ON_ITS_HOST`] — only when
+/// the host's evidence is younger than `max_age` ([`crate::heartbeats::EVIDENCE_AGE_SQL`]),
+/// its inventory was taken `grace` after the row's last change
+/// ([`crate::heartbeats::INVENTORY_TAKEN_SQL`]), and the host applied every command for that
+/// sandbox before taking it (none open, none whose result carried a heartbeat `seq` at or
+/// above the inventory's).
 pub async fn unwanted_containers(
     conn: &mut PgConnection,
     grace: Duration,
+    max_age: Duration,
     batch: i64,
 ) -> Result<Vec<ReportedContainer>, StoreError> {
+    use crate::heartbeats::{EVIDENCE_AGE_SQL, INVENTORY_TAKEN_SQL};
     let unwanted: Vec<&str> = UNWANTED_RUNNING_ON_ITS_HOST
         .iter()
         .map(|s| s.as_str())
@@ -603,7 +550,7 @@ pub async fn unwanted_containers(
     ];
     let rows = timed(
         Op::HostUnwantedInventory,
-        sqlx::query(
+        sqlx::query(&format!(
             "SELECT h.id AS host_id, (i->>'sandbox_id')::uuid AS sandbox_id,
                     (i->>'generation')::int8 AS item_generation,
                     s.id IS NOT NULL AS known, s.state, s.generation, s.org_id, s.template,
@@ -614,17 +561,22 @@ pub async fn unwanted_containers(
                LEFT JOIN sandboxes s ON s.id = (i->>'sandbox_id')::uuid
               WHERE h.state <> $5 AND i->>'status' = ANY($3)
                 AND (s.id IS NULL OR s.host_id IS DISTINCT FROM h.id OR s.state = ANY($4))
-                AND (s.id IS NULL OR h.last_seen > s.updated_at + make_interval(secs => $1))
+                AND (s.id IS NULL
+                     OR {INVENTORY_TAKEN_SQL} > s.updated_at + make_interval(secs => $1))
+                AND {EVIDENCE_AGE_SQL} < make_interval(secs => $6)
                 AND NOT EXISTS (SELECT 1 FROM commands c
                                  WHERE c.sandbox_id = (i->>'sandbox_id')::uuid
-                                   AND c.host_id = h.id AND c.completed_at IS NULL)
-              LIMIT $2",
-        )
+                                   AND c.host_id = h.id
+                                   AND (c.completed_at IS NULL
+                                        OR c.host_seq >= h.heartbeat_seq))
+              LIMIT $2"
+        ))
         .bind(grace.as_secs_f64())
         .bind(batch)
         .bind(&live[..])
         .bind(&unwanted)
         .bind(HostState::Lost.as_str())
+        .bind(max_age.as_secs_f64())
         .fetch_all(conn),
     )
     .await?;

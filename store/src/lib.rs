@@ -7,6 +7,9 @@
 //!   reservations, inventory.
 //! - [`host_health`]: a host's health from its boots' outcomes (`healthy`, `degraded`,
 //!   `probing`) and why placement found nothing (stale heartbeats or degraded hosts with room).
+//! - [`heartbeats`]: heartbeat ingest in batches (the newest per host wins) and how old each
+//!   host's evidence is.
+//! - [`breakers`]: the reconciler's circuit breaker trips and the host events they raise.
 //! - [`commands`]: the transactional outbox of host commands.
 //! - [`events`]: lifecycle event rows.
 //! - [`leases`]: leader leases with fencing terms.
@@ -32,10 +35,12 @@
 //! [`StoreError`]: `Fenced`, `NotFound`, `NoCapacity`, `Corrupt`, `Database { op, .. }`.
 
 pub mod api_keys;
+pub mod breakers;
 pub mod commands;
 pub mod error;
 pub mod events;
 pub mod host_health;
+pub mod heartbeats;
 pub mod hosts;
 pub mod idempotency;
 pub mod leases;

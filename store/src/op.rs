@@ -73,7 +73,8 @@ ops! {
     SandboxPurge => "sandbox_purge",
     /// [`crate::sandboxes::capacity_drift`]: hosts whose reserved sums disagree (guarantee 4).
     CapacityDrift => "capacity_drift",
-    /// [`crate::hosts::upsert_heartbeat`]: a host's heartbeat.
+    /// [`crate::heartbeats::upsert`] (and [`crate::hosts::upsert_heartbeat`], a batch of one):
+    /// a batch of heartbeats in one statement.
     HostUpsert => "host_upsert",
     /// [`crate::hosts::forwarder`]: where a host's preview forwarder listens.
     HostForwarder => "host_forwarder",
@@ -114,6 +115,12 @@ ops! {
     SandboxMoveCreate => "sandbox_move_create",
     /// [`crate::commands::creates_issued`]: how many hosts a sandbox's create was sent to.
     CommandCreatesIssued => "command_creates_issued",
+    /// [`crate::heartbeats::stale_evidence`]: hosts whose newest inventory is too old to judge by.
+    HeartbeatEvidence => "heartbeat_evidence",
+    /// [`crate::sandboxes::guest_tallies`]: per host, running sandboxes and those the pass would fail.
+    SandboxGuestTally => "sandbox_guest_tally",
+    /// [`crate::breakers`]: circuit breaker trips and host events, read and written.
+    Breaker => "breaker",
     /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
     /// [`crate::commands::complete`]: sets a command's outcome.

@@ -37,6 +37,7 @@ async fn host(db: &PgPool) -> HostId {
             }],
             inventory: vec![],
             forwarder: None,
+            sent_at_ms: 0,
         },
     )
     .await

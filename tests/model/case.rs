@@ -374,6 +374,7 @@ impl<'a> Case<'a> {
                     applied: Generation(cmd.generation + 1),
                 },
             },
+            heartbeat_seq: 0,
         };
         for delivery in 0..(1 + usize::from(twice)) {
             let expected = self.model.result(c, reported);

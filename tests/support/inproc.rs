@@ -41,6 +41,7 @@ pub async fn heartbeat(db: &PgPool, host: HostId, capacity: Resources) {
             }],
             inventory: Vec::new(),
             forwarder: None,
+            sent_at_ms: now_ms(),
         },
     )
     .await
@@ -259,6 +260,7 @@ pub fn result_for(command: &OutboxCommand, outcome: ResultOutcome) -> CommandRes
         generation: command.generation,
         kind: command.kind,
         outcome,
+        heartbeat_seq: 0,
     }
 }
 
@@ -435,4 +437,11 @@ impl Plane {
             (0, 0)
         );
     }
+}
+
+/// Now in milliseconds since the Unix epoch (a heartbeat's send time).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -127,6 +127,8 @@ pub struct Stack {
     /// Where the preview proxy listens (`{port}-{id}.`[`PREVIEW_DOMAIN`] by Host header).
     pub proxy_addr: std::net::SocketAddr,
     control_plane: Option<berth::stack::Stack>,
+    /// The test's own heartbeat consumer, when it stands in for the scheduler's.
+    ingest: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// The preview secret of every test stack (its hosts' forwarder keys derive from it).
@@ -201,6 +203,40 @@ impl Stack {
         pass: berth_reconciler::pass::PassConfig,
         configure: impl FnOnce(&mut berth_api::ApiConfig),
     ) -> Stack {
+        Self::start_inner(db, target, subjects, hosts, pass, configure, None).await
+    }
+
+    /// A stack without hosts (add them with [`Stack::add_host_with_args`]) whose heartbeats
+    /// are applied `delay` after they arrive, each alone and in arrival order, by the
+    /// scheduler's own apply ([`berth_scheduler::heartbeat::apply_batch`]): a heartbeat
+    /// consumer that is backlogged by `delay`.
+    pub async fn start_with_delayed_heartbeats(
+        db: PgPool,
+        pass: berth_reconciler::pass::PassConfig,
+        delay: Duration,
+    ) -> Stack {
+        let subjects = Subjects::new(&format!("t{}", unique())).unwrap();
+        Self::start_inner(
+            db,
+            NatsTarget::shared(),
+            subjects,
+            0,
+            pass,
+            |_| {},
+            Some(delay),
+        )
+        .await
+    }
+
+    async fn start_inner(
+        db: PgPool,
+        target: NatsTarget,
+        subjects: Subjects,
+        hosts: usize,
+        pass: berth_reconciler::pass::PassConfig,
+        configure: impl FnOnce(&mut berth_api::ApiConfig),
+        heartbeat_delay: Option<Duration>,
+    ) -> Stack {
         init_tracing("warn");
         let tag = unique();
         let root = cleanup::fresh_dir("stack");
@@ -225,6 +261,7 @@ impl Stack {
         let mut reconciler = berth_reconciler::ReconcilerConfig::new(subjects.clone());
         reconciler.pass = pass;
         config.reconciler = berth::stack::Reconciler::Leader(Box::new(reconciler));
+        config.heartbeat_consumer = heartbeat_delay.is_none();
         let control_plane = berth::stack::Stack::start(
             config,
             berth::stack::Pools::shared(db.clone()),
@@ -251,7 +288,11 @@ impl Stack {
             root,
             nats_target: target,
             control_plane: Some(control_plane),
+            ingest: None,
         };
+        if let Some(delay) = heartbeat_delay {
+            stack.ingest = Some(delayed_ingest(&stack, delay).await);
+        }
         for _ in 0..hosts {
             stack.add_host().await;
         }
@@ -340,6 +381,9 @@ impl Stack {
     /// Stops everything this stack started, hosts first and gracefully; then what `Drop`
     /// removes (leftovers, streams, files).
     pub async fn teardown(mut self) {
+        if let Some(ingest) = self.ingest.take() {
+            ingest.abort();
+        }
         for host in &mut self.hosts {
             host.stop(false).await;
         }
@@ -349,8 +393,42 @@ impl Stack {
     }
 }
 
+/// Subscribes to every heartbeat of `stack` and applies each `delay` after it arrived, in
+/// arrival order (see [`Stack::start_with_delayed_heartbeats`]).
+async fn delayed_ingest(stack: &Stack, delay: Duration) -> tokio::task::JoinHandle<()> {
+    use futures::StreamExt;
+    let mut sub = stack
+        .nats
+        .subscribe(stack.subjects.heartbeat_all())
+        .await
+        .unwrap();
+    let db = stack.db.clone();
+    tokio::spawn(async move {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let receive = async move {
+            while let Some(msg) = sub.next().await {
+                let _ = tx.send((tokio::time::Instant::now(), msg.payload));
+            }
+        };
+        let apply = async move {
+            while let Some((arrived, payload)) = rx.recv().await {
+                tokio::time::sleep_until(arrived + delay).await;
+                let hb: berth_schemas::wire::Heartbeat =
+                    berth_schemas::wire::decode(&payload).unwrap();
+                berth_scheduler::heartbeat::apply_batch(&db, &[hb])
+                    .await
+                    .unwrap();
+            }
+        };
+        tokio::join!(receive, apply);
+    })
+}
+
 impl Drop for Stack {
     fn drop(&mut self) {
+        if let Some(ingest) = self.ingest.take() {
+            ingest.abort();
+        }
         // Hosts first (each removes what it left), then the control plane, streams, files.
         self.hosts.clear();
         drop(self.control_plane.take());

@@ -127,7 +127,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         Fence::Replay(stored) => {
             tracing::info!("command already applied; replaying its result");
             return Applied::Respond {
-                result: stored.to_wire(host.host_id, cmd.sandbox_id),
+                result: stored.to_wire(host.host_id, cmd.sandbox_id, host.heartbeat_seq.current()),
                 outcome: CommandOutcome::Replayed,
             };
         }
@@ -141,6 +141,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
                     generation: cmd.generation,
                     kind: cmd.kind,
                     outcome: ResultOutcome::RefusedStale { applied },
+                    heartbeat_seq: host.heartbeat_seq.current(),
                 },
                 outcome: CommandOutcome::RefusedStale,
             };
@@ -191,7 +192,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
     Applied::Respond {
-        result: stored.to_wire(host.host_id, cmd.sandbox_id),
+        result: stored.to_wire(host.host_id, cmd.sandbox_id, host.heartbeat_seq.current()),
         outcome,
     }
 }

@@ -2,7 +2,8 @@
 //! interval, carrying capacity, use, runtimes and the observed inventory.
 //!
 //! Core NATS (at most once) on purpose: only the latest heartbeat matters, and `seq` lets the
-//! consumer drop one that arrives late.
+//! consumer drop one that arrives late. Each heartbeat carries its send time (`sent_at_ms`,
+//! the host's clock), against which the consumer measures its lag.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,7 +41,6 @@ pub async fn run(
     config: HeartbeatConfig,
     shutdown: CancellationToken,
 ) {
-    let mut seq: u64 = 0;
     let mut ticker = tokio::time::interval(config.interval);
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -49,6 +49,10 @@ pub async fn run(
             // The first tick fires at once: one heartbeat right at start.
             _ = ticker.tick() => {}
         }
+        // The number and the time are taken before the observation: the inventory is no older
+        // than either (see `HeartbeatSeq::next`).
+        let sent_at_ms = unix_ms(std::time::SystemTime::now());
+        let seq = host.heartbeat_seq.next(sent_at_ms);
         let (used, inventory) = match host.observe().await {
             Ok(observed) => observed,
             Err(e) => {
@@ -56,7 +60,6 @@ pub async fn run(
                 continue;
             }
         };
-        seq += 1;
         let heartbeat = Heartbeat {
             host_id: host.host_id,
             name: config.name.clone(),
@@ -74,6 +77,7 @@ pub async fn run(
                 .collect(),
             inventory,
             forwarder: config.forwarder.clone(),
+            sent_at_ms,
         };
         if let Err(e) = nats
             .publish(config.subject.clone(), wire::encode(&heartbeat).into())
@@ -82,4 +86,10 @@ pub async fn run(
             tracing::warn!(error = %e, seq, "heartbeat not published");
         }
     }
+}
+
+/// `t` in milliseconds since the Unix epoch (0 before it).
+fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

@@ -7,8 +7,8 @@
 //! [`super::Runtimes::catch_all`] hands the sim driver out for every template's runtime name.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::{LazyLock, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -21,6 +21,37 @@ pub const SIM: &str = "sim";
 
 /// The default simulated boot time (what `run` waits before the container "runs").
 pub const DEFAULT_SIM_BOOT: Duration = Duration::from_millis(0);
+
+/// One sim container's life in this process: when it began running, and when it was destroyed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Life {
+    /// When `run` made it running (wall clock).
+    pub ran_at: SystemTime,
+    /// When `destroy` removed it, if it did.
+    pub destroyed_at: Option<SystemTime>,
+}
+
+impl Life {
+    /// Whether the container ran at `t`.
+    pub fn alive_at(&self, t: SystemTime) -> bool {
+        self.ran_at <= t && self.destroyed_at.is_none_or(|d| d > t)
+    }
+}
+
+/// The latest life of every sim container of every sim host in this process, by container id
+/// (the sandbox id): the witness `berth bench --runtime sim` asks whether a guest the
+/// reconciler failed was in fact alive (a false failure). A sim guest never dies by itself.
+static LIVES: LazyLock<Mutex<HashMap<String, Life>>> = LazyLock::new(Default::default);
+
+fn lives() -> MutexGuard<'static, HashMap<String, Life>> {
+    // Entries are replaced whole, so a poisoned table is still consistent.
+    LIVES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The latest life of the sim container `container_id` in this process, if it ever ran.
+pub fn life(container_id: &str) -> Option<Life> {
+    lives().get(container_id).copied()
+}
 
 /// The sim driver: containers are entries in a table.
 #[derive(Debug, Default)]
@@ -60,6 +91,13 @@ impl RuntimeDriver for Sim {
             }
             self.table()
                 .insert(req.container_id.to_owned(), ContainerStatus::Running);
+            lives().insert(
+                req.container_id.to_owned(),
+                Life {
+                    ran_at: SystemTime::now(),
+                    destroyed_at: None,
+                },
+            );
             Ok(())
         }
         .boxed()
@@ -83,7 +121,11 @@ impl RuntimeDriver for Sim {
     }
 
     fn destroy<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
-        self.table().remove(container_id);
+        if self.table().remove(container_id).is_some() {
+            if let Some(life) = lives().get_mut(container_id) {
+                life.destroyed_at.get_or_insert_with(SystemTime::now);
+            }
+        }
         async move { Ok(()) }.boxed()
     }
 }
@@ -109,9 +151,14 @@ mod tests {
             Some(ContainerStatus::Running)
         );
         assert_eq!(sim.list().await.unwrap().len(), 1);
+        let ran = life("c1").expect("its life is recorded");
+        assert!(ran.alive_at(SystemTime::now()));
         sim.destroy("c1").await.unwrap();
         sim.destroy("c1").await.unwrap();
         assert_eq!(sim.status("c1").await.unwrap(), None);
+        let ended = life("c1").unwrap();
+        assert!(!ended.alive_at(SystemTime::now()));
+        assert!(ended.alive_at(ran.ran_at));
     }
 
     #[test]

@@ -299,6 +299,7 @@ impl Reason {
     }
 }
 
+pub mod breaker;
 mod converge;
 mod request;
 mod result;

@@ -38,13 +38,13 @@ const U1: &str = "1001010101010101010101010101010101";
 const U2: &str = "1002020202020202020202020202020202";
 
 #[test]
-fn command_golden_bytes_v5() {
+fn command_golden_bytes_v6() {
     let bytes = encode(&sample_command());
-    // version 5, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
+    // version 6, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
     // runsc, 1024 MiB of disk, network { egress: Allow([10.1.0.0/16]) } }): the allow-list
     // is variant 2, one network, its four octets and its prefix length
     let expected = format!(
-        "05{U1}{U2}060101{org}046261736502800401800802010a01000010",
+        "06{U1}{U2}060101{org}046261736502800401800802010a01000010",
         org = "1004040404040404040404040404040404"
     );
     assert_eq!(hex(&bytes), expected);
@@ -86,7 +86,7 @@ fn a_version_1_command_is_refused() {
 }
 
 #[test]
-fn result_golden_bytes_v5() {
+fn result_golden_bytes_v6() {
     let result = CommandResult {
         command_id: CommandId(uuid(1)),
         sandbox_id: SandboxId(uuid(2)),
@@ -97,10 +97,12 @@ fn result_golden_bytes_v5() {
             address: Some("10.1.0.2".into()),
             last_stop: Some(StopMode::Disk),
         },
+        heartbeat_seq: 300,
     };
     let bytes = encode(&result);
+    // ... Succeeded { Some(address), Some(Disk) }, then heartbeat_seq 300 as a varint
     let expected = format!(
-        "05{U1}{U2}{U5}0602000108{ip}0101",
+        "06{U1}{U2}{U5}0602000108{ip}0101ac02",
         U5 = "1005050505050505050505050505050505",
         ip = hex(b"10.1.0.2")
     );
@@ -119,11 +121,12 @@ fn a_rejected_result_is_the_fourth_outcome_variant() {
         outcome: ResultOutcome::Rejected {
             reason: "no".into(),
         },
+        heartbeat_seq: 0,
     };
     let bytes = encode(&result);
-    // version 5, ids, generation 1 (zigzag: 02), kind Create (0), outcome variant 3, "no"
+    // version 6, ids, generation 1 (zigzag: 02), kind Create (0), outcome variant 3, "no", heartbeat_seq 0
     let expected = format!(
-        "05{U1}{U2}{U5}020003026e6f",
+        "06{U1}{U2}{U5}020003026e6f00",
         U5 = "1005050505050505050505050505050505",
     );
     assert_eq!(hex(&bytes), expected);
@@ -131,7 +134,7 @@ fn a_rejected_result_is_the_fourth_outcome_variant() {
 }
 
 #[test]
-fn heartbeat_golden_bytes_v5() {
+fn heartbeat_golden_bytes_v6() {
     let hb = Heartbeat {
         host_id: HostId(uuid(5)),
         name: "h".into(),
@@ -151,16 +154,36 @@ fn heartbeat_golden_bytes_v5() {
             status: GuestStatus::Unhealthy,
         }],
         forwarder: Some("h:1".into()),
+        sent_at_ms: 1000,
     };
     let bytes = encode(&hb);
+    // ... the inventory, the forwarder (Some "h:1"), then sent_at_ms 1000 as a varint
     let expected = format!(
-        "05{U5}0168ac0208800800000104{runc}0001{U2}020101{fwd}",
+        "06{U5}0168ac0208800800000104{runc}0001{U2}020101{fwd}e807",
         U5 = "1005050505050505050505050505050505",
         runc = hex(b"runc"),
         fwd = "03683a31"
     );
     assert_eq!(hex(&bytes), expected);
     assert_eq!(decode::<Heartbeat>(&bytes).unwrap(), hb);
+}
+
+#[test]
+fn a_version_3_heartbeat_is_refused() {
+    // The version-3 bytes of a heartbeat (no send time).
+    let v3 = format!(
+        "03{U5}0168ac0208800800000104{runc}0001{U2}0201",
+        U5 = "1005050505050505050505050505050505",
+        runc = hex(b"runc")
+    );
+    let bytes: Vec<u8> = (0..v3.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&v3[i..i + 2], 16).unwrap())
+        .collect();
+    assert!(matches!(
+        decode::<Heartbeat>(&bytes),
+        Err(WireError::UnsupportedVersion { found: 3 })
+    ));
 }
 
 /// The plain exec of `{p}.exec.<host_id>`, retired: nothing serves or sends it any more
@@ -240,7 +263,7 @@ fn exec_golden_bytes_v1() {
 }
 
 #[test]
-fn agent_golden_bytes_v5() {
+fn agent_golden_bytes_v6() {
     let req = AgentRequest {
         sandbox_id: SandboxId(uuid(2)),
         op: AgentOp::Exec(ExecSpec {
@@ -255,7 +278,7 @@ fn agent_golden_bytes_v5() {
     assert_eq!(
         hex(&bytes),
         format!(
-            "05{U2}000103{cat}0101{a}01{b}01012f017805",
+            "06{U2}000103{cat}0101{a}01{b}01012f017805",
             cat = hex(b"cat"),
             a = "41",
             b = "62"
@@ -270,7 +293,7 @@ fn agent_golden_bytes_v5() {
             len: 2,
         },
     };
-    assert_eq!(hex(&encode(&read)), format!("05{U2}02022f660102"));
+    assert_eq!(hex(&encode(&read)), format!("06{U2}02022f660102"));
     let reply = AgentReply::Exec {
         exit_code: 137,
         stdout: vec![],
@@ -279,12 +302,12 @@ fn agent_golden_bytes_v5() {
         oom_killed: true,
     };
     // 137 zig-zags to 274 = varint 92 02.
-    assert_eq!(hex(&encode(&reply)), "05009202000000".to_owned() + "01");
+    assert_eq!(hex(&encode(&reply)), "06009202000000".to_owned() + "01");
     let output = AgentReply::Output {
         fd: 2,
         data: b"e".to_vec(),
     };
-    assert_eq!(hex(&encode(&output)), "0507020165");
+    assert_eq!(hex(&encode(&output)), "0607020165");
     let stream = AgentOp::ExecStream(ExecSpec {
         argv: vec![],
         env: vec![],
@@ -292,7 +315,7 @@ fn agent_golden_bytes_v5() {
         stdin: vec![],
         timeout_ms: 1,
     });
-    assert_eq!(hex(&encode(&stream)), "05060000000001");
+    assert_eq!(hex(&encode(&stream)), "06060000000001");
     let windowed = AgentOp::ExecStreamWindowed {
         spec: ExecSpec {
             argv: vec![],
@@ -303,35 +326,35 @@ fn agent_golden_bytes_v5() {
         },
         window: 16,
     };
-    assert_eq!(hex(&encode(&windowed)), "0507000000000110");
+    assert_eq!(hex(&encode(&windowed)), "0607000000000110");
     let credit = AgentOp::StreamCredit {
         reply_to: "r".into(),
         chunks: 8,
     };
-    assert_eq!(hex(&encode(&credit)), "05080172".to_owned() + "08");
+    assert_eq!(hex(&encode(&credit)), "06080172".to_owned() + "08");
     let cancel = AgentOp::StreamCancel {
         reply_to: "r".into(),
     };
-    assert_eq!(hex(&encode(&cancel)), "05090172");
+    assert_eq!(hex(&encode(&cancel)), "06090172");
     let remove = AgentOp::Remove { path: "/f".into() };
-    assert_eq!(hex(&encode(&remove)), "050a022f66");
+    assert_eq!(hex(&encode(&remove)), "060a022f66");
     let not_regular = AgentReply::Failed(AgentFailure::NotRegularFile);
-    assert_eq!(hex(&encode(&not_regular)), "050605");
+    assert_eq!(hex(&encode(&not_regular)), "060605");
     let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
-    assert_eq!(hex(&encode(&failed)), "050603ac02");
+    assert_eq!(hex(&encode(&failed)), "060603ac02");
     assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);
 }
 
 #[test]
 fn an_unknown_version_is_refused_not_misread() {
     let mut bytes = encode(&sample_command());
-    bytes[0] = 6;
+    bytes[0] = 7;
     assert!(matches!(
         decode::<Command>(&bytes),
-        Err(WireError::UnsupportedVersion { found: 6 })
+        Err(WireError::UnsupportedVersion { found: 7 })
     ));
     assert!(matches!(
-        decode::<Command>(&[5, 0xff]),
+        decode::<Command>(&[6, 0xff]),
         Err(WireError::Malformed(_))
     ));
 }

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use berth_schemas::state::{GuestFailure, STRANDED_ON_LOST_HOST, TIMED_COMMANDS};
-use berth_schemas::{CommandKind, HostState, SandboxId, SandboxState};
+use berth_schemas::{CommandKind, HostId, HostState, SandboxId, SandboxState};
 use sqlx::{PgConnection, PgExecutor, Row};
 
 use super::{columns_of, corrupt, rows, SandboxRow, COLUMNS};
@@ -88,14 +88,95 @@ pub async fn lock_timed_out(
         .collect()
 }
 
-/// Locks up to `batch` `running` sandboxes whose host (not lost) sent a heartbeat more than
-/// `grace` after the row's last change that does not list the guest as running; with how the
-/// guest failed.
+/// When the pass may judge a `running` sandbox by its host's inventory.
+#[derive(Debug, Clone, Copy)]
+pub struct Judging {
+    /// The inventory must have been taken this much after the row's last change.
+    pub grace: Duration,
+    /// The host's evidence must be younger than this
+    /// ([`crate::heartbeats::EVIDENCE_AGE_SQL`]); older evidence judges nothing.
+    pub max_age: Duration,
+}
+
+/// The SQL condition (aliases `s`, `h`; `$1` grace and `$2` max age in seconds) under which a
+/// `running` sandbox's host inventory is evidence about it: the inventory was taken (host send
+/// time, never later than its arrival) `grace` after the row's last change; the host's evidence
+/// is younger than the max age; the host applied every command of the sandbox before it took
+/// that inventory (a greater heartbeat `seq` than any result of the sandbox's commands there
+/// carried) and none is still open.
+fn judged_sql() -> String {
+    use crate::heartbeats::{EVIDENCE_AGE_SQL, INVENTORY_TAKEN_SQL};
+    format!(
+        "{INVENTORY_TAKEN_SQL} > s.updated_at + make_interval(secs => $1)
+         AND {EVIDENCE_AGE_SQL} < make_interval(secs => $2)
+         AND NOT EXISTS (SELECT 1 FROM commands c
+                          WHERE c.sandbox_id = s.id AND c.host_id = h.id
+                            AND (c.completed_at IS NULL OR c.host_seq >= h.heartbeat_seq))"
+    )
+}
+
+/// The SQL condition (aliases `s`, `h`) of a guest the inventory does not list as running.
+const NOT_LISTED_RUNNING: &str = "NOT EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
+                                   WHERE i->>'sandbox_id' = s.id::text
+                                     AND i->>'status' = 'running')";
+
+/// One host's `running` sandboxes and how many of them the pass would fail on the evidence it
+/// has ([`lock_failed_guests`]'s conditions): what the circuit breaker weighs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestTally {
+    /// The host (in service).
+    pub host: HostId,
+    /// Its newest applied heartbeat's `seq` (the evidence the tally was made on).
+    pub heartbeat_seq: i64,
+    /// Its `running` sandboxes.
+    pub running: i64,
+    /// Of those, the ones its inventory shows failed, judged as the pass would.
+    pub would_fail: i64,
+}
+
+/// [`GuestTally`] of every host in service that has `running` sandboxes (one scan).
+///
+/// Errors: [`StoreError`].
+pub async fn guest_tallies(
+    conn: &mut PgConnection,
+    judging: Judging,
+) -> Result<Vec<GuestTally>, StoreError> {
+    let rows: Vec<(HostId, i64, i64, i64)> = timed(
+        Op::SandboxGuestTally,
+        sqlx::query_as(&format!(
+            "SELECT s.host_id, h.heartbeat_seq, count(*)::int8,
+                    sum(CASE WHEN {judged} AND {NOT_LISTED_RUNNING} THEN 1 ELSE 0 END)::int8
+               FROM sandboxes s JOIN hosts h ON h.id = s.host_id
+              WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> '{LOST}'
+              GROUP BY s.host_id, h.heartbeat_seq",
+            judged = judged_sql()
+        ))
+        .bind(secs(judging.grace))
+        .bind(secs(judging.max_age))
+        .fetch_all(conn),
+    )
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(host, heartbeat_seq, running, would_fail)| GuestTally {
+            host,
+            heartbeat_seq,
+            running,
+            would_fail,
+        })
+        .collect())
+}
+
+/// Locks up to `batch` `running` sandboxes on `hosts` (none of them lost) whose host inventory
+/// is evidence about them (see [`Judging`]) and does not list the guest as running; with how
+/// the guest failed.
 pub async fn lock_failed_guests(
     conn: &mut PgConnection,
-    grace: Duration,
+    judging: Judging,
+    hosts: &[HostId],
     batch: i64,
 ) -> Result<Vec<(SandboxRow, GuestFailure)>, StoreError> {
+    let hosts: Vec<uuid::Uuid> = hosts.iter().map(|h| h.as_uuid()).collect();
     let found = timed(
         Op::SandboxUnhealthy,
         sqlx::query(&format!(
@@ -104,16 +185,17 @@ pub async fn lock_failed_guests(
                              WHERE i->>'sandbox_id' = s.id::text) AS listed
                FROM sandboxes s JOIN hosts h ON h.id = s.host_id
               WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> '{LOST}'
-                AND h.last_seen > s.updated_at + make_interval(secs => $1)
-                AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
-                                 WHERE i->>'sandbox_id' = s.id::text
-                                   AND i->>'status' = 'running')
-              LIMIT $2
+                AND s.host_id = ANY($4)
+                AND {judged} AND {NOT_LISTED_RUNNING}
+              LIMIT $3
               FOR UPDATE OF s SKIP LOCKED",
-            cols = columns_of("s")
+            cols = columns_of("s"),
+            judged = judged_sql()
         ))
-        .bind(secs(grace))
+        .bind(secs(judging.grace))
+        .bind(secs(judging.max_age))
         .bind(batch)
+        .bind(&hosts)
         .fetch_all(conn),
     )
     .await?;

@@ -439,8 +439,8 @@ mod settings;
 mod write;
 
 pub use converge::{
-    capacity_drift, count_by_state, lock_due, lock_failed_guests, lock_stranded, lock_timed_out,
-    purge_tombstones, CommandTimeouts, Due,
+    capacity_drift, count_by_state, guest_tallies, lock_due, lock_failed_guests, lock_stranded,
+    lock_timed_out, purge_tombstones, CommandTimeouts, Due, GuestTally, Judging,
 };
 pub use settings::{clear_expiry, lock_expired, update_settings, SettingsChange};
 pub use write::{move_create, write_result, write_transition, ResultWrite, Transition, Written};

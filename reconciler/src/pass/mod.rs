@@ -13,12 +13,20 @@
 //! - When every in-service host is silent at once, the pass does nothing but say so (a log
 //!   line and `berth_reconciler_all_hosts_silent`): that pattern points at the control plane's
 //!   own network or database, not at the hosts.
+//! - A sandbox is judged by its host's inventory only when that inventory was taken after the
+//!   sandbox's last change and after the host applied its last command, and only while the
+//!   host's evidence is younger than [`PassConfig::evidence_max_age`]; a host whose evidence
+//!   is older is left alone and named in the log ([`guests`]).
+//! - Guest failures pass a circuit breaker ([`guests`]): when more than a configured share of
+//!   a host's or the fleet's running sandboxes would fail at once, the pass holds them until
+//!   the evidence persisted or an operator released the trip.
 
 use std::time::{Duration, Instant};
 
+use berth_schemas::state::breaker::BreakerPolicy;
 use berth_schemas::state::{
-    on_expiry, on_guest_failure, on_host_lost, on_inventory, on_request, on_timeout, Decision,
-    Expiry, ExpiryAction, Failure, InventoryVerdict, Request, HOST_LOST_MESSAGE,
+    on_expiry, on_host_lost, on_inventory, on_request, on_timeout, Decision, Expiry, ExpiryAction,
+    Failure, InventoryVerdict, Request, HOST_LOST_MESSAGE,
 };
 use berth_schemas::wire::Command;
 use berth_schemas::{CommandId, CommandKind, Generation, Reason};
@@ -28,6 +36,8 @@ use berth_store::sandboxes::{self, CommandTimeouts, Due, Transition};
 use berth_store::{commands, idempotency, SandboxRow, StoreError};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tracing::{info, warn};
+
+pub mod guests;
 
 /// Default [`PassConfig::interval`]: a pass every 10 seconds.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -49,6 +59,59 @@ pub const DEFAULT_TOMBSTONE_RETENTION: Duration = Duration::from_secs(24 * 3600)
 pub const DEFAULT_IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// Default [`PassConfig::batch`]: 500 rows per action per pass.
 pub const DEFAULT_BATCH: i64 = 500;
+/// Default [`PassConfig::evidence_max_age`]: a minute (30 heartbeats at hostd's default 2 s).
+pub const DEFAULT_EVIDENCE_MAX_AGE: Duration = Duration::from_secs(60);
+/// Default [`GuestBreaker::host_share`]: half of a host's running sandboxes.
+pub const DEFAULT_BREAKER_HOST_SHARE: f64 = 0.5;
+/// Default [`GuestBreaker::fleet_share`]: a tenth of the fleet's running sandboxes.
+pub const DEFAULT_BREAKER_FLEET_SHARE: f64 = 0.1;
+/// Default [`GuestBreaker::min_failures`]: fewer than 5 failures never trip a breaker.
+pub const DEFAULT_BREAKER_MIN_FAILURES: u64 = 5;
+/// Default [`GuestBreaker::persist_passes`]: a trip acts on its third consecutive pass.
+pub const DEFAULT_BREAKER_PERSIST_PASSES: u32 = 3;
+
+/// The circuit breaker of guest failures (see [`guests`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GuestBreaker {
+    /// Trip when more than this share (0..=1) of one host's running sandboxes would fail.
+    pub host_share: f64,
+    /// Trip when more than this share of the fleet's running sandboxes would fail.
+    pub fleet_share: f64,
+    /// Never trip for fewer failures than this (per scope).
+    pub min_failures: u64,
+    /// A trip acts once its share stayed exceeded, on new evidence, this many passes.
+    pub persist_passes: u32,
+}
+
+impl Default for GuestBreaker {
+    fn default() -> Self {
+        Self {
+            host_share: DEFAULT_BREAKER_HOST_SHARE,
+            fleet_share: DEFAULT_BREAKER_FLEET_SHARE,
+            min_failures: DEFAULT_BREAKER_MIN_FAILURES,
+            persist_passes: DEFAULT_BREAKER_PERSIST_PASSES,
+        }
+    }
+}
+
+impl GuestBreaker {
+    /// The policy of one host's breaker.
+    pub fn host(&self) -> BreakerPolicy {
+        BreakerPolicy {
+            share: self.host_share,
+            min_failures: self.min_failures,
+            persist_passes: self.persist_passes,
+        }
+    }
+
+    /// The policy of the fleet's breaker.
+    pub fn fleet(&self) -> BreakerPolicy {
+        BreakerPolicy {
+            share: self.fleet_share,
+            ..self.host()
+        }
+    }
+}
 
 /// Timing and size of a pass. Every duration is configurable so tests run in milliseconds.
 #[derive(Debug, Clone)]
@@ -77,6 +140,11 @@ pub struct PassConfig {
     /// Host health: how bad boots (a timed-out create or start among them) degrade a host,
     /// and where a failed create is retried (also read by the result consumer).
     pub health: crate::health::HealthConfig,
+    /// A host whose newest inventory is older than this (host send time, database clock) is
+    /// not judged: no guest failed, no orphan compensated there, until fresher evidence comes.
+    pub evidence_max_age: Duration,
+    /// The circuit breaker of guest failures.
+    pub breaker: GuestBreaker,
 }
 
 impl Default for PassConfig {
@@ -93,6 +161,8 @@ impl Default for PassConfig {
             idempotency_retention: DEFAULT_IDEMPOTENCY_RETENTION,
             batch: DEFAULT_BATCH,
             health: crate::health::HealthConfig::default(),
+            evidence_max_age: DEFAULT_EVIDENCE_MAX_AGE,
+            breaker: GuestBreaker::default(),
         }
     }
 }
@@ -149,6 +219,10 @@ pub struct PassReport {
     pub all_hosts_silent: bool,
     /// The lease was lost during the pass; the rest was skipped.
     pub deposed: bool,
+    /// Hosts whose evidence was too old to judge ([`PassConfig::evidence_max_age`]).
+    pub stale_hosts: u64,
+    /// Guest failures a tripped circuit breaker held back this pass.
+    pub breaker_held: u64,
 }
 
 impl PassReport {
@@ -175,7 +249,7 @@ pub enum PassError {
 
 /// Begins a transaction that holds the lease (fenced write), or fails with
 /// [`PassError::Deposed`].
-async fn fenced(db: &PgPool, lease: &Lease) -> Result<Transaction<'static, Postgres>, PassError> {
+pub(crate) async fn fenced(db: &PgPool, lease: &Lease) -> Result<Transaction<'static, Postgres>, PassError> {
     let mut tx = db.begin().await.map_err(StoreError::from)?;
     if !lease.check(&mut tx).await? {
         return Err(PassError::Deposed);
@@ -234,7 +308,7 @@ async fn run_actions(
     report.actions.push((Action::HostLost, n));
     let n = time_out_commands(db, config, lease).await?;
     report.actions.push((Action::CommandTimeout, n));
-    let n = fail_unhealthy_guests(db, config, lease).await?;
+    let n = guests::fail_unhealthy_guests(db, config, lease, report).await?;
     report.actions.push((Action::GuestUnhealthy, n));
     let n = fail_over_lost_hosts(db, config, lease).await?;
     report.actions.push((Action::HostLostFailover, n));
@@ -266,7 +340,7 @@ async fn mark_lost_hosts(
     Ok(lost.len() as u64)
 }
 
-async fn commit(tx: Transaction<'_, Postgres>) -> Result<(), PassError> {
+pub(crate) async fn commit(tx: Transaction<'_, Postgres>) -> Result<(), PassError> {
     tx.commit().await.map_err(StoreError::from)?;
     Ok(())
 }
@@ -275,7 +349,7 @@ async fn commit(tx: Transaction<'_, Postgres>) -> Result<(), PassError> {
 /// `message`, its capacity released and its compensation queued (by the store, in this
 /// transaction), and every open command of the sandbox up to its old generation completed as
 /// timed out.
-async fn fail_sandbox(
+pub(crate) async fn fail_sandbox(
     conn: &mut PgConnection,
     row: &SandboxRow,
     failure: Failure,
@@ -321,24 +395,6 @@ async fn time_out_commands(
             crate::health::record_timeout(&mut tx, host, kind, &config.health.policy).await?;
         }
         info!(sandbox_id = %row.id, %kind, "command timed out; sandbox failed-start");
-        n += 1;
-    }
-    commit(tx).await?;
-    Ok(n)
-}
-
-async fn fail_unhealthy_guests(
-    db: &PgPool,
-    config: &PassConfig,
-    lease: &Lease,
-) -> Result<u64, PassError> {
-    let mut tx = fenced(db, lease).await?;
-    let mut n = 0;
-    for (row, guest) in
-        sandboxes::lock_failed_guests(&mut tx, config.inventory_grace, config.batch).await?
-    {
-        fail_sandbox(&mut tx, &row, on_guest_failure(guest), guest.message()).await?;
-        warn!(sandbox_id = %row.id, message = guest.message(), "running sandbox failed");
         n += 1;
     }
     commit(tx).await?;
@@ -479,9 +535,10 @@ async fn purge(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, P
 /// Guarantee 5 from the hosts' side: a container a host reports running that no row wants
 /// there ([`on_inventory`]: no row at all (purged), a deleted row, a row placed on another
 /// host, or a row that is `stopped`/`failed-start`) gets a command: destroyed, or stopped when
-/// the row is the host's own stopped or failed sandbox (its disk stays). Only once the host's
-/// heartbeat is [`PassConfig::inventory_grace`] newer than the row's last change, and only
-/// when no command for that sandbox on that host is still open. Returns (destroyed, stopped).
+/// the row is the host's own stopped or failed sandbox (its disk stays). Only on evidence: an
+/// inventory taken [`PassConfig::inventory_grace`] after the row's last change and after the
+/// host applied every command of that sandbox (none still open), from a host whose evidence is
+/// younger than [`PassConfig::evidence_max_age`]. Returns (destroyed, stopped).
 async fn reconcile_inventory(
     db: &PgPool,
     config: &PassConfig,
@@ -489,7 +546,14 @@ async fn reconcile_inventory(
 ) -> Result<(u64, u64), PassError> {
     let mut tx = fenced(db, lease).await?;
     let (mut destroyed, mut stopped) = (0, 0);
-    for item in hosts::unwanted_containers(&mut tx, config.inventory_grace, config.batch).await? {
+    let found = hosts::unwanted_containers(
+        &mut tx,
+        config.inventory_grace,
+        config.evidence_max_age,
+        config.batch,
+    )
+    .await?;
+    for item in found {
         let verdict = on_inventory(item.row.as_ref().map(|r| (r.state, r.on_reporting_host)));
         let kind = match verdict {
             InventoryVerdict::Wanted => continue,
