@@ -1,4 +1,5 @@
-//! The HTTP/1.1 server loop (hyper, with upgrades for the preview path route's WebSockets, in place of `axum::serve`, which sets no timer and so
+//! The HTTP/1.1 server loop (hyper, with upgrades for the preview path route's WebSockets, in
+//! place of `axum::serve`, which sets no timer and so
 //! enforces no header timeout): a cap on open connections, a header-read timeout that is
 //! also the keep-alive idle timeout, the client's address for the rate limits, and graceful
 //! shutdown.
@@ -30,11 +31,11 @@ use std::time::Duration;
 use axum::extract::ConnectInfo;
 use axum::Router;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tower_http::timeout::TimeoutBody;
 
@@ -109,14 +110,17 @@ pub async fn serve(
         n => n,
     }));
     let per_ip = Arc::new(PerIp::default());
-    // HTTP/1.1 only (hyper-util's auto builder, whose upgradeable connection shuts down
-    // gracefully; plain hyper's does not).
-    let mut http = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).http1_only();
-    http.http1()
-        .timer(TokioTimer::new())
+    // Plain hyper HTTP/1.1, not hyper-util's auto builder: its `serve_connection_with_upgrades`
+    // sniffs the protocol version before hyper's header timer runs, so a client that sends a
+    // few bytes (or none) and then nothing would hold the connection forever.
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
         .header_read_timeout(Some(limits.header_read_timeout).filter(|timeout| !timeout.is_zero()))
         .keep_alive(true);
-    let graceful = GracefulShutdown::new();
+    // Each connection's task: on shutdown it asks its connection to finish the request in
+    // flight and close; the tracker waits for them (hyper's upgradeable HTTP/1.1 connection
+    // has no `GracefulConnection` impl for hyper-util's `GracefulShutdown`).
+    let connections = TaskTracker::new();
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -162,11 +166,19 @@ pub async fn serve(
         });
         // Upgrades: a WebSocket through the preview path route.
         let connection = http
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades();
+        let stop = shutdown.clone();
+        connections.spawn(async move {
+            let mut connection = std::pin::pin!(connection);
+            let ended = tokio::select! {
+                ended = connection.as_mut() => ended,
+                _ = stop.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
             }
             metrics::gauge!("berth_api_connections").decrement(1.0);
@@ -175,7 +187,8 @@ pub async fn serve(
         });
     }
     drop(listener);
-    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
+    connections.close();
+    if tokio::time::timeout(SHUTDOWN_GRACE, connections.wait())
         .await
         .is_err()
     {

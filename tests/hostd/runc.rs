@@ -73,7 +73,17 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
     // A redelivered create (same id, past the dedup window) gets the same result, no new container.
     h.publish_again(&create).await?;
     let again = h.result_of(create.id).await?;
-    ensure!(again == created, "replayed {again:?} vs {created:?}");
+    // The replay carries the host's heartbeat sequence of now, not of the first answer: the
+    // command was applied before either, so both are true evidence for the reconciler.
+    ensure!(
+        again.heartbeat_seq >= created.heartbeat_seq,
+        "a replay's sequence went back: {again:?} vs {created:?}"
+    );
+    let same_but_seq = berth_schemas::wire::CommandResult {
+        heartbeat_seq: created.heartbeat_seq,
+        ..again.clone()
+    };
+    ensure!(same_but_seq == created, "replayed {again:?} vs {created:?}");
     ensure!(h.containers().await?.len() == 1);
 
     // hostd restarts: the running container is adopted, not duplicated, and a container no

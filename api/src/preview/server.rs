@@ -56,16 +56,25 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let preview = preview.clone();
+        let sniffed = shutdown.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let preview = preview.clone();
             async move { Ok::<_, Infallible>(route(&preview, req.map(Body::new), peer).await) }
         });
-        let connection = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let builder = builder.clone();
+        let graceful_watch = graceful.watcher();
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            // hyper-util sniffs the version before hyper's header timer runs: bound that part.
+            if !tokio::select! {
+                decided = version_decidable(&stream) => decided,
+                _ = sniffed.cancelled() => false,
+            } {
+                return;
+            }
+            let connection = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .into_owned();
+            if let Err(e) = graceful_watch.watch(connection).await {
                 tracing::debug!(error = %e, %peer, "proxy connection ended with an error");
             }
         });
@@ -79,6 +88,30 @@ pub async fn serve(
     }
     Ok(())
 }
+
+/// The HTTP/2 connection preface a client of h2c with prior knowledge opens with.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Waits (at most [`HEADER_READ_TIMEOUT`]) until the bytes the client sent tell HTTP/1.1 from
+/// HTTP/2, without consuming them: true once they do, false when the client closed or took too
+/// long (the connection is then dropped). A client that sends nothing, or a prefix of the
+/// preface and then nothing, would otherwise hold the connection forever.
+async fn version_decidable(stream: &tokio::net::TcpStream) -> bool {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    let deadline = tokio::time::Instant::now() + HEADER_READ_TIMEOUT;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return false,
+            Ok(Ok(n)) if n == H2_PREFACE.len() || buf[..n] != H2_PREFACE[..n] => return true,
+            // A prefix of the preface so far: wait for more (peek returns at once while bytes
+            // are buffered, so pause before looking again).
+            Ok(Ok(_)) => tokio::time::sleep(PEEK_AGAIN).await,
+        }
+    }
+}
+
+/// How long [`version_decidable`] waits before looking at a partial preface again.
+const PEEK_AGAIN: Duration = Duration::from_millis(20);
 
 /// Routes one request by host name, then by path.
 pub async fn route(preview: &Preview, req: Request<Body>, peer: SocketAddr) -> Response {
