@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use berth_schemas::wire::{ResultOutcome, StopMode};
+use berth_schemas::wire::{ResultOutcome, StopFallback, StopFallbackCode, StopMode};
 
 use crate::disk::{remove_dir_if_present, unmount};
 use crate::error::HostdError;
@@ -27,7 +27,8 @@ pub const CHECKPOINT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 pub const CHECKPOINT_SETTLE: Duration = Duration::from_millis(200);
 
 /// Stops the sandbox of `live`. Stopping a stopped sandbox succeeds and reports how it was
-/// kept; without a live record the stop fails.
+/// kept; without a live record the stop fails. A memory stop whose checkpoint failed succeeds
+/// as [`ResultOutcome::StoppedOnDisk`] with the runtime's error (issue 12 item 4).
 pub async fn stop(
     host: &Host,
     live: Option<SandboxRecord>,
@@ -52,6 +53,7 @@ pub async fn stop(
         } else {
             StopMode::Disk
         };
+        let mut fallback = None;
         if runtime.memory_snapshot() && status == Some(ContainerStatus::Running) {
             if !host
                 .gates
@@ -69,8 +71,10 @@ pub async fn stop(
                     StopMode::Memory
                 }
                 Err(error) => {
-                    tracing::warn!(error = %error.report(), "checkpoint failed; stopping with disk only");
+                    let report = error.report();
+                    tracing::warn!(error = %report, "checkpoint failed; stopping with disk only");
                     remove_dir_if_present(&snapshot).await?;
+                    fallback = Some(StopFallback::new(StopFallbackCode::CheckpointFailed, &report));
                     StopMode::Disk
                 }
             };
@@ -83,17 +87,20 @@ pub async fn stop(
         unmount(paths.rootfs()).await?;
         crate::volume::release(&paths).await?;
         crash_point(Step::Unmounted);
-        Ok::<_, HostdError>(mode)
+        Ok::<_, HostdError>((mode, fallback))
     }
     .await;
     // The gate opens again when the apply's guard drops, once the record says stopped.
     match done {
-        Ok(mode) => {
+        Ok((mode, fallback)) => {
             record.phase = Phase::Stopped;
             tracing::info!(last_stop = mode.as_str(), "sandbox stopped");
-            let outcome = ResultOutcome::Succeeded {
-                address: None,
-                last_stop: Some(mode),
+            let outcome = match fallback {
+                Some(fallback) => ResultOutcome::StoppedOnDisk { fallback },
+                None => ResultOutcome::Succeeded {
+                    address: None,
+                    last_stop: Some(mode),
+                },
             };
             (Some(record), outcome)
         }
