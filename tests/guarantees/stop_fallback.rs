@@ -105,8 +105,12 @@ async fn a_gvisor_stop_whose_checkpoint_runs_out_of_memory_says_disk_and_why_and
     let reason = stopped["last_stop_reason"].as_str().unwrap_or_default();
     eprintln!("the stop fell back to disk: {reason}");
     assert!(
-        reason.contains("checkpoint"),
+        reason.starts_with("runsc checkpoint failed ("),
         "the reason names the runtime's failing call: {stopped}"
+    );
+    assert!(
+        !reason.contains("--root"),
+        "without the command line: {reason}"
     );
     assert!(reason.chars().count() <= berth_schemas::wire::STOP_FALLBACK_DETAIL_MAX_CHARS);
 

@@ -74,7 +74,10 @@ pub async fn stop(
                     let report = error.report();
                     tracing::warn!(error = %report, "checkpoint failed; stopping with disk only");
                     remove_dir_if_present(&snapshot).await?;
-                    fallback = Some(StopFallback::new(StopFallbackCode::CheckpointFailed, &report));
+                    fallback = Some(StopFallback::new(
+                        StopFallbackCode::CheckpointFailed,
+                        &fallback_detail(&error),
+                    ));
                     StopMode::Disk
                 }
             };
@@ -109,5 +112,53 @@ pub async fn stop(
             tracing::warn!(%reason, "stop failed");
             (Some(record), ResultOutcome::Failed { reason })
         }
+    }
+}
+
+/// The part of a failed checkpoint's error that says why, for the result (whose detail is
+/// bounded): a runtime's exit status and stderr without its command line, whose paths alone
+/// can fill the bound; any other error whole. hostd's log keeps the whole error.
+fn fallback_detail(error: &HostdError) -> String {
+    match error {
+        HostdError::Tool {
+            program,
+            status,
+            stderr,
+            ..
+        } => format!("{program} checkpoint failed ({status}): {}", stderr.trim()),
+        other => other.report(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_checkpoint_keeps_the_runtimes_status_and_error_without_its_paths() {
+        let error = HostdError::Tool {
+            program: "runsc".into(),
+            args: format!(
+                "--root /{} checkpoint --image-path /x c",
+                "long/".repeat(200)
+            ),
+            status: "exit status: 128".into(),
+            stderr: "checkpoint failed: urpc method \"containerManager.Checkpoint\" failed: EOF\n"
+                .into(),
+        };
+        assert_eq!(
+            fallback_detail(&error),
+            "runsc checkpoint failed (exit status: 128): checkpoint failed: urpc method \
+             \"containerManager.Checkpoint\" failed: EOF"
+        );
+    }
+
+    #[test]
+    fn another_error_of_a_checkpoint_is_kept_whole() {
+        let error = HostdError::AgentTimeout {
+            address: "10.0.0.2:7000".parse().unwrap(),
+            waited: Duration::from_secs(1),
+        };
+        assert_eq!(fallback_detail(&error), error.report());
     }
 }
