@@ -507,8 +507,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let nats = conn.nats.connect().await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
             let guards = berth_api::limits::Guards::new(Default::default());
-            let proxy =
-                berth_api::preview::Preview::new(db, guards, config, Default::default());
+            let proxy = berth_api::preview::Preview::new(db, guards, config, Default::default());
             tokio::spawn(berth_api::preview::routes::evict_on_events(
                 proxy.clone(),
                 nats,
@@ -693,7 +692,10 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                     host_id,
                     preview_secret,
                 } => {
-                    println!("{}", preview_args::forwarder_key_hex(&preview_secret, host_id));
+                    println!(
+                        "{}",
+                        preview_args::forwarder_key_hex(&preview_secret, host_id)
+                    );
                 }
                 AdminCmd::RemoveHost { host_id } => {
                     if !berth_store::hosts::unregister(&db, host_id).await? {

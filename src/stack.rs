@@ -19,8 +19,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use futures::FutureExt;
 use berth_schemas::Subjects;
+use futures::FutureExt;
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -235,12 +235,15 @@ impl Stack {
                     config.api.preview.clone(),
                     config.api.overcommit,
                 );
-                tasks.spawn(berth_api::preview::routes::evict_on_events(
-                    proxy.clone(),
-                    nats.clone(),
-                    subjects.clone(),
-                    stop.clone(),
-                ).map(Ok));
+                tasks.spawn(
+                    berth_api::preview::routes::evict_on_events(
+                        proxy.clone(),
+                        nats.clone(),
+                        subjects.clone(),
+                        stop.clone(),
+                    )
+                    .map(Ok),
+                );
                 let halt = stop.clone();
                 tasks.spawn(async move {
                     berth_api::preview::server::serve(listener, proxy, halt)

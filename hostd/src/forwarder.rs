@@ -70,7 +70,10 @@ impl std::fmt::Debug for ForwarderConfig {
 pub async fn bind(config: &ForwarderConfig) -> Result<(TcpListener, SocketAddr), HostdError> {
     let listener = TcpListener::bind(config.listen)
         .await
-        .map_err(HostdError::io(format!("bind the forwarder on {}", config.listen)))?;
+        .map_err(HostdError::io(format!(
+            "bind the forwarder on {}",
+            config.listen
+        )))?;
     let bound = listener
         .local_addr()
         .map_err(HostdError::io("forwarder address"))?;
@@ -99,12 +102,7 @@ async fn default_route_address() -> Option<std::net::Ipv4Addr> {
 }
 
 /// Serves forwarded connections on `listener` until `shutdown`.
-pub async fn serve(
-    host: Arc<Host>,
-    listener: TcpListener,
-    key: Key,
-    shutdown: CancellationToken,
-) {
+pub async fn serve(host: Arc<Host>, listener: TcpListener, key: Key, shutdown: CancellationToken) {
     tracing::info!(addr = ?listener.local_addr().ok(), "port forwarder listening");
     loop {
         let (stream, peer) = tokio::select! {
@@ -139,8 +137,7 @@ async fn forward(host: &Host, stream: TcpStream, key: &Key, peer: SocketAddr) {
                 .get_mut()
                 .write_all(Reply::Unauthorized.line().as_bytes())
                 .await;
-            metrics::counter!("berth_forwarder_refused_total", "reason" => "preamble")
-                .increment(1);
+            metrics::counter!("berth_forwarder_refused_total", "reason" => "preamble").increment(1);
             return;
         }
     };
@@ -152,8 +149,7 @@ async fn forward(host: &Host, stream: TcpStream, key: &Key, peer: SocketAddr) {
         }
         Ok(p) => match target(host, p) {
             Err(reply) => (reply, None),
-            Ok(addr) => match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
-                .await
+            Ok(addr) => match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await
             {
                 Ok(Ok(s)) => (Reply::Ok, Some(s)),
                 _ => (Reply::Refused, None),

@@ -66,7 +66,7 @@ pub async fn record_result(
         return Ok(());
     }
     let (event, reason) = match &result.outcome {
-        ResultOutcome::Succeeded { .. } => {
+        ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. } => {
             let took = commands::boot_seconds(&mut *conn, result.command_id)
                 .await?
                 .unwrap_or(0.0);

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, consumer, AckKind};
 use berth_schemas::state::{on_result, retries_elsewhere, Outcome, Reason, ResultDecision};
 use berth_schemas::trace::{TraceParent, TRACEPARENT};
-use berth_schemas::wire::{self, Command, CommandResult, ResultOutcome};
+use berth_schemas::wire::{self, Command, CommandResult, ResultOutcome, StopFallback, StopMode};
 use berth_schemas::{CommandId, CommandKind, SandboxId, SandboxState, Subjects};
 use berth_store::commands::{self, CommandOutcome};
 use berth_store::sandboxes::{self, ResultWrite};
@@ -339,7 +339,9 @@ async fn apply_once(
         return Ok(Applied::Rejected(Rejection::Mismatch));
     }
     let completed = match &result.outcome {
-        ResultOutcome::Succeeded { .. } => CommandOutcome::Succeeded,
+        ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. } => {
+            CommandOutcome::Succeeded
+        }
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
@@ -359,6 +361,10 @@ async fn apply_once(
     let (outcome, address, last_stop, message) = match &result.outcome {
         ResultOutcome::Succeeded { address, last_stop } => {
             (Outcome::Succeeded, address.as_deref(), *last_stop, None)
+        }
+        // A memory stop that kept the disk only: a stop like any other, its reason kept below.
+        ResultOutcome::StoppedOnDisk { .. } => {
+            (Outcome::Succeeded, None, Some(StopMode::Disk), None)
         }
         ResultOutcome::Failed { reason } | ResultOutcome::Rejected { reason } => {
             (Outcome::Failed, None, None, Some(reason.as_str()))
@@ -408,6 +414,7 @@ async fn apply_once(
                     command_id: result.command_id,
                     address,
                     last_stop,
+                    stop_fallback: stop_fallback(&result.outcome),
                     message,
                 },
             )
@@ -426,6 +433,14 @@ async fn apply_once(
     };
     tx.commit().await?;
     Ok(applied)
+}
+
+/// Why a stop kept the disk only, when the host said so ([`ResultOutcome::StoppedOnDisk`]).
+fn stop_fallback(outcome: &ResultOutcome) -> Option<&StopFallback> {
+    match outcome {
+        ResultOutcome::StoppedOnDisk { fallback } => Some(fallback),
+        _ => None,
+    }
 }
 
 /// Queues `kind` for the sandbox on the host that reported, at the row's generation (never

@@ -71,7 +71,9 @@ pub async fn consume(
                 }
                 // The greatest `seq` of a host wins (its row is checked again on upsert).
                 Ok(hb) => {
-                    let newer = newest.get(&hb.host_id).is_none_or(|kept| kept.seq <= hb.seq);
+                    let newer = newest
+                        .get(&hb.host_id)
+                        .is_none_or(|kept| kept.seq <= hb.seq);
                     if newest.contains_key(&hb.host_id) {
                         metrics::counter!("berth_heartbeats_total", "outcome" => "superseded")
                             .increment(1);
@@ -111,7 +113,11 @@ pub async fn consume(
         }
         match apply_batch(db, &accepted).await {
             Ok(applied) => {
-                debug!(applied = applied.len(), batch = accepted.len(), "heartbeats applied");
+                debug!(
+                    applied = applied.len(),
+                    batch = accepted.len(),
+                    "heartbeats applied"
+                );
                 metrics::counter!("berth_heartbeats_total", "outcome" => "applied")
                     .increment(applied.len() as u64);
                 // Older than what the host's row already holds (the newest wins).

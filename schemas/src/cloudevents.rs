@@ -75,6 +75,16 @@ pub struct SandboxEventData {
     pub command_id: Option<CommandId>,
     /// Detail, e.g. why a boot failed.
     pub message: Option<String>,
+    /// On a stop's event: how it kept the sandbox (`memory`, `disk`); absent on other events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_stop: Option<String>,
+    /// On a stop's event that wanted memory and kept the disk only: what failed
+    /// (`checkpoint_failed`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_stop_code: Option<String>,
+    /// With `last_stop_code`: the runtime's error (bounded, one line); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_stop_reason: Option<String>,
 }
 
 /// `data` of [`WEBHOOK_DISABLED`].
@@ -193,6 +203,9 @@ mod tests {
                 generation: Generation(1),
                 command_id: Some(CommandId(Uuid::from_u128(4))),
                 message: None,
+                last_stop: None,
+                last_stop_code: None,
+                last_stop_reason: None,
             },
         )
     }
@@ -222,6 +235,22 @@ mod tests {
                 }
             })
         );
+    }
+
+    #[test]
+    fn a_stop_that_kept_the_disk_only_carries_its_mode_code_and_reason_in_data() {
+        let mut event = sample();
+        event.data.from = Some(SandboxState::Stopping);
+        event.data.to = SandboxState::Stopped;
+        event.data.last_stop = Some("disk".into());
+        event.data.last_stop_code = Some("checkpoint_failed".into());
+        event.data.last_stop_reason = Some("Checkpoint failed: EOF".into());
+        let json: serde_json::Value = serde_json::from_str(&event.to_json()).unwrap();
+        assert_eq!(json["data"]["last_stop"], "disk");
+        assert_eq!(json["data"]["last_stop_code"], "checkpoint_failed");
+        assert_eq!(json["data"]["last_stop_reason"], "Checkpoint failed: EOF");
+        let back: CloudEvent<SandboxEventData> = serde_json::from_value(json).unwrap();
+        assert_eq!(back.data, event.data);
     }
 
     #[test]

@@ -292,7 +292,10 @@ mod tests {
             Err(VerifyError::BadSignature)
         );
         // A token is not a forwarder preamble and the two keys differ.
-        assert_ne!(token_key(b"secret"), forwarder_key(b"secret", HostId::new()));
+        assert_ne!(
+            token_key(b"secret"),
+            forwarder_key(b"secret", HostId::new())
+        );
         assert_eq!(
             PreviewToken::verify("v1.x", &key, 0),
             Err(VerifyError::Malformed)

@@ -16,7 +16,8 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 6 (this one): a heartbeat ends with its host-side send time
+/// Version 7 (this one): a stop that wanted memory and kept the disk only says why
+/// ([`ResultOutcome::StoppedOnDisk`]). Version 6: a heartbeat ends with its host-side send time
 /// ([`Heartbeat::sent_at_ms`]) and a result with the host's heartbeat sequence at the moment the
 /// command was applied ([`CommandResult::heartbeat_seq`]). Version 5: a heartbeat ends with the
 /// host's port-forwarder address. Version 4: a result may be [`ResultOutcome::Rejected`] (the
@@ -24,7 +25,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 6;
+pub const WIRE_VERSION: u16 = 7;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -207,6 +208,75 @@ pub enum ResultOutcome {
         /// Why, for the event and the user; not parsed.
         reason: String,
     },
+    /// A stop that wanted to keep memory (a runtime with memory snapshots, its container
+    /// running) kept the disk only: it succeeded like `Succeeded { last_stop: Some(Disk) }`,
+    /// and says why. The sandbox's processes are gone; its next start cold-boots.
+    StoppedOnDisk {
+        /// Why the memory snapshot was not kept.
+        fallback: StopFallback,
+    },
+}
+
+/// The most characters of a runtime's error a [`StopFallback`] carries (it travels in a
+/// result, is stored on the sandbox and in its event); a longer error keeps its start.
+pub const STOP_FALLBACK_DETAIL_MAX_CHARS: usize = 512;
+
+/// Why a stop that wanted memory kept the disk only (issue 12 item 4).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopFallback {
+    /// What failed, for programs.
+    pub code: StopFallbackCode,
+    /// The runtime's error, for people; at most [`STOP_FALLBACK_DETAIL_MAX_CHARS`] characters.
+    pub detail: String,
+}
+
+impl StopFallback {
+    /// A fallback with `detail` cut to [`STOP_FALLBACK_DETAIL_MAX_CHARS`] characters (an
+    /// ellipsis marks a cut), whitespace runs (a runtime's multi-line error) made one space.
+    pub fn new(code: StopFallbackCode, detail: &str) -> Self {
+        let flat = detail.split_whitespace().collect::<Vec<_>>().join(" ");
+        let detail = if flat.chars().count() > STOP_FALLBACK_DETAIL_MAX_CHARS {
+            let mut cut: String = flat
+                .chars()
+                .take(STOP_FALLBACK_DETAIL_MAX_CHARS - 1)
+                .collect();
+            cut.push('…');
+            cut
+        } else {
+            flat
+        };
+        Self { code, detail }
+    }
+}
+
+/// What made a memory stop keep the disk only. Append-only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StopFallbackCode {
+    /// The runtime's checkpoint failed (gVisor: `runsc checkpoint` reported an error, for
+    /// instance `EOF` when the sandbox's cgroup ran out of memory mid-checkpoint).
+    CheckpointFailed,
+}
+
+impl StopFallbackCode {
+    /// Every code.
+    pub const ALL: [StopFallbackCode; 1] = [StopFallbackCode::CheckpointFailed];
+
+    /// The spelling stored in Postgres and shown by the API (`checkpoint_failed`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopFallbackCode::CheckpointFailed => "checkpoint_failed",
+        }
+    }
+}
+
+impl std::str::FromStr for StopFallbackCode {
+    type Err = crate::state::UnknownState;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        StopFallbackCode::ALL
+            .into_iter()
+            .find(|c| c.as_str() == s)
+            .ok_or_else(|| crate::state::UnknownState(s.to_owned()))
+    }
 }
 
 impl ResultOutcome {
@@ -216,7 +286,9 @@ impl ResultOutcome {
         match self {
             ResultOutcome::Failed { .. } => Some(crate::state::Fault::Host),
             ResultOutcome::Rejected { .. } => Some(crate::state::Fault::Request),
-            ResultOutcome::Succeeded { .. } | ResultOutcome::RefusedStale { .. } => None,
+            ResultOutcome::Succeeded { .. }
+            | ResultOutcome::StoppedOnDisk { .. }
+            | ResultOutcome::RefusedStale { .. } => None,
         }
     }
 }

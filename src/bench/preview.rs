@@ -96,7 +96,10 @@ pub async fn run(client: &Client, proxy: &ProxyTarget) -> anyhow::Result<()> {
     );
     for (name, s) in [
         ("wake on request, runc (stopped → first byte)", &runc_wake),
-        ("wake on request, gVisor (stopped → first byte)", &gvisor_wake),
+        (
+            "wake on request, gVisor (stopped → first byte)",
+            &gvisor_wake,
+        ),
     ] {
         println!(
             "| {name} | {} | {} | {} | {} | — | — |",

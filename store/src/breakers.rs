@@ -40,10 +40,12 @@ impl Scope {
         if key == FLEET {
             return Ok(Scope::Fleet);
         }
-        key.parse().map(Scope::Host).map_err(|_| StoreError::Corrupt {
-            column: "breaker_trips.scope",
-            message: key.to_owned(),
-        })
+        key.parse()
+            .map(Scope::Host)
+            .map_err(|_| StoreError::Corrupt {
+                column: "breaker_trips.scope",
+                message: key.to_owned(),
+            })
     }
 
     /// The host, if the scope is one.

@@ -11,6 +11,7 @@
 //! - An event's CloudEvent `id` is its row id, on every path.
 
 use berth_schemas::cloudevents::{CloudEvent, SandboxEventData, SANDBOX_UPDATED_ROW, TYPE_PREFIX};
+use berth_schemas::wire::{StopFallback, StopMode};
 use berth_schemas::{CommandId, EventId, Generation, OrgId, Reason, SandboxId, SandboxState};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
@@ -38,6 +39,9 @@ pub struct NewEvent<'a> {
     pub command_id: Option<CommandId>,
     /// Detail shown to users (why a boot failed, …).
     pub message: Option<&'a str>,
+    /// For a stop's result: how the stop kept the sandbox, and why it kept the disk only
+    /// when it wanted memory; `None` for every other change.
+    pub stop: Option<(StopMode, Option<&'a StopFallback>)>,
 }
 
 impl NewEvent<'_> {
@@ -67,12 +71,14 @@ async fn insert_of_type(
     kind: &str,
 ) -> Result<EventId, StoreError> {
     let id = EventId::new();
+    let fallback = event.stop.and_then(|(_, fallback)| fallback);
     timed(
         Op::EventInsert,
         sqlx::query(
             "INSERT INTO events (id, sandbox_id, org_id, type, from_state, to_state, reason,
-                                 generation, command_id, message)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                                 generation, command_id, message, last_stop, last_stop_code,
+                                 last_stop_reason)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         )
         .bind(id)
         .bind(event.sandbox_id)
@@ -84,6 +90,9 @@ async fn insert_of_type(
         .bind(event.generation)
         .bind(event.command_id)
         .bind(event.message)
+        .bind(event.stop.map(|(mode, _)| mode.as_str()))
+        .bind(fallback.map(|f| f.code.as_str()))
+        .bind(fallback.map(|f| f.detail.as_str()))
         .execute(conn),
     )
     .await?;
@@ -112,6 +121,12 @@ pub struct EventRow {
     pub generation: Generation,
     /// Detail (why a boot failed, …); `None` when there is none.
     pub message: Option<String>,
+    /// How the stop the event records kept the sandbox; `None` on other events.
+    pub last_stop: Option<String>,
+    /// Why that stop kept the disk only (`checkpoint_failed`); `None` when it did not.
+    pub last_stop_code: Option<String>,
+    /// With `last_stop_code`: the runtime's error.
+    pub last_stop_reason: Option<String>,
     /// When it was written (database clock).
     pub at: DateTime<Utc>,
 }
@@ -125,7 +140,8 @@ pub async fn list_for_sandbox(
     timed(
         Op::EventList,
         sqlx::query_as(
-            "SELECT id, sandbox_id, type, from_state, to_state, reason, generation, message, at
+            "SELECT id, sandbox_id, type, from_state, to_state, reason, generation, message, at,
+                    last_stop, last_stop_code, last_stop_reason
                FROM events WHERE sandbox_id = $1 AND org_id = $2 ORDER BY id",
         )
         .bind(sandbox)
@@ -137,7 +153,7 @@ pub async fn list_for_sandbox(
 
 /// The columns [`EventRecord::from_row`] reads (select from `events`).
 pub const EVENT_COLUMNS: &str = "id, sandbox_id, org_id, type, from_state, to_state, reason, \
-     generation, command_id, message, at, seq";
+     generation, command_id, message, at, seq, last_stop, last_stop_code, last_stop_reason";
 
 /// The advisory lock under which [`mark_published`] stamps `seq` (ASCII "BERTHSEQ").
 pub const EVENTS_SEQ_LOCK: i64 = 0x4245_5254_4853_4551;
@@ -193,6 +209,9 @@ impl EventRecord {
                     generation: row.try_get("generation").map_err(get)?,
                     command_id: row.try_get("command_id").map_err(get)?,
                     message: row.try_get("message").map_err(get)?,
+                    last_stop: row.try_get("last_stop").map_err(get)?,
+                    last_stop_code: row.try_get("last_stop_code").map_err(get)?,
+                    last_stop_reason: row.try_get("last_stop_reason").map_err(get)?,
                 },
             ),
         })

@@ -98,7 +98,10 @@ fn host_resources(vcpus: i32, memory_mib: i64) -> Resources {
 
 /// Where `host`'s port forwarder listens (`ip:port`, from its last heartbeat); `None` when
 /// the host is unknown or runs none.
-pub async fn forwarder(db: impl PgExecutor<'_>, host: HostId) -> Result<Option<String>, StoreError> {
+pub async fn forwarder(
+    db: impl PgExecutor<'_>,
+    host: HostId,
+) -> Result<Option<String>, StoreError> {
     let found: Option<(Option<String>,)> = timed(
         Op::HostForwarder,
         sqlx::query_as("SELECT forwarder FROM hosts WHERE id = $1")

@@ -322,7 +322,10 @@ async fn the_breaker_holds_a_mass_failure_and_acts_once_the_evidence_persisted(d
     assert_eq!(r.count(Action::GuestUnhealthy), 0);
     assert_eq!(r.breaker_held, 6);
     assert!(trips_counted("host") >= 1.0, "the trip is counted");
-    assert_eq!(host_events(&plane.db, plane.host).await, ["host.breaker_tripped"]);
+    assert_eq!(
+        host_events(&plane.db, plane.host).await,
+        ["host.breaker_tripped"]
+    );
     let listed = berth::breaker_admin::list(&plane.db).await.unwrap();
     assert!(
         listed.contains(&format!("host {}", plane.host)) && listed.contains("holding"),
@@ -369,7 +372,9 @@ async fn an_operators_release_lets_the_next_pass_act_and_needs_a_trip(db: PgPool
     assert!(berth::breaker_admin::release(&plane.db, Some(plane.host))
         .await
         .is_err());
-    assert!(berth::breaker_admin::release(&plane.db, None).await.is_err());
+    assert!(berth::breaker_admin::release(&plane.db, None)
+        .await
+        .is_err());
     let ids = six_running(&plane).await;
     let config = breaking();
     assert!(report(&plane.db, plane.host, 2, now_ms(), &[]).await);
@@ -415,7 +420,9 @@ async fn a_fleet_over_its_share_holds_every_host_until_released(db: PgPool) {
             .await
             .unwrap();
     assert_eq!(fleet_events, ["host.breaker_tripped"]);
-    berth::breaker_admin::release(&plane.db, None).await.unwrap();
+    berth::breaker_admin::release(&plane.db, None)
+        .await
+        .unwrap();
     let r = pass(&plane.db, &config, &lease).await;
     assert_eq!((r.count(Action::GuestUnhealthy), r.breaker_held), (6, 0));
     assert!(states(&plane.db, &ids)

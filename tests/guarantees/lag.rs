@@ -62,13 +62,12 @@ async fn a_backlogged_heartbeat_consumer_fails_no_running_sandbox_but_a_dead_gue
         )
         .await;
     }
-    let events: Vec<String> = sqlx::query_scalar(
-        "SELECT to_state FROM events WHERE sandbox_id = $1::uuid ORDER BY at",
-    )
-    .bind(&id)
-    .fetch_all(&stack.db)
-    .await
-    .unwrap();
+    let events: Vec<String> =
+        sqlx::query_scalar("SELECT to_state FROM events WHERE sandbox_id = $1::uuid ORDER BY at")
+            .bind(&id)
+            .fetch_all(&stack.db)
+            .await
+            .unwrap();
     assert_eq!(
         events.last().map(String::as_str),
         Some("running"),

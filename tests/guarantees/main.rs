@@ -16,3 +16,4 @@ mod one_host;
 mod orgs;
 mod restore;
 mod results_delivery;
+mod stop_fallback;

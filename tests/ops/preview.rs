@@ -86,14 +86,18 @@ async fn a_web_server_in_a_runc_sandbox_is_reached_by_host_name_and_by_path_and_
     // an unknown sandbox → 404.
     assert_eq!(get_by_host(&stack, &id, 8000, "/", None).await.0, 401);
     assert_eq!(
-        get_by_host(&stack, &id, 8000, "/", Some("bk_not_a_key")).await.0,
+        get_by_host(&stack, &id, 8000, "/", Some("bk_not_a_key"))
+            .await
+            .0,
         401
     );
     let (_, other_key) = berth_api::auth::create_org(&stack.db, "preview-intruder")
         .await
         .unwrap();
     assert_eq!(
-        get_by_host(&stack, &id, 8000, "/", Some(&other_key)).await.0,
+        get_by_host(&stack, &id, 8000, "/", Some(&other_key))
+            .await
+            .0,
         404
     );
     assert_eq!(
@@ -103,7 +107,10 @@ async fn a_web_server_in_a_runc_sandbox_is_reached_by_host_name_and_by_path_and_
     let unknown = SandboxId::new().to_string();
     let (status, page, headers) = get_by_host(&stack, &unknown, 8000, "/", Some(&stack.key)).await;
     assert_eq!(status, 404, "{page}");
-    assert!(headers["content-type"].to_str().unwrap().starts_with("text/html"));
+    assert!(headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
     assert!(page.contains("There is no sandbox"), "{page}");
     // Nothing listening: 502 with a page that says so.
     let (status, page, _) = get_by_host(&stack, &id, 9, "/", Some(&stack.key)).await;
@@ -115,7 +122,9 @@ async fn a_web_server_in_a_runc_sandbox_is_reached_by_host_name_and_by_path_and_
     let url = granted["url"].as_str().unwrap();
     let token = granted["token"].as_str().unwrap();
     assert!(
-        url.starts_with(&format!("http://8000-{id}.preview.test/?berth_preview_token=")),
+        url.starts_with(&format!(
+            "http://8000-{id}.preview.test/?berth_preview_token="
+        )),
         "{url}"
     );
     assert!(granted["expires_at"].is_string(), "{granted}");
@@ -171,7 +180,9 @@ async fn a_web_server_in_a_runc_sandbox_is_reached_by_host_name_and_by_path_and_
         port: 8000,
         expires: chrono::Utc::now().timestamp() + 600,
     }
-    .sign(&preview::token_key(b"another secret of at least 32 bytes!!"));
+    .sign(&preview::token_key(
+        b"another secret of at least 32 bytes!!",
+    ));
     let (status, _, _) = get_by_host(
         &stack,
         &id,
@@ -193,11 +204,13 @@ async fn a_web_server_in_a_runc_sandbox_is_reached_by_host_name_and_by_path_and_
     assert_eq!(status, 404);
 
     // Every forwarded request counts as activity.
-    sqlx::query("UPDATE sandboxes SET last_activity_at = now() - interval '1 hour' WHERE id = $1::uuid")
-        .bind(&id)
-        .execute(&stack.db)
-        .await
-        .unwrap();
+    sqlx::query(
+        "UPDATE sandboxes SET last_activity_at = now() - interval '1 hour' WHERE id = $1::uuid",
+    )
+    .bind(&id)
+    .execute(&stack.db)
+    .await
+    .unwrap();
     // The proxy stamps each sandbox at most every few seconds: wait for the next stamp.
     eventually("a forwarded request stamps activity", || async {
         let _ = get_by_host(&stack, &id, 8000, "/", Some(&stack.key)).await;
@@ -224,7 +237,11 @@ async fn a_web_server_in_a_runc_sandbox_is_reached_by_host_name_and_by_path_and_
     let (_, probe) = stack
         .exec(
             &other,
-            &["sh", "-c", &format!("busybox wget -q -T 3 -O - http://{address}:8000/ 2>&1; echo exit=$?")],
+            &[
+                "sh",
+                "-c",
+                &format!("busybox wget -q -T 3 -O - http://{address}:8000/ 2>&1; echo exit=$?"),
+            ],
         )
         .await;
     let probe = probe["stdout"].as_str().unwrap_or("").to_owned();
@@ -263,7 +280,12 @@ async fn a_web_server_in_a_runc_sandbox_is_reached_by_host_name_and_by_path_and_
     // A deleted sandbox is 404 and stays deleted.
     assert_eq!(stack.delete(&id).await.0, 202);
     stack.wait_state(&id, "deleted").await;
-    assert_eq!(get_by_host(&stack, &id, 8000, "/", Some(&stack.key)).await.0, 404);
+    assert_eq!(
+        get_by_host(&stack, &id, 8000, "/", Some(&stack.key))
+            .await
+            .0,
+        404
+    );
     assert_eq!(stack.state_of(&id).await, "deleted");
     stack.delete(&other).await;
     stack.wait_state(&other, "deleted").await;
@@ -276,7 +298,10 @@ async fn sandbox_address(stack: &Stack, id: &str) -> String {
     let (_, body) = stack
         .call(Method::GET, &format!("/v1/sandboxes/{id}"), None)
         .await;
-    body["address"].as_str().expect("a running sandbox has an address").to_owned()
+    body["address"]
+        .as_str()
+        .expect("a running sandbox has an address")
+        .to_owned()
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
@@ -410,7 +435,11 @@ async fn with_auto_resume_patched_off_a_request_gets_409_and_the_sandbox_stays_s
             Some(json!({"public_ports": []})),
         )
         .await;
-    assert_eq!((status, body["public_ports"].clone()), (200, json!([])), "{body}");
+    assert_eq!(
+        (status, body["public_ports"].clone()),
+        (200, json!([])),
+        "{body}"
+    );
     assert_eq!(stack.request(&id, "stop").await.0, 202);
     stack.wait_state(&id, "stopped").await;
     let (status, page, headers) = get_by_host(&stack, &id, 8000, "/", Some(&stack.key)).await;
@@ -418,7 +447,10 @@ async fn with_auto_resume_patched_off_a_request_gets_409_and_the_sandbox_stays_s
     assert_eq!(headers["x-berth-sandbox-state"], "stopped");
     assert!(page.contains("stopped"), "{page}");
     let path = format!("/v1/sandboxes/{id}/ports/8000/");
-    assert_eq!(get(&stack, &stack.url(&path), Some(&stack.key)).await.0, 409);
+    assert_eq!(
+        get(&stack, &stack.url(&path), Some(&stack.key)).await.0,
+        409
+    );
     assert_eq!(stack.state_of(&id).await, "stopped");
     assert_eq!(start_commands(&stack, &id).await, 0);
     // Bad input on create is refused.

@@ -274,7 +274,9 @@ impl Stack {
             .unwrap();
         let mut stack = Stack {
             base: control_plane.api_url(),
-            proxy_addr: control_plane.proxy_addr.expect("the test stack runs a proxy"),
+            proxy_addr: control_plane
+                .proxy_addr
+                .expect("the test stack runs a proxy"),
             key,
             db,
             subjects,
@@ -493,7 +495,10 @@ async fn spawn_hostd(db: &PgPool, subjects: &Subjects, url: &str, host: &mut Hos
         .arg("--forwarder-listen")
         .arg("127.0.0.1:0")
         .arg("--forwarder-key")
-        .arg(hex::encode(berth_schemas::preview::forwarder_key(PREVIEW_SECRET, id)))
+        .arg(hex::encode(berth_schemas::preview::forwarder_key(
+            PREVIEW_SECRET,
+            id,
+        )))
         .args(
             host.creds_file
                 .iter()

@@ -375,6 +375,13 @@ pub struct Sandbox {
     pub address: Option<String>,
     /// How the last stop kept the sandbox: `memory` or `disk`.
     pub last_stop: Option<String>,
+    /// When the last stop wanted memory (gVisor) but kept the disk only: what failed
+    /// (`checkpoint_failed`); `None` otherwise. Cleared by the next stop that keeps what it
+    /// wanted.
+    pub last_stop_code: Option<String>,
+    /// With `last_stop_code`: the runtime's error, one line of at most 512 characters (for
+    /// instance `Checkpoint failed: EOF` when the checkpoint ran out of the sandbox's memory).
+    pub last_stop_reason: Option<String>,
     /// When the create was accepted.
     pub created_at: DateTime<Utc>,
     /// When the sandbox's state last changed (a request, a host's result or the reconciler),
@@ -423,6 +430,11 @@ impl From<SandboxRow> for Sandbox {
             metadata: row.metadata,
             address: row.address,
             last_stop: row.last_stop.map(|m| m.as_str().to_owned()),
+            last_stop_code: row
+                .last_stop_fallback
+                .as_ref()
+                .map(|f| f.code.as_str().to_owned()),
+            last_stop_reason: row.last_stop_fallback.map(|f| f.detail),
             created_at: row.created_at,
             updated_at: row.updated_at,
             deleted_at: row.deleted_at,
@@ -515,6 +527,15 @@ pub struct Event {
     pub generation: i64,
     /// Detail from the host or the reconciler (e.g. a runtime error); `None` when there is none.
     pub message: Option<String>,
+    /// On a stop's event: how the stop kept the sandbox (`memory`, `disk`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_stop: Option<String>,
+    /// On a stop that wanted memory and kept the disk only: what failed (`checkpoint_failed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_stop_code: Option<String>,
+    /// With `last_stop_code`: the runtime's error (one line, at most 512 characters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_stop_reason: Option<String>,
     /// When the transition was committed (database clock).
     pub at: DateTime<Utc>,
 }

@@ -372,8 +372,10 @@ mod tests {
         assert_eq!(p.changed(), "auto_resume, public_ports");
         let cleared = patch(serde_json::json!({"public_ports": []})).unwrap();
         assert_eq!(cleared.public_ports, Some(vec![]));
-        assert!(serde_json::from_value::<PatchSandbox>(serde_json::json!({"auto_resume": "no"}))
-            .is_err());
+        assert!(
+            serde_json::from_value::<PatchSandbox>(serde_json::json!({"auto_resume": "no"}))
+                .is_err()
+        );
     }
 
     #[test]

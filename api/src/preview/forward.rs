@@ -187,7 +187,10 @@ fn is_upgrade(req: &Request<Body>) -> bool {
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
-            .any(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("upgrade")))
+            .any(|v| {
+                v.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
 }
 
 /// Makes `req` an HTTP/1.1 request for the sandbox: origin-form URI, a Host header (HTTP/2

@@ -133,12 +133,14 @@ impl RouteCache {
                 return Ok(addr);
             }
         }
-        let addr = berth_store::hosts::forwarder(db, host).await?.ok_or_else(|| {
-            Page::new(
-                StatusCode::BAD_GATEWAY,
-                "The sandbox's host serves no previews.",
-            )
-        })?;
+        let addr = berth_store::hosts::forwarder(db, host)
+            .await?
+            .ok_or_else(|| {
+                Page::new(
+                    StatusCode::BAD_GATEWAY,
+                    "The sandbox's host serves no previews.",
+                )
+            })?;
         self.forwarders
             .lock()
             .expect("never poisoned")

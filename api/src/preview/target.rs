@@ -80,7 +80,10 @@ mod tests {
         let d = "preview.example.com";
         assert_eq!(from_host(&format!("8080-{id}.{d}"), d), Some((id, 8080)));
         assert_eq!(
-            from_host(&format!("8080-{id}.PREVIEW.example.com:443"), "preview.example.com:8090"),
+            from_host(
+                &format!("8080-{id}.PREVIEW.example.com:443"),
+                "preview.example.com:8090"
+            ),
             Some((id, 8080))
         );
         assert_eq!(from_host(&format!("8080-{id}.evil.com"), d), None);
@@ -93,7 +96,9 @@ mod tests {
     #[test]
     fn a_path_names_a_port_and_the_rest_is_the_sandboxs_path() {
         let id = SandboxId::new();
-        let uri: Uri = format!("/v1/sandboxes/{id}/ports/8000/a/b?x=1").parse().unwrap();
+        let uri: Uri = format!("/v1/sandboxes/{id}/ports/8000/a/b?x=1")
+            .parse()
+            .unwrap();
         assert_eq!(
             from_path(&uri),
             Some(Target {

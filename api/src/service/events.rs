@@ -38,6 +38,9 @@ pub async fn of_sandbox(
             reason: e.reason,
             generation: e.generation.0,
             message: e.message,
+            last_stop: e.last_stop,
+            last_stop_code: e.last_stop_code,
+            last_stop_reason: e.last_stop_reason,
             at: e.at,
         })
         .collect())

@@ -187,7 +187,9 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     }
     crate::fault::crash_point(Step::Recorded);
     let outcome = match stored.outcome {
-        ResultOutcome::Succeeded { .. } => CommandOutcome::Succeeded,
+        ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. } => {
+            CommandOutcome::Succeeded
+        }
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use berth_schemas::wire::{ResultOutcome, StopMode};
+use berth_schemas::wire::{ResultOutcome, StopFallback, StopFallbackCode, StopMode};
 
 use crate::disk::{remove_dir_if_present, unmount};
 use crate::error::HostdError;
@@ -27,7 +27,8 @@ pub const CHECKPOINT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 pub const CHECKPOINT_SETTLE: Duration = Duration::from_millis(200);
 
 /// Stops the sandbox of `live`. Stopping a stopped sandbox succeeds and reports how it was
-/// kept; without a live record the stop fails.
+/// kept; without a live record the stop fails. A memory stop whose checkpoint failed succeeds
+/// as [`ResultOutcome::StoppedOnDisk`] with the runtime's error (issue 12 item 4).
 pub async fn stop(
     host: &Host,
     live: Option<SandboxRecord>,
@@ -52,6 +53,7 @@ pub async fn stop(
         } else {
             StopMode::Disk
         };
+        let mut fallback = None;
         if runtime.memory_snapshot() && status == Some(ContainerStatus::Running) {
             if !host
                 .gates
@@ -69,8 +71,13 @@ pub async fn stop(
                     StopMode::Memory
                 }
                 Err(error) => {
-                    tracing::warn!(error = %error.report(), "checkpoint failed; stopping with disk only");
+                    let report = error.report();
+                    tracing::warn!(error = %report, "checkpoint failed; stopping with disk only");
                     remove_dir_if_present(&snapshot).await?;
+                    fallback = Some(StopFallback::new(
+                        StopFallbackCode::CheckpointFailed,
+                        &fallback_detail(&error),
+                    ));
                     StopMode::Disk
                 }
             };
@@ -83,17 +90,20 @@ pub async fn stop(
         unmount(paths.rootfs()).await?;
         crate::volume::release(&paths).await?;
         crash_point(Step::Unmounted);
-        Ok::<_, HostdError>(mode)
+        Ok::<_, HostdError>((mode, fallback))
     }
     .await;
     // The gate opens again when the apply's guard drops, once the record says stopped.
     match done {
-        Ok(mode) => {
+        Ok((mode, fallback)) => {
             record.phase = Phase::Stopped;
             tracing::info!(last_stop = mode.as_str(), "sandbox stopped");
-            let outcome = ResultOutcome::Succeeded {
-                address: None,
-                last_stop: Some(mode),
+            let outcome = match fallback {
+                Some(fallback) => ResultOutcome::StoppedOnDisk { fallback },
+                None => ResultOutcome::Succeeded {
+                    address: None,
+                    last_stop: Some(mode),
+                },
             };
             (Some(record), outcome)
         }
@@ -102,5 +112,53 @@ pub async fn stop(
             tracing::warn!(%reason, "stop failed");
             (Some(record), ResultOutcome::Failed { reason })
         }
+    }
+}
+
+/// The part of a failed checkpoint's error that says why, for the result (whose detail is
+/// bounded): a runtime's exit status and stderr without its command line, whose paths alone
+/// can fill the bound; any other error whole. hostd's log keeps the whole error.
+fn fallback_detail(error: &HostdError) -> String {
+    match error {
+        HostdError::Tool {
+            program,
+            status,
+            stderr,
+            ..
+        } => format!("{program} checkpoint failed ({status}): {}", stderr.trim()),
+        other => other.report(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_checkpoint_keeps_the_runtimes_status_and_error_without_its_paths() {
+        let error = HostdError::Tool {
+            program: "runsc".into(),
+            args: format!(
+                "--root /{} checkpoint --image-path /x c",
+                "long/".repeat(200)
+            ),
+            status: "exit status: 128".into(),
+            stderr: "checkpoint failed: urpc method \"containerManager.Checkpoint\" failed: EOF\n"
+                .into(),
+        };
+        assert_eq!(
+            fallback_detail(&error),
+            "runsc checkpoint failed (exit status: 128): checkpoint failed: urpc method \
+             \"containerManager.Checkpoint\" failed: EOF"
+        );
+    }
+
+    #[test]
+    fn another_error_of_a_checkpoint_is_kept_whole() {
+        let error = HostdError::AgentTimeout {
+            address: "10.0.0.2:7000".parse().unwrap(),
+            waited: Duration::from_secs(1),
+        };
+        assert_eq!(fallback_detail(&error), error.report());
     }
 }

@@ -133,7 +133,8 @@ fn decide(
         stored(fleet_prior),
         fleet_prior.is_none_or(|p| p.last_seq != fleet_seq),
     );
-    out.verdicts.push((Scope::Fleet, fleet, fleet_tally, fleet_seq));
+    out.verdicts
+        .push((Scope::Fleet, fleet, fleet_tally, fleet_seq));
     let fleet_released = matches!(fleet, Verdict::ActReleased { .. });
     let mut seen = HashSet::new();
     for t in tallies {

@@ -249,7 +249,10 @@ pub enum PassError {
 
 /// Begins a transaction that holds the lease (fenced write), or fails with
 /// [`PassError::Deposed`].
-pub(crate) async fn fenced(db: &PgPool, lease: &Lease) -> Result<Transaction<'static, Postgres>, PassError> {
+pub(crate) async fn fenced(
+    db: &PgPool,
+    lease: &Lease,
+) -> Result<Transaction<'static, Postgres>, PassError> {
     let mut tx = db.begin().await.map_err(StoreError::from)?;
     if !lease.check(&mut tx).await? {
         return Err(PassError::Deposed);

@@ -11,7 +11,7 @@
 
 use berth_schemas::network::Network;
 use berth_schemas::state::ExpiryAction;
-use berth_schemas::wire::{Command, Resources, Runtime, SandboxSpec, StopMode};
+use berth_schemas::wire::{Command, Resources, Runtime, SandboxSpec, StopFallback, StopMode};
 use berth_schemas::{
     CommandId, CommandKind, Generation, HostId, OrgId, Reason, SandboxId, SandboxState,
 };
@@ -27,7 +27,7 @@ use crate::{commands, StoreError};
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
-     public_ports, expires_at, on_expiry";
+     public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -67,6 +67,9 @@ pub struct SandboxRow {
     pub address: Option<String>,
     /// How the last stop kept it.
     pub last_stop: Option<StopMode>,
+    /// Why the last stop kept the disk only although it wanted memory (`last_stop_code`,
+    /// `last_stop_reason`); `None` when it kept what it wanted.
+    pub last_stop_fallback: Option<StopFallback>,
     /// When the create was accepted (database clock).
     pub created_at: DateTime<Utc>,
     /// When the row last changed (database clock); auto-delete measures from it.
@@ -117,6 +120,10 @@ impl SandboxRow {
             metadata: row.try_get("metadata").map_err(get)?,
             address: row.try_get("address").map_err(get)?,
             last_stop: last_stop.as_deref().map(stop_mode).transpose()?,
+            last_stop_fallback: stop_fallback(
+                row.try_get("last_stop_code").map_err(get)?,
+                row.try_get("last_stop_reason").map_err(get)?,
+            )?,
             created_at: row.try_get("created_at").map_err(get)?,
             updated_at: row.try_get("updated_at").map_err(get)?,
             deleted_at: row.try_get("deleted_at").map_err(get)?,
@@ -181,6 +188,23 @@ fn stop_mode(s: &str) -> Result<StopMode, StoreError> {
         .into_iter()
         .find(|m| m.as_str() == s)
         .ok_or_else(|| corrupt("sandboxes.last_stop", s))
+}
+
+/// The `last_stop_code` and `last_stop_reason` columns (set together, a CHECK says) as a
+/// [`StopFallback`].
+pub(crate) fn stop_fallback(
+    code: Option<String>,
+    reason: Option<String>,
+) -> Result<Option<StopFallback>, StoreError> {
+    let Some(code) = code else {
+        return Ok(None);
+    };
+    Ok(Some(StopFallback {
+        code: code
+            .parse()
+            .map_err(|e| corrupt("sandboxes.last_stop_code", e))?,
+        detail: reason.unwrap_or_default(),
+    }))
 }
 
 /// A `network` column's value (`{"egress": …}`, see [`Network::from_api`]).
@@ -273,7 +297,12 @@ pub async fn create(
         .bind(i32::try_from(new.disk_mib).unwrap_or(i32::MAX))
         .bind(new.network.to_api())
         .bind(new.auto_resume)
-        .bind(new.public_ports.iter().map(|p| i32::from(*p)).collect::<Vec<i32>>())
+        .bind(
+            new.public_ports
+                .iter()
+                .map(|p| i32::from(*p))
+                .collect::<Vec<i32>>(),
+        )
         .bind(new.expires_at)
         .bind(new.on_expiry.as_str())
         .fetch_one(&mut *conn),
@@ -299,6 +328,7 @@ pub async fn create(
             generation,
             command_id: Some(command.id),
             message: None,
+            stop: None,
         },
     )
     .await?;
@@ -381,7 +411,10 @@ pub async fn list(
 
 /// One sandbox by id, of whichever org (the preview proxy learns the org from the row, then
 /// checks the caller against it); `None` when no row has that id.
-pub async fn find(db: impl PgExecutor<'_>, id: SandboxId) -> Result<Option<SandboxRow>, StoreError> {
+pub async fn find(
+    db: impl PgExecutor<'_>,
+    id: SandboxId,
+) -> Result<Option<SandboxRow>, StoreError> {
     let found = timed(
         Op::SandboxGet,
         sqlx::query(&format!("SELECT {COLUMNS} FROM sandboxes WHERE id = $1"))

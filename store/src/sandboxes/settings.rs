@@ -101,6 +101,7 @@ pub async fn update_settings(
             generation: row.generation,
             command_id: None,
             message: Some(change.message),
+            stop: None,
         },
     )
     .await?;

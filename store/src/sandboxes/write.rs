@@ -3,7 +3,7 @@
 //! one). Both apply the decision's [`Capacity`] change in the same transaction — the only place
 //! a sandbox's hold on its host's capacity changes (guarantee 4).
 
-use berth_schemas::wire::{Command, StopMode};
+use berth_schemas::wire::{Command, StopFallback, StopMode};
 use berth_schemas::{Capacity, CommandId, CommandKind, Reason, SandboxState};
 use sqlx::PgConnection;
 
@@ -109,6 +109,7 @@ pub async fn write_transition(
             generation,
             command_id,
             message: transition.message,
+            stop: None,
         },
     )
     .await?;
@@ -134,12 +135,16 @@ pub struct ResultWrite<'a> {
     pub address: Option<&'a str>,
     /// How a stop kept it; `None` leaves the last value.
     pub last_stop: Option<StopMode>,
+    /// Why a stop that wanted memory kept the disk only; written (or cleared, when `None`)
+    /// with every `last_stop`, left alone when `last_stop` is `None`.
+    pub stop_fallback: Option<&'a StopFallback>,
     /// The host's failure reason, shown as `state_reason`.
     pub message: Option<&'a str>,
 }
 
-/// Writes a host result onto the locked sandbox `row`: state, capacity, address, stop mode and
-/// the event, in the caller's transaction.
+/// Writes a host result onto the locked sandbox `row`: state, capacity, address, stop mode
+/// (with why a memory stop kept the disk only, or cleared) and the event, in the caller's
+/// transaction.
 ///
 /// Errors: [`StoreError::Fenced`] when the row is no longer at `row.generation`.
 pub async fn write_result(
@@ -157,6 +162,8 @@ pub async fn write_result(
                     state_reason = $4,
                     address = CASE WHEN $3 = 'running' THEN $5 ELSE NULL END,
                     last_stop = COALESCE($6, last_stop),
+                    last_stop_code = CASE WHEN $6 IS NULL THEN last_stop_code ELSE $8 END,
+                    last_stop_reason = CASE WHEN $6 IS NULL THEN last_stop_reason ELSE $9 END,
                     holds_capacity = $7,
                     updated_at = now()
               WHERE id = $1 AND generation = $2",
@@ -168,6 +175,8 @@ pub async fn write_result(
         .bind(result.address)
         .bind(result.last_stop.map(StopMode::as_str))
         .bind(holds_capacity)
+        .bind(result.stop_fallback.map(|f| f.code.as_str()))
+        .bind(result.stop_fallback.map(|f| f.detail.as_str()))
         .execute(&mut *conn),
     )
     .await?;
@@ -188,6 +197,7 @@ pub async fn write_result(
             generation: row.generation,
             command_id: Some(result.command_id),
             message: result.message,
+            stop: result.last_stop.map(|mode| (mode, result.stop_fallback)),
         },
     )
     .await?;
@@ -304,6 +314,7 @@ pub async fn move_create(
             generation,
             command_id: Some(create.id),
             message: Some(message),
+            stop: None,
         },
     )
     .await?;
