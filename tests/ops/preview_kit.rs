@@ -61,6 +61,27 @@ pub async fn sh(stack: &Stack, id: &str, script: &str) -> String {
     out["stdout"].as_str().unwrap_or("").to_owned()
 }
 
+/// Waits until a socket inside the sandbox listens on `port` (its `/proc/net/tcp`), without
+/// connecting to it.
+pub async fn wait_listening(stack: &Stack, id: &str, port: u16) {
+    let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
+    let local = format!(":{port:04X}");
+    loop {
+        let table = sh(stack, id, "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null || true").await;
+        if table.lines().any(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.len() > 3 && fields[1].ends_with(&local) && fields[3] == "0A"
+        }) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "nothing listens on port {port} in {id}: {table}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Busybox's httpd on port 8000 serving `/srv`: `index.html` (`text`), a CGI script
 /// `/cgi-bin/env` that prints what it received (query, `Authorization`, the preview token
 /// header), and `/cgi-bin/stream`, an event stream that writes `data: one`, waits until
