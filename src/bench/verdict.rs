@@ -93,12 +93,7 @@ pub async fn verdict(db: &PgPool, reports: &[PassReport]) -> anyhow::Result<Verd
         GuestFailure::Missing.message(),
     ];
     // Every guest failure's event: the sandbox and when the pass wrote it.
-    let failed: Vec<(uuid::Uuid, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
-        "SELECT sandbox_id, at FROM events WHERE to_state = 'failed-start' AND message = ANY($1)",
-    )
-    .bind(&messages[..])
-    .fetch_all(db)
-    .await?;
+    let failed = berth_store::events::guest_failures(db, &messages[..]).await?;
     let false_failures = failed
         .iter()
         .filter(|(id, at)| {

@@ -377,3 +377,22 @@ pub async fn backlog(db: impl PgExecutor<'_>) -> Result<(i64, f64), StoreError> 
     )
     .await
 }
+
+/// Every event that failed a sandbox with one of `messages` (the reconciler's guest-failure
+/// messages): the sandbox and when the event was written. `berth bench --runtime sim` asks the
+/// sim runtime which of those guests were alive then (a false failure).
+pub async fn guest_failures(
+    db: impl PgExecutor<'_>,
+    messages: &[&str],
+) -> Result<Vec<(SandboxId, DateTime<Utc>)>, StoreError> {
+    timed(
+        Op::EventGuestFailures,
+        sqlx::query_as(
+            "SELECT sandbox_id, at FROM events
+              WHERE to_state = 'failed-start' AND message = ANY($1)",
+        )
+        .bind(messages)
+        .fetch_all(db),
+    )
+    .await
+}

@@ -154,6 +154,8 @@ ops! {
     EventMarkPublished => "event_mark_published",
     /// [`crate::events::backlog`]: the event outbox's size and age.
     EventBacklog => "event_backlog",
+    /// The guest-failure events a pass wrote (`berth bench`'s false-failure count).
+    EventGuestFailures => "event_guest_failures",
     /// [`crate::leases::acquire`]: takes or renews a lease.
     LeaseAcquire => "lease_acquire",
     /// [`crate::leases::Lease::check`]: the fencing check of a lease.
