@@ -67,7 +67,12 @@ pub async fn wait_listening(stack: &Stack, id: &str, port: u16) {
     let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
     let local = format!(":{port:04X}");
     loop {
-        let table = sh(stack, id, "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null || true").await;
+        let table = sh(
+            stack,
+            id,
+            "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null || true",
+        )
+        .await;
         if table.lines().any(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
             fields.len() > 3 && fields[1].ends_with(&local) && fields[3] == "0A"
