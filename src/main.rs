@@ -81,6 +81,14 @@ enum Cmd {
         listen: SocketAddr,
         #[command(flatten)]
         preview: preview_args::PreviewArgs,
+        /// Connection caps and timeouts (the API's flags; the proxy applies the connection
+        /// caps, the header-read timeout, which is also its idle timeout, and the key lookup
+        /// rates).
+        #[command(flatten)]
+        limits: limits_args::ApiLimitArgs,
+        /// Serve Prometheus metrics (`GET /metrics`) on this address; unset: not served.
+        #[arg(long, env = "BERTH_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
     },
     /// Consume heartbeats and keep host rows current.
     Scheduler {
@@ -496,6 +504,8 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             conn,
             listen,
             preview,
+            limits,
+            metrics_addr,
         } => {
             let config = preview.config()?;
             anyhow::ensure!(
@@ -503,10 +513,11 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 "berth proxy needs --preview-secret (BERTH_PREVIEW_SECRET)"
             );
             let shutdown = shutdown_on_signal();
+            serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
             let subjects = subjects(&conn.nats.subject_prefix)?;
-            let guards = berth_api::limits::Guards::new(Default::default());
+            let guards = berth_api::limits::Guards::new(limits.config());
             let proxy = berth_api::preview::Preview::new(db, guards, config, Default::default());
             tokio::spawn(berth_api::preview::routes::evict_on_events(
                 proxy.clone(),

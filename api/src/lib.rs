@@ -11,6 +11,7 @@
 //!   (guarantee 7).
 //! - Errors are `{"error":{"code","message"}}` with the status of [`error::ApiError`].
 
+pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod error;

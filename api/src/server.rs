@@ -5,11 +5,9 @@
 //! shutdown.
 //!
 //! # Guarantees
-//! - At most [`LimitsConfig::max_connections`] connections are served at once; one accepted
-//!   beyond that is closed at once (counted in `berth_api_connections_refused_total`), so a
-//!   flood of idle connections cannot hold the process's file descriptors or memory; and at
-//!   most [`LimitsConfig::max_connections_per_ip`] of them come from one client address, so
-//!   one client cannot take every slot (`berth_api_connections_refused_total{reason}`).
+//! - At most [`LimitsConfig::max_connections`] connections are served at once, and at most
+//!   [`LimitsConfig::max_connections_per_ip`] from one client address ([`crate::admission`]);
+//!   one accepted beyond that is closed at once (`berth_api_connections_refused_total{reason}`).
 //! - A connection that has not sent a whole request head within
 //!   [`LimitsConfig::header_read_timeout`] of its start (or of the end of the previous
 //!   response) is closed: a slow-loris client holds a slot for that long at most.
@@ -23,9 +21,6 @@
 //! [`LimitsConfig::header_read_timeout`]: crate::limits::LimitsConfig::header_read_timeout
 //! [`LimitsConfig::body_idle_timeout`]: crate::limits::LimitsConfig::body_idle_timeout
 
-use std::collections::HashMap;
-use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::ConnectInfo;
@@ -33,12 +28,12 @@ use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tower_http::timeout::TimeoutBody;
 
+use crate::admission::{Admission, API_METRICS};
 use crate::limits::LimitsConfig;
 
 /// How long shutdown waits for open connections to finish.
@@ -46,54 +41,6 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// Pause after a failed `accept` (out of file descriptors, say) before trying again.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
-
-/// Open connections per client address, for [`LimitsConfig::max_connections_per_ip`].
-#[derive(Debug, Default)]
-struct PerIp {
-    open: Mutex<HashMap<IpAddr, usize>>,
-}
-
-/// One connection's place in [`PerIp`]; gives it back when dropped.
-struct IpSlot {
-    table: Arc<PerIp>,
-    ip: IpAddr,
-}
-
-impl PerIp {
-    /// A slot for one more connection from `ip`, or `None` when it holds `cap` already (`cap`
-    /// 0: no cap).
-    fn take(table: &Arc<PerIp>, ip: IpAddr, cap: usize) -> Option<IpSlot> {
-        let mut open = table
-            .open
-            .lock()
-            .expect("the per-address table is never poisoned");
-        let count = open.entry(ip).or_insert(0);
-        if cap != 0 && *count >= cap {
-            return None;
-        }
-        *count += 1;
-        Some(IpSlot {
-            table: table.clone(),
-            ip,
-        })
-    }
-}
-
-impl Drop for IpSlot {
-    fn drop(&mut self) {
-        let mut open = self
-            .table
-            .open
-            .lock()
-            .expect("the per-address table is never poisoned");
-        if let Some(count) = open.get_mut(&self.ip) {
-            *count -= 1;
-            if *count == 0 {
-                open.remove(&self.ip);
-            }
-        }
-    }
-}
 
 /// Serves `app` on `listener` under `limits` until `shutdown`.
 ///
@@ -105,11 +52,11 @@ pub async fn serve(
     limits: &LimitsConfig,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(match limits.max_connections {
-        0 => Semaphore::MAX_PERMITS,
-        n => n,
-    }));
-    let per_ip = Arc::new(PerIp::default());
+    let admission = Admission::new(
+        limits.max_connections,
+        limits.max_connections_per_ip,
+        API_METRICS,
+    );
     // Plain hyper HTTP/1.1, not hyper-util's auto builder: its `serve_connection_with_upgrades`
     // sniffs the protocol version before hyper's header timer runs, so a client that sends a
     // few bytes (or none) and then nothing would hold the connection forever.
@@ -133,23 +80,10 @@ pub async fn serve(
                 }
             },
         };
-        let Some(ip_slot) = PerIp::take(
-            &per_ip,
-            crate::limits::client_of(peer.ip()),
-            limits.max_connections_per_ip,
-        ) else {
-            metrics::counter!("berth_api_connections_refused_total", "reason" => "per_ip")
-                .increment(1);
+        let Some(admitted) = admission.admit(peer.ip()) else {
             drop(stream);
             continue;
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            metrics::counter!("berth_api_connections_refused_total", "reason" => "total")
-                .increment(1);
-            drop(stream);
-            continue;
-        };
-        metrics::gauge!("berth_api_connections").increment(1.0);
         let _ = stream.set_nodelay(true);
         let app = app.clone();
         let body_idle = limits.body_idle_timeout;
@@ -181,9 +115,7 @@ pub async fn serve(
             if let Err(e) = ended {
                 tracing::debug!(error = %e, peer = %peer, "connection ended with an error");
             }
-            metrics::gauge!("berth_api_connections").decrement(1.0);
-            drop(slot);
-            drop(ip_slot);
+            drop(admitted);
         });
     }
     drop(listener);

@@ -15,6 +15,7 @@ mod nats_auth;
 mod observability;
 mod preview;
 mod preview_kit;
+mod proxy_limits;
 mod relay;
 mod settings;
 mod wait;
