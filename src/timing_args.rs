@@ -84,8 +84,8 @@ pub struct ReconcilerTimingArgs {
     /// The longest wait between a degraded host's probes.
     #[arg(long, env = "BERTH_HOST_PROBE_BACKOFF_MAX", default_value_t = health::DEFAULT_MAX_BACKOFF.into())]
     pub host_probe_backoff_max: Duration,
-    /// A create or start that succeeded but took longer than this (publish to result) counts
-    /// as a bad boot.
+    /// A create or start that succeeded but took longer than this on its host (the apply time
+    /// its result reports) counts as a bad boot.
     #[arg(long, env = "BERTH_HOST_SLOW_BOOT", default_value_t = health::DEFAULT_SLOW_BOOT.into())]
     pub host_slow_boot: Duration,
     /// A failed create is retried only on a host heard from within this window (the same

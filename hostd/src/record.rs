@@ -78,6 +78,8 @@ impl StoredResult {
             kind: self.kind,
             outcome: self.outcome.clone(),
             heartbeat_seq,
+            // Set by `apply::apply` once the apply ends.
+            apply_ms: 0,
         }
     }
 }

@@ -22,7 +22,7 @@ use berth_schemas::wire::{CommandResult, ResultOutcome};
 use berth_schemas::{CommandKind, HostCondition, HostId};
 use berth_store::host_health::{self, Recorded};
 use berth_store::hosts::Overcommit;
-use berth_store::{commands, sandboxes, SandboxRow, StoreError};
+use berth_store::{sandboxes, SandboxRow, StoreError};
 use sqlx::PgConnection;
 use tracing::{info, warn};
 
@@ -54,7 +54,8 @@ pub fn is_boot(kind: CommandKind) -> bool {
 }
 
 /// Feeds a boot's result to its host's health, in the caller's transaction: a success
-/// (slow or not, by the command's time from publish to result), or a failure that was the
+/// (slow or not, by the time the host spent applying it, [`CommandResult::apply_ms`]: never
+/// the time it spent in the control plane's queues), or a failure that was the
 /// host's. A `Rejected` result (the request's fault) and every non-boot command change
 /// nothing. Call once per result that moved its row (never for duplicates).
 pub async fn record_result(
@@ -67,10 +68,10 @@ pub async fn record_result(
     }
     let (event, reason) = match &result.outcome {
         ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. } => {
-            let took = commands::boot_seconds(&mut *conn, result.command_id)
-                .await?
-                .unwrap_or(0.0);
-            let event = HealthEvent::of_boot(Duration::from_secs_f64(took.max(0.0)), policy);
+            // The host's own time for the boot: a control plane that lags (a backlog in the
+            // relay, NATS or this consumer) must not make every host look slow.
+            let took = f64::from(result.apply_ms) / 1000.0;
+            let event = HealthEvent::of_boot(Duration::from_millis(result.apply_ms.into()), policy);
             let reason = (event == HealthEvent::Slow).then(|| {
                 format!(
                     "{} took {took:.1} s (slow past {:?})",

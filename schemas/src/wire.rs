@@ -25,7 +25,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 7;
+pub const WIRE_VERSION: u16 = 8;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -313,6 +313,11 @@ pub struct CommandResult {
     /// evidence about the sandbox's state after it (the reconciler's pass judges nothing on an
     /// older one). 0 when the host had not sent a heartbeat yet.
     pub heartbeat_seq: u64,
+    /// Milliseconds the host spent applying the command, from the start of its apply to its
+    /// result (the runtime calls and the agent's boot; no time in NATS or the control plane's
+    /// queues): what the reconciler judges a host's boot speed by (wire v8). A replayed result
+    /// carries the replay's own time.
+    pub apply_ms: u32,
 }
 
 /// A sandbox's status as the host sees it, reported in every heartbeat.

@@ -215,25 +215,6 @@ pub async fn creates_issued(
     Ok(u32::try_from(n).unwrap_or(u32::MAX))
 }
 
-/// Seconds from a completed command's publish (its insert, if never marked published) to its
-/// completion: what a boot took on its host (the runtime call and the agent's boot, plus the
-/// trip through NATS), for the host's health. `None` while it is open.
-pub async fn boot_seconds(
-    conn: &mut PgConnection,
-    id: CommandId,
-) -> Result<Option<f64>, StoreError> {
-    timed(
-        Op::CommandLatency,
-        sqlx::query_scalar(
-            "SELECT EXTRACT(EPOCH FROM completed_at - COALESCE(published_at, created_at))::float8
-               FROM commands WHERE id = $1 AND completed_at IS NOT NULL",
-        )
-        .bind(id)
-        .fetch_optional(conn),
-    )
-    .await
-}
-
 /// Seconds from a completed command's insert to its completion, or `None` while it is open.
 pub async fn latency(db: impl PgExecutor<'_>, id: CommandId) -> Result<Option<f64>, StoreError> {
     timed(

@@ -79,8 +79,10 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
         again.heartbeat_seq >= created.heartbeat_seq,
         "a replay's sequence went back: {again:?} vs {created:?}"
     );
+    // ... and the replay's own apply time.
     let same_but_seq = berth_schemas::wire::CommandResult {
         heartbeat_seq: created.heartbeat_seq,
+        apply_ms: created.apply_ms,
         ..again.clone()
     };
     ensure!(same_but_seq == created, "replayed {again:?} vs {created:?}");

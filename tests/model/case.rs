@@ -375,6 +375,7 @@ impl<'a> Case<'a> {
                 },
             },
             heartbeat_seq: 0,
+            apply_ms: 0,
         };
         for delivery in 0..(1 + usize::from(twice)) {
             let expected = self.model.result(c, reported);

@@ -261,6 +261,7 @@ pub fn result_for(command: &OutboxCommand, outcome: ResultOutcome) -> CommandRes
         kind: command.kind,
         outcome,
         heartbeat_seq: 0,
+        apply_ms: 0,
     }
 }
 

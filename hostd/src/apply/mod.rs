@@ -100,9 +100,12 @@ pub async fn apply(host: &Arc<Host>, cmd: &Command, trace: &ApplyTrace) -> Appli
         span_id = %hex::encode(trace.span_id),
     );
     let started = Instant::now();
-    let applied = crate::fault::scope(cmd.kind, apply_inner(host, cmd))
+    let mut applied = crate::fault::scope(cmd.kind, apply_inner(host, cmd))
         .instrument(span)
         .await;
+    if let Applied::Respond { result, .. } = &mut applied {
+        result.apply_ms = u32::try_from(started.elapsed().as_millis()).unwrap_or(u32::MAX);
+    }
     let runtime = cmd
         .spec
         .as_ref()
@@ -142,6 +145,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
                     kind: cmd.kind,
                     outcome: ResultOutcome::RefusedStale { applied },
                     heartbeat_seq: host.heartbeat_seq.current(),
+                    apply_ms: 0,
                 },
                 outcome: CommandOutcome::RefusedStale,
             };

@@ -31,9 +31,9 @@ pub const DEFAULT_DEGRADE_AFTER: u32 = 3;
 pub const DEFAULT_INITIAL_BACKOFF: Duration = Duration::from_secs(30);
 /// Default [`HealthPolicy::max_backoff`]: the longest wait between probes.
 pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(600);
-/// Default [`HealthPolicy::slow_boot`]: a create or start whose result came this long after
-/// its command was published counts as a bad boot even though it succeeded (the runtime call
-/// plus the agent's boot, as the control plane measures them).
+/// Default [`HealthPolicy::slow_boot`]: a create or start that took its host this long (the
+/// runtime call plus the agent's boot, as the host reports it in its result's `apply_ms`)
+/// counts as a bad boot even though it succeeded.
 pub const DEFAULT_SLOW_BOOT: Duration = Duration::from_secs(60);
 
 /// When a host counts as unhealthy and how it comes back (operator settings: `berth
