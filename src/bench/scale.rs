@@ -307,6 +307,7 @@ async fn measure(
         http: reqwest::Client::new(),
         api: stack.api_url(),
         key,
+        throttled: Default::default(),
     });
 
     let outcome = async {
@@ -535,6 +536,8 @@ async fn measure(
         println!("|---|---|");
         println!("| guests failed | {} |", judged.guest_failures);
         println!("| false failures (failed while the sim guest was alive) | {} |", judged.false_failures);
+        println!("| creates and starts timed out | {} |", judged.boot_timeouts);
+        println!("| false timeouts (timed out while the sim guest was alive) | {} |", judged.false_timeouts);
         println!("| orphans stopped | {} |", judged.orphans_stopped);
         println!("| orphans destroyed | {} |", judged.orphans_destroyed);
         println!("| most hosts one pass left alone (evidence too old) | {} |", judged.most_stale_hosts);

@@ -75,6 +75,11 @@ pub struct Verdict {
     pub guest_failures: u64,
     /// Of those, guests that were alive when they were failed.
     pub false_failures: u64,
+    /// Creates and starts the passes timed out (`command_timeout` of a boot).
+    pub boot_timeouts: u64,
+    /// Of those, sandboxes whose sim guest was alive when the pass failed them: the host had
+    /// answered, and its result waited in the control plane's queues.
+    pub false_timeouts: u64,
     /// Containers stopped as orphans (`orphan_stopped`).
     pub orphans_stopped: u64,
     /// Containers destroyed as orphans (`orphan_destroyed`).
@@ -92,19 +97,31 @@ pub async fn verdict(db: &PgPool, reports: &[PassReport]) -> anyhow::Result<Verd
         GuestFailure::Unhealthy.message(),
         GuestFailure::Missing.message(),
     ];
+    let alive = |failed: &[(berth_schemas::SandboxId, chrono::DateTime<chrono::Utc>)]| {
+        failed
+            .iter()
+            .filter(|(id, at)| {
+                berth_hostd::runtime::sim::life(&id.to_string())
+                    .is_some_and(|life| life.alive_at(SystemTime::from(*at)))
+            })
+            .count() as u64
+    };
     // Every guest failure's event: the sandbox and when the pass wrote it.
     let failed = berth_store::events::guest_failures(db, &messages[..]).await?;
-    let false_failures = failed
+    // Every boot the pass timed out (the reconciler's message, `timeout: host never
+    // answered <kind>`).
+    let timeout_messages: Vec<String> = [berth_schemas::CommandKind::Create, berth_schemas::CommandKind::Start]
         .iter()
-        .filter(|(id, at)| {
-            berth_hostd::runtime::sim::life(&id.to_string())
-                .is_some_and(|life| life.alive_at(SystemTime::from(*at)))
-        })
-        .count() as u64;
+        .map(|kind| format!("timeout: host never answered {kind}"))
+        .collect();
+    let timeout_messages: Vec<&str> = timeout_messages.iter().map(String::as_str).collect();
+    let timed_out = berth_store::events::guest_failures(db, &timeout_messages).await?;
     Ok(Verdict {
         passes: reports.len(),
         guest_failures: sum(Action::GuestUnhealthy),
-        false_failures,
+        false_failures: alive(&failed),
+        boot_timeouts: timed_out.len() as u64,
+        false_timeouts: alive(&timed_out),
         orphans_stopped: sum(Action::OrphanStopped),
         orphans_destroyed: sum(Action::OrphanDestroyed),
         most_stale_hosts: reports.iter().map(|r| r.stale_hosts).max().unwrap_or(0),

@@ -146,6 +146,89 @@ async fn an_inventory_from_before_the_host_applied_the_command_is_not_evidence(d
     assert_eq!(inproc::row(&plane.db, id).await.state, "failed-start");
 }
 
+/// A boot its host applied (the host's inventory shows the sandbox at the command's generation)
+/// is not timed out while its result waits in the control plane's queues, and its result then
+/// makes it run; a boot the host never applied times out as before.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_boot_its_host_applied_is_not_timed_out_while_its_result_is_queued(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let lease = inproc::lease(&plane.db).await;
+    let applied = plane.create().await;
+    let unanswered = plane.create().await;
+    // The host booted the first (generation 1, its create's) and says so in its inventory;
+    // the result is still queued. It never saw the second.
+    assert!(report(&plane.db, plane.host, 1, now_ms(), &[applied]).await);
+    let eager = PassConfig {
+        create_timeout: Duration::ZERO,
+        ..config()
+    };
+    let r = pass(&plane.db, &eager, &lease).await;
+    assert_eq!(r.count(Action::CommandTimeout), 1, "{r:?}");
+    assert_eq!(inproc::row(&plane.db, applied).await.state, "provisioning");
+    let failed = inproc::row(&plane.db, unanswered).await;
+    assert_eq!(failed.state, "failed-start");
+    // Later passes leave it alone too, and the queued result makes it run.
+    let r = pass(&plane.db, &eager, &lease).await;
+    assert_eq!(r.count(Action::CommandTimeout), 0, "{r:?}");
+    let create = plane.latest(applied).await;
+    berth_reconciler::results::apply(
+        &plane.db,
+        &inproc::result_for(&create, inproc::succeeded(CommandKind::Create)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(inproc::row(&plane.db, applied).await.state, "running");
+}
+
+/// The host's health and its count of bad boots in a row.
+async fn health(db: &PgPool, host: HostId) -> (String, i32) {
+    sqlx::query_as("SELECT health, health_failures FROM hosts WHERE id = $1")
+        .bind(host.0)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// A boot is slow by the time its host spent on it (`apply_ms`), never by the time its
+/// command and result waited in the control plane: ten boots whose commands are ten minutes
+/// old but took the host 50 ms each leave it healthy; three that took it 90 s degrade it.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_boot_is_slow_by_its_hosts_own_time_not_by_the_control_planes_lag(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let boot = |apply_ms: u32| {
+        let plane = &plane;
+        async move {
+            let id = plane.create().await;
+            let create = plane.latest(id).await;
+            // The command and its result waited ten minutes in the queues.
+            sqlx::query(
+                "UPDATE commands SET created_at = now() - interval '10 minutes',
+                        published_at = now() - interval '10 minutes' WHERE id = $1",
+            )
+            .bind(create.id.0)
+            .execute(&plane.db)
+            .await
+            .unwrap();
+            let result = berth_schemas::wire::CommandResult {
+                apply_ms,
+                ..inproc::result_for(&create, inproc::succeeded(CommandKind::Create))
+            };
+            berth_reconciler::results::apply(&plane.db, &result)
+                .await
+                .unwrap();
+            assert_eq!(inproc::row(&plane.db, id).await.state, "running");
+        }
+    };
+    for _ in 0..10 {
+        boot(50).await;
+    }
+    assert_eq!(health(&plane.db, plane.host).await, ("healthy".to_owned(), 0));
+    for _ in 0..3 {
+        boot(90_000).await;
+    }
+    assert_eq!(health(&plane.db, plane.host).await.0, "degraded");
+}
+
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_host_whose_evidence_is_too_old_is_left_alone_and_named(db: PgPool) {
     let plane = Plane::start(db).await;

@@ -43,6 +43,11 @@ impl CommandTimeouts {
 
 /// Locks (skipping rows others hold) up to `batch` sandboxes whose current command, one they
 /// still wait on ([`TIMED_COMMANDS`]), is older than its timeout; with the command's kind.
+///
+/// A command its host has applied is never timed out: when the host's newest inventory shows
+/// the sandbox at the command's generation (or later), the host answered and its result is in
+/// the control plane's queues (results are durable in JetStream, so it arrives); failing the
+/// sandbox then would be a false failure caused by the control plane's own lag (issue 12).
 pub async fn lock_timed_out(
     conn: &mut PgConnection,
     timeouts: CommandTimeouts,
@@ -64,6 +69,11 @@ pub async fn lock_timed_out(
               WHERE c.completed_at IS NULL
                 AND c.generation = s.generation AND s.deleted_at IS NULL
                 AND c.created_at < now() - make_interval(secs => t.secs)
+                AND NOT EXISTS (SELECT 1 FROM hosts h
+                                 CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
+                                 WHERE h.id = c.host_id
+                                   AND i->>'sandbox_id' = s.id::text
+                                   AND (i->>'generation')::int8 >= c.generation)
               ORDER BY c.created_at
               LIMIT $4
               FOR UPDATE OF s SKIP LOCKED",
