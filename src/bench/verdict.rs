@@ -110,10 +110,13 @@ pub async fn verdict(db: &PgPool, reports: &[PassReport]) -> anyhow::Result<Verd
     let failed = berth_store::events::guest_failures(db, &messages[..]).await?;
     // Every boot the pass timed out (the reconciler's message, `timeout: host never
     // answered <kind>`).
-    let timeout_messages: Vec<String> = [berth_schemas::CommandKind::Create, berth_schemas::CommandKind::Start]
-        .iter()
-        .map(|kind| format!("timeout: host never answered {kind}"))
-        .collect();
+    let timeout_messages: Vec<String> = [
+        berth_schemas::CommandKind::Create,
+        berth_schemas::CommandKind::Start,
+    ]
+    .iter()
+    .map(|kind| format!("timeout: host never answered {kind}"))
+    .collect();
     let timeout_messages: Vec<&str> = timeout_messages.iter().map(String::as_str).collect();
     let timed_out = berth_store::events::guest_failures(db, &timeout_messages).await?;
     Ok(Verdict {

@@ -222,7 +222,10 @@ async fn a_boot_is_slow_by_its_hosts_own_time_not_by_the_control_planes_lag(db: 
     for _ in 0..10 {
         boot(50).await;
     }
-    assert_eq!(health(&plane.db, plane.host).await, ("healthy".to_owned(), 0));
+    assert_eq!(
+        health(&plane.db, plane.host).await,
+        ("healthy".to_owned(), 0)
+    );
     for _ in 0..3 {
         boot(90_000).await;
     }
