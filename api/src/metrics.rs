@@ -34,7 +34,9 @@ pub fn handle() -> PrometheusHandle {
 }
 
 /// Counts and times every request: `berth_http_requests_total{method,route,status}` and
-/// `berth_http_request_duration_seconds{method,route}`.
+/// `berth_http_request_duration_seconds{method,route}`. `route` is the matched route's pattern
+/// (or `unmatched`) and `method` one of [`method_label`]'s, so no request, however made up,
+/// adds a label value: the series stay bounded.
 pub async fn track(req: Request, next: Next) -> Response {
     let started = Instant::now();
     let route = req
@@ -42,14 +44,32 @@ pub async fn track(req: Request, next: Next) -> Response {
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_owned())
         .unwrap_or_else(|| "unmatched".to_owned());
-    let method = req.method().as_str().to_owned();
+    let method = method_label(req.method());
     let response = next.run(req).await;
     let status = response.status().as_u16().to_string();
-    metrics::counter!("berth_http_requests_total", "method" => method.clone(), "route" => route.clone(), "status" => status)
+    metrics::counter!("berth_http_requests_total", "method" => method, "route" => route.clone(), "status" => status)
         .increment(1);
     metrics::histogram!("berth_http_request_duration_seconds", "method" => method, "route" => route)
         .record(started.elapsed().as_secs_f64());
     response
+}
+
+/// The `method` label of a request: the methods of RFC 9110 (and PATCH) by name, any other
+/// (a client may send any token) as `other`.
+pub fn method_label(method: &axum::http::Method) -> &'static str {
+    use axum::http::Method;
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::DELETE => "DELETE",
+        Method::OPTIONS => "OPTIONS",
+        Method::CONNECT => "CONNECT",
+        Method::TRACE => "TRACE",
+        _ => "other",
+    }
 }
 
 /// Errors of [`serve`].
@@ -110,3 +130,18 @@ pub async fn serve_on(
 
 /// The Prometheus text exposition format's content type.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn made_up_methods_share_one_label() {
+        for (method, label) in [("GET", "GET"), ("PATCH", "PATCH"), ("ATKM0", "other")] {
+            let method = axum::http::Method::from_bytes(method.as_bytes()).unwrap();
+            assert_eq!(method_label(&method), label);
+        }
+        let long = axum::http::Method::from_bytes("Z".repeat(4000).as_bytes()).unwrap();
+        assert_eq!(method_label(&long), "other");
+    }
+}

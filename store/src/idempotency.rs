@@ -35,6 +35,23 @@ pub struct StoredKey {
     pub response: serde_json::Value,
 }
 
+/// Locks the org's `key` until the caller's transaction ends (a transaction-scoped advisory
+/// lock on a hash of org and key): a concurrent request with the same key waits here until the
+/// first commits or rolls back, then finds its stored response, instead of racing it (and
+/// failing placement against the first one's reservation, say). Outside a transaction the
+/// lock is released at once.
+pub async fn lock(db: impl PgExecutor<'_>, org: OrgId, key: &str) -> Result<(), StoreError> {
+    timed(
+        Op::IdempotencyLock,
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || ':' || $2, 0))")
+            .bind(org)
+            .bind(key)
+            .execute(db),
+    )
+    .await?;
+    Ok(())
+}
+
 /// The response stored under the org's `key`, if any.
 pub async fn find(
     db: impl PgExecutor<'_>,

@@ -170,6 +170,8 @@ ops! {
     TemplateUpsert => "template_upsert",
     /// [`crate::idempotency::purge`]: deletes expired idempotency keys.
     IdempotencyPurge => "idempotency_purge",
+    /// [`crate::idempotency::lock`]: a key held for the request's transaction.
+    IdempotencyLock => "idempotency_lock",
     /// [`crate::idempotency::find`]: the response stored under a key.
     IdempotencyFind => "idempotency_find",
     /// [`crate::idempotency::insert`]: a response stored under a key.

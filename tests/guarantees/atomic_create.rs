@@ -236,3 +236,40 @@ async fn a_create_whose_transaction_fails_at_its_last_insert_leaves_no_row_comma
     assert_eq!(inproc::event_states(&db, id).await, ["provisioning"]);
     assert_eq!(inproc::reserved(&db, plane.host).await, (1, 256));
 }
+
+/// Concurrent creates with one `Idempotency-Key` all get the one sandbox they made: the key is
+/// held for each request's transaction, so a later one waits for the first to commit and
+/// replays its answer instead of failing placement against the first one's reservation (an
+/// attacker saw 6 answers of 202 and 2 of 503 for one sandbox, before).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn concurrent_creates_with_one_key_all_get_the_one_sandbox(db: PgPool) {
+    let plane = inproc::Plane::start(db).await;
+    // The whole host's memory (memory is not overcommitted): only one of these fits.
+    let body = format!(
+        r#"{{"vcpus":1,"memory_mib":{}}}"#,
+        inproc::HOST_CAPACITY.memory_mib
+    );
+    let replies = futures::future::join_all((0..8).map(|_| {
+        plane.api.call(
+            &plane.org.key,
+            Method::POST,
+            "/v1/sandboxes",
+            Some("one-key-for-all"),
+            Some(&body),
+        )
+    }))
+    .await;
+    let ids: std::collections::HashSet<String> = replies
+        .iter()
+        .map(|r| {
+            assert_eq!(r.status, 202, "{}", r.body);
+            r.body["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(ids.len(), 1, "one key, one sandbox: {ids:?}");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM sandboxes")
+        .fetch_one(&plane.db)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+}

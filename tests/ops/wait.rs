@@ -42,6 +42,8 @@ async fn a_create_with_wait_running_answers_the_running_sandbox_ready_for_exec(d
         "/v1/sandboxes?wait=running&timeout=soon",
         "/v1/sandboxes?timeout=5s",
         "/v1/sandboxes?wiat=running",
+        // A create settles as running: waiting for another state is refused.
+        "/v1/sandboxes?wait=stopped",
     ] {
         let (status, reply) = stack.call(Method::POST, bad, Some(body())).await;
         assert_eq!(status, 400, "{bad}: {reply}");
@@ -52,6 +54,35 @@ async fn a_create_with_wait_running_answers_the_running_sandbox_ready_for_exec(d
         .await
         .unwrap();
     assert_eq!(count, 1, "no refused create wrote a sandbox");
+    // A lifecycle request that waits for a state it does not lead to is refused before it does
+    // anything (it used to stop the sandbox and answer 409).
+    for (path, settles) in [
+        (format!("/v1/sandboxes/{id}/stop?wait=running"), "stopped"),
+        (format!("/v1/sandboxes/{id}/start?wait=stopped"), "running"),
+        (format!("/v1/sandboxes/{id}?wait=running"), "deleted"),
+    ] {
+        let method = if path.contains("/stop") || path.contains("/start") {
+            Method::POST
+        } else {
+            Method::DELETE
+        };
+        let (status, reply) = stack.call(method, &path, None).await;
+        assert_eq!(status, 400, "{path}: {reply}");
+        assert_eq!(reply["error"]["field"], "wait", "{reply}");
+        assert!(
+            reply["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(settles),
+            "{reply}"
+        );
+    }
+    let row = crate::support::inproc::row(&stack.db, id.parse().unwrap()).await;
+    assert_eq!(
+        (row.state.as_str(), row.generation),
+        ("running", 1),
+        "a refused wait changed the sandbox"
+    );
 
     let (status, deleted) = stack
         .call(

@@ -7,7 +7,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::{Extension, Json};
-use berth_schemas::state::Request;
+use berth_schemas::state::{Request, WaitTarget};
 use berth_schemas::{HostId, SandboxId, SandboxState};
 
 use super::events::StreamShutdown;
@@ -33,15 +33,30 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
     parse_path_id(raw, "sandbox")
 }
 
-/// Parses the `?wait=` parameters of a create or lifecycle route.
+/// Parses the `?wait=` parameters of a create (`request` `None`) or lifecycle route. A wait for
+/// another state than the one `request` settles in ([`WaitTarget::of_request`]) is a 400
+/// before anything is done: `POST …/stop?wait=running` would stop the sandbox and then answer
+/// 409, and the client would take the stop for refused.
 fn wait_of(
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+    request: Option<Request>,
 ) -> Result<Option<WaitFor>, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::InvalidRequest {
         field: None,
         message: e.body_text(),
     })?;
-    q.parse()
+    let wait = q.parse()?;
+    let settles_in = WaitTarget::of_request(request);
+    match wait {
+        Some(w) if w.target != settles_in => Err(ApiError::InvalidRequest {
+            field: Some("wait".into()),
+            message: format!(
+                "this request settles the sandbox as `{settles_in}`: wait for `{settles_in}`, not `{}`",
+                w.target
+            ),
+        }),
+        wait => Ok(wait),
+    }
 }
 
 /// `POST /v1/sandboxes`
@@ -67,7 +82,7 @@ pub async fn create(
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let wait = wait_slot(&app, &caller, wait_of(query)?)?;
+    let wait = wait_slot(&app, &caller, wait_of(query, None)?)?;
     let idem = Idempotency::from_headers(&headers, "POST", "/v1/sandboxes", &body)?;
     let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
         b"{}"
@@ -310,7 +325,7 @@ macro_rules! lifecycle_route {
             shutdown: Option<Extension<StreamShutdown>>,
             query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
         ) -> Result<Response, ApiError> {
-            let wait = wait_slot(&app, &caller, wait_of(query)?)?;
+            let wait = wait_slot(&app, &caller, wait_of(query, Some($request))?)?;
             let idem = Idempotency::from_headers(&headers, "POST", $path, id.as_bytes())?;
             let stop = stop_token(shutdown);
             lifecycle(&app, &caller, parse_id(&id)?, $request, idem, wait, &stop).await
@@ -358,7 +373,7 @@ pub async fn delete(
     shutdown: Option<Extension<StreamShutdown>>,
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    let wait = wait_slot(&app, &caller, wait_of(query)?)?;
+    let wait = wait_slot(&app, &caller, wait_of(query, Some(Request::Delete))?)?;
     let stop = stop_token(shutdown);
     lifecycle(
         &app,

@@ -47,7 +47,9 @@ pub struct StoredResponse {
     pub body: serde_json::Value,
 }
 
-/// A stored response for `key`, if any.
+/// A stored response for `key`, if any. In a transaction, the key stays locked until it ends
+/// ([`idempotency::lock`]): concurrent requests with one key are answered one after the
+/// other, the later ones with the first one's stored response.
 ///
 /// Errors: [`ServiceError::IdempotencyKeyReused`] when the key was used for another request.
 pub async fn replay(
@@ -55,6 +57,7 @@ pub async fn replay(
     org: OrgId,
     key: &IdempotencyKey,
 ) -> Result<Option<StoredResponse>, ServiceError> {
+    idempotency::lock(&mut *conn, org, &key.key).await?;
     let Some(stored) = idempotency::find(conn, org, &key.key).await? else {
         return Ok(None);
     };

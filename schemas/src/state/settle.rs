@@ -99,6 +99,17 @@ impl WaitTarget {
         WaitTarget::Deleted,
     ];
 
+    /// The one target a wait on `request` may name (`None`: a create), the state it settles in:
+    /// a create and a start lead to `running`, a stop to `stopped`, a delete to `deleted`. A
+    /// request that waits for another state is refused before it does anything.
+    pub fn of_request(request: Option<super::Request>) -> WaitTarget {
+        match request {
+            None | Some(super::Request::Start) => WaitTarget::Running,
+            Some(super::Request::Stop) => WaitTarget::Stopped,
+            Some(super::Request::Delete) => WaitTarget::Deleted,
+        }
+    }
+
     /// The state it waits for.
     pub fn state(self) -> SandboxState {
         match self {
