@@ -365,3 +365,71 @@ async fn waits_past_the_orgs_cap_are_refused_before_anything_changes(db: PgPool)
         (200, Some("running"))
     );
 }
+
+/// A wait for a state the sandbox's own timers will bring (auto-stop or a stop expiry to
+/// `stopped`; a delete expiry to `deleted`) holds until its timeout (408) instead of answering
+/// 409 at once; once the timer is cleared, the same wait is 409 again. On the router with a
+/// synthesized host result.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_wait_for_a_state_the_sandboxs_timers_will_bring_holds(db: PgPool) {
+    use crate::support::inproc::{self, Plane};
+    use axum::http::Method as M;
+    use berth_schemas::CommandKind;
+
+    let plane = Plane::start(db).await;
+    let id = plane.create().await;
+    let create = plane.latest(id).await;
+    plane
+        .deliver(&create, inproc::succeeded(CommandKind::Create))
+        .await;
+    let key = plane.org.key.clone();
+    let wait = |state: &str| format!("/v1/sandboxes/{id}/wait?state={state}&timeout=1s");
+    let patch = |body: String| {
+        let (api, key) = (plane.api.clone(), key.clone());
+        async move {
+            let reply = api
+                .call(
+                    &key,
+                    M::PATCH,
+                    &format!("/v1/sandboxes/{id}"),
+                    None,
+                    Some(&body),
+                )
+                .await;
+            assert_eq!(reply.status, 200, "{body}: {}", reply.body);
+        }
+    };
+    let status_of = |path: String| {
+        let (api, key) = (plane.api.clone(), key.clone());
+        async move { api.call(&key, M::GET, &path, None, None).await.status }
+    };
+    assert_eq!(
+        status_of(wait("stopped")).await,
+        409,
+        "no timer: impossible"
+    );
+    patch(r#"{"auto_stop_minutes": 60}"#.to_owned()).await;
+    assert_eq!(
+        status_of(wait("stopped")).await,
+        408,
+        "auto-stop will stop it"
+    );
+    assert_eq!(status_of(wait("deleted")).await, 409, "nothing deletes it");
+    let in_a_day = (chrono::Utc::now() + chrono::Duration::days(1)).to_rfc3339();
+    patch(format!(
+        r#"{{"auto_stop_minutes": null, "expires_at": "{in_a_day}", "on_expiry": "delete"}}"#
+    ))
+    .await;
+    assert_eq!(
+        status_of(wait("deleted")).await,
+        408,
+        "its expiry deletes it"
+    );
+    assert_eq!(
+        status_of(wait("stopped")).await,
+        409,
+        "a delete expiry never stops it"
+    );
+    patch(r#"{"expires_at": null}"#.to_owned()).await;
+    assert_eq!(status_of(wait("deleted")).await, 409, "no timer left");
+}

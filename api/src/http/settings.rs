@@ -217,7 +217,7 @@ pub struct WaitStateQuery {
 /// `GET /v1/sandboxes/{id}/wait`
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/wait", tag = "sandboxes",
     params(("id" = String, Path), WaitStateQuery),
-    description = "Answers as soon as the sandbox is in `state`, woken by the database's notification of its state change (no polling). A sandbox that settles elsewhere (`running`, `stopped`, `failed-start` other than the target) or is being deleted cannot get there without a new request: 409 at once. The same wait is `?wait=<state>&timeout=` on `POST /v1/sandboxes` and the lifecycle requests.",
+    description = "Answers as soon as the sandbox is in `state`, woken by the database's notification of its state change (no polling). A sandbox that settles elsewhere (`running`, `stopped`, `failed-start` other than the target) or is being deleted cannot get there without a new request: 409 at once (unless its own auto-stop, auto-delete or expiry will take it there: then the wait holds). The same wait is `?wait=<state>&timeout=` on `POST /v1/sandboxes` and the lifecycle requests.",
     responses(
         (status = 200, description = "The sandbox, in `state`", body = Sandbox),
         (status = 400, description = "`invalid_request`: a `state` other than running, stopped or deleted; a `timeout` that does not parse or exceeds 5 minutes"),

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use berth_schemas::state::{wait_verdict, WaitTarget, WaitVerdict};
+use berth_schemas::state::{wait_verdict, Timers, WaitTarget, WaitVerdict};
 use berth_schemas::{OrgId, SandboxId};
 use berth_store::sandboxes;
 use sqlx::PgPool;
@@ -52,7 +52,12 @@ pub async fn wait(
         let row = sandboxes::get(db, org, id)
             .await?
             .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
-        match wait_verdict(target, row.state, row.deleting()) {
+        let timers = Timers {
+            auto_stop: row.auto_stop_minutes.is_some(),
+            auto_delete: row.auto_delete_minutes.is_some(),
+            expiry: row.expires_at.map(|_| row.on_expiry),
+        };
+        match wait_verdict(target, row.state, row.deleting(), timers) {
             WaitVerdict::Reached => return Ok(Sandbox::from(row)),
             WaitVerdict::Impossible => {
                 return Err(ServiceError::WaitConflict {

@@ -312,7 +312,7 @@ pub use converge::{
 };
 pub use request::{on_request, Decision, Refusal};
 pub use result::{on_result, retries_elsewhere, Fault, Outcome, ResultDecision, MAX_CREATE_HOSTS};
-pub use settle::{on_expiry, wait_verdict, Expiry, ExpiryAction, WaitTarget, WaitVerdict};
+pub use settle::{on_expiry, wait_verdict, Expiry, ExpiryAction, Timers, WaitTarget, WaitVerdict};
 
 #[cfg(test)]
 mod tests {

@@ -160,12 +160,51 @@ const IN_FLIGHT: [SandboxState; 8] = [
     SandboxState::Unarchiving,
 ];
 
-/// Judges a sandbox in `state` (`deleting`: `deleted_at` is set) for a wait on `target`.
+/// The sandbox's own timers that move it out of a settled state without a new request: the
+/// reconciler's auto-stop and auto-delete, and its expiry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Timers {
+    /// `auto_stop_minutes` is set: a `running` sandbox stops once idle that long.
+    pub auto_stop: bool,
+    /// `auto_delete_minutes` is set: a `stopped` or `failed-start` sandbox is deleted after it.
+    pub auto_delete: bool,
+    /// `expires_at` is set, with what happens then.
+    pub expiry: Option<ExpiryAction>,
+}
+
+impl Timers {
+    /// Whether a sandbox settled in `state` gets to `target` by these timers alone (also in two
+    /// steps: auto-stop, then auto-delete).
+    fn reach(self, state: SandboxState, target: WaitTarget) -> bool {
+        let stops = state == SandboxState::Running
+            && (self.auto_stop || self.expiry == Some(ExpiryAction::Stop));
+        match target {
+            WaitTarget::Stopped => stops,
+            WaitTarget::Deleted => {
+                self.expiry == Some(ExpiryAction::Delete)
+                    || (self.auto_delete
+                        && (stops
+                            || matches!(state, SandboxState::Stopped | SandboxState::FailedStart)))
+            }
+            WaitTarget::Running => false,
+        }
+    }
+}
+
+/// Judges a sandbox in `state` (`deleting`: `deleted_at` is set) with `timers` for a wait on
+/// `target`.
 ///
-/// A sandbox being deleted can only become `deleted`; otherwise an in-flight state is pending
-/// and a settled one other than the target (`running`, `stopped`, `failed-start`, `archived`)
-/// is impossible: nothing moves it without a new request.
-pub fn wait_verdict(target: WaitTarget, state: SandboxState, deleting: bool) -> WaitVerdict {
+/// A sandbox being deleted can only become `deleted`; otherwise an in-flight state is pending,
+/// and so is a settled one its own timers will move to the target (a running sandbox with
+/// auto-stop or a stop expiry, waited for as `stopped`; a delete expiry, or auto-delete,
+/// waited for as `deleted`); any other settled state than the target (`running`, `stopped`,
+/// `failed-start`, `archived`) is impossible: nothing moves it without a new request.
+pub fn wait_verdict(
+    target: WaitTarget,
+    state: SandboxState,
+    deleting: bool,
+    timers: Timers,
+) -> WaitVerdict {
     if state == target.state() && (target == WaitTarget::Deleted || !deleting) {
         return WaitVerdict::Reached;
     }
@@ -176,7 +215,7 @@ pub fn wait_verdict(target: WaitTarget, state: SandboxState, deleting: bool) -> 
             WaitVerdict::Impossible
         };
     }
-    if IN_FLIGHT.contains(&state) {
+    if IN_FLIGHT.contains(&state) || timers.reach(state, target) {
         WaitVerdict::Pending
     } else {
         WaitVerdict::Impossible
@@ -285,11 +324,11 @@ mod tests {
                     Impossible
                 };
                 assert_eq!(
-                    wait_verdict(target, state, false),
+                    wait_verdict(target, state, false, Timers::default()),
                     expected,
                     "{target} in {state}"
                 );
-                let deleting = wait_verdict(target, state, true);
+                let deleting = wait_verdict(target, state, true, Timers::default());
                 let expected = match (target, state) {
                     (WaitTarget::Deleted, S::Deleted) => Reached,
                     (WaitTarget::Deleted, _) => Pending,
@@ -299,20 +338,76 @@ mod tests {
             }
         }
         assert_eq!(
-            wait_verdict(WaitTarget::Running, S::FailedStart, false),
+            wait_verdict(
+                WaitTarget::Running,
+                S::FailedStart,
+                false,
+                Timers::default()
+            ),
             Impossible
         );
         assert_eq!(
-            wait_verdict(WaitTarget::Running, S::Provisioning, false),
+            wait_verdict(
+                WaitTarget::Running,
+                S::Provisioning,
+                false,
+                Timers::default()
+            ),
             Pending
         );
         assert_eq!(
-            wait_verdict(WaitTarget::Stopped, S::Running, false),
+            wait_verdict(WaitTarget::Stopped, S::Running, false, Timers::default()),
             Impossible
         );
         assert_eq!(
-            wait_verdict(WaitTarget::Stopped, S::Stopping, false),
+            wait_verdict(WaitTarget::Stopped, S::Stopping, false, Timers::default()),
             Pending
         );
+    }
+
+    #[test]
+    fn a_settled_sandbox_its_own_timers_will_move_is_pending() {
+        use WaitVerdict::*;
+        let auto_stop = Timers {
+            auto_stop: true,
+            ..Timers::default()
+        };
+        let stop_expiry = Timers {
+            expiry: Some(ExpiryAction::Stop),
+            ..Timers::default()
+        };
+        let delete_expiry = Timers {
+            expiry: Some(ExpiryAction::Delete),
+            ..Timers::default()
+        };
+        let auto_delete = Timers {
+            auto_delete: true,
+            ..Timers::default()
+        };
+        let both = Timers {
+            auto_stop: true,
+            auto_delete: true,
+            ..Timers::default()
+        };
+        for (target, state, timers, expected) in [
+            (WaitTarget::Stopped, S::Running, auto_stop, Pending),
+            (WaitTarget::Stopped, S::Running, stop_expiry, Pending),
+            (WaitTarget::Stopped, S::Running, auto_delete, Impossible),
+            (WaitTarget::Stopped, S::FailedStart, auto_stop, Impossible),
+            (WaitTarget::Deleted, S::Running, delete_expiry, Pending),
+            (WaitTarget::Deleted, S::Stopped, delete_expiry, Pending),
+            (WaitTarget::Deleted, S::Stopped, auto_delete, Pending),
+            (WaitTarget::Deleted, S::FailedStart, auto_delete, Pending),
+            (WaitTarget::Deleted, S::Running, auto_delete, Impossible),
+            (WaitTarget::Deleted, S::Running, both, Pending),
+            (WaitTarget::Deleted, S::Running, stop_expiry, Impossible),
+            (WaitTarget::Running, S::Stopped, both, Impossible),
+        ] {
+            assert_eq!(
+                wait_verdict(target, state, false, timers),
+                expected,
+                "{target} from {state} with {timers:?}"
+            );
+        }
     }
 }
