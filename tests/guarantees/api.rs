@@ -442,3 +442,27 @@ async fn a_tenant_cannot_list_private_networks_without_the_operators_permission(
         .unwrap();
     assert_eq!(count, 0, "a refused create wrote a row");
 }
+
+/// A preview token is refused (409) for a sandbox being deleted or deleted: it would open
+/// nothing, and a link handed out for a tombstone misleads whoever gets it.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn no_preview_token_for_a_deleted_sandbox(db: PgPool) {
+    use crate::support::inproc;
+    use axum::http::Method as M;
+    use berth_schemas::HostId;
+
+    inproc::heartbeat(&db, HostId::new(), inproc::HOST_CAPACITY).await;
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = inproc::Api::configured(db.clone(), nats, inproc::unique_subjects(), |c| {
+        c.preview.secret = Some(std::sync::Arc::new(vec![7u8; 32]));
+    });
+    let org = inproc::org(&db).await;
+    let id = api.create(&org.key, inproc::SANDBOX).await;
+    let token = format!("/v1/sandboxes/{id}/ports/8000/token");
+    let granted = api.call(&org.key, M::POST, &token, None, None).await;
+    assert_eq!(granted.status, 200, "{}", granted.body);
+    assert_eq!(api.lifecycle(&org.key, id, "delete").await.status, 202);
+    let refused = api.call(&org.key, M::POST, &token, None, None).await;
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    assert_eq!(refused.body["error"]["code"], "conflict");
+}

@@ -48,6 +48,7 @@ pub struct PreviewTokenResponse {
         (status = 200, body = PreviewTokenResponse),
         (status = 400, description = "`invalid_request`: a port or `ttl_seconds` out of range"),
         (status = 404, description = "`not_found`"),
+        (status = 409, description = "`conflict`: the sandbox is deleted or being deleted (a token for it would open nothing)"),
         (status = 503, description = "`not_configured`: previews are not configured (no preview secret)"),
     ), security(("bearer" = [])))]
 pub async fn token(
@@ -57,6 +58,15 @@ pub async fn token(
     body: Bytes,
 ) -> Result<Json<PreviewTokenResponse>, ApiError> {
     let sandbox = fetch(&app, &caller, parse_id(&id)?).await?;
+    if sandbox.deleted_at.is_some() {
+        return Err(ApiError::Conflict {
+            state: sandbox.state,
+            message: format!(
+                "sandbox {} is deleted or being deleted: no preview token for it",
+                sandbox.id
+            ),
+        });
+    }
     let port: u16 = port
         .parse()
         .ok()
