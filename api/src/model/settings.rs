@@ -56,13 +56,32 @@ pub struct PatchSandbox {
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<String>, format = DateTime, nullable)]
     pub expires_at: Option<Option<String>>,
-    /// What the expiry does: `stop` or `delete`.
-    pub on_expiry: Option<String>,
-    /// Whether a preview request starts the sandbox while it is stopped.
-    pub auto_resume: Option<bool>,
-    /// The whole new list of public preview ports (1 to 65535, at most 16); `[]` makes every
-    /// port private again.
-    pub public_ports: Option<Vec<u16>>,
+    /// What the expiry does: `stop` or `delete` (`null` is refused: it has no "unset").
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<String>)]
+    pub on_expiry: Option<Option<String>>,
+    /// Whether a preview request starts the sandbox while it is stopped (`null` is refused).
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<bool>)]
+    pub auto_resume: Option<Option<bool>>,
+    /// The whole new list of public preview ports (1 to 65535, at most 16; repeats count
+    /// once); `[]` makes every port private again (`null` is refused: say `[]`).
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<Vec<u16>>)]
+    pub public_ports: Option<Option<Vec<u16>>>,
+}
+
+/// `Some(value)` of a setting that has no "unset": a JSON `null` for it is a 400 naming it,
+/// instead of being taken for "leave it" (a client that meant "clear" would think it worked).
+fn not_null<T>(field: &'static str, value: Option<Option<T>>) -> Result<Option<T>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(Some(v)) => Ok(Some(v)),
+        Some(None) => Err(ApiError::invalid(
+            field,
+            format!("{field} cannot be null: give a value (leave it out to keep it)"),
+        )),
+    }
 }
 
 /// A validated PATCH: `None` leaves a setting, `Some(None)` clears it.
@@ -199,10 +218,12 @@ impl PatchSandbox {
                 Some(None) => Some(None),
                 Some(Some(at)) => Some(Some(expiry_at("expires_at", &at, now)?)),
             },
-            on_expiry: self.on_expiry.as_deref().map(on_expiry).transpose()?,
-            auto_resume: self.auto_resume,
-            public_ports: self
-                .public_ports
+            on_expiry: not_null("on_expiry", self.on_expiry)?
+                .as_deref()
+                .map(on_expiry)
+                .transpose()?,
+            auto_resume: not_null("auto_resume", self.auto_resume)?,
+            public_ports: not_null("public_ports", self.public_ports)?
                 .map(super::valid_public_ports)
                 .transpose()?,
         })
@@ -409,6 +430,9 @@ mod tests {
             (serde_json::json!({"expires_at": far}), "expires_at"),
             (serde_json::json!({"expires_at": "tomorrow"}), "expires_at"),
             (serde_json::json!({"on_expiry": "pause"}), "on_expiry"),
+            (serde_json::json!({"on_expiry": null}), "on_expiry"),
+            (serde_json::json!({"auto_resume": null}), "auto_resume"),
+            (serde_json::json!({"public_ports": null}), "public_ports"),
             (serde_json::json!({"public_ports": [0]}), "public_ports"),
             (
                 serde_json::json!({"public_ports": (1..=17).collect::<Vec<u16>>()}),
