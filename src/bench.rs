@@ -129,7 +129,13 @@ struct Client {
     key: String,
     /// Requests answered `429` and retried after their `Retry-After`.
     throttled: std::sync::atomic::AtomicU64,
+    /// Every sandbox this run creates carries the metadata `berth-bench: <run_tag>`, so the run
+    /// deletes what it made however it ends ([`Client::clean_up`]).
+    run_tag: String,
 }
+
+/// The metadata key that marks a bench run's sandboxes.
+const RUN_TAG_KEY: &str = "berth-bench";
 
 impl Client {
     async fn send(
@@ -138,6 +144,18 @@ impl Client {
         path: &str,
         body: Option<Value>,
     ) -> anyhow::Result<(u16, Value)> {
+        let is_create = method == reqwest::Method::POST
+            && (path == "/v1/sandboxes" || path.starts_with("/v1/sandboxes?"));
+        let body = match body {
+            Some(Value::Object(mut fields)) if is_create => {
+                let metadata = fields.entry("metadata").or_insert_with(|| json!({}));
+                if let Some(m) = metadata.as_object_mut() {
+                    m.insert(RUN_TAG_KEY.into(), json!(self.run_tag));
+                }
+                Some(Value::Object(fields))
+            }
+            other => other,
+        };
         for _ in 0..THROTTLE_RETRIES {
             let mut req = self
                 .http
@@ -208,6 +226,38 @@ impl Client {
             bail!("sandbox {id} never reached {state}: {status} {s}");
         }
         Ok(())
+    }
+
+    /// Deletes every sandbox of this run that is not deleted yet (a phase that failed leaves
+    /// some behind; they would hold the stack's capacity). Best effort: errors are printed.
+    async fn clean_up(&self) {
+        let path = format!(
+            "/v1/sandboxes?metadata.{RUN_TAG_KEY}={}&limit=500",
+            self.run_tag
+        );
+        let listed = match self.send(reqwest::Method::GET, &path, None).await {
+            Ok((200, listed)) => listed,
+            other => {
+                eprintln!("bench: could not list this run's sandboxes to clean up: {other:?}");
+                return;
+            }
+        };
+        for sandbox in listed["sandboxes"].as_array().into_iter().flatten() {
+            if sandbox["deleted_at"].is_null() {
+                if let Some(id) = sandbox["id"].as_str() {
+                    let gone = self
+                        .send(
+                            reqwest::Method::DELETE,
+                            &format!("/v1/sandboxes/{id}"),
+                            None,
+                        )
+                        .await;
+                    if !matches!(gone, Ok((200 | 202, _))) {
+                        eprintln!("bench: sandbox {id} not deleted: {gone:?}");
+                    }
+                }
+            }
+        }
     }
 
     /// Deletes a sandbox and waits until it is `deleted`.
@@ -288,7 +338,20 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         api,
         key,
         throttled: Default::default(),
+        run_tag: format!("{}-{}", std::process::id(), chrono::Utc::now().timestamp()),
     };
+    let outcome = measure(&args, &client, &lookup).await;
+    client.clean_up().await;
+    outcome
+}
+
+/// The lifecycle, time-to-interactive, throughput, floor and preview figures of a running
+/// stack, printed as tables.
+async fn measure(
+    args: &BenchArgs,
+    client: &Client,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<()> {
     let sandbox = json!({"template": args.template, "vcpus": 1, "memory_mib": 128});
 
     let mut create = Samples::default();
@@ -481,7 +544,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     );
     // The preview figures, when the stack runs a proxy (`berth dev` writes where).
     if let (Some(url), Some(domain)) = (lookup("BERTH_PROXY"), lookup("BERTH_PREVIEW_DOMAIN")) {
-        preview::run(&client, &preview::ProxyTarget { url, domain }).await?;
+        preview::run(client, &preview::ProxyTarget { url, domain }).await?;
     }
     let throttled = client.throttled.load(std::sync::atomic::Ordering::Relaxed);
     if throttled > 0 {

@@ -308,6 +308,7 @@ async fn measure(
         api: stack.api_url(),
         key,
         throttled: Default::default(),
+        run_tag: "scale".into(),
     });
 
     let outcome = async {
