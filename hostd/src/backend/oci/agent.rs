@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use berth_schemas::wire::{
-    AgentFailure, AgentOp, AgentReply, DirEntry, ExecSpec, FileKind, FileStat,
+    AgentFailure, AgentOp, AgentReply, DirEntry, ExecSpec, FileKind, FileStat, TtySize,
 };
 use berth_schemas::SandboxId;
 
@@ -83,8 +83,15 @@ pub async fn run(
         (AgentOp::List { path }, _) => file_op(address, Request::List { path }).await,
         (AgentOp::Rename { from, to }, _) => file_op(address, Request::Rename { from, to }).await,
         (AgentOp::Remove { path }, _) => file_op(address, Request::Remove { path }).await,
-        // Flow control of a stream, routed by `nats::agent` before it reaches a backend.
-        (AgentOp::StreamCredit { .. } | AgentOp::StreamCancel { .. }, _) => {
+        // Flow control of a stream and terminal sessions, routed by `nats::agent` before
+        // they reach this.
+        (
+            AgentOp::StreamCredit { .. }
+            | AgentOp::StreamCancel { .. }
+            | AgentOp::Tty { .. }
+            | AgentOp::TtyInput { .. },
+            _,
+        ) => {
             return AgentReply::Failed(AgentFailure::Agent(
                 "stream flow control is not an agent operation".into(),
             ))
@@ -103,7 +110,9 @@ fn relative_path(op: &AgentOp) -> Option<&str> {
         | AgentOp::ExecStream(_)
         | AgentOp::ExecStreamWindowed { .. }
         | AgentOp::StreamCredit { .. }
-        | AgentOp::StreamCancel { .. } => vec![],
+        | AgentOp::StreamCancel { .. }
+        | AgentOp::Tty { .. }
+        | AgentOp::TtyInput { .. } => vec![],
         AgentOp::Stat { path }
         | AgentOp::Remove { path }
         | AgentOp::Read { path, .. }
@@ -123,9 +132,6 @@ async fn exec(
     spec: ExecSpec,
     output: Option<OutputSender>,
 ) -> AgentReply {
-    let counter = host.oom_counter(sandbox).await;
-    let count = || counter.as_deref().and_then(crate::cgroup::read_oom_kills);
-    let before = count();
     let ExecSpec {
         argv,
         env,
@@ -141,6 +147,34 @@ async fn exec(
             address, argv, env, cwd, stdin, timeout_ms,
         )),
     };
+    supervise(host, sandbox, call).await
+}
+
+/// Runs a terminal session (see [`client::tty`]), watched like an exec: OOM kills counted,
+/// a sandbox that stops meanwhile ends it.
+pub async fn tty(
+    host: &Host,
+    sandbox: SandboxId,
+    address: SocketAddr,
+    spec: ExecSpec,
+    size: TtySize,
+    output: OutputSender,
+    input: client::TtyInputReceiver,
+) -> AgentReply {
+    let call = Box::pin(client::tty(address, spec, size, &output, input));
+    supervise(host, sandbox, call).await
+}
+
+/// Awaits an exec's `call` while watching its sandbox: the OOM kills during it, and a sandbox
+/// that stops running (which ends the call: its connection may never be reset).
+async fn supervise(
+    host: &Host,
+    sandbox: SandboxId,
+    call: futures::future::BoxFuture<'_, Result<ExecResult, HostdError>>,
+) -> AgentReply {
+    let counter = host.oom_counter(sandbox).await;
+    let count = || counter.as_deref().and_then(crate::cgroup::read_oom_kills);
+    let before = count();
     let result = tokio::select! {
         result = call => result,
         () = host.stopped_running(sandbox, EXEC_LIVENESS_INTERVAL) => {
