@@ -206,9 +206,22 @@ async fn the_cli_creates_lists_execs_copies_stops_starts_and_deletes_a_sandbox(d
     assert!(preview["url"].as_str().unwrap().contains(&id), "{preview}");
     assert!(preview["token"].is_string(), "{preview}");
 
-    // stop, an exec on the stopped sandbox (a conflict: 75), start, rm.
+    // stop (while `events --follow` watches), an exec on the stopped sandbox (a conflict:
+    // 75), start, rm.
+    let mut follower = user
+        .command(&["sandbox", "events", &id, "--follow"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut followed = follower.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    read_until(&mut followed, &mut seen, "running").await;
     let out = ok(&user, &["sandbox", "stop", &id]).await;
     assert_eq!(out, format!("{id} stopped\n"));
+    read_until(&mut followed, &mut seen, "sandbox.stopped").await;
+    follower.start_kill().unwrap();
+    follower.wait().await.unwrap();
     let run = user.run(&["sandbox", "exec", &id, "--", "true"]).await;
     assert_eq!(run.code, 75, "{run:?}");
     assert!(
@@ -231,6 +244,19 @@ async fn the_cli_creates_lists_execs_copies_stops_starts_and_deletes_a_sandbox(d
 
     login_writes_a_private_config_that_later_commands_use(&stack).await;
     stack.assert_no_capacity_drift().await;
+}
+
+/// Reads `from` into `seen` until it holds `want`.
+async fn read_until(from: &mut tokio::process::ChildStdout, seen: &mut Vec<u8>, want: &str) {
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(seen).contains(want) {
+        let n = tokio::time::timeout(SETTLE_TIMEOUT, from.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("never saw {want:?}: {}", String::from_utf8_lossy(seen)))
+            .unwrap();
+        assert!(n > 0, "ended before {want:?}: {}", String::from_utf8_lossy(seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
 }
 
 /// `exec` writes output as it arrives: the first line is there while the command still waits

@@ -1,6 +1,7 @@
 //! What goes wrong, as a user of the CLI sees it: a wrong key, no key, an unknown sandbox, an
 //! invalid request, a sandbox that is not running and an API that is down each get a one-line
-//! `berth: …` message naming the problem and an exit code of their own (`sysexits.h`).
+//! `berth: …` message naming the problem and an exit code of their own (`sysexits.h`); another
+//! org's sandbox is not found on any of them, the shell included.
 
 use sqlx::PgPool;
 
@@ -82,6 +83,29 @@ async fn a_wrong_key_an_unknown_sandbox_and_an_api_that_is_down_get_clear_messag
         let run = user.run(&args).await;
         assert_eq!(run.code, TEMPFAIL, "{args:?}: {run:?}");
         assert!(run.stderr.contains("stopped"), "{args:?}: {run:?}");
+    }
+
+    // Another org's sandbox is as unknown as one that does not exist, the shell too.
+    let (_, other_key) = berth_api::auth::create_org(&stack.db, "other")
+        .await
+        .unwrap();
+    let intruder = User::with(&stack.base, Some(&other_key));
+    for args in [
+        vec!["sandbox", "get", id.as_str()],
+        vec!["sandbox", "shell", id.as_str()],
+        vec!["sandbox", "start", id.as_str()],
+    ] {
+        let run = intruder.run(&args).await;
+        assert_eq!(run.code, NOT_FOUND, "{args:?}: {run:?}");
+    }
+    let running = crate::support::http::running_sandbox(&stack).await;
+    for args in [
+        vec!["sandbox", "exec", running.as_str(), "--", "true"],
+        vec!["sandbox", "shell", running.as_str()],
+        vec!["sandbox", "cp", &format!("{running}:/etc/hostname"), "-"],
+    ] {
+        let run = intruder.run(&args).await;
+        assert_eq!(run.code, NOT_FOUND, "{args:?}: {run:?}");
     }
 
     // An API that is down: a port nothing listens on.
