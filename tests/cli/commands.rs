@@ -254,7 +254,11 @@ async fn read_until(from: &mut tokio::process::ChildStdout, seen: &mut Vec<u8>, 
             .await
             .unwrap_or_else(|_| panic!("never saw {want:?}: {}", String::from_utf8_lossy(seen)))
             .unwrap();
-        assert!(n > 0, "ended before {want:?}: {}", String::from_utf8_lossy(seen));
+        assert!(
+            n > 0,
+            "ended before {want:?}: {}",
+            String::from_utf8_lossy(seen)
+        );
         seen.extend_from_slice(&buf[..n]);
     }
 }

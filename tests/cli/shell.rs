@@ -150,6 +150,7 @@ async fn an_interactive_shell_types_reads_resizes_and_exits_with_its_code_on_run
     }
 
     a_cli_killed_mid_session_hangs_the_remote_terminal_up(&stack, &user).await;
+    a_gvisor_stop_hangs_an_open_session_up_and_keeps_memory(&stack, &user).await;
     stack.assert_no_capacity_drift().await;
 }
 
@@ -170,7 +171,7 @@ async fn create(stack: &Stack, template: &str) -> String {
 async fn a_cli_killed_mid_session_hangs_the_remote_terminal_up(stack: &Stack, user: &User) {
     let id = create(stack, "base").await;
     let mut term = Terminal::open(user, &["sandbox", "shell", &id], 24, 80);
-    term.type_line("echo sleeping; exec sleep 4242");
+    term.type_line("echo slee''ping; exec sleep 4242");
     term.wait_for("sleeping").await;
     let running = || async {
         let (_, out) = stack
@@ -185,4 +186,51 @@ async fn a_cli_killed_mid_session_hangs_the_remote_terminal_up(stack: &Stack, us
         running().await == "0"
     })
     .await;
+}
+
+/// A memory stop of a gVisor sandbox with a shell open: the session is hung up (the CLI exits
+/// 75, the sandbox is not running), the checkpoint finds no connection and keeps memory, and a
+/// process started before the stop still runs after the start.
+async fn a_gvisor_stop_hangs_an_open_session_up_and_keeps_memory(stack: &Stack, user: &User) {
+    let id = create(stack, "base-gvisor").await;
+    let (status, _) = stack
+        .exec(
+            &id,
+            &["sh", "-c", "sleep 4343 </dev/null >/dev/null 2>&1 &"],
+        )
+        .await;
+    assert_eq!(status, 200);
+    let mut term = Terminal::open(user, &["sandbox", "shell", &id], 24, 80);
+    term.type_line("echo in-''session");
+    term.wait_for("in-session").await;
+    let (status, stopped) = stack
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/stop?wait=stopped&timeout=120s"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{stopped}");
+    assert_eq!(stopped["last_stop"], "memory", "{stopped}");
+    let status = tokio::time::timeout(SETTLE_TIMEOUT, term.child.wait())
+        .await
+        .expect("berth ends when the session is hung up")
+        .unwrap();
+    assert_eq!(status.code(), Some(75), "{}", term.seen());
+    assert!(term.seen().contains("not running"), "{}", term.seen());
+    let (status, started) = stack
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/sandboxes/{id}/start?wait=running&timeout=120s"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{started}");
+    let (_, out) = stack
+        .exec(&id, &["sh", "-c", "ps | grep -c '[s]leep 4343'"])
+        .await;
+    assert_eq!(
+        out["stdout"], "1\n",
+        "the process from before the stop kept running"
+    );
 }

@@ -5,7 +5,8 @@
 //! - The process leads a new session whose controlling terminal is the pty, so job control,
 //!   `SIGWINCH` on a resize and `SIGHUP` on a hang-up behave as on a real terminal.
 //! - The session's process group is killed at the timeout; when the client closes the
-//!   connection, the group is sent `SIGHUP`, then `SIGKILL` [`HANGUP_GRACE`] later.
+//!   connection, the agent shuts its side down at once and the group is sent `SIGHUP`, then
+//!   `SIGKILL` [`HANGUP_GRACE`] later.
 //! - A signal is only sent while the session leader is not yet reaped (under the lock that
 //!   reaps it), so its process group id cannot have been reused by another process.
 //! - Memory is bounded: output moves in 16 KiB reads, input in frames of at most
@@ -259,8 +260,11 @@ fn spawn_input(
                 Ok(TtyFrame::Input(_)) | Err(_) => break,
             }
         }
-        // The client is gone: hang up, unless the leader was already reaped (its group id
-        // could then name another process's group).
+        // The client is gone: end the connection now, not when the session's processes are
+        // gone (a gVisor checkpoint fails on a connection that is still closing), then hang up,
+        // unless the leader was already reaped (its group id could then name another
+        // process's group).
+        let _ = reader.get_ref().shutdown(std::net::Shutdown::Both);
         let guard = leader.lock().unwrap_or_else(|e| e.into_inner());
         if guard.is_some() {
             let _ = killpg(group, Signal::SIGHUP);

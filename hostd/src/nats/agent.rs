@@ -127,12 +127,15 @@ pub async fn serve(
             next = requests.next() => match next {
                 Some(message) => match message.reply.clone() {
                     Some(reply_to) => {
+                        // A session's input queue exists before any later message on this
+                        // subject is looked at: its first input may come right behind it.
+                        let inputs = open_tty(&ttys, &message, &reply_to);
                         tokio::spawn(answer(
                             host.clone(),
                             nats.clone(),
                             (flows.clone(), ttys.clone()),
                             message,
-                            reply_to,
+                            (reply_to, inputs),
                         ));
                     }
                     None => control(&flows, &ttys, &message),
@@ -143,6 +146,23 @@ pub async fn serve(
     }
     let _ = requests.unsubscribe().await;
     Ok(())
+}
+
+/// For an [`AgentOp::Tty`] request, registers its session's input queue under its reply
+/// subject and returns the queue's receiving end; `None` for any other message.
+fn open_tty(
+    ttys: &Ttys,
+    message: &Message,
+    reply_to: &Subject,
+) -> Option<mpsc::Receiver<TtyInput>> {
+    let request = wire::decode::<AgentRequest>(&message.payload).ok()?;
+    if !matches!(request.op, AgentOp::Tty { .. }) {
+        return None;
+    }
+    let (input, inputs) = mpsc::channel(TTY_INPUT_QUEUE);
+    ttys.lock()
+        .insert(reply_to.to_string(), (request.sandbox_id, input));
+    Some(inputs)
 }
 
 /// Applies a flow-control message to its stream. A cancelled terminal session also loses its
@@ -170,7 +190,7 @@ async fn answer(
     nats: Client,
     (flows, ttys): (Flows, Ttys),
     message: Message,
-    reply_to: Subject,
+    (reply_to, tty_inputs): (Subject, Option<mpsc::Receiver<TtyInput>>),
 ) {
     let reply = match wire::decode::<AgentRequest>(&message.payload) {
         Ok(AgentRequest {
@@ -189,10 +209,12 @@ async fn answer(
             let flow = flows.open(reply_to.as_str(), window);
             let (sender, mut forwarder) =
                 forward_output(nats.clone(), reply_to.clone(), Some(flow));
-            let (input, inputs) = mpsc::channel(TTY_INPUT_QUEUE);
-            ttys.lock()
-                .insert(reply_to.to_string(), (sandbox_id, input));
             let reply = async {
+                let Some(inputs) = tty_inputs else {
+                    return AgentReply::Failed(AgentFailure::Agent(
+                        "the session's input queue is missing".into(),
+                    ));
+                };
                 let (address, _permit) = match host.exec_target(sandbox_id) {
                     Ok(target) => target,
                     Err(failure) => return AgentReply::Failed(failure),

@@ -151,7 +151,10 @@ async fn exec(
 }
 
 /// Runs a terminal session (see [`client::tty`]), watched like an exec: OOM kills counted,
-/// a sandbox that stops meanwhile ends it.
+/// a sandbox that stops meanwhile ends it. Unlike an exec, a session does not wait for its
+/// own end when a stop or a delete closes the sandbox's gate: it is hung up (within
+/// [`EXEC_LIVENESS_INTERVAL`]), so that a memory stop's drain finds no connection open and
+/// the checkpoint keeps the sandbox's other processes (the session's own get `SIGHUP`).
 pub async fn tty(
     host: &Host,
     sandbox: SandboxId,
@@ -161,7 +164,21 @@ pub async fn tty(
     output: OutputSender,
     input: client::TtyInputReceiver,
 ) -> AgentReply {
-    let call = Box::pin(client::tty(address, spec, size, &output, input));
+    let call = Box::pin(async move {
+        let session = client::tty(address, spec, size, &output, input);
+        let closing = async {
+            while !host.gates.is_closed(sandbox) {
+                tokio::time::sleep(EXEC_LIVENESS_INTERVAL).await;
+            }
+        };
+        tokio::select! {
+            result = session => result,
+            () = closing => Err(HostdError::Agent {
+                address,
+                reason: "the sandbox is stopping: the session was hung up".into(),
+            }),
+        }
+    });
     supervise(host, sandbox, call).await
 }
 
