@@ -104,6 +104,13 @@ impl User {
     }
 }
 
+impl Drop for User {
+    /// Removes the user's home (its config file holds a key), also when the test failed.
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.home);
+    }
+}
+
 /// Runs and asserts exit 0; returns stdout.
 pub async fn ok(user: &User, args: &[&str]) -> String {
     let run = user.run(args).await;
