@@ -2,6 +2,7 @@
 //! here but `berth dev` (see [`dev`]).
 
 mod bench;
+mod cli;
 mod dev;
 mod limits_args;
 mod preview_args;
@@ -180,7 +181,17 @@ enum Cmd {
         #[arg(long, env = "DATABASE_URL")]
         database_url: String,
     },
-    /// Templates built once per machine (`python`: debootstrap from apt's mirror).
+    /// Sandboxes through the API, as a user (key from BERTH_API_KEY or `berth login`).
+    Sandbox(cli::SandboxArgs),
+    /// Save an API URL and key for the user commands (in a mode-0600 config file).
+    Login(cli::LoginArgs),
+    /// Print a shell completion script (`berth completions bash > /etc/bash_completion.d/berth`).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Templates: `ls` through the API (a user's); `build` and `import` on this machine (an
+    /// operator's).
     Template {
         #[command(subcommand)]
         command: TemplateCmd,
@@ -196,6 +207,9 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum TemplateCmd {
+    /// List the templates sandboxes can be created from (through the API, with a user's key).
+    #[command(alias = "list")]
+    Ls(cli::ApiArgs),
     /// Build a template into the machine-wide cache every hostd reads (idempotent).
     Build {
         /// The template (`python`).
@@ -351,6 +365,25 @@ struct Conn {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // The user's commands: their own errors and exit codes, no logs.
+    let user = match cli.command {
+        Cmd::Sandbox(args) => cli::UserCmd::Sandbox(args),
+        Cmd::Login(args) => cli::UserCmd::Login(args),
+        Cmd::Template {
+            command: TemplateCmd::Ls(args),
+        } => cli::UserCmd::TemplateLs(args),
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
+            return Ok(());
+        }
+        command => return run_component(Cli { command, ..cli }),
+    };
+    std::process::exit(cli::run(user));
+}
+
+/// Runs a component or an operator's command.
+fn run_component(cli: Cli) -> anyhow::Result<()> {
     if let Cmd::Agent { listen } = cli.command {
         // The agent is std-only and forks first: no tokio runtime may exist yet.
         berth_hostd::agent::main(listen).context("agent")?;
@@ -599,7 +632,14 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             serve_metrics(metrics_addr, &shutdown).await?;
             berth_hostd::run(config, shutdown).await?;
         }
-        Cmd::Agent { .. } | Cmd::ConsoleLog { .. } => {
+        Cmd::Agent { .. }
+        | Cmd::ConsoleLog { .. }
+        | Cmd::Sandbox(_)
+        | Cmd::Login(_)
+        | Cmd::Completions { .. }
+        | Cmd::Template {
+            command: TemplateCmd::Ls(_),
+        } => {
             unreachable!("handled before the runtime starts")
         }
         Cmd::Dev(args) => dev::run(args).await?,

@@ -114,10 +114,15 @@ struct ApiDoc;
 )]
 struct EventsDoc;
 
-/// The file routes and the streamed exec.
+/// The file routes, the streamed exec and the terminal session.
 #[derive(OpenApi)]
 #[openapi(
-    paths(files::get, files::put, crate::exec_stream::exec_stream),
+    paths(
+        files::get,
+        files::put,
+        crate::exec_stream::exec_stream,
+        crate::http::shell::shell
+    ),
     components(schemas(files::DirectoryListing, files::FileEntry, files::FileWritten))
 )]
 struct FilesDoc;

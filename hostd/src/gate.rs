@@ -86,6 +86,11 @@ impl AgentGates {
         }
     }
 
+    /// Whether the sandbox's gate is closed (a stop or a delete is under way).
+    pub fn is_closed(&self, sandbox: SandboxId) -> bool {
+        self.lock().get(&sandbox).is_some_and(|g| g.closed)
+    }
+
     /// Opens the gate again.
     pub fn open(&self, sandbox: SandboxId) {
         let mut gates = self.lock();

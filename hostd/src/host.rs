@@ -97,6 +97,29 @@ pub trait Backend: Send + Sync + 'static {
         output: Option<OutputSender>,
     ) -> BoxFuture<'a, AgentReply>;
 
+    /// Runs a terminal session ([`AgentOp::Tty`]) for a running sandbox whose agent listens
+    /// at `address` (the caller holds its gate permit): output to `output`, input from
+    /// `input`; answers with the exit. The default refuses: a backend without containers has
+    /// no terminal to offer.
+    #[allow(clippy::too_many_arguments)]
+    fn tty<'a>(
+        &'a self,
+        host: &'a Host,
+        sandbox: SandboxId,
+        address: SocketAddr,
+        spec: berth_schemas::wire::ExecSpec,
+        size: berth_schemas::wire::TtySize,
+        output: OutputSender,
+        input: crate::agent::client::TtyInputReceiver,
+    ) -> BoxFuture<'a, AgentReply> {
+        let _ = (host, sandbox, address, spec, size, output, input);
+        Box::pin(async {
+            AgentReply::Failed(berth_schemas::wire::AgentFailure::Agent(
+                "this runtime offers no terminal sessions".into(),
+            ))
+        })
+    }
+
     /// Tidies up when hostd stops (sandboxes keep running).
     fn shut_down<'a>(&'a self, host: &'a Host) -> BoxFuture<'a, ()>;
 }

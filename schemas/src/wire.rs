@@ -16,7 +16,8 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 7 (this one): a stop that wanted memory and kept the disk only says why
+/// Version 8 (this one): an interactive session on a pseudo-terminal ([`AgentOp::Tty`]) and
+/// its input ([`AgentOp::TtyInput`]). Version 7: a stop that wanted memory and kept the disk only says why
 /// ([`ResultOutcome::StoppedOnDisk`]). Version 6: a heartbeat ends with its host-side send time
 /// ([`Heartbeat::sent_at_ms`]) and a result with the host's heartbeat sequence at the moment the
 /// command was applied ([`CommandResult::heartbeat_seq`]). Version 5: a heartbeat ends with the
@@ -25,7 +26,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 8;
+pub const WIRE_VERSION: u16 = 9;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -315,7 +316,7 @@ pub struct CommandResult {
     pub heartbeat_seq: u64,
     /// Milliseconds the host spent applying the command, from the start of its apply to its
     /// result (the runtime calls and the agent's boot; no time in NATS or the control plane's
-    /// queues): what the reconciler judges a host's boot speed by (wire v8). A replayed result
+    /// queues): what the reconciler judges a host's boot speed by (wire v9). A replayed result
     /// carries the replay's own time.
     pub apply_ms: u32,
 }
@@ -486,6 +487,49 @@ pub enum AgentOp {
         /// Absolute path of the file in the sandbox.
         path: String,
     },
+    /// Run a process on a new pseudo-terminal of `size` (an interactive shell): its stdin,
+    /// stdout and stderr are the terminal, so its output comes as [`AgentReply::Output`] with
+    /// `fd` 1, flow-controlled like [`AgentOp::ExecStreamWindowed`] (credits by
+    /// [`AgentOp::StreamCredit`], an end by [`AgentOp::StreamCancel`], which hangs the
+    /// terminal up), then one final [`AgentReply::Exec`] or [`AgentReply::Failed`]. Its input
+    /// comes as [`AgentOp::TtyInput`]. `spec.stdin` is not used.
+    Tty {
+        /// The process to run (killed with its process group at `spec.timeout_ms`).
+        spec: ExecSpec,
+        /// The terminal's first size.
+        size: TtySize,
+        /// Output messages the host may publish before the first credit (at least 1).
+        window: u32,
+    },
+    /// Input for the [`AgentOp::Tty`] session whose reply subject is `reply_to`. Sent with a
+    /// reply subject of its own: the host answers [`AgentReply::Done`] once the input is
+    /// queued for the agent (a requester sends the next input only then, which bounds what
+    /// waits anywhere), or [`AgentReply::Failed`] with [`AgentFailure::NotFound`] when no such
+    /// session runs.
+    TtyInput {
+        /// The reply subject of the session's [`AgentOp::Tty`] request.
+        reply_to: String,
+        /// Keystrokes or a new size.
+        input: TtyInput,
+    },
+}
+
+/// A terminal's size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TtySize {
+    /// Lines.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
+}
+
+/// One piece of input for a terminal session. Append-only.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TtyInput {
+    /// Bytes typed (or pasted) at the terminal, written to its master side.
+    Data(Vec<u8>),
+    /// The terminal was resized: its processes get `SIGWINCH`.
+    Resize(TtySize),
 }
 
 /// A process to run in the sandbox.

@@ -51,6 +51,9 @@ pub const FILE_CHUNK_BYTES: u32 = 512 * 1024;
 /// How long the API waits for the host to answer one file request.
 pub const FILE_REQUEST_TIMEOUT: Duration = Duration::from_secs(35);
 
+/// The header of a download that gives the file's size in bytes when the download began.
+pub const FILE_SIZE_HEADER: &str = "x-berth-file-size";
+
 /// `?path=`: an absolute path inside the sandbox.
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -105,7 +108,7 @@ fn kind_name(kind: FileKind) -> &'static str {
 /// `GET /v1/sandboxes/{id}/files?path=`
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path), FileQuery),
     responses(
-        (status = 200, description = "A file's bytes (`application/octet-stream`, streamed), or a directory's listing (JSON)", body = DirectoryListing),
+        (status = 200, description = "A file's bytes (`application/octet-stream`, streamed; `X-Berth-File-Size`: its size when the download began), or a directory's listing (JSON)", body = DirectoryListing),
         (status = 400, description = "`invalid_request`: a relative path, or not a regular file or directory (a device, FIFO or socket)"),
         (status = 404, description = "`not_found`: no such sandbox or path"),
         (status = 409, description = "`conflict`: the sandbox is not running"),
@@ -172,7 +175,15 @@ pub async fn get(
             let chunks = futures::stream::once(async move { Ok(Bytes::from(first)) }).chain(rest);
             return Ok((
                 StatusCode::OK,
-                [(header::CONTENT_TYPE, "application/octet-stream")],
+                [
+                    (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+                    // The size when the download began: for a client's progress, not framing
+                    // (a file that grows meanwhile streams to its end at the time of reading).
+                    (
+                        header::HeaderName::from_static(FILE_SIZE_HEADER),
+                        stat.size.to_string(),
+                    ),
+                ],
                 Body::from_stream(chunks),
             )
                 .into_response());

@@ -13,6 +13,7 @@ pub mod idempotency;
 pub mod preview;
 pub mod sandboxes;
 pub mod settings;
+pub mod shell;
 pub mod templates;
 pub mod webhooks;
 
@@ -61,6 +62,7 @@ pub fn router(state: AppState) -> Router {
                 .put(files::put)
                 .layer(axum::extract::DefaultBodyLimit::disable()),
         )
+        .route("/v1/sandboxes/{id}/shell", get(shell::shell))
         .route("/v1/sandboxes/{id}/events", get(events::events))
         .route(
             "/v1/sandboxes/{id}/ports/{port}/token",

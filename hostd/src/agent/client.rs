@@ -199,6 +199,137 @@ pub async fn exec_stream(
         })?
 }
 
+/// What a terminal session gets from its requester: [`berth_schemas::wire::TtyInput`]s, one
+/// at a time (a bounded channel: while the agent does not take them, the sender waits).
+pub type TtyInputReceiver = tokio::sync::mpsc::Receiver<berth_schemas::wire::TtyInput>;
+
+/// Runs a process on a new pseudo-terminal in the sandbox (see the agent's `tty`): its output
+/// goes to `output` as `(1, bytes)`, what `input` brings is written to the terminal, and the
+/// session ends with the process. When `input` closes (the requester went away) or `output`'s
+/// receiver does, the connection is closed, which hangs the terminal up.
+///
+/// Errors: as [`exec_stream`].
+pub async fn tty(
+    address: SocketAddr,
+    spec: berth_schemas::wire::ExecSpec,
+    size: berth_schemas::wire::TtySize,
+    output: &OutputSender,
+    mut input: TtyInputReceiver,
+) -> Result<ExecResult, HostdError> {
+    use super::protocol::TtyFrame;
+    use berth_schemas::wire::TtyInput;
+    let agent_err = |reason: String| HostdError::Agent { address, reason };
+    let timeout_ms = spec.timeout_ms.min(MAX_EXEC_TIMEOUT_MS);
+    let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
+    let request = Request::Tty {
+        argv: spec.argv,
+        timeout_ms,
+        env: spec.env,
+        cwd: spec.cwd,
+        rows: size.rows,
+        cols: size.cols,
+    };
+    let exchange = async {
+        let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(address))
+            .await
+            .map_err(|_| agent_err(format!("connect: no answer within {CONNECT_TIMEOUT:?}")))?
+            .map_err(|e| agent_err(format!("connect: {e}")))?;
+        let (read_half, mut write_half) = stream.into_split();
+        let mut line = serde_json::to_vec(&request).map_err(|e| agent_err(e.to_string()))?;
+        line.push(b'\n');
+        write_half
+            .write_all(&line)
+            .await
+            .map_err(|e| agent_err(format!("send: {e}")))?;
+        // Lines are read by their own task: `read_line` is not cancel-safe, a channel is.
+        let (lines_tx, mut lines) = tokio::sync::mpsc::channel::<Result<String, String>>(1);
+        let reading = tokio::spawn(async move {
+            let mut reader = BufReader::new(read_half);
+            loop {
+                let mut answer = String::new();
+                let read = (&mut reader)
+                    .take(MAX_LINE_BYTES)
+                    .read_line(&mut answer)
+                    .await;
+                let next = match read {
+                    Ok(0) => Err("the agent closed the session early".to_owned()),
+                    Ok(_) => Ok(answer),
+                    Err(e) => Err(format!("receive: {e}")),
+                };
+                let last = next.is_err();
+                if lines_tx.send(next).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        let _stop_reading = AbortOnDrop(reading);
+        let mut input_open = true;
+        loop {
+            tokio::select! {
+                answer = lines.recv() => {
+                    let answer = answer
+                        .unwrap_or_else(|| Err("the agent closed the session early".into()))
+                        .map_err(agent_err)?;
+                    match serde_json::from_str::<Response>(&answer).map_err(|e| {
+                        agent_err(format!("bad answer {:?}: {e}", truncate(&answer)))
+                    })? {
+                        Response::Output(chunk) => {
+                            if output.send((chunk.fd, chunk.data)).await.is_err() {
+                                return Err(agent_err("the requester stopped listening".into()));
+                            }
+                        }
+                        Response::Exec(out) => return Ok(ExecResult::Finished(out)),
+                        Response::Error(e) => return Ok(ExecResult::Refused(e.error)),
+                        other => {
+                            return Err(agent_err(format!(
+                                "unexpected answer to a tty: {other:?}"
+                            )))
+                        }
+                    }
+                }
+                next = input.recv(), if input_open => {
+                    let frame = match next {
+                        Some(TtyInput::Data(data)) => TtyFrame::Input(data),
+                        Some(TtyInput::Resize(size)) => TtyFrame::Resize {
+                            rows: size.rows,
+                            cols: size.cols,
+                        },
+                        // The requester went away: closing our side hangs the terminal up;
+                        // the agent still answers with the exit.
+                        None => {
+                            input_open = false;
+                            let _ = write_half.shutdown().await;
+                            continue;
+                        }
+                    };
+                    let mut line =
+                        serde_json::to_vec(&frame).map_err(|e| agent_err(e.to_string()))?;
+                    line.push(b'\n');
+                    write_half
+                        .write_all(&line)
+                        .await
+                        .map_err(|e| agent_err(format!("send: {e}")))?;
+                }
+            }
+        }
+    };
+    tokio::time::timeout(wait, exchange)
+        .await
+        .map_err(|_| HostdError::AgentTimeout {
+            address,
+            waited: wait,
+        })?
+}
+
+/// Aborts a task when dropped (a session that ends stops its reader).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 fn truncate(s: &str) -> &str {
     const SHOWN: usize = 200;
     match s.char_indices().nth(SHOWN) {

@@ -18,6 +18,7 @@
 pub mod client;
 pub mod protocol;
 pub mod server;
+pub mod tty;
 
 use std::net::{SocketAddr, TcpListener};
 

@@ -17,7 +17,14 @@
 //! ← {"error":"…","code":"not_found"}            (a missing path; `too_large` over a limit)
 //! → {"op":"exec","argv":["sh","-c","echo a"],"timeout_ms":1000,"stream":true}
 //! ← {"fd":1,"data":"YQo="}  …as output arrives…  ← {"exit_code":0,"stdout":"","stderr":"",…}
+//! → {"op":"tty","argv":["sh"],"timeout_ms":60000,"rows":24,"cols":80}
+//! → {"input":"bHMK"}  → {"resize":{"rows":50,"cols":120}}   (any number, any time)
+//! ← {"fd":1,"data":"…"}  …the terminal's output…  ← {"exit_code":0,"stdout":"","stderr":"",…}
 //! ```
+//!
+//! A `tty` connection is the one that carries more than one request line: after the request,
+//! the client sends [`TtyFrame`] lines for as long as the session runs, and closes its side to
+//! hang the terminal up.
 //!
 //! Append-only: new operations are new `op`s; new exec fields are optional and omitted when
 //! empty, so a plain exec reads the same to an agent of an older bundle. The agent closes
@@ -133,6 +140,45 @@ pub enum Request {
     Remove {
         /// The file.
         path: String,
+    },
+    /// Run `argv` on a new pseudo-terminal of `rows` × `cols` as the leader of a new session
+    /// (the terminal is its controlling terminal); output comes as [`OutputChunk`] lines
+    /// (`fd` 1), input as [`TtyFrame`] lines on the same connection, then one
+    /// [`ExecOutput`] without output. The session's process group is killed at `timeout_ms`,
+    /// and hung up (then killed) when the client closes the connection.
+    Tty {
+        /// The program and its arguments.
+        argv: Vec<String>,
+        /// Kill the process group after this many milliseconds.
+        timeout_ms: u64,
+        /// Extra environment variables (over `PATH`, `HOME` and `TERM=xterm`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        env: Vec<(String, String)>,
+        /// Working directory (default `/`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cwd: Option<String>,
+        /// The terminal's lines.
+        rows: u16,
+        /// The terminal's columns.
+        cols: u16,
+    },
+}
+
+/// The most bytes one [`TtyFrame::Input`] carries.
+pub const MAX_TTY_INPUT: usize = 64 * 1024;
+
+/// What a client sends on a `tty` connection after its request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum TtyFrame {
+    /// Bytes for the terminal's input (at most [`MAX_TTY_INPUT`]).
+    Input(#[serde(with = "base64_bytes")] Vec<u8>),
+    /// The terminal's new size: its foreground processes get `SIGWINCH`.
+    Resize {
+        /// Lines.
+        rows: u16,
+        /// Columns.
+        cols: u16,
     },
 }
 
@@ -349,6 +395,36 @@ mod tests {
             let parsed: Response = serde_json::from_str(other).unwrap();
             assert_eq!(serde_json::to_string(&parsed).unwrap(), other);
         }
+    }
+
+    #[test]
+    fn tty_frames_have_the_documented_json_shape() {
+        let input = TtyFrame::Input(b"ls\n".to_vec());
+        assert_eq!(
+            serde_json::to_string(&input).unwrap(),
+            r#"{"input":"bHMK"}"#
+        );
+        let resize: TtyFrame =
+            serde_json::from_str(r#"{"resize":{"rows":50,"cols":120}}"#).unwrap();
+        assert_eq!(
+            resize,
+            TtyFrame::Resize {
+                rows: 50,
+                cols: 120
+            }
+        );
+        let tty: Request = serde_json::from_str(
+            r#"{"op":"tty","argv":["sh"],"timeout_ms":60000,"rows":24,"cols":80}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            tty,
+            Request::Tty {
+                rows: 24,
+                cols: 80,
+                ..
+            }
+        ));
     }
 
     #[test]

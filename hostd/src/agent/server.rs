@@ -64,9 +64,34 @@ pub fn serve(listener: TcpListener) -> std::io::Result<()> {
 fn handle(stream: TcpStream) -> std::io::Result<()> {
     stream.set_read_timeout(Some(REQUEST_READ_TIMEOUT))?;
     let mut line = String::new();
-    BufReader::new((&stream).take(MAX_LINE_BYTES)).read_line(&mut line)?;
+    // Kept: a `tty` connection goes on with frames the client may already have sent.
+    let mut reader = BufReader::new(stream.try_clone()?);
+    (&mut reader).take(MAX_LINE_BYTES).read_line(&mut line)?;
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
     let response = match serde_json::from_str::<Request>(&line) {
+        Ok(Request::Tty {
+            argv,
+            timeout_ms,
+            env,
+            cwd,
+            rows,
+            cols,
+        }) => {
+            let request = super::tty::TtyRequest {
+                argv,
+                env,
+                cwd,
+                timeout_ms,
+                rows,
+                cols,
+            };
+            let response = super::tty::run(reader, writer.clone(), request)
+                .map(Response::Exec)
+                .unwrap_or_else(|e| Response::Error(ErrorReply::new(e)));
+            // The session's input thread reads until the client closes: the client closes
+            // first, as for every other request.
+            return write_line(&writer, &response);
+        }
         Ok(Request::Exec {
             argv,
             timeout_ms,
@@ -106,7 +131,7 @@ fn handle(stream: TcpStream) -> std::io::Result<()> {
 pub type Sink = Arc<dyn Fn(u8, &[u8]) + Send + Sync>;
 
 /// Writes one response line (whole, under the lock, so streamed chunks never interleave).
-fn write_line(writer: &Mutex<TcpStream>, response: &Response) -> std::io::Result<()> {
+pub(super) fn write_line(writer: &Mutex<TcpStream>, response: &Response) -> std::io::Result<()> {
     let mut out = serde_json::to_vec(response).map_err(std::io::Error::other)?;
     out.push(b'\n');
     let stream = writer.lock().unwrap_or_else(|e| e.into_inner());
@@ -152,6 +177,9 @@ fn answer(request: Request) -> Response {
                 .map(Response::Exec)
                 .map_err(ErrorReply::new)
         }
+        Request::Tty { .. } => Err(ErrorReply::new(
+            "a tty session is served on its own connection",
+        )),
         Request::Stat { path } => stat(&path).map(|stat| Response::Stat(StatReply { stat })),
         Request::Read { path, offset, len } => read(&path, offset, len).map(Response::Data),
         Request::Write {

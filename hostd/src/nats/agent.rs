@@ -14,6 +14,14 @@
 //! stream that gets no credit for [`STREAM_STALL_TIMEOUT`], or whose requester cancels it
 //! ([`AgentOp::StreamCancel`]), stops forwarding; its process runs on to its own timeout.
 //!
+//! # Terminal sessions
+//! An [`AgentOp::Tty`] is a windowed stream whose process runs on a pseudo-terminal; while it
+//! runs, its input arrives as [`AgentOp::TtyInput`] requests naming the session by its reply
+//! subject. Each is queued on the session's channel of [`TTY_INPUT_QUEUE`] inputs and
+//! answered [`AgentReply::Done`] only once queued, so a requester that waits for each answer
+//! before sending the next (the API does) holds at most one input in flight: the queue is the
+//! bound, and a terminal that takes no input stops the requester, not a buffer.
+//!
 //! The API never reaches a sandbox address: it asks the host, which holds the sandbox's
 //! agent gate permit for the call's length (see `gate`).
 
@@ -22,9 +30,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::{Client, Message, Subject};
-use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest};
-use berth_schemas::Subjects;
+use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest, TtyInput};
+use berth_schemas::{SandboxId, Subjects};
 use futures::StreamExt;
+use tokio::sync::mpsc;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -42,6 +51,22 @@ pub const STREAM_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the final reply of a stream waits for its forwarder to flush (it only waits for
 /// credit or NATS); past that the forwarder is dropped and the final reply goes out.
 pub const FORWARDER_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Inputs queued for one terminal session before hostd stops answering its requester.
+pub const TTY_INPUT_QUEUE: usize = 4;
+
+/// A terminal session's sandbox and input queue.
+type TtyEntry = (SandboxId, mpsc::Sender<TtyInput>);
+
+/// The terminal sessions in flight, by reply subject.
+#[derive(Clone, Default)]
+struct Ttys(Arc<Mutex<HashMap<String, TtyEntry>>>);
+
+impl Ttys {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, TtyEntry>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
 
 /// The flow of one windowed stream: its credit and a way to end it.
 #[derive(Clone)]
@@ -95,21 +120,25 @@ pub async fn serve(
         .map_err(HostdError::nats("subscribe to agent requests"))?;
     tracing::info!(%subject, "serving agent requests");
     let flows = Flows::default();
+    let ttys = Ttys::default();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             next = requests.next() => match next {
                 Some(message) => match message.reply.clone() {
                     Some(reply_to) => {
+                        // A session's input queue exists before any later message on this
+                        // subject is looked at: its first input may come right behind it.
+                        let inputs = open_tty(&ttys, &message, &reply_to);
                         tokio::spawn(answer(
                             host.clone(),
                             nats.clone(),
-                            flows.clone(),
+                            (flows.clone(), ttys.clone()),
                             message,
-                            reply_to,
+                            (reply_to, inputs),
                         ));
                     }
-                    None => control(&flows, &message),
+                    None => control(&flows, &ttys, &message),
                 },
                 None => break,
             },
@@ -119,8 +148,26 @@ pub async fn serve(
     Ok(())
 }
 
-/// Applies a flow-control message to its stream.
-fn control(flows: &Flows, message: &Message) {
+/// For an [`AgentOp::Tty`] request, registers its session's input queue under its reply
+/// subject and returns the queue's receiving end; `None` for any other message.
+fn open_tty(
+    ttys: &Ttys,
+    message: &Message,
+    reply_to: &Subject,
+) -> Option<mpsc::Receiver<TtyInput>> {
+    let request = wire::decode::<AgentRequest>(&message.payload).ok()?;
+    if !matches!(request.op, AgentOp::Tty { .. }) {
+        return None;
+    }
+    let (input, inputs) = mpsc::channel(TTY_INPUT_QUEUE);
+    ttys.lock()
+        .insert(reply_to.to_string(), (request.sandbox_id, input));
+    Some(inputs)
+}
+
+/// Applies a flow-control message to its stream. A cancelled terminal session also loses its
+/// input queue, which closes the agent connection's input side: the terminal is hung up.
+fn control(flows: &Flows, ttys: &Ttys, message: &Message) {
     match wire::decode::<AgentRequest>(&message.payload).map(|r| r.op) {
         Ok(AgentOp::StreamCredit { reply_to, chunks }) => {
             if let Some(flow) = flows.get(&reply_to) {
@@ -131,14 +178,63 @@ fn control(flows: &Flows, message: &Message) {
             if let Some(flow) = flows.get(&reply_to) {
                 flow.cancel.cancel();
             }
+            ttys.lock().remove(&reply_to);
         }
         _ => tracing::warn!("agent request without a reply subject; dropped"),
     }
 }
 
 /// Answers one request on `reply_to`.
-async fn answer(host: Arc<Host>, nats: Client, flows: Flows, message: Message, reply_to: Subject) {
+async fn answer(
+    host: Arc<Host>,
+    nats: Client,
+    (flows, ttys): (Flows, Ttys),
+    message: Message,
+    (reply_to, tty_inputs): (Subject, Option<mpsc::Receiver<TtyInput>>),
+) {
     let reply = match wire::decode::<AgentRequest>(&message.payload) {
+        Ok(AgentRequest {
+            sandbox_id,
+            op: AgentOp::TtyInput { reply_to, input },
+        }) => tty_input(&ttys, sandbox_id, &reply_to, input).await,
+        Ok(AgentRequest {
+            sandbox_id,
+            op: AgentOp::Tty { spec, size, window },
+        }) => {
+            let span = tracing::info_span!(
+                "tty",
+                host_id = %host.host_id,
+                sandbox_id = %sandbox_id,
+            );
+            let flow = flows.open(reply_to.as_str(), window);
+            let (sender, mut forwarder) =
+                forward_output(nats.clone(), reply_to.clone(), Some(flow));
+            let reply = async {
+                let Some(inputs) = tty_inputs else {
+                    return AgentReply::Failed(AgentFailure::Agent(
+                        "the session's input queue is missing".into(),
+                    ));
+                };
+                let (address, _permit) = match host.exec_target(sandbox_id) {
+                    Ok(target) => target,
+                    Err(failure) => return AgentReply::Failed(failure),
+                };
+                host.backend
+                    .tty(&host, sandbox_id, address, spec, size, sender, inputs)
+                    .await
+            }
+            .instrument(span)
+            .await;
+            ttys.lock().remove(reply_to.as_str());
+            if tokio::time::timeout(FORWARDER_DRAIN_TIMEOUT, &mut forwarder)
+                .await
+                .is_err()
+            {
+                forwarder.abort();
+            }
+            flows.close(reply_to.as_str());
+            reply
+        }
         Ok(request) => {
             let span = tracing::info_span!(
                 "agent_op",
@@ -176,6 +272,26 @@ async fn answer(host: Arc<Host>, nats: Client, flows: Flows, message: Message, r
     };
     if let Err(e) = nats.publish(reply_to, wire::encode(&reply).into()).await {
         tracing::warn!(error = %e, "agent reply not sent");
+    }
+}
+
+/// Queues `input` for the terminal session `session` of `sandbox`: [`AgentReply::Done`] once
+/// queued (waiting while the queue is full), `NotFound` when no such session runs there,
+/// `TooLarge` for keystrokes over the agent's frame limit.
+async fn tty_input(ttys: &Ttys, sandbox: SandboxId, session: &str, input: TtyInput) -> AgentReply {
+    let limit = crate::agent::protocol::MAX_TTY_INPUT;
+    if matches!(&input, TtyInput::Data(data) if data.len() > limit) {
+        return AgentReply::Failed(AgentFailure::TooLarge {
+            limit: limit as u64,
+        });
+    }
+    let queue = match ttys.lock().get(session) {
+        Some((owner, queue)) if *owner == sandbox => queue.clone(),
+        _ => return AgentReply::Failed(AgentFailure::NotFound),
+    };
+    match queue.send(input).await {
+        Ok(()) => AgentReply::Done,
+        Err(_) => AgentReply::Failed(AgentFailure::NotFound),
     }
 }
 

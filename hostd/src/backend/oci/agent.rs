@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use berth_schemas::wire::{
-    AgentFailure, AgentOp, AgentReply, DirEntry, ExecSpec, FileKind, FileStat,
+    AgentFailure, AgentOp, AgentReply, DirEntry, ExecSpec, FileKind, FileStat, TtySize,
 };
 use berth_schemas::SandboxId;
 
@@ -83,8 +83,15 @@ pub async fn run(
         (AgentOp::List { path }, _) => file_op(address, Request::List { path }).await,
         (AgentOp::Rename { from, to }, _) => file_op(address, Request::Rename { from, to }).await,
         (AgentOp::Remove { path }, _) => file_op(address, Request::Remove { path }).await,
-        // Flow control of a stream, routed by `nats::agent` before it reaches a backend.
-        (AgentOp::StreamCredit { .. } | AgentOp::StreamCancel { .. }, _) => {
+        // Flow control of a stream and terminal sessions, routed by `nats::agent` before
+        // they reach this.
+        (
+            AgentOp::StreamCredit { .. }
+            | AgentOp::StreamCancel { .. }
+            | AgentOp::Tty { .. }
+            | AgentOp::TtyInput { .. },
+            _,
+        ) => {
             return AgentReply::Failed(AgentFailure::Agent(
                 "stream flow control is not an agent operation".into(),
             ))
@@ -103,7 +110,9 @@ fn relative_path(op: &AgentOp) -> Option<&str> {
         | AgentOp::ExecStream(_)
         | AgentOp::ExecStreamWindowed { .. }
         | AgentOp::StreamCredit { .. }
-        | AgentOp::StreamCancel { .. } => vec![],
+        | AgentOp::StreamCancel { .. }
+        | AgentOp::Tty { .. }
+        | AgentOp::TtyInput { .. } => vec![],
         AgentOp::Stat { path }
         | AgentOp::Remove { path }
         | AgentOp::Read { path, .. }
@@ -123,9 +132,6 @@ async fn exec(
     spec: ExecSpec,
     output: Option<OutputSender>,
 ) -> AgentReply {
-    let counter = host.oom_counter(sandbox).await;
-    let count = || counter.as_deref().and_then(crate::cgroup::read_oom_kills);
-    let before = count();
     let ExecSpec {
         argv,
         env,
@@ -141,6 +147,51 @@ async fn exec(
             address, argv, env, cwd, stdin, timeout_ms,
         )),
     };
+    supervise(host, sandbox, call).await
+}
+
+/// Runs a terminal session (see [`client::tty`]), watched like an exec: OOM kills counted,
+/// a sandbox that stops meanwhile ends it. Unlike an exec, a session does not wait for its
+/// own end when a stop or a delete closes the sandbox's gate: it is hung up (within
+/// [`EXEC_LIVENESS_INTERVAL`]), so that a memory stop's drain finds no connection open and
+/// the checkpoint keeps the sandbox's other processes (the session's own get `SIGHUP`).
+pub async fn tty(
+    host: &Host,
+    sandbox: SandboxId,
+    address: SocketAddr,
+    spec: ExecSpec,
+    size: TtySize,
+    output: OutputSender,
+    input: client::TtyInputReceiver,
+) -> AgentReply {
+    let call = Box::pin(async move {
+        let session = client::tty(address, spec, size, &output, input);
+        let closing = async {
+            while !host.gates.is_closed(sandbox) {
+                tokio::time::sleep(EXEC_LIVENESS_INTERVAL).await;
+            }
+        };
+        tokio::select! {
+            result = session => result,
+            () = closing => Err(HostdError::Agent {
+                address,
+                reason: "the sandbox is stopping: the session was hung up".into(),
+            }),
+        }
+    });
+    supervise(host, sandbox, call).await
+}
+
+/// Awaits an exec's `call` while watching its sandbox: the OOM kills during it, and a sandbox
+/// that stops running (which ends the call: its connection may never be reset).
+async fn supervise(
+    host: &Host,
+    sandbox: SandboxId,
+    call: futures::future::BoxFuture<'_, Result<ExecResult, HostdError>>,
+) -> AgentReply {
+    let counter = host.oom_counter(sandbox).await;
+    let count = || counter.as_deref().and_then(crate::cgroup::read_oom_kills);
+    let before = count();
     let result = tokio::select! {
         result = call => result,
         () = host.stopped_running(sandbox, EXEC_LIVENESS_INTERVAL) => {

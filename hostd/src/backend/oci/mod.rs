@@ -424,6 +424,19 @@ impl Backend for OciBackend {
         agent::run(host, sandbox, address, op, output).boxed()
     }
 
+    fn tty<'a>(
+        &'a self,
+        host: &'a Host,
+        sandbox: SandboxId,
+        address: SocketAddr,
+        spec: berth_schemas::wire::ExecSpec,
+        size: berth_schemas::wire::TtySize,
+        output: OutputSender,
+        input: crate::agent::client::TtyInputReceiver,
+    ) -> BoxFuture<'a, AgentReply> {
+        agent::tty(host, sandbox, address, spec, size, output, input).boxed()
+    }
+
     fn shut_down<'a>(&'a self, host: &'a Host) -> BoxFuture<'a, ()> {
         async move {
             // Sandboxes outlive hostd and keep their table; a hostd holding none leaves no
