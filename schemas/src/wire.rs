@@ -16,7 +16,8 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 7 (this one): a stop that wanted memory and kept the disk only says why
+/// Version 8 (this one): a sandbox's spec ends with its `env` and `entrypoint` (the OpenSandbox
+/// compatibility surface). Version 7: a stop that wanted memory and kept the disk only says why
 /// ([`ResultOutcome::StoppedOnDisk`]). Version 6: a heartbeat ends with its host-side send time
 /// ([`Heartbeat::sent_at_ms`]) and a result with the host's heartbeat sequence at the moment the
 /// command was applied ([`CommandResult::heartbeat_seq`]). Version 5: a heartbeat ends with the
@@ -25,7 +26,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 7;
+pub const WIRE_VERSION: u16 = 8;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -140,6 +141,17 @@ pub struct SandboxSpec {
     /// public egress). See [`crate::network`].
     #[serde(default)]
     pub network: crate::network::Network,
+    /// Environment variables set for every exec in the sandbox and for its entrypoint, in
+    /// order (a later pair of the same name wins; an exec's own `env` wins over these).
+    /// Empty for a sandbox created without (hostd records written before this field read as
+    /// empty). Given by the OpenSandbox compatibility surface's `env`, or the API's `env`.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// The argv hostd starts in the background, with [`SandboxSpec::env`], each time the
+    /// sandbox boots from its disk (a create, a start after a disk-only stop; a memory restore
+    /// keeps it running). Empty: nothing is started. The OpenSandbox SDK's `entrypoint`.
+    #[serde(default)]
+    pub entrypoint: Vec<String>,
 }
 
 /// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.

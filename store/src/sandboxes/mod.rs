@@ -162,6 +162,8 @@ impl SandboxRow {
             runtime: self.runtime,
             disk_mib: self.disk_mib,
             network: self.network.clone(),
+            env: Vec::new(),
+            entrypoint: Vec::new(),
         }
     }
 }
