@@ -12,6 +12,7 @@
 //! - Errors are `{"error":{"code","message"}}` with the status of [`error::ApiError`].
 
 pub mod auth;
+pub mod compat;
 pub mod config;
 pub mod error;
 pub mod http;
