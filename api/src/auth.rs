@@ -24,8 +24,9 @@ use crate::AppState;
 pub struct Caller {
     /// The org the key belongs to; every sandbox route is scoped to it.
     pub org_id: OrgId,
-    /// The key that authenticated the request.
-    pub key_id: ApiKeyId,
+    /// The key that authenticated the request; `None` when a sandbox's execd token did (the
+    /// OpenSandbox execd surface, [`crate::compat`]), which reaches that sandbox only.
+    pub key_id: Option<ApiKeyId>,
 }
 
 async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiError> {
@@ -60,7 +61,24 @@ pub(crate) async fn principal_of(
     db: &sqlx::PgPool,
     guards: &crate::limits::Guards,
 ) -> Result<Principal, ApiError> {
-    let key = bearer_key(headers).ok_or(ApiError::Unauthorized)?;
+    principal_of_key(bearer_key(headers), peer, db, guards).await
+}
+
+/// Like [`principal_of`], for a key the caller took from elsewhere than `Authorization` (the
+/// OpenSandbox surface's `OPEN-SANDBOX-API-KEY`); `None` or a key without Berth's prefix is
+/// unauthorized.
+///
+/// Errors: as [`principal_of`].
+pub(crate) async fn principal_of_key(
+    key: Option<&str>,
+    peer: Option<std::net::IpAddr>,
+    db: &sqlx::PgPool,
+    guards: &crate::limits::Guards,
+) -> Result<Principal, ApiError> {
+    let key = key
+        .map(str::trim)
+        .filter(|k| k.starts_with(KEY_PREFIX))
+        .ok_or(ApiError::Unauthorized)?;
     let hash = crate::service::keys::hash(key);
     let principal = match guards.cached_key(&hash) {
         Some(principal) => principal,
@@ -87,7 +105,7 @@ impl FromRequestParts<AppState> for Caller {
         })?;
         Ok(Caller {
             org_id,
-            key_id: p.key_id,
+            key_id: Some(p.key_id),
         })
     }
 }

@@ -13,6 +13,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod compat;
 pub mod config;
 pub mod error;
 pub mod http;

@@ -60,6 +60,8 @@ mod tests {
                 runtime: Default::default(),
                 disk_mib: 64,
                 network: Default::default(),
+                env: Vec::new(),
+                entrypoint: Vec::new(),
             }),
         }
     }

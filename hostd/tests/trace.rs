@@ -121,6 +121,8 @@ fn command(sandbox: SandboxId, kind: CommandKind, generation: Generation) -> Com
             runtime: Runtime::Runc,
             disk_mib: 64,
             network: Default::default(),
+            env: Vec::new(),
+            entrypoint: Vec::new(),
         }),
     }
 }

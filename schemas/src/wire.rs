@@ -16,8 +16,10 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 8 (this one): an interactive session on a pseudo-terminal ([`AgentOp::Tty`]) and
-/// its input ([`AgentOp::TtyInput`]). Version 7: a stop that wanted memory and kept the disk only says why
+/// Version 10 (this one): a sandbox's spec ends with its `env` and `entrypoint` (the
+/// OpenSandbox compatibility surface). Version 9: a result ends with the host's apply time
+/// ([`CommandResult::apply_ms`]); an interactive session on a pseudo-terminal
+/// ([`AgentOp::Tty`]) and its input ([`AgentOp::TtyInput`]). Version 7: a stop that wanted memory and kept the disk only says why
 /// ([`ResultOutcome::StoppedOnDisk`]). Version 6: a heartbeat ends with its host-side send time
 /// ([`Heartbeat::sent_at_ms`]) and a result with the host's heartbeat sequence at the moment the
 /// command was applied ([`CommandResult::heartbeat_seq`]). Version 5: a heartbeat ends with the
@@ -26,7 +28,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 9;
+pub const WIRE_VERSION: u16 = 10;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -141,6 +143,17 @@ pub struct SandboxSpec {
     /// public egress). See [`crate::network`].
     #[serde(default)]
     pub network: crate::network::Network,
+    /// Environment variables set for every exec in the sandbox and for its entrypoint, in
+    /// order (a later pair of the same name wins; an exec's own `env` wins over these).
+    /// Empty for a sandbox created without (hostd records written before this field read as
+    /// empty). Given by the OpenSandbox compatibility surface's `env`, or the API's `env`.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// The argv hostd starts in the background, with [`SandboxSpec::env`], each time the
+    /// sandbox boots from its disk (a create, a start after a disk-only stop; a memory restore
+    /// keeps it running). Empty: nothing is started. The OpenSandbox SDK's `entrypoint`.
+    #[serde(default)]
+    pub entrypoint: Vec<String>,
 }
 
 /// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.
@@ -316,7 +329,7 @@ pub struct CommandResult {
     pub heartbeat_seq: u64,
     /// Milliseconds the host spent applying the command, from the start of its apply to its
     /// result (the runtime calls and the agent's boot; no time in NATS or the control plane's
-    /// queues): what the reconciler judges a host's boot speed by (wire v9). A replayed result
+    /// queues): what the reconciler judges a host's boot speed by (wire v9 and later). A replayed result
     /// carries the replay's own time.
     pub apply_ms: u32,
 }

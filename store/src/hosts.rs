@@ -609,6 +609,9 @@ pub async fn unwanted_containers(
                         disk_mib: u32::try_from(r.try_get::<i32, _>("disk_mib").map_err(get)?)
                             .unwrap_or(0),
                         network: crate::sandboxes::network(&r.try_get("network").map_err(get)?)?,
+                        // A compensation stops or deletes: it never boots, so it needs neither.
+                        env: Vec::new(),
+                        entrypoint: Vec::new(),
                     },
                 })
             } else {

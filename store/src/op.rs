@@ -121,6 +121,12 @@ ops! {
     SandboxGuestTally => "sandbox_guest_tally",
     /// [`crate::breakers`]: circuit breaker trips and host events, read and written.
     Breaker => "breaker",
+    /// [`crate::sandboxes::execd_token`]: a sandbox's OpenSandbox execd token, made once.
+    SandboxExecdToken => "sandbox_execd_token",
+    /// [`crate::sandboxes::find_with_execd_token`]: a sandbox and its execd token, any org.
+    SandboxFindExecd => "sandbox_find_execd",
+    /// [`crate::sandboxes::list_in_states`]: an org's sandboxes in any of some states.
+    SandboxListStates => "sandbox_list_states",
     /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
     /// [`crate::commands::complete`]: sets a command's outcome.

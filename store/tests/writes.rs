@@ -78,6 +78,9 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
             public_ports: vec![],
             expires_at: None,
             on_expiry: Default::default(),
+            env: Vec::new(),
+            entrypoint: Vec::new(),
+            image_uri: None,
         },
     )
     .await

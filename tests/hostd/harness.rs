@@ -262,6 +262,8 @@ impl Harness {
                     .expect("a built-in template names a known runtime"),
                 disk_mib,
                 network: Default::default(),
+                env: Vec::new(),
+                entrypoint: Vec::new(),
             }),
         }
     }

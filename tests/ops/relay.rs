@@ -83,6 +83,8 @@ impl Outbox {
                     runtime: Runtime::Runc,
                     disk_mib: 256,
                     network: Default::default(),
+                    env: Vec::new(),
+                    entrypoint: Vec::new(),
                 }),
             };
             insert_command(&mut tx, self.host, &command).await.unwrap();

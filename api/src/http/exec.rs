@@ -209,7 +209,7 @@ pub(crate) async fn running_host(
 ///
 /// Errors: [`ApiError::HostUnavailable`]; [`ApiError::Internal`] for an undecodable reply or
 /// one of another kind.
-async fn run(
+pub(crate) async fn run(
     app: &AppState,
     host: HostId,
     sandbox: SandboxId,

@@ -98,6 +98,7 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", metrics_route)
         .route("/openapi.json", get(openapi_json))
+        .nest(crate::compat::MOUNT, crate::compat::router(state.clone()))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(
             state.guards.clone(),

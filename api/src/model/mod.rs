@@ -82,6 +82,65 @@ pub struct CreateSandbox {
     pub timeout_seconds: Option<i64>,
     /// What the expiry does: `stop` (the default; the disk is kept) or `delete`.
     pub on_expiry: Option<String>,
+    /// Environment variables set for every exec in the sandbox (an exec's own `env` wins) and
+    /// for its entrypoint; at most 256 names, 64 KiB with `entrypoint`. Not shown back.
+    pub env: Option<std::collections::BTreeMap<String, String>>,
+    /// An argv started in the background (output discarded, through `sh`) each time the
+    /// sandbox boots from its disk: at create, and at a start after a disk-only stop (a memory
+    /// restore keeps it running). Default: none.
+    pub entrypoint: Option<Vec<String>>,
+}
+
+/// Environment variables as name and value pairs.
+pub type EnvPairs = Vec<(String, String)>;
+
+/// At most this many `env` names.
+pub const MAX_ENV_VARS: usize = 256;
+/// At most this many bytes of `env` names and values and `entrypoint` words together: they
+/// travel to the host in every command (one NATS message).
+pub const MAX_ENV_ENTRYPOINT_BYTES: usize = 64 * 1024;
+
+/// `env` and `entrypoint` checked: names non-empty without `=` or NUL, values and words
+/// without NUL, a non-empty program name, within [`MAX_ENV_VARS`] and
+/// [`MAX_ENV_ENTRYPOINT_BYTES`].
+///
+/// Errors: [`ApiError::InvalidRequest`] naming `env` or `entrypoint`.
+pub fn valid_env_and_entrypoint(
+    env: std::collections::BTreeMap<String, String>,
+    entrypoint: Vec<String>,
+) -> Result<(EnvPairs, Vec<String>), ApiError> {
+    if env.len() > MAX_ENV_VARS {
+        return Err(ApiError::invalid(
+            "env",
+            format!("env holds at most {MAX_ENV_VARS} names"),
+        ));
+    }
+    if env
+        .iter()
+        .any(|(k, v)| k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0'))
+    {
+        return Err(ApiError::invalid(
+            "env",
+            "env names are non-empty without '=' or NUL; values hold no NUL",
+        ));
+    }
+    if entrypoint.iter().any(|w| w.contains('\0'))
+        || entrypoint.first().is_some_and(|p| p.is_empty())
+    {
+        return Err(ApiError::invalid(
+            "entrypoint",
+            "entrypoint names a program first and holds no NUL bytes",
+        ));
+    }
+    let bytes = env.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>()
+        + entrypoint.iter().map(String::len).sum::<usize>();
+    if bytes > MAX_ENV_ENTRYPOINT_BYTES {
+        return Err(ApiError::invalid(
+            "env",
+            format!("env and entrypoint together hold at most {MAX_ENV_ENTRYPOINT_BYTES} bytes"),
+        ));
+    }
+    Ok((env.into_iter().collect(), entrypoint))
 }
 
 /// At most this many `public_ports`.
@@ -193,6 +252,12 @@ pub struct ValidCreate {
     pub expires_at: Option<DateTime<Utc>>,
     /// What the expiry does; [`ExpiryAction::Stop`] when the request named none.
     pub on_expiry: ExpiryAction,
+    /// Environment variables for every exec and the entrypoint, by name.
+    pub env: Vec<(String, String)>,
+    /// The argv started in the background at each boot from disk; empty: none.
+    pub entrypoint: Vec<String>,
+    /// The image the OpenSandbox surface was asked for (`image.uri`); `None` otherwise.
+    pub image_uri: Option<String>,
 }
 
 /// The longest `auto_stop_minutes` (a week).
@@ -322,7 +387,14 @@ impl CreateSandbox {
             .map(settings::on_expiry)
             .transpose()?
             .unwrap_or_default();
+        let (env, entrypoint) = valid_env_and_entrypoint(
+            self.env.unwrap_or_default(),
+            self.entrypoint.unwrap_or_default(),
+        )?;
         Ok(ValidCreate {
+            env,
+            entrypoint,
+            image_uri: None,
             expires_at,
             on_expiry,
             network,
@@ -410,6 +482,9 @@ pub struct Sandbox {
     pub expires_at: Option<DateTime<Utc>>,
     /// What the expiry does: `stop` or `delete`.
     pub on_expiry: String,
+    /// The argv started in the background at each boot from disk; empty: none.
+    #[serde(default)]
+    pub entrypoint: Vec<String>,
 }
 
 fn yes() -> bool {
@@ -446,6 +521,7 @@ impl From<SandboxRow> for Sandbox {
             public_ports: row.public_ports,
             expires_at: row.expires_at,
             on_expiry: row.on_expiry.as_str().to_owned(),
+            entrypoint: row.entrypoint,
         }
     }
 }

@@ -107,6 +107,9 @@ pub async fn create(
             public_ports: req.public_ports,
             expires_at: req.expires_at,
             on_expiry: req.on_expiry,
+            env: req.env,
+            entrypoint: req.entrypoint,
+            image_uri: req.image_uri,
         },
     )
     .await?;

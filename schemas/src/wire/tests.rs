@@ -25,6 +25,8 @@ fn sample_command() -> Command {
             network: crate::network::Network {
                 egress: crate::network::Egress::Allow(vec!["10.1.0.0/16".parse().unwrap()]),
             },
+            env: vec![("A".into(), "1".into())],
+            entrypoint: vec!["tail".into()],
         }),
     }
 }
@@ -38,13 +40,16 @@ const U1: &str = "1001010101010101010101010101010101";
 const U2: &str = "1002020202020202020202020202020202";
 
 #[test]
-fn command_golden_bytes_v9() {
+fn command_golden_bytes_v10() {
     let bytes = encode(&sample_command());
-    // version 9, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
-    // runsc, 1024 MiB of disk, network { egress: Allow([10.1.0.0/16]) } }): the allow-list
-    // is variant 2, one network, its four octets and its prefix length
+    // version 10, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
+    // runsc, 1024 MiB of disk, network { egress: Allow([10.1.0.0/16]) }, env [("A", "1")],
+    // entrypoint ["tail"] }): the allow-list is variant 2, one network, its four octets and its
+    // prefix length; then one env pair and one entrypoint word, each length-prefixed
     let expected = format!(
-        "09{U1}{U2}060101{org}046261736502800401800802010a01000010",
+        "0a{U1}{U2}060101{org}046261736502800401800802010a01000010\
+         0101410131\
+         01047461696c",
         org = "1004040404040404040404040404040404"
     );
     assert_eq!(hex(&bytes), expected);
@@ -86,7 +91,7 @@ fn a_version_1_command_is_refused() {
 }
 
 #[test]
-fn result_golden_bytes_v9() {
+fn result_golden_bytes_v10() {
     let result = CommandResult {
         command_id: CommandId(uuid(1)),
         sandbox_id: SandboxId(uuid(2)),
@@ -104,7 +109,7 @@ fn result_golden_bytes_v9() {
     // ... Succeeded { Some(address), Some(Disk) }, then heartbeat_seq 300 and apply_ms 1500
     // as varints
     let expected = format!(
-        "09{U1}{U2}{U5}0602000108{ip}0101ac02dc0b",
+        "0a{U1}{U2}{U5}0602000108{ip}0101ac02dc0b",
         U5 = "1005050505050505050505050505050505",
         ip = hex(b"10.1.0.2")
     );
@@ -127,9 +132,9 @@ fn a_rejected_result_is_the_fourth_outcome_variant() {
         apply_ms: 0,
     };
     let bytes = encode(&result);
-    // version 9, ids, generation 1 (zigzag: 02), kind Create (0), outcome variant 3, "no", heartbeat_seq 0, apply_ms 0
+    // version 10, ids, generation 1 (zigzag: 02), kind Create (0), outcome variant 3, "no", heartbeat_seq 0, apply_ms 0
     let expected = format!(
-        "09{U1}{U2}{U5}020003026e6f0000",
+        "0a{U1}{U2}{U5}020003026e6f0000",
         U5 = "1005050505050505050505050505050505",
     );
     assert_eq!(hex(&bytes), expected);
@@ -151,10 +156,10 @@ fn a_stop_that_kept_the_disk_only_is_the_fifth_outcome_variant_with_its_code_and
         apply_ms: 0,
     };
     let bytes = encode(&result);
-    // version 9, ids, generation 3, kind Stop (2), outcome variant 4, code 0, "EOF",
+    // version 10, ids, generation 3, kind Stop (2), outcome variant 4, code 0, "EOF",
     // heartbeat_seq 0, apply_ms 0
     let expected = format!(
-        "09{U1}{U2}{U5}0602040003{eof}0000",
+        "0a{U1}{U2}{U5}0602040003{eof}0000",
         U5 = "1005050505050505050505050505050505",
         eof = hex(b"EOF")
     );
@@ -220,7 +225,7 @@ fn every_stop_fallback_code_reads_back_from_its_spelling() {
 }
 
 #[test]
-fn heartbeat_golden_bytes_v9() {
+fn heartbeat_golden_bytes_v10() {
     let hb = Heartbeat {
         host_id: HostId(uuid(5)),
         name: "h".into(),
@@ -245,7 +250,7 @@ fn heartbeat_golden_bytes_v9() {
     let bytes = encode(&hb);
     // ... the inventory, the forwarder (Some "h:1"), then sent_at_ms 1000 as a varint
     let expected = format!(
-        "09{U5}0168ac0208800800000104{runc}0001{U2}020101{fwd}e807",
+        "0a{U5}0168ac0208800800000104{runc}0001{U2}020101{fwd}e807",
         U5 = "1005050505050505050505050505050505",
         runc = hex(b"runc"),
         fwd = "03683a31"
@@ -349,7 +354,7 @@ fn exec_golden_bytes_v1() {
 }
 
 #[test]
-fn agent_golden_bytes_v9() {
+fn agent_golden_bytes_v10() {
     let req = AgentRequest {
         sandbox_id: SandboxId(uuid(2)),
         op: AgentOp::Exec(ExecSpec {
@@ -364,7 +369,7 @@ fn agent_golden_bytes_v9() {
     assert_eq!(
         hex(&bytes),
         format!(
-            "09{U2}000103{cat}0101{a}01{b}01012f017805",
+            "0a{U2}000103{cat}0101{a}01{b}01012f017805",
             cat = hex(b"cat"),
             a = "41",
             b = "62"
@@ -379,7 +384,7 @@ fn agent_golden_bytes_v9() {
             len: 2,
         },
     };
-    assert_eq!(hex(&encode(&read)), format!("09{U2}02022f660102"));
+    assert_eq!(hex(&encode(&read)), format!("0a{U2}02022f660102"));
     let reply = AgentReply::Exec {
         exit_code: 137,
         stdout: vec![],
@@ -388,12 +393,12 @@ fn agent_golden_bytes_v9() {
         oom_killed: true,
     };
     // 137 zig-zags to 274 = varint 92 02.
-    assert_eq!(hex(&encode(&reply)), "09009202000000".to_owned() + "01");
+    assert_eq!(hex(&encode(&reply)), "0a009202000000".to_owned() + "01");
     let output = AgentReply::Output {
         fd: 2,
         data: b"e".to_vec(),
     };
-    assert_eq!(hex(&encode(&output)), "0907020165");
+    assert_eq!(hex(&encode(&output)), "0a07020165");
     let stream = AgentOp::ExecStream(ExecSpec {
         argv: vec![],
         env: vec![],
@@ -401,7 +406,7 @@ fn agent_golden_bytes_v9() {
         stdin: vec![],
         timeout_ms: 1,
     });
-    assert_eq!(hex(&encode(&stream)), "09060000000001");
+    assert_eq!(hex(&encode(&stream)), "0a060000000001");
     let windowed = AgentOp::ExecStreamWindowed {
         spec: ExecSpec {
             argv: vec![],
@@ -412,22 +417,22 @@ fn agent_golden_bytes_v9() {
         },
         window: 16,
     };
-    assert_eq!(hex(&encode(&windowed)), "0907000000000110");
+    assert_eq!(hex(&encode(&windowed)), "0a07000000000110");
     let credit = AgentOp::StreamCredit {
         reply_to: "r".into(),
         chunks: 8,
     };
-    assert_eq!(hex(&encode(&credit)), "09080172".to_owned() + "08");
+    assert_eq!(hex(&encode(&credit)), "0a080172".to_owned() + "08");
     let cancel = AgentOp::StreamCancel {
         reply_to: "r".into(),
     };
-    assert_eq!(hex(&encode(&cancel)), "09090172");
+    assert_eq!(hex(&encode(&cancel)), "0a090172");
     let remove = AgentOp::Remove { path: "/f".into() };
-    assert_eq!(hex(&encode(&remove)), "090a022f66");
+    assert_eq!(hex(&encode(&remove)), "0a0a022f66");
     let not_regular = AgentReply::Failed(AgentFailure::NotRegularFile);
-    assert_eq!(hex(&encode(&not_regular)), "090605");
+    assert_eq!(hex(&encode(&not_regular)), "0a0605");
     let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
-    assert_eq!(hex(&encode(&failed)), "090603ac02");
+    assert_eq!(hex(&encode(&failed)), "0a0603ac02");
     assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);
     // Version 8: a session on a pseudo-terminal and its input.
     let tty = AgentOp::Tty {
@@ -441,17 +446,17 @@ fn agent_golden_bytes_v9() {
         size: TtySize { rows: 24, cols: 80 },
         window: 16,
     };
-    assert_eq!(hex(&encode(&tty)), "090b00000000011850".to_owned() + "10");
+    assert_eq!(hex(&encode(&tty)), "0a0b00000000011850".to_owned() + "10");
     let input = AgentOp::TtyInput {
         reply_to: "r".into(),
         input: TtyInput::Data(b"l".to_vec()),
     };
-    assert_eq!(hex(&encode(&input)), "090c017200016c");
+    assert_eq!(hex(&encode(&input)), "0a0c017200016c");
     let resize = AgentOp::TtyInput {
         reply_to: "r".into(),
         input: TtyInput::Resize(TtySize { rows: 1, cols: 2 }),
     };
-    assert_eq!(hex(&encode(&resize)), "090c0172010102");
+    assert_eq!(hex(&encode(&resize)), "0a0c0172010102");
     assert_eq!(decode::<AgentOp>(&encode(&resize)).unwrap(), resize);
 }
 

@@ -27,7 +27,8 @@ use crate::{commands, StoreError};
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
-     public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason";
+     public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason, env, entrypoint, \
+     image_uri";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -93,6 +94,14 @@ pub struct SandboxRow {
     pub expires_at: Option<DateTime<Utc>>,
     /// What its expiry does: stop (the default) or delete.
     pub on_expiry: ExpiryAction,
+    /// Environment variables for every exec and its entrypoint (`sandboxes.env`, a JSON
+    /// object of strings), in key order.
+    pub env: Vec<(String, String)>,
+    /// The argv started in the background at each boot from disk (`sandboxes.entrypoint`);
+    /// empty: none.
+    pub entrypoint: Vec<String>,
+    /// The image named at create through the OpenSandbox surface; `None` otherwise.
+    pub image_uri: Option<String>,
 }
 
 impl SandboxRow {
@@ -145,6 +154,9 @@ impl SandboxRow {
                 .map_err(get)?
                 .parse()
                 .map_err(|e| corrupt("sandboxes.on_expiry", e))?,
+            env: env(row.try_get("env").map_err(get)?)?,
+            entrypoint: row.try_get("entrypoint").map_err(get)?,
+            image_uri: row.try_get("image_uri").map_err(get)?,
         })
     }
 
@@ -162,8 +174,36 @@ impl SandboxRow {
             runtime: self.runtime,
             disk_mib: self.disk_mib,
             network: self.network.clone(),
+            env: self.env.clone(),
+            entrypoint: self.entrypoint.clone(),
         }
     }
+}
+
+/// An `env` column's value (a JSON object of strings) as its pairs, in key order.
+fn env(value: serde_json::Value) -> Result<Vec<(String, String)>, StoreError> {
+    let serde_json::Value::Object(map) = value else {
+        return Err(corrupt("sandboxes.env", "not a JSON object"));
+    };
+    map.into_iter()
+        .map(|(k, v)| match v {
+            serde_json::Value::String(v) => Ok((k, v)),
+            other => Err(corrupt(
+                "sandboxes.env",
+                format!("{k}: {other} is not a string"),
+            )),
+        })
+        .collect()
+}
+
+/// Pairs as an `env` column's value (a JSON object of strings; a later pair of a name wins).
+fn env_column(pairs: &[(String, String)]) -> serde_json::Value {
+    serde_json::Value::Object(
+        pairs
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+            .collect(),
+    )
 }
 
 /// `vcpus` and `memory_mib` columns (both `integer`) as [`Resources`]; the only place they are
@@ -259,6 +299,12 @@ pub struct NewSandbox {
     pub expires_at: Option<DateTime<Utc>>,
     /// What its expiry does.
     pub on_expiry: ExpiryAction,
+    /// Environment variables for every exec and the entrypoint (validated names).
+    pub env: Vec<(String, String)>,
+    /// The argv started in the background at each boot from disk; empty: none.
+    pub entrypoint: Vec<String>,
+    /// The image named through the OpenSandbox surface, shown back by its `GET`.
+    pub image_uri: Option<String>,
 }
 
 /// Writes a new `provisioning` sandbox holding the capacity its placement reserved, its
@@ -277,9 +323,10 @@ pub async fn create(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
                                     auto_delete_minutes, runtime, disk_mib, network,
-                                    auto_resume, public_ports, expires_at, on_expiry)
+                                    auto_resume, public_ports, expires_at, on_expiry, env,
+                                    entrypoint, image_uri)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18)
+                     $17, $18, $19, $20, $21)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -305,6 +352,9 @@ pub async fn create(
         )
         .bind(new.expires_at)
         .bind(new.on_expiry.as_str())
+        .bind(env_column(&new.env))
+        .bind(&new.entrypoint)
+        .bind(&new.image_uri)
         .fetch_one(&mut *conn),
     )
     .await?;
@@ -467,10 +517,12 @@ pub async fn org_usage(conn: &mut PgConnection, org: OrgId) -> Result<Usage, Sto
     })
 }
 
+mod compat;
 mod converge;
 mod settings;
 mod write;
 
+pub use compat::{execd_token, find_with_execd_token, list_in_states};
 pub use converge::{
     capacity_drift, count_by_state, guest_tallies, lock_due, lock_failed_guests, lock_stranded,
     lock_timed_out, purge_tombstones, CommandTimeouts, Due, GuestTally, Judging,

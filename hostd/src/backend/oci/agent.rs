@@ -125,6 +125,20 @@ fn relative_path(op: &AgentOp) -> Option<&str> {
 
 /// Runs an exec, counting the sandbox's OOM kills before and after it, and watching that the
 /// sandbox still runs. With `output`, the agent streams the output there as it arrives.
+/// The sandbox's own environment (its spec's `env`, when it has one) with the exec's over it:
+/// the exec's value wins for a name both set. Each name once, the sandbox's first.
+fn with_sandbox_env(
+    sandbox: Option<Vec<(String, String)>>,
+    exec: Vec<(String, String)>,
+) -> Vec<(String, String)> {
+    let mut merged = sandbox.unwrap_or_default();
+    for (name, value) in exec {
+        merged.retain(|(n, _)| *n != name);
+        merged.push((name, value));
+    }
+    merged
+}
+
 async fn exec(
     host: &Host,
     sandbox: SandboxId,
@@ -139,6 +153,7 @@ async fn exec(
         stdin,
         timeout_ms,
     } = spec;
+    let env = with_sandbox_env(host.live(sandbox).map(|r| r.spec.env), env);
     let call: futures::future::BoxFuture<'_, Result<ExecResult, HostdError>> = match &output {
         Some(output) => Box::pin(client::exec_stream(
             address, argv, env, cwd, stdin, timeout_ms, output,

@@ -357,7 +357,58 @@ impl OciBackend {
         remove_dir_if_present(&snapshot).await?;
         let address = SocketAddr::new(link.sandbox.into(), AGENT_PORT);
         wait_for_agent(&*runtime, address, &container_id, paths.console_log()).await?;
+        // A memory restore brought the entrypoint's process back with the rest.
+        if !restored {
+            start_entrypoint(address, &record.spec).await?;
+        }
         Ok(link.sandbox)
+    }
+}
+
+/// How long starting a sandbox's entrypoint may take (the `sh` that puts it in the background
+/// returns at once).
+pub const ENTRYPOINT_START_TIMEOUT_MS: u64 = 10_000;
+
+/// Starts the spec's entrypoint, if it has one, in the background through the agent: `sh`
+/// runs it detached with the spec's env, stdin and output on `/dev/null`, and returns. What
+/// the program does next (even failing at once) is the sandbox's, as a container's main
+/// process would be; only a failure to start `sh` fails the boot.
+///
+/// Errors: [`HostdError::Agent`] when the agent does not run it or `sh` exits non-zero.
+async fn start_entrypoint(
+    address: SocketAddr,
+    spec: &berth_schemas::wire::SandboxSpec,
+) -> Result<(), HostdError> {
+    if spec.entrypoint.is_empty() {
+        return Ok(());
+    }
+    let mut argv: Vec<String> = ["sh", "-c", "\"$@\" </dev/null >/dev/null 2>&1 &", "sh"]
+        .map(str::to_owned)
+        .to_vec();
+    argv.extend(spec.entrypoint.iter().cloned());
+    let failed = |reason: String| HostdError::Agent { address, reason };
+    match client::exec_with(
+        address,
+        argv,
+        spec.env.clone(),
+        None,
+        Vec::new(),
+        ENTRYPOINT_START_TIMEOUT_MS,
+    )
+    .await?
+    {
+        client::ExecResult::Finished(out) if out.exit_code == 0 => {
+            tracing::info!(entrypoint = ?spec.entrypoint, "entrypoint started");
+            Ok(())
+        }
+        client::ExecResult::Finished(out) => Err(failed(format!(
+            "the entrypoint did not start: exit {}: {}",
+            out.exit_code,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))),
+        client::ExecResult::Refused(why) => {
+            Err(failed(format!("the entrypoint did not start: {why}")))
+        }
     }
 }
 
