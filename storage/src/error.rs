@@ -45,7 +45,7 @@ pub enum StorageError {
     },
     /// The object store refused or failed an operation (after the configured retries): the
     /// server is down, refused the credentials, or the request timed out.
-    #[error("object store {op} of {key} failed: {source}")]
+    #[error("object store {op} of {key} failed")]
     Store {
         /// What was being done.
         op: StoreOp,
@@ -56,7 +56,7 @@ pub enum StorageError {
         source: object_store::Error,
     },
     /// A local file or directory could not be read or written.
-    #[error("{action} {path}: {source}")]
+    #[error("{action} {}", .path.display())]
     Io {
         /// What was being done (`read`, `create`, ...).
         action: &'static str,

@@ -17,5 +17,6 @@ mod preview;
 mod preview_kit;
 mod relay;
 mod settings;
+mod snapshots;
 mod wait;
 mod webhooks;
