@@ -540,6 +540,11 @@ async fn run_stack(
         args.timing.apply(reconciler);
     }
     config.nats_creds = auth.as_ref().map(|(cp, _)| cp.clone());
+    // One object store for every host of the stack (a clone may boot on another host) and the
+    // API (a snapshot's delete removes its content): BERTH_OBJECT_STORE, else <state dir>/objects.
+    let object_store =
+        berth_storage::StoreSettings::new(berth_storage::Location::from_env_or_default(state_dir)?);
+    config.api.object_store = Some(object_store.clone());
     let host_name = hostname();
     for (i, dir) in host_dirs.iter().enumerate() {
         let mut host = berth_hostd::HostdConfig::new(
@@ -549,6 +554,7 @@ async fn run_stack(
             format!("{host_name}-{i}"),
         );
         host.address_pool = pool_for(args.address_pool, i as u8)?;
+        host.object_store = object_store.clone();
         host.nats_creds = auth.as_ref().map(|(_, hosts)| hosts[i].clone());
         // The stack derives each host's key from the preview secret.
         host.forwarder = Some(berth_hostd::forwarder::ForwarderConfig {

@@ -529,6 +529,13 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             config.metrics_on_api = metrics_addr.is_none();
             config.heartbeat_freshness = heartbeat_freshness.into();
             config.preview = preview.config()?;
+            // The hosts' object store, so a snapshot's delete removes its content.
+            config.object_store = match std::env::var(berth_storage::store::OBJECT_STORE_ENV) {
+                Ok(v) if !v.is_empty() => Some(berth_storage::StoreSettings::new(
+                    berth_storage::Location::parse(&v)?,
+                )),
+                _ => None,
+            };
             let state =
                 berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
             berth_api::run(state, shutdown).await?;
@@ -606,12 +613,15 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                     "--nats-creds of a hostd must be host credentials (berth admin add-host)"
                 );
             }
+            // BERTH_OBJECT_STORE (s3://bucket/prefix, or a directory), else <state dir>/objects.
+            let object_store = berth_storage::Location::from_env_or_default(&state_dir)?;
             let mut config = berth_hostd::HostdConfig::new(
                 nats.nats_url,
                 subjects(&nats.subject_prefix)?,
                 state_dir,
                 name,
             );
+            config.object_store = berth_storage::StoreSettings::new(object_store);
             config.nats_creds = spec.creds;
             config.nats_ca = spec.ca_file;
             config.address_pool = address_pool;

@@ -117,6 +117,7 @@ impl ReconcilerTimingArgs {
                 persist_passes: self.breaker_persist_passes,
             },
             health: self.health(),
+            snapshot_timeout: pass::DEFAULT_SNAPSHOT_TIMEOUT,
         }
     }
 

@@ -48,6 +48,10 @@ pub struct ApiConfig {
     /// Preview URLs: the domain, the secret, the wake timeout (see [`PreviewConfig`]); off
     /// without a secret.
     pub preview: PreviewConfig,
+    /// The object store snapshots live in (the hosts' `BERTH_OBJECT_STORE`), so deleting a
+    /// snapshot removes its stored content; `None`: a delete removes the row and its chunk
+    /// references only, leaving the content unreferenced.
+    pub object_store: Option<berth_storage::StoreSettings>,
 }
 
 impl ApiConfig {
@@ -70,6 +74,7 @@ impl ApiConfig {
             metrics_on_api: true,
             sandbox_egress_private: false,
             preview: PreviewConfig::default(),
+            object_store: None,
         }
     }
 }

@@ -209,7 +209,8 @@ impl From<ServiceError> for ApiError {
                 retry_after_secs: retry_after.as_secs_f64().ceil().max(1.0) as u64,
             },
             ServiceError::Conflict { state, message } => ApiError::Conflict { state, message },
-            ServiceError::HostConflict { state, message } => {
+            ServiceError::HostConflict { state, message }
+            | ServiceError::SnapshotConflict { state, message } => {
                 ApiError::HostConflict { state, message }
             }
             e @ ServiceError::TooManyWebhooks { .. } => ApiError::invalid("url", e.to_string()),

@@ -213,6 +213,11 @@ pub enum HostdError {
     /// The operation was abandoned because hostd is shutting down.
     #[error("hostd is shutting down")]
     ShuttingDown,
+
+    /// Capturing, storing or fetching a snapshot failed (the object store refused or is down,
+    /// a chunk is corrupt, a tree holds what an artifact cannot carry).
+    #[error("snapshot storage")]
+    Storage(#[from] berth_storage::StorageError),
 }
 
 impl HostdError {

@@ -49,6 +49,7 @@ mod tests {
 
     fn command(generation: i64, kind: CommandKind) -> Command {
         Command {
+            snapshot: None,
             id: CommandId::new(),
             sandbox_id: SandboxId::new(),
             generation: Generation(generation),

@@ -144,7 +144,38 @@ pub struct Host {
     pub backend: Arc<dyn Backend>,
     /// The sequence of this host's heartbeats, which its results echo.
     pub heartbeat_seq: HeartbeatSeq,
+    /// Where snapshots go, and this host's cache of their chunks.
+    pub snapshots: SnapshotStorage,
     records: Mutex<HashMap<SandboxId, SandboxRecord>>,
+}
+
+/// A host's side of snapshot storage: the object store, the bounded chunk cache
+/// (`<state dir>/chunk-cache`) and the staging dir snapshots are captured into before upload
+/// (`<state dir>/snapshot-staging`, emptied at start: a capture a crash interrupted is gone, and
+/// its snapshot fails by timeout).
+#[derive(Debug, Clone)]
+pub struct SnapshotStorage {
+    /// The object store.
+    pub objects: berth_storage::Objects,
+    /// Chunks this host holds.
+    pub cache: Arc<berth_storage::ChunkCache>,
+    /// Where captures are staged (same filesystem as the cache, so chunks move by rename).
+    pub staging: std::path::PathBuf,
+}
+
+impl SnapshotStorage {
+    fn open(layout: &StateLayout, config: &HostdConfig) -> Result<Self, HostdError> {
+        let staging = layout.root().join("snapshot-staging");
+        let _ = std::fs::remove_dir_all(&staging);
+        Ok(Self {
+            objects: berth_storage::Objects::open(&config.object_store)?,
+            cache: Arc::new(berth_storage::ChunkCache::open(
+                &layout.root().join("chunk-cache"),
+                config.chunk_cache_bytes,
+            )?),
+            staging,
+        })
+    }
 }
 
 /// The sequence of a host's heartbeats ([`berth_schemas::wire::Heartbeat::seq`]): each takes
@@ -195,8 +226,10 @@ impl Host {
             }
             records.insert(record.sandbox_id, record);
         }
+        let snapshots = SnapshotStorage::open(&layout, config)?;
         Ok(Self {
             host_id,
+            snapshots,
             templates: Templates::new(layout.templates_dir(), config.template_cache.clone()),
             layout,
             store,

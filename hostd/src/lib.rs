@@ -156,6 +156,11 @@ pub struct HostdConfig {
     /// The preview port forwarder (see [`forwarder`]); `None`: this host runs none, and its
     /// sandboxes have no preview URLs. Default: none.
     pub forwarder: Option<forwarder::ForwarderConfig>,
+    /// Where snapshots are stored (`berth_storage`): `BERTH_OBJECT_STORE`, else a local store
+    /// at `<state dir>/objects`. Hosts that clone each other's snapshots share one store.
+    pub object_store: berth_storage::StoreSettings,
+    /// The bound of this host's cache of snapshot chunks, bytes (`<state dir>/chunk-cache`).
+    pub chunk_cache_bytes: u64,
 }
 
 impl HostdConfig {
@@ -167,12 +172,13 @@ impl HostdConfig {
         state_dir: impl Into<PathBuf>,
         name: impl Into<String>,
     ) -> Self {
+        let state_dir: PathBuf = state_dir.into();
         Self {
             nats_url: nats_url.into(),
             nats_creds: None,
             nats_ca: None,
             subjects,
-            state_dir: state_dir.into(),
+            state_dir: state_dir.clone(),
             name: name.into(),
             capacity: machine_capacity(),
             heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
@@ -185,6 +191,10 @@ impl HostdConfig {
             sim_boot: runtime::sim::DEFAULT_SIM_BOOT,
             sandbox_egress_allow: Vec::new(),
             forwarder: None,
+            object_store: berth_storage::StoreSettings::new(
+                berth_storage::Location::default_under(&state_dir),
+            ),
+            chunk_cache_bytes: berth_storage::cache::DEFAULT_CACHE_BYTES,
         }
     }
 }

@@ -107,6 +107,7 @@ async fn exercise(
 
 fn command(sandbox: SandboxId, kind: CommandKind, generation: Generation) -> Command {
     Command {
+        snapshot: None,
         id: CommandId::new(),
         sandbox_id: sandbox,
         generation,

@@ -98,7 +98,9 @@ async fn record_conditions(db: &PgPool) -> Result<(), StoreError> {
 /// result moved the row.
 pub async fn observe_command_latency(db: &PgPool, result: &CommandResult) {
     let outcome = match result.outcome {
-        ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. } => "succeeded",
+        ResultOutcome::Succeeded { .. }
+        | ResultOutcome::StoppedOnDisk { .. }
+        | ResultOutcome::Snapshotted(_) => "succeeded",
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => "failed",
         ResultOutcome::RefusedStale { .. } => return,
     };

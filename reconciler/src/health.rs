@@ -84,7 +84,9 @@ pub async fn record_result(
             HealthEvent::Failed,
             Some(format!("{} failed: {reason}", result.kind)),
         ),
-        ResultOutcome::Rejected { .. } | ResultOutcome::RefusedStale { .. } => return Ok(()),
+        ResultOutcome::Rejected { .. }
+        | ResultOutcome::RefusedStale { .. }
+        | ResultOutcome::Snapshotted(_) => return Ok(()),
     };
     record(conn, result.host_id, event, policy, reason.as_deref()).await
 }

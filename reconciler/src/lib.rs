@@ -22,6 +22,7 @@ pub mod gauges;
 pub mod health;
 pub mod pass;
 pub mod results;
+mod snapshots;
 
 use std::time::Duration;
 

@@ -277,6 +277,8 @@ pub enum Applied {
     /// The result does not match the command the outbox issued, or comes from a host the
     /// sandbox is not placed on: nothing of it was applied.
     Rejected(Rejection),
+    /// A snapshot's row settled in this state (its sandbox row is unchanged).
+    Snapshot(berth_schemas::state::snapshot::SnapshotState),
 }
 
 impl Applied {
@@ -290,6 +292,7 @@ impl Applied {
             Applied::Compensated => "compensated",
             Applied::Retried { .. } => "retried",
             Applied::Rejected(_) => "rejected",
+            Applied::Snapshot(_) => "snapshot",
         }
     }
 }
@@ -339,9 +342,9 @@ async fn apply_once(
         return Ok(Applied::Rejected(Rejection::Mismatch));
     }
     let completed = match &result.outcome {
-        ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. } => {
-            CommandOutcome::Succeeded
-        }
+        ResultOutcome::Succeeded { .. }
+        | ResultOutcome::StoppedOnDisk { .. }
+        | ResultOutcome::Snapshotted(_) => CommandOutcome::Succeeded,
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
@@ -349,6 +352,12 @@ async fn apply_once(
     if matches!(result.kind, CommandKind::Create | CommandKind::Start) {
         // A boot finished: the relay may publish a start it held back for this host's cap.
         commands::notify_relay(&mut tx).await?;
+    }
+    if result.kind == CommandKind::Snapshot {
+        // A snapshot settles its own row; the sandbox's state and generation do not move.
+        let applied = crate::snapshots::apply(&mut tx, result).await?;
+        tx.commit().await?;
+        return Ok(applied);
     }
     let Some(row) = sandboxes::lock(&mut tx, result.sandbox_id, None).await? else {
         tx.commit().await?;
@@ -368,6 +377,11 @@ async fn apply_once(
         }
         ResultOutcome::Failed { reason } | ResultOutcome::Rejected { reason } => {
             (Outcome::Failed, None, None, Some(reason.as_str()))
+        }
+        ResultOutcome::Snapshotted(_) => {
+            warn!("a snapshot's outcome for a command of another kind; ignored");
+            tx.commit().await?;
+            return Ok(Applied::Duplicate);
         }
         ResultOutcome::RefusedStale { applied } => {
             info!(applied = %applied, "host refused a stale command");
@@ -453,6 +467,7 @@ async fn compensate(
     kind: CommandKind,
 ) -> Result<(), StoreError> {
     let command = Command {
+        snapshot: None,
         id: CommandId::new(),
         sandbox_id: row.id,
         generation: row.generation,

@@ -33,6 +33,11 @@ pub const WEBHOOK_DISABLED: &str = "dev.berth.webhook.disabled";
 pub const SANDBOX_UPDATED: &str = "dev.berth.sandbox.updated";
 /// [`SANDBOX_UPDATED`] as the `events.type` column spells it.
 pub const SANDBOX_UPDATED_ROW: &str = "sandbox.updated";
+/// The `events.type` spellings of a snapshot's events (issue 13 item 3): requested, durable,
+/// failed. Their CloudEvent types are `dev.berth.` + these; `data.snapshot_id` names the
+/// snapshot, `from` and `to` are both its sandbox's state (a snapshot does not move it).
+pub const SNAPSHOT_EVENT_ROWS: [&str; 3] =
+    ["snapshot.created", "snapshot.ready", "snapshot.failed"];
 
 /// One CloudEvent with typed `data`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -85,6 +90,9 @@ pub struct SandboxEventData {
     /// With `last_stop_code`: the runtime's error (bounded, one line); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_stop_reason: Option<String>,
+    /// On a snapshot's event: the snapshot; absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_id: Option<crate::ids::SnapshotId>,
 }
 
 /// `data` of [`WEBHOOK_DISABLED`].
@@ -118,6 +126,9 @@ pub fn normalize_type(raw: &str) -> Option<String> {
     };
     let known = full == WEBHOOK_DISABLED
         || full == SANDBOX_UPDATED
+        || SNAPSHOT_EVENT_ROWS
+            .iter()
+            .any(|r| full.strip_prefix(TYPE_PREFIX) == Some(*r))
         || full
             .strip_prefix("dev.berth.sandbox.")
             .and_then(|s| s.parse::<SandboxState>().ok())
@@ -139,6 +150,16 @@ impl CloudEvent<SandboxEventData> {
     /// The CloudEvent of a change of a sandbox's settings ([`SANDBOX_UPDATED`]).
     pub fn sandbox_updated(id: EventId, time: DateTime<Utc>, data: SandboxEventData) -> Self {
         Self::sandbox_of_kind(id, time, SANDBOX_UPDATED.to_owned(), data)
+    }
+
+    /// The CloudEvent of a snapshot's event: `kind_row` is one of [`SNAPSHOT_EVENT_ROWS`].
+    pub fn snapshot(
+        id: EventId,
+        time: DateTime<Utc>,
+        kind_row: &str,
+        data: SandboxEventData,
+    ) -> Self {
+        Self::sandbox_of_kind(id, time, format!("{TYPE_PREFIX}{kind_row}"), data)
     }
 
     fn sandbox_of_kind(
@@ -206,6 +227,7 @@ mod tests {
                 last_stop: None,
                 last_stop_code: None,
                 last_stop_reason: None,
+                snapshot_id: None,
             },
         )
     }

@@ -86,6 +86,11 @@ uuid_id!(
     DeliveryId
 );
 uuid_id!(
+    /// A snapshot: a sandbox's disk (and, on gVisor, memory) stored in object storage as a
+    /// manifest plus content-addressed chunks (`berth-storage`).
+    SnapshotId
+);
+uuid_id!(
     /// An API key row (the key itself is stored only as a SHA-256 hash).
     ApiKeyId
 );

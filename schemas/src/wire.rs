@@ -11,15 +11,17 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{CommandId, Generation, HostId, OrgId, SandboxId};
+use crate::ids::{CommandId, Generation, HostId, OrgId, SandboxId, SnapshotId};
 use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 10 (this one): a sandbox's spec ends with its `env` and `entrypoint` (the
-/// OpenSandbox compatibility surface). Version 9: a result ends with the host's apply time
-/// ([`CommandResult::apply_ms`]); an interactive session on a pseudo-terminal
-/// ([`AgentOp::Tty`]) and its input ([`AgentOp::TtyInput`]). Version 7: a stop that wanted memory and kept the disk only says why
+/// Version 11 (this one): a `sandbox.snapshot` command ([`CommandKind::Snapshot`]) carries a
+/// [`SnapshotOrder`] ([`Command::snapshot`]) and is answered by
+/// [`ResultOutcome::Snapshotted`]. Version 10: a sandbox's spec ends with its `env` and
+/// `entrypoint` (the OpenSandbox compatibility surface). Version 9: a result ends with the
+/// host's apply time ([`CommandResult::apply_ms`]); an interactive session on a
+/// pseudo-terminal ([`AgentOp::Tty`]) and its input ([`AgentOp::TtyInput`]). Version 7: a stop that wanted memory and kept the disk only says why
 /// ([`ResultOutcome::StoppedOnDisk`]). Version 6: a heartbeat ends with its host-side send time
 /// ([`Heartbeat::sent_at_ms`]) and a result with the host's heartbeat sequence at the moment the
 /// command was applied ([`CommandResult::heartbeat_seq`]). Version 5: a heartbeat ends with the
@@ -28,7 +30,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 10;
+pub const WIRE_VERSION: u16 = 11;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -172,6 +174,35 @@ pub struct Command {
     /// record (for instance a start after a failed create). `None` only for a `Delete` of a
     /// container whose row was purged (the host reported it, so it has its own record).
     pub spec: Option<SandboxSpec>,
+    /// For a [`CommandKind::Snapshot`]: which snapshot to take; `None` for every other kind.
+    pub snapshot: Option<SnapshotOrder>,
+}
+
+/// What a `sandbox.snapshot` command asks (issue 13 item 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotOrder {
+    /// The snapshot row to fill (`snapshots.id`); its manifest is stored under this id.
+    pub snapshot_id: SnapshotId,
+    /// The sandbox's newest ready snapshot taken on this host: the new one stores only what
+    /// changed since it. `None`: a full snapshot.
+    pub parent: Option<SnapshotId>,
+}
+
+/// What a host stored for a snapshot, reported once its manifest is in the object store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotStored {
+    /// Whether it holds the memory too (gVisor), not only the disk.
+    pub memory: bool,
+    /// Bytes of its files.
+    pub logical_bytes: u64,
+    /// Compressed bytes of the distinct chunks it references.
+    pub stored_bytes: u64,
+    /// Compressed bytes of the chunks its parent did not reference.
+    pub new_bytes: u64,
+    /// How long the sandbox was frozen for it, milliseconds (0 for a stopped sandbox).
+    pub paused_ms: u32,
+    /// Every chunk it references: SHA-256 (lowercase hex) and compressed bytes.
+    pub chunks: Vec<(String, u32)>,
 }
 
 /// How a stop kept the sandbox.
@@ -229,6 +260,9 @@ pub enum ResultOutcome {
         /// Why the memory snapshot was not kept.
         fallback: StopFallback,
     },
+    /// A snapshot is durable in the object store (its manifest stored); the sandbox is as it
+    /// was. A snapshot that failed is [`ResultOutcome::Failed`], and the sandbox is untouched.
+    Snapshotted(SnapshotStored),
 }
 
 /// The most characters of a runtime's error a [`StopFallback`] carries (it travels in a
@@ -302,6 +336,7 @@ impl ResultOutcome {
             ResultOutcome::Rejected { .. } => Some(crate::state::Fault::Request),
             ResultOutcome::Succeeded { .. }
             | ResultOutcome::StoppedOnDisk { .. }
+            | ResultOutcome::Snapshotted(_)
             | ResultOutcome::RefusedStale { .. } => None,
         }
     }

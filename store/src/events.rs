@@ -10,7 +10,9 @@
 //!   cursor.
 //! - An event's CloudEvent `id` is its row id, on every path.
 
-use berth_schemas::cloudevents::{CloudEvent, SandboxEventData, SANDBOX_UPDATED_ROW, TYPE_PREFIX};
+use berth_schemas::cloudevents::{
+    CloudEvent, SandboxEventData, SANDBOX_UPDATED_ROW, SNAPSHOT_EVENT_ROWS, TYPE_PREFIX,
+};
 use berth_schemas::wire::{StopFallback, StopMode};
 use berth_schemas::{CommandId, EventId, Generation, OrgId, Reason, SandboxId, SandboxState};
 use chrono::{DateTime, Utc};
@@ -53,7 +55,7 @@ impl NewEvent<'_> {
 
 /// Inserts an event row in the caller's transaction and returns its id.
 pub async fn insert(conn: &mut PgConnection, event: &NewEvent<'_>) -> Result<EventId, StoreError> {
-    insert_of_type(conn, event, &event.event_type()).await
+    insert_of_type(conn, event, &event.event_type(), None).await
 }
 
 /// Inserts a `sandbox.updated` event (a change of settings, no state change: `from` = `to` =
@@ -62,13 +64,14 @@ pub async fn insert_updated(
     conn: &mut PgConnection,
     event: &NewEvent<'_>,
 ) -> Result<EventId, StoreError> {
-    insert_of_type(conn, event, SANDBOX_UPDATED_ROW).await
+    insert_of_type(conn, event, SANDBOX_UPDATED_ROW, None).await
 }
 
 async fn insert_of_type(
     conn: &mut PgConnection,
     event: &NewEvent<'_>,
     kind: &str,
+    snapshot: Option<berth_schemas::ids::SnapshotId>,
 ) -> Result<EventId, StoreError> {
     let id = EventId::new();
     let fallback = event.stop.and_then(|(_, fallback)| fallback);
@@ -77,8 +80,8 @@ async fn insert_of_type(
         sqlx::query(
             "INSERT INTO events (id, sandbox_id, org_id, type, from_state, to_state, reason,
                                  generation, command_id, message, last_stop, last_stop_code,
-                                 last_stop_reason)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+                                 last_stop_reason, snapshot_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
         )
         .bind(id)
         .bind(event.sandbox_id)
@@ -93,10 +96,24 @@ async fn insert_of_type(
         .bind(event.stop.map(|(mode, _)| mode.as_str()))
         .bind(fallback.map(|f| f.code.as_str()))
         .bind(fallback.map(|f| f.detail.as_str()))
+        .bind(snapshot)
         .execute(conn),
     )
     .await?;
     Ok(id)
+}
+
+/// A snapshot's event (`snapshot.created`, `.ready`, `.failed`: one of
+/// [`SNAPSHOT_EVENT_ROWS`]) on its sandbox's stream, in the caller's transaction: `from` and
+/// `to` are both the sandbox's current state, `snapshot_id` names the snapshot.
+pub async fn insert_snapshot_event(
+    conn: &mut PgConnection,
+    event: &NewEvent<'_>,
+    kind_row: &'static str,
+    snapshot: berth_schemas::ids::SnapshotId,
+) -> Result<EventId, StoreError> {
+    debug_assert!(SNAPSHOT_EVENT_ROWS.contains(&kind_row));
+    insert_of_type(conn, event, kind_row, Some(snapshot)).await
 }
 
 /// An event row as the API lists it.
@@ -153,7 +170,7 @@ pub async fn list_for_sandbox(
 
 /// The columns [`EventRecord::from_row`] reads (select from `events`).
 pub const EVENT_COLUMNS: &str = "id, sandbox_id, org_id, type, from_state, to_state, reason, \
-     generation, command_id, message, at, seq, last_stop, last_stop_code, last_stop_reason";
+     generation, command_id, message, at, seq, last_stop, last_stop_code, last_stop_reason, snapshot_id";
 
 /// The advisory lock under which [`mark_published`] stamps `seq` (ASCII "BERTHSEQ").
 pub const EVENTS_SEQ_LOCK: i64 = 0x4245_5254_4853_4551;
@@ -190,10 +207,13 @@ impl EventRecord {
         })?;
         let at: DateTime<Utc> = row.try_get("at").map_err(get)?;
         let kind: String = row.try_get("type").map_err(get)?;
-        let render = if kind == SANDBOX_UPDATED_ROW {
-            CloudEvent::sandbox_updated
-        } else {
-            CloudEvent::sandbox
+        let snapshot_kind = SNAPSHOT_EVENT_ROWS
+            .contains(&kind.as_str())
+            .then_some(kind.clone());
+        let render = move |id, at, data| match (&snapshot_kind, kind == SANDBOX_UPDATED_ROW) {
+            (Some(k), _) => CloudEvent::snapshot(id, at, k, data),
+            (None, true) => CloudEvent::sandbox_updated(id, at, data),
+            (None, false) => CloudEvent::sandbox(id, at, data),
         };
         Ok(Self {
             seq: row.try_get("seq").map_err(get)?,
@@ -212,6 +232,7 @@ impl EventRecord {
                     last_stop: row.try_get("last_stop").map_err(get)?,
                     last_stop_code: row.try_get("last_stop_code").map_err(get)?,
                     last_stop_reason: row.try_get("last_stop_reason").map_err(get)?,
+                    snapshot_id: row.try_get("snapshot_id").map_err(get)?,
                 },
             ),
         })

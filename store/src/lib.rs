@@ -17,6 +17,8 @@
 //! - [`idempotency`]: stored idempotent responses and their retention.
 //! - [`api_keys`]: hashed API keys.
 //! - [`orgs`]: tenants' quotas.
+//! - [`snapshots`]: snapshot rows (`creating` → `ready` | `failed`), the chunks each ready one
+//!   references, and an org's snapshot usage.
 //!
 //! Tables one component owns alone stay with it: the API's webhooks, deliveries and attempts.
 //!
@@ -47,6 +49,7 @@ pub mod leases;
 pub mod op;
 pub mod orgs;
 pub mod sandboxes;
+pub mod snapshots;
 pub mod templates;
 
 use std::future::Future;

@@ -127,6 +127,20 @@ ops! {
     SandboxFindExecd => "sandbox_find_execd",
     /// [`crate::sandboxes::list_in_states`]: an org's sandboxes in any of some states.
     SandboxListStates => "sandbox_list_states",
+    /// [`crate::snapshots::create`]: a new `creating` snapshot row.
+    SnapshotInsert => "snapshot_insert",
+    /// [`crate::snapshots::get`], `get_any`, `lock` and `list_for_sandbox`: snapshot reads.
+    SnapshotGet => "snapshot_get",
+    /// [`crate::snapshots::write_ready`] and [`crate::snapshots::write_failed`]: a snapshot
+    /// settles (only from `creating`).
+    SnapshotSettle => "snapshot_settle",
+    /// [`crate::snapshots::org_usage`]: an org's snapshot count and stored bytes, for its quota.
+    SnapshotOrgUsage => "snapshot_org_usage",
+    /// [`crate::snapshots::delete`]: a snapshot row and its chunk references.
+    SnapshotDelete => "snapshot_delete",
+    /// [`crate::snapshots::lock_timed_out`] and [`crate::snapshots::lock_expired`]: the pass's
+    /// selections.
+    SnapshotDue => "snapshot_due",
     /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
     /// [`crate::commands::complete`]: sets a command's outcome.

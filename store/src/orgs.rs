@@ -111,3 +111,57 @@ pub async fn create(db: impl PgExecutor<'_>, name: &str) -> Result<Option<OrgId>
     .await?;
     Ok((inserted.rows_affected() == 1).then_some(org))
 }
+
+/// An org's snapshot quota (issue 13 item 3); `None` means unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SnapshotQuota {
+    /// Snapshots that may exist at once (any state).
+    pub max_snapshots: Option<i32>,
+    /// Compressed bytes the org's ready snapshots may reference (distinct chunks).
+    pub max_snapshot_bytes: Option<i64>,
+}
+
+/// Reads the org's snapshot quota with its row locked (`FOR NO KEY UPDATE`) until the caller's
+/// transaction ends, so two snapshot requests of one org cannot both pass the same headroom.
+///
+/// Errors: [`StoreError::NotFound`] when no such org exists.
+pub async fn lock_snapshot_quota(
+    conn: &mut PgConnection,
+    org: OrgId,
+) -> Result<SnapshotQuota, StoreError> {
+    let (max_snapshots, max_snapshot_bytes): (Option<i32>, Option<i64>) = timed(
+        Op::OrgQuota,
+        sqlx::query_as(
+            "SELECT max_snapshots, max_snapshot_bytes FROM orgs WHERE id = $1 FOR NO KEY UPDATE",
+        )
+        .bind(org)
+        .fetch_optional(conn),
+    )
+    .await?
+    .ok_or_else(|| StoreError::NotFound {
+        what: "org",
+        id: org.to_string(),
+    })?;
+    Ok(SnapshotQuota {
+        max_snapshots,
+        max_snapshot_bytes,
+    })
+}
+
+/// Sets the snapshot quota of the org named `name`; whether it exists.
+pub async fn set_snapshot_quota(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    quota: SnapshotQuota,
+) -> Result<bool, StoreError> {
+    let updated = timed(
+        Op::OrgQuota,
+        sqlx::query("UPDATE orgs SET max_snapshots = $2, max_snapshot_bytes = $3 WHERE name = $1")
+            .bind(name)
+            .bind(quota.max_snapshots)
+            .bind(quota.max_snapshot_bytes)
+            .execute(db),
+    )
+    .await?;
+    Ok(updated.rows_affected() == 1)
+}

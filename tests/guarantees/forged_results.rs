@@ -140,6 +140,7 @@ async fn a_command_of_another_host_completes_without_touching_the_row(db: PgPool
     let other = HostId::new();
     inproc::heartbeat(&plane.db, other, inproc::HOST_CAPACITY).await;
     let command = Command {
+        snapshot: None,
         id: CommandId::new(),
         sandbox_id: id,
         generation: create.generation,

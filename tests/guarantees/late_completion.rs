@@ -141,6 +141,7 @@ async fn a_start_with_an_old_generation_that_arrives_after_a_newer_stop_is_refus
     let sandbox: SandboxId = id.parse().unwrap();
     let host: HostId = stack.hosts[0].host_id;
     let late = Command {
+        snapshot: None,
         id: CommandId::new(),
         sandbox_id: sandbox,
         generation: Generation(3),

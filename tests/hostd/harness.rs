@@ -243,6 +243,7 @@ impl Harness {
             tracked.push(sandbox);
         }
         Command {
+            snapshot: None,
             id: CommandId::new(),
             sandbox_id: sandbox,
             generation: Generation(generation),

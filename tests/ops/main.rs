@@ -19,5 +19,6 @@ mod preview_kit;
 mod proxy_limits;
 mod relay;
 mod settings;
+mod snapshots;
 mod wait;
 mod webhooks;

@@ -69,6 +69,7 @@ impl Outbox {
         let mut ids = Vec::with_capacity(n);
         for _ in 0..n {
             let command = Command {
+                snapshot: None,
                 id: CommandId::new(),
                 sandbox_id: SandboxId::new(),
                 generation: Generation::INITIAL,

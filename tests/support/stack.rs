@@ -257,6 +257,11 @@ impl Stack {
         // client's own timeout.
         config.api.preview.wake_timeout = HTTP_TIMEOUT - Duration::from_secs(15);
         config.proxy_listen = Some(listen);
+        // Every host of the stack and the API share one local object store (a hostd gets it
+        // as BERTH_OBJECT_STORE unless the test gives it another).
+        config.api.object_store = Some(berth_storage::StoreSettings::new(
+            berth_storage::Location::Local(root.join("objects")),
+        ));
         configure(&mut config.api);
         let mut reconciler = berth_reconciler::ReconcilerConfig::new(subjects.clone());
         reconciler.pass = pass;
@@ -343,6 +348,16 @@ impl Stack {
     ) -> usize {
         let index = self.hosts.len();
         let state_dir = self.root.join(format!("host{index}"));
+        let mut env = env;
+        if !env
+            .iter()
+            .any(|(k, _)| k == berth_storage::store::OBJECT_STORE_ENV)
+        {
+            env.push((
+                berth_storage::store::OBJECT_STORE_ENV.to_owned(),
+                self.object_store_dir().display().to_string(),
+            ));
+        }
         std::fs::create_dir_all(&state_dir).unwrap();
         // A random /16 in 10.64.0.0/10, unlikely to meet another test's.
         let address_pool = Ipv4Addr::new(10, 64 + rand::random::<u8>() % 64, 0, 0);
@@ -374,6 +389,12 @@ impl Stack {
     /// (Re)starts the hostd process of `host` and waits until its heartbeat is in `hosts`.
     pub async fn spawn_host(&self, host: &mut HostProcess) {
         spawn_hostd(&self.db, &self.subjects, &self.nats_target.url, host).await
+    }
+
+    /// The local object store every host of this stack shares (unless a test gave one another
+    /// `BERTH_OBJECT_STORE`).
+    pub fn object_store_dir(&self) -> PathBuf {
+        self.root.join("objects")
     }
 
     pub fn url(&self, path: &str) -> String {

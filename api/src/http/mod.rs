@@ -14,6 +14,7 @@ pub mod preview;
 pub mod sandboxes;
 pub mod settings;
 pub mod shell;
+pub mod snapshots;
 pub mod templates;
 pub mod webhooks;
 
@@ -45,6 +46,12 @@ pub fn router(state: AppState) -> Router {
                 .patch(settings::patch),
         )
         .route("/v1/sandboxes/{id}/renew", post(settings::renew))
+        .route("/v1/sandboxes/{id}/snapshot", post(snapshots::create))
+        .route("/v1/sandboxes/{id}/snapshots", get(snapshots::list))
+        .route(
+            "/v1/snapshots/{id}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
         .route("/v1/sandboxes/{id}/wait", get(settings::wait_for))
         .route("/v1/sandboxes/{id}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))

@@ -2,6 +2,7 @@
 //! settings routes (PATCH, renew) are in [`settings`].
 
 pub mod settings;
+pub mod snapshot;
 
 use berth_schemas::network::Network;
 use berth_schemas::state::ExpiryAction;

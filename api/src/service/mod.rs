@@ -13,6 +13,7 @@ pub mod keys;
 pub mod quota;
 pub mod sandboxes;
 pub mod settings;
+pub mod snapshots;
 pub mod templates;
 pub mod wait;
 pub mod webhooks;
@@ -109,6 +110,14 @@ pub enum ServiceError {
         state: SandboxState,
         /// The state waited for.
         target: SandboxState,
+    },
+    /// A snapshot request or delete its snapshot's state refuses (HTTP 409 with that state).
+    #[error("{message}")]
+    SnapshotConflict {
+        /// The snapshot's state (`creating`).
+        state: String,
+        /// What conflicted.
+        message: String,
     },
     /// A broken invariant; logged, never shown.
     #[error("{0}")]

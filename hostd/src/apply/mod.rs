@@ -1,6 +1,6 @@
 //! Applying commands, one use case per file: the fence, then the command's work, then the
 //! record. [`up`] makes a sandbox run (create and start), [`stop`] stops it, [`delete`]
-//! removes it; what a real host and a sim host do differently is the host's
+//! removes it, [`snapshot`] stores it in the object store while it runs; what a real host and a sim host do differently is the host's
 //! [`Backend`](crate::host::Backend).
 //!
 //! # Guarantees
@@ -17,6 +17,7 @@
 //! Commands of one sandbox are applied one at a time (`nats::commands` chains them).
 
 pub mod delete;
+pub mod snapshot;
 pub mod stop;
 pub mod up;
 
@@ -161,6 +162,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     let (after, outcome) = match cmd.kind {
         CommandKind::Create | CommandKind::Start => up::up(host, cmd, live).await,
         CommandKind::Stop => stop::stop(host, live).await,
+        CommandKind::Snapshot => snapshot::snapshot(host, cmd, live).await,
         CommandKind::Delete => match delete::delete(host, cmd, record).await {
             Ok(done) => done,
             Err(error) => {
@@ -191,9 +193,9 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     }
     crate::fault::crash_point(Step::Recorded);
     let outcome = match stored.outcome {
-        ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. } => {
-            CommandOutcome::Succeeded
-        }
+        ResultOutcome::Succeeded { .. }
+        | ResultOutcome::StoppedOnDisk { .. }
+        | ResultOutcome::Snapshotted(_) => CommandOutcome::Succeeded,
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
@@ -233,5 +235,6 @@ fn operation(kind: CommandKind) -> &'static str {
         CommandKind::Start => "start",
         CommandKind::Stop => "stop",
         CommandKind::Delete => "delete",
+        CommandKind::Snapshot => "snapshot",
     }
 }

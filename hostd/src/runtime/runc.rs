@@ -53,6 +53,24 @@ impl RuntimeDriver for Runc {
         Some(crate::isolation::SANDBOX_IDS)
     }
 
+    fn freeze<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
+        async move {
+            let args = ["pause", container_id];
+            let pause = self.cli.call(&args);
+            self.cli.timed("pause", pause).await.map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn thaw<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
+        async move {
+            let args = ["resume", container_id];
+            let resume = self.cli.call(&args);
+            self.cli.timed("resume", resume).await.map(|_| ())
+        }
+        .boxed()
+    }
+
     fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {
         let bundle = req.bundle.to_string_lossy().into_owned();
         async move {

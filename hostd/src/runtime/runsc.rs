@@ -138,6 +138,45 @@ impl RuntimeDriver for Runsc {
         GVISOR_PIDS_LIMIT
     }
 
+    fn freeze<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
+        async move {
+            let args = ["pause", container_id];
+            let pause = self.cli.call(&args);
+            self.cli.timed("pause", pause).await.map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn thaw<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
+        async move {
+            let args = ["resume", container_id];
+            let resume = self.cli.call(&args);
+            self.cli.timed("resume", resume).await.map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn checkpoint_running<'a>(
+        &'a self,
+        container_id: &'a str,
+        image_dir: &'a Path,
+    ) -> BoxFuture<'a, Result<(), HostdError>> {
+        async move {
+            fresh_dir(image_dir)?;
+            let image = image_dir.to_string_lossy().into_owned();
+            let args = [
+                "checkpoint",
+                "--leave-running",
+                "--image-path",
+                &image,
+                container_id,
+            ];
+            let checkpoint = self.cli.call(&args);
+            self.cli.timed("checkpoint", checkpoint).await.map(|_| ())
+        }
+        .boxed()
+    }
+
     fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {
         let bundle = req.bundle.to_string_lossy().into_owned();
         async move {

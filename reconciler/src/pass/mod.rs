@@ -24,6 +24,7 @@
 use std::time::{Duration, Instant};
 
 use berth_schemas::state::breaker::BreakerPolicy;
+use berth_schemas::state::snapshot::{on_snapshot_timeout, SNAPSHOT_TIMED_OUT};
 use berth_schemas::state::{
     on_expiry, on_host_lost, on_inventory, on_request, on_timeout, Decision, Expiry, ExpiryAction,
     Failure, InventoryVerdict, Request, HOST_LOST_MESSAGE,
@@ -51,6 +52,9 @@ pub const DEFAULT_CREATE_TIMEOUT: Duration = Duration::from_secs(120);
 pub const DEFAULT_START_TIMEOUT: Duration = Duration::from_secs(120);
 /// Default [`PassConfig::stop_timeout`]: 2 minutes.
 pub const DEFAULT_STOP_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a snapshot may stay `creating` (capture and upload) before it fails: 30 minutes,
+/// room for a large sandbox on a slow object store.
+pub const DEFAULT_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// Default [`PassConfig::inventory_grace`]: 30 seconds (several heartbeats).
 pub const DEFAULT_INVENTORY_GRACE: Duration = Duration::from_secs(30);
 /// Default [`PassConfig::tombstone_retention`]: a day.
@@ -145,6 +149,8 @@ pub struct PassConfig {
     pub evidence_max_age: Duration,
     /// The circuit breaker of guest failures.
     pub breaker: GuestBreaker,
+    /// How long a snapshot may stay `creating` before it fails ([`SNAPSHOT_TIMED_OUT`]).
+    pub snapshot_timeout: Duration,
 }
 
 impl Default for PassConfig {
@@ -163,6 +169,7 @@ impl Default for PassConfig {
             health: crate::health::HealthConfig::default(),
             evidence_max_age: DEFAULT_EVIDENCE_MAX_AGE,
             breaker: GuestBreaker::default(),
+            snapshot_timeout: DEFAULT_SNAPSHOT_TIMEOUT,
         }
     }
 }
@@ -190,6 +197,8 @@ pub enum Action {
     OrphanDestroyed,
     /// Containers of their host's own stopped or failed sandbox still running: a stop queued.
     OrphanStopped,
+    /// Snapshots failed because they stayed `creating` past [`PassConfig::snapshot_timeout`].
+    SnapshotTimeout,
 }
 
 impl Action {
@@ -206,6 +215,7 @@ impl Action {
             Action::TombstonePurge => "tombstone_purge",
             Action::OrphanDestroyed => "orphan_destroyed",
             Action::OrphanStopped => "orphan_stopped",
+            Action::SnapshotTimeout => "snapshot_timeout",
         }
     }
 }
@@ -326,7 +336,40 @@ async fn run_actions(
     let (destroyed, stopped) = reconcile_inventory(db, config, lease).await?;
     report.actions.push((Action::OrphanDestroyed, destroyed));
     report.actions.push((Action::OrphanStopped, stopped));
+    let n = time_out_snapshots(db, config, lease).await?;
+    report.actions.push((Action::SnapshotTimeout, n));
     Ok(())
+}
+
+/// Snapshots still `creating` past [`PassConfig::snapshot_timeout`] fail with
+/// [`SNAPSHOT_TIMED_OUT`] and a `snapshot.failed` event; their sandboxes are untouched. A late
+/// upload of one is not revived (`berth_schemas::state::snapshot`).
+async fn time_out_snapshots(
+    db: &PgPool,
+    config: &PassConfig,
+    lease: &Lease,
+) -> Result<u64, PassError> {
+    let mut tx = fenced(db, lease).await?;
+    let mut n = 0;
+    let older = config.snapshot_timeout.as_secs_f64();
+    for row in berth_store::snapshots::lock_timed_out(&mut tx, older, config.batch).await? {
+        if on_snapshot_timeout(row.state).is_none() {
+            continue;
+        }
+        berth_store::snapshots::write_failed(&mut tx, row.id, SNAPSHOT_TIMED_OUT).await?;
+        crate::snapshots::event(
+            &mut tx,
+            &row,
+            "snapshot.failed",
+            Reason::Timeout,
+            Some(SNAPSHOT_TIMED_OUT),
+        )
+        .await?;
+        info!(snapshot_id = %row.id, "snapshot timed out; failed");
+        n += 1;
+    }
+    commit(tx).await?;
+    Ok(n)
 }
 
 async fn mark_lost_hosts(
@@ -565,6 +608,7 @@ async fn reconcile_inventory(
         };
         let row_generation = item.row.as_ref().map_or(Generation(0), |r| r.generation);
         let command = Command {
+            snapshot: None,
             id: CommandId::new(),
             sandbox_id: item.sandbox,
             // Never older than what the host applied, so its fence lets the command through.

@@ -8,6 +8,8 @@
 //!   ([`on_timeout`]), a guest that stopped answering or vanished ([`on_guest_failure`]), a host
 //!   that was lost ([`on_host_lost`]) and a container a host reports that no row wants there
 //!   ([`on_inventory`]).
+//! - [`snapshot`]: the snapshot resource's own lifecycle (`creating` → `ready` | `failed`) and
+//!   which sandbox states a snapshot may be taken in.
 //! - `settle.rs`: an expiry the pass applies ([`on_expiry`]) and what a waiting request answers
 //!   ([`wait_verdict`]).
 //!
@@ -25,21 +27,26 @@
 //! queued. A sandbox being deleted (`deleted_at` set) answers `=` to delete and `409` to
 //! everything else.
 //!
-//! | state          | start / resume        | stop / pause         | delete               |
-//! |----------------|-----------------------|----------------------|----------------------|
-//! | provisioning   | =                     | 409                  | stopping + delete    |
-//! | starting       | =                     | 409                  | stopping + delete    |
-//! | running        | =                     | stopping + stop      | stopping + delete    |
-//! | stopping       | 409                   | =                    | stopping + delete    |
-//! | stopped        | starting + start      | =                    | stopping + delete    |
-//! | resuming       | =                     | 409                  | stopping + delete    |
-//! | restoring      | =                     | 409                  | stopping + delete    |
-//! | migrating      | 409                   | 409                  | stopping + delete    |
-//! | archiving      | 409                   | =                    | stopping + delete    |
-//! | archived       | 409                   | =                    | stopping + delete    |
-//! | unarchiving    | =                     | 409                  | stopping + delete    |
-//! | failed-start   | starting + start      | =                    | stopping + delete    |
-//! | deleted        | 409                   | 409                  | =                    |
+//! | state          | start / resume        | stop / pause         | delete               | snapshot                  |
+//! |----------------|-----------------------|----------------------|----------------------|---------------------------|
+//! | provisioning   | =                     | 409                  | stopping + delete    | 409                       |
+//! | starting       | =                     | 409                  | stopping + delete    | 409                       |
+//! | running        | =                     | stopping + stop      | stopping + delete    | + snapshot (state kept)   |
+//! | stopping       | 409                   | =                    | stopping + delete    | 409                       |
+//! | stopped        | starting + start      | =                    | stopping + delete    | 409                       |
+//! | resuming       | =                     | 409                  | stopping + delete    | 409                       |
+//! | restoring      | =                     | 409                  | stopping + delete    | 409                       |
+//! | migrating      | 409                   | 409                  | stopping + delete    | 409                       |
+//! | archiving      | 409                   | =                    | stopping + delete    | 409                       |
+//! | archived       | 409                   | =                    | stopping + delete    | 409                       |
+//! | unarchiving    | =                     | 409                  | stopping + delete    | 409                       |
+//! | failed-start   | starting + start      | =                    | stopping + delete    | 409                       |
+//! | deleted        | 409                   | 409                  | =                    | 409                       |
+//!
+//! `snapshot` (`POST …/snapshot`, [`snapshot::on_snapshot_request`]) neither moves the sandbox
+//! nor bumps its generation: it writes a `creating` snapshot row and queues
+//! `sandbox.snapshot` at the current generation; the snapshot has its own states
+//! ([`snapshot`]). A sandbox being deleted answers 409 to it.
 
 use std::fmt;
 use std::str::FromStr;
@@ -200,6 +207,9 @@ pub enum CommandKind {
     Stop,
     /// Destroy the container, network and files.
     Delete,
+    /// Take a snapshot ([`crate::wire::Command::snapshot`]): the sandbox's state and generation
+    /// do not change ([`snapshot`]).
+    Snapshot,
 }
 
 impl CommandKind {
@@ -210,17 +220,19 @@ impl CommandKind {
             CommandKind::Start => "sandbox.start",
             CommandKind::Stop => "sandbox.stop",
             CommandKind::Delete => "sandbox.delete",
+            CommandKind::Snapshot => "sandbox.snapshot",
         }
     }
 }
 
 impl CommandKind {
     /// Every kind, in wire order.
-    pub const ALL: [CommandKind; 4] = [
+    pub const ALL: [CommandKind; 5] = [
         CommandKind::Create,
         CommandKind::Start,
         CommandKind::Stop,
         CommandKind::Delete,
+        CommandKind::Snapshot,
     ];
 }
 
@@ -304,6 +316,7 @@ mod converge;
 mod request;
 mod result;
 mod settle;
+pub mod snapshot;
 
 pub use converge::{
     on_guest_failure, on_host_lost, on_inventory, on_timeout, Failure, GuestFailure,

@@ -36,7 +36,8 @@ impl CommandTimeouts {
         match kind {
             CommandKind::Create => self.create,
             CommandKind::Start => self.start,
-            CommandKind::Stop | CommandKind::Delete => self.stop,
+            // A snapshot is timed on its own row (`snapshots.created_at`), never here.
+            CommandKind::Stop | CommandKind::Delete | CommandKind::Snapshot => self.stop,
         }
     }
 }

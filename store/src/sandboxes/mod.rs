@@ -360,6 +360,7 @@ pub async fn create(
     .await?;
     let row = SandboxRow::from_row(&row)?;
     let command = Command {
+        snapshot: None,
         id: CommandId::new(),
         sandbox_id: id,
         generation,

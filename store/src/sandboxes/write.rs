@@ -89,6 +89,7 @@ pub async fn write_transition(
     let mut command_id = None;
     if let (Some(kind), Some(host)) = (transition.command, row.host_id) {
         let command = Command {
+            snapshot: None,
             id: CommandId::new(),
             sandbox_id: row.id,
             generation,
@@ -286,6 +287,7 @@ pub async fn move_create(
     })?;
     let moved = SandboxRow::from_row(&updated)?;
     let create = Command {
+        snapshot: None,
         id: CommandId::new(),
         sandbox_id: row.id,
         generation,
@@ -295,6 +297,7 @@ pub async fn move_create(
     commands::insert(&mut *conn, to, &create).await?;
     if let Some(old) = row.host_id {
         let cleanup = Command {
+            snapshot: None,
             id: CommandId::new(),
             sandbox_id: row.id,
             generation,

@@ -1,0 +1,105 @@
+//! Snapshot routes (issue 13 item 3): take one, list a sandbox's, read and delete one.
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use axum::Json;
+use berth_schemas::ids::SnapshotId;
+
+use super::extract::parse_path_id;
+use super::idempotency::{render_replayable, stored, Idempotency};
+use super::sandboxes::parse_id;
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::model::snapshot::{Snapshot, SnapshotList};
+use crate::service::snapshots;
+use crate::AppState;
+
+fn parse_snapshot_id(raw: &str) -> Result<SnapshotId, ApiError> {
+    parse_path_id(raw, "snapshot")
+}
+
+/// `POST /v1/sandboxes/{id}/snapshot`
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(("id" = String, Path)),
+    description = "Snapshot a running sandbox: its disk, and on gVisor its memory, stored in the object store. The sandbox is frozen briefly (`paused_ms`) and keeps running; the snapshot is `creating` until durable (`ready`) or `failed` (the sandbox is untouched either way).",
+    responses(
+        (status = 202, description = "Accepted; the snapshot is `creating`", body = Snapshot),
+        (status = 404, description = "`not_found`"),
+        (status = 409, description = "`conflict`: the sandbox is not `running`, or is being deleted; `state` is its state"),
+        (status = 429, description = "`quota_exceeded`: `limit` names `max_snapshots` or `max_snapshot_bytes`"),
+    ), security(("bearer" = [])))]
+pub async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let idem = Idempotency::from_headers(
+        &headers,
+        "POST",
+        "/v1/sandboxes/{id}/snapshot",
+        id.as_bytes(),
+    )?;
+    let outcome = snapshots::create(&app.db, caller.org_id, parse_id(&id)?, idem.as_ref(), |s| {
+        stored(StatusCode::ACCEPTED, s)
+    })
+    .await?;
+    Ok(render_replayable(outcome))
+}
+
+/// `GET /v1/sandboxes/{id}/snapshots`
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/snapshots", params(("id" = String, Path)),
+    responses((status = 200, description = "The sandbox's snapshots, oldest first (also of a deleted sandbox)", body = SnapshotList)),
+    security(("bearer" = [])))]
+pub async fn list(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<SnapshotList>, ApiError> {
+    let snapshots = snapshots::list(&app.db, caller.org_id, parse_id(&id)?).await?;
+    Ok(Json(SnapshotList { snapshots }))
+}
+
+/// `GET /v1/snapshots/{id}`
+#[utoipa::path(get, path = "/v1/snapshots/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = Snapshot), (status = 404, description = "`not_found`")),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<Snapshot>, ApiError> {
+    Ok(Json(
+        snapshots::get(&app.db, caller.org_id, parse_snapshot_id(&id)?).await?,
+    ))
+}
+
+/// `DELETE /v1/snapshots/{id}`
+#[utoipa::path(delete, path = "/v1/snapshots/{id}", params(("id" = String, Path)),
+    description = "Delete a `ready` or `failed` snapshot, and the stored content no other snapshot references.",
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "`not_found`"),
+        (status = 409, description = "`conflict`: the snapshot is still `creating`"),
+    ), security(("bearer" = [])))]
+pub async fn delete(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let objects = match &app.config.object_store {
+        Some(settings) => Some(
+            berth_storage::Objects::open(settings)
+                .map_err(|e| ApiError::Internal(e.to_string()))?,
+        ),
+        None => None,
+    };
+    snapshots::delete(
+        &app.db,
+        objects.as_ref(),
+        caller.org_id,
+        parse_snapshot_id(&id)?,
+    )
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,195 @@
+//! Snapshot use cases (issue 13 item 3): take one (a `creating` row, its `sandbox.snapshot`
+//! command and its `snapshot.created` event in one transaction, within the org's snapshot
+//! quota), read them, delete one (its row and chunk references in one transaction, then the
+//! stored content no other snapshot references). Decisions come from
+//! `berth_schemas::state::snapshot`.
+
+use berth_schemas::ids::SnapshotId;
+use berth_schemas::state::snapshot::{on_snapshot_delete, on_snapshot_request, SnapshotRefusal};
+use berth_schemas::wire::{Command, SnapshotOrder};
+use berth_schemas::{CommandId, CommandKind, OrgId, Reason, SandboxId};
+use berth_store::events::{self, NewEvent};
+use berth_store::snapshots::{self, NewSnapshot};
+use berth_store::{commands, orgs, sandboxes};
+use sqlx::PgPool;
+use tracing::{info, instrument, warn};
+
+use super::idempotency::{self, IdempotencyKey, Replayable, StoredResponse};
+use super::ServiceError;
+use crate::model::snapshot::Snapshot;
+
+/// Requests a snapshot of a running sandbox: the row (`creating`), the host command (with the
+/// sandbox's newest ready snapshot on its host as the parent) and the `snapshot.created` event,
+/// in one transaction with the idempotency record.
+///
+/// Errors: [`ServiceError::NotFound`], [`ServiceError::Conflict`] (the sandbox is not running,
+/// or is being deleted), [`ServiceError::QuotaExceeded`] (`max_snapshots`,
+/// `max_snapshot_bytes`), [`ServiceError::IdempotencyKeyReused`].
+#[instrument(skip_all, fields(org_id = %org, sandbox_id = %id))]
+pub async fn create(
+    db: &PgPool,
+    org: OrgId,
+    id: SandboxId,
+    key: Option<&IdempotencyKey>,
+    render: impl FnOnce(&Snapshot) -> Result<StoredResponse, ServiceError>,
+) -> Result<Replayable<Snapshot>, ServiceError> {
+    let mut tx = db.begin().await?;
+    if let Some(key) = key {
+        if let Some(stored) = idempotency::replay(&mut tx, org, key).await? {
+            return Ok(Replayable::Replayed(stored));
+        }
+    }
+    let row = sandboxes::lock(&mut tx, id, Some(org))
+        .await?
+        .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
+    on_snapshot_request(row.state, row.deleting()).map_err(|refusal| ServiceError::Conflict {
+        state: row.state,
+        message: refusal.to_string(),
+    })?;
+    let host = row
+        .host_id
+        .ok_or_else(|| ServiceError::Internal(format!("running sandbox {id} has no host")))?;
+    let quota = orgs::lock_snapshot_quota(&mut tx, org).await?;
+    let (count, bytes) = snapshots::org_usage(&mut tx, org).await?;
+    if let Some(max) = quota.max_snapshots {
+        if count + 1 > i64::from(max) {
+            return Err(ServiceError::QuotaExceeded {
+                limit: "max_snapshots",
+                value: i64::from(max),
+            });
+        }
+    }
+    if let Some(max) = quota.max_snapshot_bytes {
+        if bytes >= max {
+            return Err(ServiceError::QuotaExceeded {
+                limit: "max_snapshot_bytes",
+                value: max,
+            });
+        }
+    }
+    let snapshot_id = SnapshotId::new();
+    let parent = snapshots::latest_ready_on(&mut *tx, id, host).await?;
+    let command = Command {
+        id: CommandId::new(),
+        sandbox_id: id,
+        generation: row.generation,
+        kind: CommandKind::Snapshot,
+        spec: Some(row.spec()),
+        snapshot: Some(SnapshotOrder {
+            snapshot_id,
+            parent,
+        }),
+    };
+    commands::insert(&mut tx, host, &command).await?;
+    snapshots::create(
+        &mut tx,
+        &NewSnapshot {
+            id: snapshot_id,
+            org_id: org,
+            sandbox_id: id,
+            host_id: host,
+            parent_id: parent,
+            template: &row.template,
+            runtime: row.runtime.as_str(),
+            vcpus: i32::try_from(row.resources.vcpus).unwrap_or(i32::MAX),
+            memory_mib: i32::try_from(row.resources.memory_mib).unwrap_or(i32::MAX),
+            disk_mib: i32::try_from(row.disk_mib).unwrap_or(i32::MAX),
+            command_id: command.id,
+            expires_at: None,
+        },
+    )
+    .await?;
+    events::insert_snapshot_event(
+        &mut tx,
+        &NewEvent {
+            sandbox_id: id,
+            org_id: org,
+            from: Some(row.state),
+            to: row.state,
+            reason: Reason::UserRequest,
+            generation: row.generation,
+            command_id: Some(command.id),
+            message: None,
+            stop: None,
+        },
+        "snapshot.created",
+        snapshot_id,
+    )
+    .await?;
+    let created = snapshots::get(&mut *tx, org, snapshot_id)
+        .await?
+        .ok_or_else(|| ServiceError::Internal("the snapshot just written is gone".into()))?;
+    let snapshot = Snapshot::from(created);
+    let response = idempotency::commit(tx, db, org, key, render(&snapshot)?).await?;
+    info!(snapshot_id = %snapshot_id, parent = ?parent, command_id = %command.id, "snapshot requested");
+    Ok(Replayable::Fresh(snapshot, response))
+}
+
+/// One snapshot of `org`; another org's is "not found".
+///
+/// Errors: [`ServiceError::NotFound`].
+pub async fn get(db: &PgPool, org: OrgId, id: SnapshotId) -> Result<Snapshot, ServiceError> {
+    snapshots::get(db, org, id)
+        .await?
+        .map(Snapshot::from)
+        .ok_or_else(|| ServiceError::NotFound(format!("snapshot {id}")))
+}
+
+/// The snapshots `org` has of a sandbox, oldest first (also of a deleted sandbox: they outlive
+/// it).
+pub async fn list(
+    db: &PgPool,
+    org: OrgId,
+    sandbox: SandboxId,
+) -> Result<Vec<Snapshot>, ServiceError> {
+    Ok(snapshots::list_for_sandbox(db, org, sandbox)
+        .await?
+        .into_iter()
+        .map(Snapshot::from)
+        .collect())
+}
+
+/// Deletes a settled snapshot: its row and chunk references in one transaction, then (when an
+/// object store is given) its manifest and the chunks no other snapshot references. Content
+/// whose delete failed after the commit is only unreferenced, never lost from a live snapshot.
+///
+/// Errors: [`ServiceError::NotFound`], [`ServiceError::SnapshotConflict`] (still `creating`).
+pub async fn delete(
+    db: &PgPool,
+    objects: Option<&berth_storage::Objects>,
+    org: OrgId,
+    id: SnapshotId,
+) -> Result<(), ServiceError> {
+    let mut tx = db.begin().await?;
+    let row = snapshots::lock(&mut tx, id)
+        .await?
+        .filter(|r| r.org_id == org)
+        .ok_or_else(|| ServiceError::NotFound(format!("snapshot {id}")))?;
+    on_snapshot_delete(row.state).map_err(|refusal: SnapshotRefusal| {
+        ServiceError::SnapshotConflict {
+            state: row.state.as_str().to_owned(),
+            message: refusal.to_string(),
+        }
+    })?;
+    let orphans = snapshots::delete(&mut tx, id).await?;
+    tx.commit().await?;
+    if let Some(objects) = objects {
+        let removed = async {
+            objects
+                .delete(&berth_storage::Objects::manifest_key(id))
+                .await?;
+            for (hash, _) in &orphans {
+                objects
+                    .delete(&berth_storage::Objects::chunk_key(hash))
+                    .await?;
+            }
+            Ok::<_, berth_storage::StorageError>(())
+        }
+        .await;
+        if let Err(error) = removed {
+            warn!(%error, snapshot_id = %id, "snapshot deleted; some of its content could not be removed from the store");
+        }
+    }
+    info!(snapshot_id = %id, chunks_freed = orphans.len(), "snapshot deleted");
+    Ok(())
+}

@@ -1,0 +1,317 @@
+//! Snapshots of running sandboxes on the real stack (issue 13 items 3 and 4): a runc sandbox
+//! is frozen, captured and thawed, and keeps running; the snapshot becomes `ready` only once its
+//! manifest is in the stack's object store; a second one stores only what changed; the routes'
+//! refusals, the org's quota and the delete; and an object store that refuses the upload fails
+//! the snapshot, never the sandbox.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::Value;
+use sqlx::PgPool;
+
+use crate::support::http::running_sandbox;
+use crate::support::{Stack, SETTLE_TIMEOUT};
+
+/// Polls the snapshot until it leaves `creating`; returns it.
+async fn settled(stack: &Stack, id: &str) -> Value {
+    let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
+    loop {
+        let (status, body) = stack
+            .call(Method::GET, &format!("/v1/snapshots/{id}"), None)
+            .await;
+        assert_eq!(status, 200, "{body}");
+        if body["state"] != "creating" {
+            return body;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "snapshot {id} never settled: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn snapshot(stack: &Stack, sandbox: &str) -> (u16, Value) {
+    stack
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{sandbox}/snapshot"),
+            None,
+        )
+        .await
+}
+
+async fn run(stack: &Stack, sandbox: &str, script: &str) -> Value {
+    let (status, out) = stack.exec(sandbox, &["sh", "-c", script]).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["exit_code"], 0, "{script}: {out}");
+    out
+}
+
+/// `(type, snapshot_id)` of the sandbox's snapshot events, in order.
+async fn snapshot_events(db: &PgPool, sandbox: &str) -> Vec<(String, String)> {
+    sqlx::query_as(
+        "SELECT type, snapshot_id::text FROM events
+          WHERE sandbox_id = $1::uuid AND type LIKE 'snapshot.%' ORDER BY at, id",
+    )
+    .bind(sandbox)
+    .fetch_all(db)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_running_sandbox_is_snapshotted_in_place_and_a_second_snapshot_stores_only_what_changed(
+    db: PgPool,
+) {
+    let stack = Stack::start(db.clone(), 1).await;
+    let id = running_sandbox(&stack).await;
+    run(
+        &stack,
+        &id,
+        "head -c 3000000 /dev/urandom > /root/big && echo one > /root/note",
+    )
+    .await;
+
+    let (status, first) = snapshot(&stack, &id).await;
+    assert_eq!(status, 202, "{first}");
+    assert_eq!(first["state"], "creating");
+    let first_id = first["id"].as_str().unwrap().to_owned();
+    let first = settled(&stack, &first_id).await;
+    assert_eq!(first["state"], "ready", "{first}");
+    assert_eq!(first["holds"], "disk");
+    assert!(first["paused_ms"].as_i64().is_some(), "{first}");
+    assert!(
+        first["stored_bytes"].as_i64().unwrap() >= 3_000_000,
+        "{first}"
+    );
+    let manifest = stack
+        .object_store_dir()
+        .join(format!("manifests/{first_id}.json"));
+    assert!(
+        manifest.is_file(),
+        "ready means the manifest is stored: {}",
+        manifest.display()
+    );
+    assert_eq!(
+        stack.state_of(&id).await,
+        "running",
+        "a snapshot does not stop its sandbox"
+    );
+    let out = run(&stack, &id, "cat /root/note").await;
+    assert_eq!(out["stdout"], "one\n", "the sandbox was thawed");
+
+    run(&stack, &id, "echo two > /root/note2").await;
+    let (status, second) = snapshot(&stack, &id).await;
+    assert_eq!(status, 202, "{second}");
+    let second = settled(&stack, second["id"].as_str().unwrap()).await;
+    assert_eq!(second["state"], "ready", "{second}");
+    assert_eq!(
+        second["parent_id"],
+        first_id.as_str(),
+        "incremental against the first"
+    );
+    let new_bytes = second["new_bytes"].as_i64().unwrap();
+    assert!(
+        new_bytes < 100_000,
+        "only the changes are stored again: {second}"
+    );
+
+    let (status, list) = stack
+        .call(Method::GET, &format!("/v1/sandboxes/{id}/snapshots"), None)
+        .await;
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(list["snapshots"].as_array().unwrap().len(), 2);
+    let events = snapshot_events(&db, &id).await;
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "snapshot.created",
+            "snapshot.ready",
+            "snapshot.created",
+            "snapshot.ready"
+        ]
+    );
+    assert_eq!(events[1].1, first_id);
+
+    // Another org sees none of it.
+    let (_, other) = berth_api::auth::create_org(&db, &format!("other-{}", uuid::Uuid::new_v4()))
+        .await
+        .unwrap();
+    let (status, _) = stack
+        .call_as(
+            &other,
+            Method::GET,
+            &format!("/v1/snapshots/{first_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 404);
+    let (status, _) = stack
+        .call_as(
+            &other,
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/snapshot"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 404);
+
+    // Deleting the first keeps what the second still references.
+    let (status, body) = stack
+        .call(Method::DELETE, &format!("/v1/snapshots/{first_id}"), None)
+        .await;
+    assert_eq!(status, 204, "{body}");
+    assert!(!manifest.exists());
+    let (status, _) = stack
+        .call(Method::GET, &format!("/v1/snapshots/{first_id}"), None)
+        .await;
+    assert_eq!(status, 404);
+    let big_chunks: i64 = sqlx::query_scalar("SELECT count(*) FROM snapshot_chunks")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert!(
+        big_chunks > 0,
+        "the second snapshot's chunks stay referenced"
+    );
+
+    // A deleted sandbox's snapshots stay.
+    let (status, _) = stack.delete(&id).await;
+    assert_eq!(status, 202);
+    stack.wait_state(&id, "deleted").await;
+    let (status, kept) = stack
+        .call(
+            Method::GET,
+            &format!("/v1/snapshots/{}", second["id"].as_str().unwrap()),
+            None,
+        )
+        .await;
+    assert_eq!((status, kept["state"].as_str()), (200, Some("ready")));
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn snapshots_are_refused_when_not_running_over_quota_and_deletes_while_creating(db: PgPool) {
+    let stack = Stack::start(db.clone(), 1).await;
+    let id = running_sandbox(&stack).await;
+    let org: String = sqlx::query_scalar(
+        "SELECT o.name FROM orgs o JOIN sandboxes s ON s.org_id = o.id WHERE s.id = $1::uuid",
+    )
+    .bind(&id)
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    let limits = berth_store::orgs::SnapshotQuota {
+        max_snapshots: Some(1),
+        max_snapshot_bytes: None,
+    };
+    assert!(berth_store::orgs::set_snapshot_quota(&db, &org, limits)
+        .await
+        .unwrap());
+    let (status, first) = snapshot(&stack, &id).await;
+    assert_eq!(status, 202, "{first}");
+    let (status, body) = snapshot(&stack, &id).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["limit"], "max_snapshots", "{body}");
+    let first = settled(&stack, first["id"].as_str().unwrap()).await;
+    assert_eq!(first["state"], "ready", "{first}");
+
+    let (status, _) = stack.request(&id, "stop").await;
+    assert_eq!(status, 202);
+    stack.wait_state(&id, "stopped").await;
+    let limits = berth_store::orgs::SnapshotQuota::default();
+    assert!(berth_store::orgs::set_snapshot_quota(&db, &org, limits)
+        .await
+        .unwrap());
+    let (status, body) = snapshot(&stack, &id).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["error"]["state"], "stopped", "{body}");
+    let (status, _) = stack
+        .call(
+            Method::POST,
+            "/v1/sandboxes/00000000-0000-0000-0000-000000000000/snapshot",
+            None,
+        )
+        .await;
+    assert_eq!(status, 404);
+
+    // A snapshot still creating cannot be deleted: its host is writing it.
+    let creating = berth_schemas::ids::SnapshotId::new();
+    sqlx::query(
+        "INSERT INTO snapshots (id, org_id, sandbox_id, host_id, state, template, runtime, vcpus, memory_mib, disk_mib, command_id)
+         SELECT $1, org_id, id, host_id, 'creating', template, runtime, 1, 256, 64, gen_random_uuid() FROM sandboxes WHERE id = $2::uuid",
+    )
+    .bind(creating)
+    .bind(&id)
+    .execute(&db)
+    .await
+    .unwrap();
+    let (status, body) = stack
+        .call(Method::DELETE, &format!("/v1/snapshots/{creating}"), None)
+        .await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["error"]["state"], "creating", "{body}");
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_object_store_that_refuses_the_upload_fails_the_snapshot_and_never_the_sandbox(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    // An S3 endpoint nothing listens on: every request of the upload is refused.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let env = [
+        ("BERTH_OBJECT_STORE", "s3://berth/snapshots".to_owned()),
+        ("AWS_ENDPOINT", format!("http://127.0.0.1:{dead}")),
+        ("AWS_ALLOW_HTTP", "true".to_owned()),
+        ("AWS_ACCESS_KEY_ID", "k".to_owned()),
+        ("AWS_SECRET_ACCESS_KEY", "s".to_owned()),
+        ("AWS_REGION", "us-east-1".to_owned()),
+    ];
+    stack
+        .add_host_env(
+            (None, None),
+            &[],
+            None,
+            env.iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+        )
+        .await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo before > /root/f").await;
+    let (status, body) = snapshot(&stack, &id).await;
+    assert_eq!(status, 202, "{body}");
+    let failed = settled(&stack, body["id"].as_str().unwrap()).await;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    assert!(
+        failed["reason"].as_str().unwrap().contains("object store"),
+        "{failed}"
+    );
+    assert!(
+        failed.get("stored_bytes").is_none(),
+        "nothing reported stored: {failed}"
+    );
+    assert_eq!(
+        stack.state_of(&id).await,
+        "running",
+        "the sandbox is untouched"
+    );
+    let out = run(&stack, &id, "cat /root/f && echo after > /root/g").await;
+    assert_eq!(out["stdout"], "before\n", "and still answers, thawed");
+    let kinds: Vec<String> = snapshot_events(&db, &id)
+        .await
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(kinds, ["snapshot.created", "snapshot.failed"]);
+    stack.teardown().await;
+}
