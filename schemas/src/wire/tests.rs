@@ -434,13 +434,13 @@ fn agent_golden_bytes_v8() {
 #[test]
 fn an_unknown_version_is_refused_not_misread() {
     let mut bytes = encode(&sample_command());
-    bytes[0] = 8;
+    bytes[0] = 9;
     assert!(matches!(
         decode::<Command>(&bytes),
-        Err(WireError::UnsupportedVersion { found: 8 })
+        Err(WireError::UnsupportedVersion { found: 9 })
     ));
     assert!(matches!(
-        decode::<Command>(&[7, 0xff]),
+        decode::<Command>(&[8, 0xff]),
         Err(WireError::Malformed(_))
     ));
 }
