@@ -13,7 +13,8 @@
 //!   timeout.
 //! - A connection (HTTP/1.1 or HTTP/2) with no request in flight and no response body still
 //!   being sent for [`LimitsConfig::header_read_timeout`] is shut down gracefully (HTTP/2:
-//!   GOAWAY), so idle HTTP/2 connections cannot hold slots forever; an HTTP/2 peer that stops
+//!   GOAWAY), and dropped [`IDLE_CLOSE_GRACE`] later if it has not closed by then, so idle
+//!   HTTP/2 connections cannot hold slots forever; an HTTP/2 peer that stops
 //!   answering PINGs ([`H2_KEEP_ALIVE_INTERVAL`], [`H2_KEEP_ALIVE_TIMEOUT`]) is dropped even
 //!   while a stream is open, and one connection carries at most [`H2_MAX_CONCURRENT_STREAMS`]
 //!   streams at once.
@@ -52,6 +53,9 @@ use crate::admission::{Admission, PROXY_METRICS};
 pub const H2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
 /// How long an HTTP/2 PING may go unanswered before the connection is dropped.
 pub const H2_KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long an idle connection told to close (HTTP/2: GOAWAY) may take to do so before it is
+/// dropped.
+pub const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// Most streams one HTTP/2 connection carries at once.
 pub const H2_MAX_CONCURRENT_STREAMS: u32 = 100;
 
@@ -131,8 +135,12 @@ pub async fn serve(
                     connection.await
                 }
                 _ = activity.idle_for(idle_timeout) => {
+                    // HTTP/2's graceful shutdown waits for the peer to answer a PING after its
+                    // GOAWAY; a peer that never does is dropped after a short grace.
                     connection.as_mut().graceful_shutdown();
-                    connection.await
+                    tokio::time::timeout(IDLE_CLOSE_GRACE, connection)
+                        .await
+                        .unwrap_or(Ok(()))
                 }
             };
             if let Err(e) = ended {
