@@ -60,6 +60,7 @@ mod tests {
                 runtime: Default::default(),
                 disk_mib: 64,
                 network: Default::default(),
+                image: None,
             }),
         }
     }

@@ -303,6 +303,7 @@ mod tests {
                 runtime: Default::default(),
                 disk_mib: 64,
                 network: Default::default(),
+                image: None,
             },
             "runc",
             Generation(1),

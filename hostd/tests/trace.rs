@@ -121,6 +121,7 @@ fn command(sandbox: SandboxId, kind: CommandKind, generation: Generation) -> Com
             runtime: Runtime::Runc,
             disk_mib: 64,
             network: Default::default(),
+            image: None,
         }),
     }
 }

@@ -25,7 +25,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 7;
+pub const WIRE_VERSION: u16 = 8;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -140,6 +140,12 @@ pub struct SandboxSpec {
     /// public egress). See [`crate::network`].
     #[serde(default)]
     pub network: crate::network::Network,
+    /// For a template pulled from an OCI image: the image pinned to its manifest digest
+    /// (`registry/repo@sha256:...`, `templates.image_pinned`), which the host pulls into its
+    /// image cache if it lacks it. `None` for built-in and imported templates (and in hostd
+    /// records written before this field).
+    #[serde(default)]
+    pub image: Option<String>,
 }
 
 /// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.

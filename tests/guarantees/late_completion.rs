@@ -159,6 +159,7 @@ async fn a_start_with_an_old_generation_that_arrives_after_a_newer_stop_is_refus
             runtime: berth_schemas::wire::Runtime::Runc,
             disk_mib: 256,
             network: Default::default(),
+            image: None,
         }),
     };
     let mut tx = stack.db.begin().await.unwrap();

@@ -262,6 +262,7 @@ impl Harness {
                     .expect("a built-in template names a known runtime"),
                 disk_mib,
                 network: Default::default(),
+                image: None,
             }),
         }
     }

@@ -83,6 +83,7 @@ impl Outbox {
                     runtime: Runtime::Runc,
                     disk_mib: 256,
                     network: Default::default(),
+                    image: None,
                 }),
             };
             insert_command(&mut tx, self.host, &command).await.unwrap();

@@ -25,6 +25,7 @@ fn sample_command() -> Command {
             network: crate::network::Network {
                 egress: crate::network::Egress::Allow(vec!["10.1.0.0/16".parse().unwrap()]),
             },
+            image: Some("r/a@x".into()),
         }),
     }
 }
@@ -38,13 +39,13 @@ const U1: &str = "1001010101010101010101010101010101";
 const U2: &str = "1002020202020202020202020202020202";
 
 #[test]
-fn command_golden_bytes_v7() {
+fn command_golden_bytes_v8() {
     let bytes = encode(&sample_command());
-    // version 7, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
+    // version 8, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
     // runsc, 1024 MiB of disk, network { egress: Allow([10.1.0.0/16]) } }): the allow-list
-    // is variant 2, one network, its four octets and its prefix length
+    // is variant 2, one network, its four octets and its prefix length; Some(image "r/a@x")
     let expected = format!(
-        "07{U1}{U2}060101{org}046261736502800401800802010a01000010",
+        "08{U1}{U2}060101{org}046261736502800401800802010a010000100105722f614078",
         org = "1004040404040404040404040404040404"
     );
     assert_eq!(hex(&bytes), expected);
@@ -86,7 +87,7 @@ fn a_version_1_command_is_refused() {
 }
 
 #[test]
-fn result_golden_bytes_v7() {
+fn result_golden_bytes_v8() {
     let result = CommandResult {
         command_id: CommandId(uuid(1)),
         sandbox_id: SandboxId(uuid(2)),
@@ -102,7 +103,7 @@ fn result_golden_bytes_v7() {
     let bytes = encode(&result);
     // ... Succeeded { Some(address), Some(Disk) }, then heartbeat_seq 300 as a varint
     let expected = format!(
-        "07{U1}{U2}{U5}0602000108{ip}0101ac02",
+        "08{U1}{U2}{U5}0602000108{ip}0101ac02",
         U5 = "1005050505050505050505050505050505",
         ip = hex(b"10.1.0.2")
     );
@@ -124,9 +125,9 @@ fn a_rejected_result_is_the_fourth_outcome_variant() {
         heartbeat_seq: 0,
     };
     let bytes = encode(&result);
-    // version 7, ids, generation 1 (zigzag: 02), kind Create (0), outcome variant 3, "no", heartbeat_seq 0
+    // version 8, ids, generation 1 (zigzag: 02), kind Create (0), outcome variant 3, "no", heartbeat_seq 0
     let expected = format!(
-        "07{U1}{U2}{U5}020003026e6f00",
+        "08{U1}{U2}{U5}020003026e6f00",
         U5 = "1005050505050505050505050505050505",
     );
     assert_eq!(hex(&bytes), expected);
@@ -147,10 +148,10 @@ fn a_stop_that_kept_the_disk_only_is_the_fifth_outcome_variant_with_its_code_and
         heartbeat_seq: 0,
     };
     let bytes = encode(&result);
-    // version 7, ids, generation 3, kind Stop (2), outcome variant 4, code 0, "EOF",
+    // version 8, ids, generation 3, kind Stop (2), outcome variant 4, code 0, "EOF",
     // heartbeat_seq 0
     let expected = format!(
-        "07{U1}{U2}{U5}0602040003{eof}00",
+        "08{U1}{U2}{U5}0602040003{eof}00",
         U5 = "1005050505050505050505050505050505",
         eof = hex(b"EOF")
     );
@@ -216,7 +217,7 @@ fn every_stop_fallback_code_reads_back_from_its_spelling() {
 }
 
 #[test]
-fn heartbeat_golden_bytes_v7() {
+fn heartbeat_golden_bytes_v8() {
     let hb = Heartbeat {
         host_id: HostId(uuid(5)),
         name: "h".into(),
@@ -241,7 +242,7 @@ fn heartbeat_golden_bytes_v7() {
     let bytes = encode(&hb);
     // ... the inventory, the forwarder (Some "h:1"), then sent_at_ms 1000 as a varint
     let expected = format!(
-        "07{U5}0168ac0208800800000104{runc}0001{U2}020101{fwd}e807",
+        "08{U5}0168ac0208800800000104{runc}0001{U2}020101{fwd}e807",
         U5 = "1005050505050505050505050505050505",
         runc = hex(b"runc"),
         fwd = "03683a31"
@@ -345,7 +346,7 @@ fn exec_golden_bytes_v1() {
 }
 
 #[test]
-fn agent_golden_bytes_v7() {
+fn agent_golden_bytes_v8() {
     let req = AgentRequest {
         sandbox_id: SandboxId(uuid(2)),
         op: AgentOp::Exec(ExecSpec {
@@ -360,7 +361,7 @@ fn agent_golden_bytes_v7() {
     assert_eq!(
         hex(&bytes),
         format!(
-            "07{U2}000103{cat}0101{a}01{b}01012f017805",
+            "08{U2}000103{cat}0101{a}01{b}01012f017805",
             cat = hex(b"cat"),
             a = "41",
             b = "62"
@@ -375,7 +376,7 @@ fn agent_golden_bytes_v7() {
             len: 2,
         },
     };
-    assert_eq!(hex(&encode(&read)), format!("07{U2}02022f660102"));
+    assert_eq!(hex(&encode(&read)), format!("08{U2}02022f660102"));
     let reply = AgentReply::Exec {
         exit_code: 137,
         stdout: vec![],
@@ -384,12 +385,12 @@ fn agent_golden_bytes_v7() {
         oom_killed: true,
     };
     // 137 zig-zags to 274 = varint 92 02.
-    assert_eq!(hex(&encode(&reply)), "07009202000000".to_owned() + "01");
+    assert_eq!(hex(&encode(&reply)), "08009202000000".to_owned() + "01");
     let output = AgentReply::Output {
         fd: 2,
         data: b"e".to_vec(),
     };
-    assert_eq!(hex(&encode(&output)), "0707020165");
+    assert_eq!(hex(&encode(&output)), "0807020165");
     let stream = AgentOp::ExecStream(ExecSpec {
         argv: vec![],
         env: vec![],
@@ -397,7 +398,7 @@ fn agent_golden_bytes_v7() {
         stdin: vec![],
         timeout_ms: 1,
     });
-    assert_eq!(hex(&encode(&stream)), "07060000000001");
+    assert_eq!(hex(&encode(&stream)), "08060000000001");
     let windowed = AgentOp::ExecStreamWindowed {
         spec: ExecSpec {
             argv: vec![],
@@ -408,22 +409,22 @@ fn agent_golden_bytes_v7() {
         },
         window: 16,
     };
-    assert_eq!(hex(&encode(&windowed)), "0707000000000110");
+    assert_eq!(hex(&encode(&windowed)), "0807000000000110");
     let credit = AgentOp::StreamCredit {
         reply_to: "r".into(),
         chunks: 8,
     };
-    assert_eq!(hex(&encode(&credit)), "07080172".to_owned() + "08");
+    assert_eq!(hex(&encode(&credit)), "08080172".to_owned() + "08");
     let cancel = AgentOp::StreamCancel {
         reply_to: "r".into(),
     };
-    assert_eq!(hex(&encode(&cancel)), "07090172");
+    assert_eq!(hex(&encode(&cancel)), "08090172");
     let remove = AgentOp::Remove { path: "/f".into() };
-    assert_eq!(hex(&encode(&remove)), "070a022f66");
+    assert_eq!(hex(&encode(&remove)), "080a022f66");
     let not_regular = AgentReply::Failed(AgentFailure::NotRegularFile);
-    assert_eq!(hex(&encode(&not_regular)), "070605");
+    assert_eq!(hex(&encode(&not_regular)), "080605");
     let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
-    assert_eq!(hex(&encode(&failed)), "070603ac02");
+    assert_eq!(hex(&encode(&failed)), "080603ac02");
     assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);
 }
 
