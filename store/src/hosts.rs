@@ -557,7 +557,7 @@ pub async fn unwanted_containers(
             "SELECT h.id AS host_id, (i->>'sandbox_id')::uuid AS sandbox_id,
                     (i->>'generation')::int8 AS item_generation,
                     s.id IS NOT NULL AS known, s.state, s.generation, s.org_id, s.template,
-                    s.vcpus, s.memory_mib, s.runtime, s.disk_mib, s.network,
+                    s.vcpus, s.memory_mib, s.runtime, s.disk_mib, s.network, s.image,
                     s.host_id = h.id AS same_host
                FROM hosts h
               CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
@@ -609,6 +609,7 @@ pub async fn unwanted_containers(
                         disk_mib: u32::try_from(r.try_get::<i32, _>("disk_mib").map_err(get)?)
                             .unwrap_or(0),
                         network: crate::sandboxes::network(&r.try_get("network").map_err(get)?)?,
+                        image: r.try_get("image").map_err(get)?,
                     },
                 })
             } else {

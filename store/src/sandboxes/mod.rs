@@ -27,7 +27,7 @@ use crate::{commands, StoreError};
 pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, generation, \
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
-     public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason";
+     public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason, image";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -47,6 +47,9 @@ pub struct SandboxRow {
     pub org_id: OrgId,
     /// The template it was created from (`base`, …; a `templates.name`).
     pub template: String,
+    /// Its template's image pinned at create (`templates.image_pinned`), for a template pulled
+    /// from an OCI image; `None` otherwise.
+    pub image: Option<String>,
     /// The host it is placed on (always set today: placement happens at create).
     pub host_id: Option<HostId>,
     /// Its lifecycle state (`sandboxes.state`, kebab-case).
@@ -107,6 +110,7 @@ impl SandboxRow {
             id: row.try_get("id").map_err(get)?,
             org_id: row.try_get("org_id").map_err(get)?,
             template: row.try_get("template").map_err(get)?,
+            image: row.try_get("image").map_err(get)?,
             host_id: row.try_get("host_id").map_err(get)?,
             state: state.parse().map_err(|e| corrupt("sandboxes.state", e))?,
             state_reason: row.try_get("state_reason").map_err(get)?,
@@ -162,6 +166,7 @@ impl SandboxRow {
             runtime: self.runtime,
             disk_mib: self.disk_mib,
             network: self.network.clone(),
+            image: self.image.clone(),
         }
     }
 }
@@ -237,6 +242,9 @@ pub struct NewSandbox {
     pub template: String,
     /// The runtime the template names.
     pub runtime: Runtime,
+    /// The template's image pinned to its digest (`templates.image_pinned`); `None` for a
+    /// template not pulled from an image.
+    pub image: Option<String>,
     /// The host placement chose; its capacity is already reserved in this transaction.
     pub host_id: HostId,
     /// Its size: whole vCPUs and MiB.
@@ -277,9 +285,9 @@ pub async fn create(
             "INSERT INTO sandboxes (id, org_id, template, host_id, state, generation, vcpus,
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
                                     auto_delete_minutes, runtime, disk_mib, network,
-                                    auto_resume, public_ports, expires_at, on_expiry)
+                                    auto_resume, public_ports, expires_at, on_expiry, image)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18)
+                     $17, $18, $19)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -305,6 +313,7 @@ pub async fn create(
         )
         .bind(new.expires_at)
         .bind(new.on_expiry.as_str())
+        .bind(&new.image)
         .fetch_one(&mut *conn),
     )
     .await?;
