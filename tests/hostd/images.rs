@@ -161,7 +161,7 @@ async fn pull_errors_are_typed_and_hostile_images_leave_nothing_behind() {
         other => panic!("expected unknown_image, got {other:?}"),
     }
     let known = push(&registry, &scratch.0, "known", &[busybox_layer()], "amd64");
-    let unknown_tag = known.replace(":1", ":2");
+    let unknown_tag = registry.reference("known", "2");
     assert!(matches!(
         resolve(&unknown_tag, &limits).await,
         Err(ImageError::UnknownImage { .. })
@@ -401,7 +401,7 @@ async fn a_template_pulled_from_a_registry_boots_on_runc_and_gvisor_with_its_fil
         )
         .await;
     assert_eq!(
-        (status, body["code"].as_str()),
+        (status, body["error"]["code"].as_str()),
         (409, Some("template_not_ready")),
         "{body}"
     );
@@ -426,7 +426,7 @@ async fn a_template_pulled_from_a_registry_boots_on_runc_and_gvisor_with_its_fil
         )
         .await;
     assert_eq!(
-        (status, body["code"].as_str()),
+        (status, body["error"]["code"].as_str()),
         (409, Some("template_exists")),
         "{body}"
     );

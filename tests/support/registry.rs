@@ -87,7 +87,12 @@ impl Registry {
     /// Pushes the image of the OCI layout `layout` (tag `tag` there) as `repo:tag` with skopeo.
     pub fn push(&self, layout: &Path, tag: &str, repo: &str) {
         let out = Command::new("skopeo")
-            .args(["copy", "--quiet", "--dest-tls-verify=false"])
+            .args([
+                "--insecure-policy",
+                "copy",
+                "--quiet",
+                "--dest-tls-verify=false",
+            ])
             .arg(format!("oci:{}:{tag}", layout.display()))
             .arg(format!("docker://{}", self.reference(repo, tag)))
             .output()

@@ -331,13 +331,18 @@ async fn start_pull(
                 },
             ),
         };
-        match templates::finish_pull(&db, &name, &outcome).await {
-            Ok(true) => {
-                info!(template = %name, %image, outcome = event, "template pull finished");
-                if let Err(e) = templates::add_event(&db, &name, event, &message).await {
-                    warn!(template = %name, error = %e, "template event not recorded");
-                }
+        // The state and its event commit together: a reader that sees `ready` sees why.
+        let recorded = async {
+            let mut tx = db.begin().await?;
+            let written = templates::finish_pull(&mut *tx, &name, &outcome).await?;
+            if written {
+                templates::add_event(&mut *tx, &name, event, &message).await?;
             }
+            tx.commit().await?;
+            Ok::<bool, ServiceError>(written)
+        };
+        match recorded.await {
+            Ok(true) => info!(template = %name, %image, outcome = event, "template pull finished"),
             Ok(false) => info!(template = %name, "template pull result was stale"),
             Err(e) => warn!(template = %name, error = %e, "template pull result not recorded"),
         }

@@ -92,6 +92,23 @@ impl ImageCache {
         limits: &ImageLimits,
         mut progress: impl FnMut(PullProgress),
     ) -> Result<Pulled, ImageError> {
+        // A reference pinned to a digest this cache has unpacked needs no registry: a host
+        // boots its sandboxes while the registry is down.
+        let parsed = pull::parse(reference)?;
+        if let Some(digest) = parsed.digest() {
+            let image_dir = self.image_dir(digest);
+            let rootfs = image_dir.join("rootfs");
+            if let (true, Some(config)) = (rootfs.is_dir(), read_config(&image_dir)) {
+                progress(PullProgress::Ready);
+                return Ok(Pulled {
+                    rootfs,
+                    pinned: parsed.whole(),
+                    digest: digest.to_owned(),
+                    compressed_bytes: 0,
+                    config,
+                });
+            }
+        }
         let resolved = pull::resolve(reference, limits).await?;
         progress(PullProgress::Resolved {
             digest: resolved.digest.clone(),
