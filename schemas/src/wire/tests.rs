@@ -431,13 +431,19 @@ fn agent_golden_bytes_v8() {
 #[test]
 fn an_unknown_version_is_refused_not_misread() {
     let mut bytes = encode(&sample_command());
-    bytes[0] = 8;
+    bytes[0] = 9;
     assert!(matches!(
         decode::<Command>(&bytes),
-        Err(WireError::UnsupportedVersion { found: 8 })
+        Err(WireError::UnsupportedVersion { found: 9 })
+    ));
+    // Version 7 (before the spec's image) is refused, not misread.
+    bytes[0] = 7;
+    assert!(matches!(
+        decode::<Command>(&bytes),
+        Err(WireError::UnsupportedVersion { found: 7 })
     ));
     assert!(matches!(
-        decode::<Command>(&[7, 0xff]),
+        decode::<Command>(&[8, 0xff]),
         Err(WireError::Malformed(_))
     ));
 }
