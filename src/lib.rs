@@ -3,6 +3,7 @@
 //! configs, [`nats_access`]; the operator's circuit breaker commands, [`breaker_admin`].
 
 pub mod breaker_admin;
+pub mod image_puller;
 pub mod nats_access;
 pub mod stack;
 pub mod timing_args;

@@ -71,6 +71,11 @@ enum Cmd {
         heartbeat_freshness: humantime::Duration,
         #[command(flatten)]
         preview: preview_args::PreviewArgs,
+        /// The template cache of this machine (hostd's `template_cache`): `POST /v1/templates`
+        /// pulls images into its `oci/` dir, where this machine's hostd find them.
+        #[arg(long, env = "BERTH_TEMPLATE_CACHE",
+              default_value = berth_hostd::template::DEFAULT_TEMPLATE_CACHE)]
+        template_cache: PathBuf,
     },
     /// Serve preview URLs: forward HTTP, WebSocket and SSE to a port inside a sandbox,
     /// through its host's forwarder, waking stopped sandboxes.
@@ -513,6 +518,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             disk,
             heartbeat_freshness,
             preview,
+            template_cache,
         } => {
             let disk_args_private = disk.sandbox_egress_allow_private;
             let disk = disk.limits()?;
@@ -537,7 +543,10 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 _ => None,
             };
             let state =
-                berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
+                berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle())
+                    .with_images(std::sync::Arc::new(berth::image_puller::CachePuller::new(
+                        &template_cache,
+                    )));
             berth_api::run(state, shutdown).await?;
         }
         Cmd::Proxy {

@@ -219,6 +219,13 @@ impl Stack {
                 }
             }
         });
+        // The API pulls template images into the first hostd's template cache (every hostd of
+        // a stack shares the machine; others pull by digest on first use).
+        let template_cache = config
+            .hosts
+            .first()
+            .map(|h| h.template_cache.clone())
+            .unwrap_or_else(|| berth_hostd::template::DEFAULT_TEMPLATE_CACHE.into());
         for host in config.hosts {
             let stop = stop.clone();
             tasks.spawn(async move { berth_hostd::run(host, stop).await.context("hostd") });
@@ -260,7 +267,10 @@ impl Stack {
             subjects.clone(),
             config.api,
             berth_api::metrics::handle(),
-        );
+        )
+        .with_images(std::sync::Arc::new(crate::image_puller::CachePuller::new(
+            &template_cache,
+        )));
         tasks.spawn({
             let stop = stop.clone();
             async move { berth_api::serve(listener, state, stop).await.context("api") }

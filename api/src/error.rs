@@ -67,6 +67,17 @@ pub enum ApiError {
     /// 422 `unknown_template`.
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
+    /// 409 `template_not_ready` / `template_exists`: see
+    /// [`crate::service::ServiceError::TemplateConflict`]; carries the template's state.
+    #[error("{message}")]
+    TemplateConflict {
+        /// The stable error code.
+        code: &'static str,
+        /// The template's state.
+        state: String,
+        /// What conflicted.
+        message: String,
+    },
     /// 422 `idempotency_key_reused`: the key was used for a different request.
     #[error("Idempotency-Key {0:?} was used for a different request")]
     IdempotencyKeyReused(String),
@@ -163,6 +174,7 @@ impl ApiError {
             }
             ApiError::InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
             ApiError::UnknownTemplate(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unknown_template"),
+            ApiError::TemplateConflict { code, .. } => (StatusCode::CONFLICT, code),
             ApiError::IdempotencyKeyReused(_) => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
@@ -197,6 +209,15 @@ impl From<ServiceError> for ApiError {
                 ApiError::QuotaExceeded { limit, value }
             }
             ServiceError::UnknownTemplate(name) => ApiError::UnknownTemplate(name),
+            ServiceError::TemplateConflict {
+                code,
+                state,
+                message,
+            } => ApiError::TemplateConflict {
+                code,
+                state,
+                message,
+            },
             ServiceError::IdempotencyKeyReused(key) => ApiError::IdempotencyKeyReused(key),
             ServiceError::NoCapacity { vcpus, memory_mib } => {
                 ApiError::NoCapacity { vcpus, memory_mib }
@@ -277,6 +298,7 @@ impl IntoResponse for ApiError {
                 body["sandbox_id"] = json!(sandbox_id);
             }
             ApiError::HostConflict { state, .. } => body["state"] = json!(state),
+            ApiError::TemplateConflict { state, .. } => body["state"] = json!(state),
             ApiError::QuotaExceeded { limit, value } => {
                 body["limit"] = json!(limit);
                 body["value"] = json!(value);

@@ -68,6 +68,9 @@ pub struct AppState {
     /// Wakes waiting requests when a sandbox's state changes (`LISTEN`, opened by the first
     /// wait).
     pub watch: watch::SandboxWatch,
+    /// Pulls OCI images for templates (`POST /v1/templates`); `None`: this process cannot
+    /// (the route answers 503 `not_configured`). Set with [`AppState::with_images`].
+    pub images: Option<std::sync::Arc<dyn service::templates::ImagePuller>>,
 }
 
 impl AppState {
@@ -94,7 +97,17 @@ impl AppState {
             subjects,
             config,
             prometheus,
+            images: None,
         }
+    }
+
+    /// This state, pulling template images through `puller`.
+    pub fn with_images(
+        mut self,
+        puller: std::sync::Arc<dyn service::templates::ImagePuller>,
+    ) -> Self {
+        self.images = Some(puller);
+        self
     }
 }
 

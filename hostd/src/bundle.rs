@@ -29,6 +29,14 @@ pub const AGENT_MOUNT: &str = "/.berth";
 /// The agent binary's file name inside the bundle.
 pub const AGENT_FILE_NAME: &str = "berth";
 
+/// The statx shim's file name inside the bundle: preloaded (`LD_PRELOAD`) into the processes
+/// of gVisor sandboxes, so that everyday tools work there (see `shim/statx_shim.c`: gVisor
+/// release 20221219 refuses `AT_NO_AUTOMOUNT`, which coreutils 9 passes to every `statx`).
+pub const GUEST_PRELOAD_FILE: &str = "berth-statx.so";
+
+/// The statx shim, built by `build.rs` from `shim/statx_shim.c`.
+pub const STATX_SHIM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/berth-statx.so"));
+
 /// Hex characters of the binary fingerprint naming a bundle dir.
 const FINGERPRINT_HEX_LEN: usize = 16;
 
@@ -264,6 +272,10 @@ fn copy_bundle(binary: &Path, entries: &[LddEntry], dir: &Path) -> Result<(), Ho
             .map_err(HostdError::io(format!("chmod {}", to.display())))
     };
     copy(binary, AGENT_FILE_NAME)?;
+    let shim = dir.join(GUEST_PRELOAD_FILE);
+    fs::write(&shim, STATX_SHIM).map_err(HostdError::io(format!("write {}", shim.display())))?;
+    fs::set_permissions(&shim, fs::Permissions::from_mode(0o755))
+        .map_err(HostdError::io(format!("chmod {}", shim.display())))?;
     for entry in entries {
         copy(&entry.path, &entry.name)?;
     }

@@ -106,6 +106,10 @@ pub enum HostdError {
         known: String,
     },
 
+    /// A template's OCI image could not be pulled or unpacked.
+    #[error("template image: {0}")]
+    Image(#[from] crate::image::ImageError),
+
     /// Every /30 of the pool is taken.
     #[error("address pool {pool}/16 is exhausted")]
     AddressPoolExhausted {
@@ -241,7 +245,7 @@ impl HostdError {
         matches!(
             self,
             HostdError::UnknownTemplate { .. } | HostdError::UnsupportedRuntime { .. }
-        )
+        ) || matches!(self, HostdError::Image(e) if !e.is_transient())
     }
 
     /// A `map_err` adapter for I/O errors: `fs::read(p).map_err(HostdError::io(format!(..)))`.

@@ -63,6 +63,7 @@ mod tests {
                 network: Default::default(),
                 env: Vec::new(),
                 entrypoint: Vec::new(),
+                image: None,
             }),
         }
     }

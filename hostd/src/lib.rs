@@ -54,6 +54,7 @@ pub mod firewall;
 pub mod forwarder;
 pub mod gate;
 pub mod host;
+pub mod image;
 pub mod isolation;
 pub mod layout;
 pub mod metrics;

@@ -113,6 +113,23 @@ pub struct ContainerConfig<'a> {
     pub seccomp: &'a LinuxSeccomp,
     /// The host cgroup's `pids.max` ([`crate::runtime::RuntimeDriver::pids_limit`]).
     pub pids_limit: i64,
+    /// Preload the bundle's statx shim ([`crate::bundle::GUEST_PRELOAD_FILE`]) into the agent
+    /// and every process it starts (gVisor sandboxes: see the shim's source).
+    pub preload_statx_shim: bool,
+}
+
+/// The container process's environment: `PATH`, `HOME`, and `LD_PRELOAD` of the statx shim
+/// when `preload` (the agent passes `LD_PRELOAD` on to what it runs).
+pub fn guest_env(preload: bool) -> Vec<String> {
+    let mut env = vec![format!("PATH={GUEST_PATH}"), "HOME=/root".to_owned()];
+    if preload {
+        env.push(format!(
+            "LD_PRELOAD={}/{}",
+            crate::bundle::AGENT_MOUNT,
+            crate::bundle::GUEST_PRELOAD_FILE
+        ));
+    }
+    env
 }
 
 /// Builds the runtime spec.
@@ -124,7 +141,7 @@ pub fn build_spec(cfg: &ContainerConfig<'_>) -> Result<Spec, HostdError> {
         .terminal(false)
         .user(UserBuilder::default().uid(0u32).gid(0u32).build()?)
         .args(cfg.agent.argv())
-        .env(vec![format!("PATH={GUEST_PATH}"), "HOME=/root".to_owned()])
+        .env(guest_env(cfg.preload_statx_shim))
         .cwd("/")
         .no_new_privileges(true)
         .capabilities(
@@ -296,6 +313,7 @@ mod tests {
             user_namespace,
             seccomp: &seccomp,
             pids_limit: PIDS_LIMIT,
+            preload_statx_shim: false,
         })
         .unwrap()
     }

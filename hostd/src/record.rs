@@ -307,6 +307,7 @@ mod tests {
                 network: Default::default(),
                 env: Vec::new(),
                 entrypoint: Vec::new(),
+                image: None,
             },
             "runc",
             Generation(1),

@@ -8,9 +8,11 @@
 //! - `base`: a busybox userland from the host's static busybox (`/bin/busybox`, Debian's
 //!   `busybox-static`), on runc.
 //! - `base-gvisor`: the same userland on runsc (gVisor): a stop keeps memory.
-//! - `python`: Debian minimal with python3, built once with `debootstrap` from the mirror apt
-//!   uses, into a machine-wide cache dir shared by every hostd (`berth template build python`
-//!   builds it ahead of time), on runsc.
+//! - `python`: Debian minimal with python3 and pip, built once with `debootstrap` from the
+//!   mirror apt uses, into a machine-wide cache dir shared by every hostd (`berth template
+//!   build python` builds it ahead of time), on runsc. Its dir in the cache is named after its
+//!   package list too ([`TemplateDef::dir_name`]), so a build that changes the list builds
+//!   anew instead of using an old root.
 //!
 //! Beyond the registry, a template can be imported from a root filesystem tarball (`berth
 //! template import NAME FILE --runtime R`, see [`import_rootfs`]): it lands in the cache dir
@@ -101,10 +103,25 @@ pub const TEMPLATES: &[TemplateDef] = &[
         runtime: RUNSC,
         description: "Debian minimal with python3 on gVisor (runsc): stop keeps memory",
         source: Source::Debootstrap {
-            packages: &["python3"],
+            packages: &["python3", "python3-pip"],
         },
     },
 ];
+
+impl TemplateDef {
+    /// The template's dir under its parent: its name, and for a debootstrapped one also 8 hex
+    /// digits of the SHA-256 of its package list (`python-1a2b3c4d`).
+    pub fn dir_name(&self) -> String {
+        match self.source {
+            Source::Busybox => self.name.to_owned(),
+            Source::Debootstrap { packages } => {
+                use sha2::{Digest, Sha256};
+                let hash = hex::encode(Sha256::digest(packages.join(",").as_bytes()));
+                format!("{}-{}", self.name, &hash[..8])
+            }
+        }
+    }
+}
 
 /// The template called `name`.
 ///
@@ -122,6 +139,10 @@ pub fn lookup(name: &str) -> Result<&'static TemplateDef, HostdError> {
                 .join(", "),
         })
 }
+
+/// The dir of the machine's OCI image cache ([`crate::image::ImageCache`]) in the template
+/// cache.
+pub const IMAGE_CACHE_DIR: &str = "oci";
 
 /// The metadata file of an imported template, beside its `rootfs/` in the cache dir.
 pub const IMPORTED_META: &str = "template.json";
@@ -277,6 +298,7 @@ const BASE_GROUP: &str = "root:x:0:\nnobody:x:65534:\n";
 pub struct Templates {
     dir: PathBuf,
     cache: PathBuf,
+    images: crate::image::ImageCache,
     busybox: PathBuf,
     build: Mutex<()>,
 }
@@ -285,11 +307,32 @@ impl Templates {
     /// Templates kept per hostd in `dir`, expensive ones shared machine-wide in `cache`.
     pub fn new(dir: PathBuf, cache: PathBuf) -> Self {
         Self {
+            images: crate::image::ImageCache::new(cache.join(IMAGE_CACHE_DIR)),
             dir,
             cache,
             busybox: PathBuf::from(HOST_BUSYBOX),
             build: Mutex::new(()),
         }
+    }
+
+    /// The root filesystem of template `name`, or for a template pulled from an OCI image
+    /// (`image`, pinned to its digest: the create's `SandboxSpec::image`), of that image,
+    /// pulled into the machine's image cache first if missing ([`crate::image`]).
+    ///
+    /// Errors: as [`Templates::ensure`]; [`HostdError::Image`] when the pull fails.
+    pub async fn ensure_for(&self, name: &str, image: Option<&str>) -> Result<PathBuf, HostdError> {
+        let Some(image) = image else {
+            return self.ensure(name).await;
+        };
+        let started = std::time::Instant::now();
+        let pulled = self
+            .images
+            .ensure_rootfs(image, &crate::image::ImageLimits::default(), |p| {
+                tracing::debug!(template = name, progress = ?p, "image pull");
+            })
+            .await?;
+        tracing::info!(template = name, image, elapsed = ?started.elapsed(), "template image ready");
+        Ok(pulled.rootfs)
     }
 
     /// The root filesystem of template `name`, built first if missing.
@@ -310,7 +353,7 @@ impl Templates {
             Source::Busybox => &self.dir,
             Source::Debootstrap { .. } => &self.cache,
         };
-        let rootfs = parent.join(def.name).join("rootfs");
+        let rootfs = parent.join(def.dir_name()).join("rootfs");
         if rootfs.is_dir() {
             return Ok(rootfs);
         }
@@ -333,7 +376,13 @@ impl Templates {
                 })??;
             }
             Source::Debootstrap { packages } => {
-                build_debootstrap(&self.cache, def.name, packages, &DebianSource::detect()).await?
+                build_debootstrap(
+                    &self.cache,
+                    &def.dir_name(),
+                    packages,
+                    &DebianSource::detect(),
+                )
+                .await?
             }
         }
         tracing::info!(template = def.name, elapsed = ?started.elapsed(), "template built");
@@ -433,7 +482,7 @@ pub fn apt_mirror(text: &str) -> Option<String> {
 /// don't build it twice).
 async fn build_debootstrap(
     cache: &Path,
-    name: &'static str,
+    name: &str,
     packages: &'static [&'static str],
     source: &DebianSource,
 ) -> Result<(), HostdError> {

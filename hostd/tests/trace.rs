@@ -124,6 +124,7 @@ fn command(sandbox: SandboxId, kind: CommandKind, generation: Generation) -> Com
             network: Default::default(),
             env: Vec::new(),
             entrypoint: Vec::new(),
+            image: None,
         }),
     }
 }

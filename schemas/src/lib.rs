@@ -21,6 +21,7 @@ pub mod network;
 pub mod preview;
 pub mod state;
 pub mod subjects;
+pub mod template_state;
 pub mod trace;
 pub mod wire;
 

@@ -16,7 +16,8 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 11 (this one): a `sandbox.snapshot` command ([`CommandKind::Snapshot`]) carries a
+/// Version 12 (this one): a sandbox's spec ends with the OCI image its template was pulled
+/// from, pinned to its digest ([`SandboxSpec::image`]). Version 11: a `sandbox.snapshot` command ([`CommandKind::Snapshot`]) carries a
 /// [`SnapshotOrder`] ([`Command::snapshot`]) and is answered by
 /// [`ResultOutcome::Snapshotted`]. Version 10: a sandbox's spec ends with its `env` and
 /// `entrypoint` (the OpenSandbox compatibility surface). Version 9: a result ends with the
@@ -30,7 +31,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 11;
+pub const WIRE_VERSION: u16 = 12;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -156,6 +157,12 @@ pub struct SandboxSpec {
     /// keeps it running). Empty: nothing is started. The OpenSandbox SDK's `entrypoint`.
     #[serde(default)]
     pub entrypoint: Vec<String>,
+    /// For a template pulled from an OCI image: the image pinned to its manifest digest
+    /// (`registry/repo@sha256:...`, `templates.image_pinned`), which the host pulls into its
+    /// image cache if it lacks it. `None` for built-in and imported templates (and in hostd
+    /// records written before this field).
+    #[serde(default)]
+    pub image: Option<String>,
 }
 
 /// A command for one host, published on `{p}.cmd.<host_id>` with `Nats-Msg-Id` = `id`.

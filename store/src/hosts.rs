@@ -557,7 +557,7 @@ pub async fn unwanted_containers(
             "SELECT h.id AS host_id, (i->>'sandbox_id')::uuid AS sandbox_id,
                     (i->>'generation')::int8 AS item_generation,
                     s.id IS NOT NULL AS known, s.state, s.generation, s.org_id, s.template,
-                    s.vcpus, s.memory_mib, s.runtime, s.disk_mib, s.network,
+                    s.vcpus, s.memory_mib, s.runtime, s.disk_mib, s.network, s.image,
                     s.host_id = h.id AS same_host
                FROM hosts h
               CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
@@ -612,6 +612,7 @@ pub async fn unwanted_containers(
                         // A compensation stops or deletes: it never boots, so it needs neither.
                         env: Vec::new(),
                         entrypoint: Vec::new(),
+                        image: r.try_get("image").map_err(get)?,
                     },
                 })
             } else {

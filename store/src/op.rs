@@ -188,6 +188,16 @@ ops! {
     TemplateList => "template_list",
     /// [`crate::templates::upsert`]: registers or updates a template.
     TemplateUpsert => "template_upsert",
+    /// [`crate::templates::insert_image`]: registers a template pulled from an image.
+    TemplateInsertImage => "template_insert_image",
+    /// [`crate::templates::restart_pull`]: a failed image template pulled again.
+    TemplateRestartPull => "template_restart_pull",
+    /// [`crate::templates::finish_pull`]: a pull's outcome written, fenced on `pulling`.
+    TemplateFinishPull => "template_finish_pull",
+    /// [`crate::templates::add_event`]: one event of a template.
+    TemplateEventInsert => "template_event_insert",
+    /// [`crate::templates::events`]: a template's events.
+    TemplateEventList => "template_event_list",
     /// [`crate::idempotency::purge`]: deletes expired idempotency keys.
     IdempotencyPurge => "idempotency_purge",
     /// [`crate::idempotency::lock`]: a key held for the request's transaction.

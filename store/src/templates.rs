@@ -1,14 +1,18 @@
 //! The `templates` table: the registry of template names and the runtime each runs on. Written
-//! by migrations (the built-in templates) and by `berth template import`; read by creates.
+//! by migrations (the built-in templates), by `berth template import` and by image pulls
+//! (`POST /v1/templates`, migration 0018: `state`, `image*`, `template_events`); read by
+//! creates.
 
+use berth_schemas::template_state::TemplateState;
 use berth_schemas::wire::Runtime;
+use chrono::{DateTime, Utc};
 use sqlx::PgExecutor;
 
 use crate::op::{timed, Op};
 use crate::StoreError;
 
 /// A registered template.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, sqlx::FromRow)]
 pub struct TemplateRow {
     /// The name creates use (`base`, …).
     pub name: String,
@@ -16,7 +20,35 @@ pub struct TemplateRow {
     pub description: String,
     /// `runc` or `runsc`.
     pub runtime: String,
+    /// The image it is pulled from, as asked; `None` for built-in and imported templates.
+    #[sqlx(default)]
+    pub image: Option<String>,
+    /// The image pinned to its manifest digest, once resolved (what hosts pull).
+    #[sqlx(default)]
+    pub image_pinned: Option<String>,
+    /// The manifest digest, once resolved.
+    #[sqlx(default)]
+    pub image_digest: Option<String>,
+    /// The compressed size of its layers in bytes, once resolved.
+    #[sqlx(default)]
+    pub image_bytes: Option<i64>,
+    /// The image's entrypoint (and cmd), run at boot only when a create asks for it.
+    #[sqlx(default)]
+    pub entrypoint: Option<sqlx::types::Json<Vec<String>>>,
+    /// `pulling`, `ready` or `failed` ([`TemplateRow::state`]).
+    #[sqlx(default)]
+    pub state: Option<String>,
+    /// Why the last pull failed: a stable code (`unknown_image`, `auth_failed`, ...).
+    #[sqlx(default)]
+    pub error_code: Option<String>,
+    /// Why the last pull failed, for people.
+    #[sqlx(default)]
+    pub error_message: Option<String>,
 }
+
+/// The columns every read selects.
+const COLUMNS: &str = "name, description, runtime, image, image_pinned, image_digest, image_bytes,
+                       entrypoint, state, error_code, error_message";
 
 impl TemplateRow {
     /// The runtime as the wire names it.
@@ -26,13 +58,26 @@ impl TemplateRow {
     pub fn runtime(&self) -> Result<Runtime, StoreError> {
         crate::sandboxes::runtime(&self.runtime)
     }
+
+    /// The template's state (`ready` for a row written without one).
+    ///
+    /// Errors: [`StoreError::Corrupt`] for a spelling this build does not know.
+    pub fn state(&self) -> Result<TemplateState, StoreError> {
+        match &self.state {
+            None => Ok(TemplateState::Ready),
+            Some(s) => s.parse().map_err(|e| StoreError::Corrupt {
+                column: "templates.state",
+                message: format!("{e:?}"),
+            }),
+        }
+    }
 }
 
 /// The template named `name`, or `None`.
 pub async fn get(db: impl PgExecutor<'_>, name: &str) -> Result<Option<TemplateRow>, StoreError> {
     timed(
         Op::TemplateGet,
-        sqlx::query_as("SELECT name, description, runtime FROM templates WHERE name = $1")
+        sqlx::query_as(&format!("SELECT {COLUMNS} FROM templates WHERE name = $1"))
             .bind(name)
             .fetch_optional(db),
     )
@@ -43,8 +88,7 @@ pub async fn get(db: impl PgExecutor<'_>, name: &str) -> Result<Option<TemplateR
 pub async fn list(db: impl PgExecutor<'_>) -> Result<Vec<TemplateRow>, StoreError> {
     timed(
         Op::TemplateList,
-        sqlx::query_as("SELECT name, description, runtime FROM templates ORDER BY name")
-            .fetch_all(db),
+        sqlx::query_as(&format!("SELECT {COLUMNS} FROM templates ORDER BY name")).fetch_all(db),
     )
     .await
 }
@@ -65,4 +109,152 @@ pub async fn upsert(db: impl PgExecutor<'_>, template: &TemplateRow) -> Result<(
     )
     .await?;
     Ok(())
+}
+
+/// Registers template `name` pulled from `image` on `runtime`, in state `pulling`. Returns
+/// false (and writes nothing) when the name is taken.
+pub async fn insert_image(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    description: &str,
+    runtime: &str,
+    image: &str,
+) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::TemplateInsertImage,
+        sqlx::query(
+            "INSERT INTO templates (name, description, runtime, image, state)
+             VALUES ($1, $2, $3, $4, 'pulling') ON CONFLICT (name) DO NOTHING",
+        )
+        .bind(name)
+        .bind(description)
+        .bind(runtime)
+        .bind(image)
+        .execute(db),
+    )
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Moves failed image template `name` back to `pulling` (fenced: only from `failed`). Returns
+/// whether it did.
+pub async fn restart_pull(db: impl PgExecutor<'_>, name: &str) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::TemplateRestartPull,
+        sqlx::query(
+            "UPDATE templates SET state = 'pulling', error_code = NULL, error_message = NULL,
+                                  updated_at = now()
+             WHERE name = $1 AND state = 'failed' AND image IS NOT NULL",
+        )
+        .bind(name)
+        .execute(db),
+    )
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// A pull's outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullOutcome {
+    /// Resolved and cached.
+    Pulled {
+        /// `registry/repo@sha256:...`.
+        pinned: String,
+        /// `sha256:...`.
+        digest: String,
+        /// Compressed size of the layers in bytes.
+        bytes: i64,
+        /// The image's entrypoint followed by its cmd.
+        entrypoint: Vec<String>,
+    },
+    /// Failed.
+    Failed {
+        /// A stable code.
+        code: String,
+        /// For people.
+        message: String,
+    },
+}
+
+/// Writes the outcome of the pull of `name`, fenced on its state still being `pulling` (a
+/// stale pull writes nothing). Returns whether it wrote.
+pub async fn finish_pull(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    outcome: &PullOutcome,
+) -> Result<bool, StoreError> {
+    let query = match outcome {
+        PullOutcome::Pulled {
+            pinned,
+            digest,
+            bytes,
+            entrypoint,
+        } => sqlx::query(
+            "UPDATE templates SET state = 'ready', image_pinned = $2, image_digest = $3,
+                                  image_bytes = $4, entrypoint = $5, updated_at = now()
+             WHERE name = $1 AND state = 'pulling'",
+        )
+        .bind(name)
+        .bind(pinned)
+        .bind(digest)
+        .bind(bytes)
+        .bind(sqlx::types::Json(entrypoint)),
+        PullOutcome::Failed { code, message } => sqlx::query(
+            "UPDATE templates SET state = 'failed', error_code = $2, error_message = $3,
+                                  updated_at = now()
+             WHERE name = $1 AND state = 'pulling'",
+        )
+        .bind(name)
+        .bind(code)
+        .bind(message),
+    };
+    let done = timed(Op::TemplateFinishPull, query.execute(db)).await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// One event of a template.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct TemplateEventRow {
+    /// When.
+    pub at: DateTime<Utc>,
+    /// `template.pulling`, `template.layer`, `template.ready`, `template.failed`.
+    #[sqlx(rename = "type")]
+    pub kind: String,
+    /// What happened.
+    pub message: String,
+}
+
+/// Appends an event to template `name`.
+pub async fn add_event(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    kind: &str,
+    message: &str,
+) -> Result<(), StoreError> {
+    timed(
+        Op::TemplateEventInsert,
+        sqlx::query("INSERT INTO template_events (template, type, message) VALUES ($1, $2, $3)")
+            .bind(name)
+            .bind(kind)
+            .bind(message)
+            .execute(db),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The events of template `name`, oldest first.
+pub async fn events(
+    db: impl PgExecutor<'_>,
+    name: &str,
+) -> Result<Vec<TemplateEventRow>, StoreError> {
+    timed(
+        Op::TemplateEventList,
+        sqlx::query_as(
+            "SELECT at, type, message FROM template_events WHERE template = $1 ORDER BY id",
+        )
+        .bind(name)
+        .fetch_all(db),
+    )
+    .await
 }

@@ -65,6 +65,7 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
         &mut tx,
         NewSandbox {
             network: Default::default(),
+            image: None,
             org_id: org,
             template: "base".into(),
             runtime: Runtime::Runc,

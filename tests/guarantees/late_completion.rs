@@ -162,6 +162,7 @@ async fn a_start_with_an_old_generation_that_arrives_after_a_newer_stop_is_refus
             network: Default::default(),
             env: Vec::new(),
             entrypoint: Vec::new(),
+            image: None,
         }),
     };
     let mut tx = stack.db.begin().await.unwrap();

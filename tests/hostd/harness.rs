@@ -265,6 +265,7 @@ impl Harness {
                 network: Default::default(),
                 env: Vec::new(),
                 entrypoint: Vec::new(),
+                image: None,
             }),
         }
     }

@@ -193,6 +193,7 @@ async fn a_host_whose_runtime_fails_every_run_is_degraded_avoided_retried_around
             name: "ghost".into(),
             description: "registered, but on no host".into(),
             runtime: "runc".into(),
+            ..Default::default()
         },
     )
     .await

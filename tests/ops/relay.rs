@@ -86,6 +86,7 @@ impl Outbox {
                     network: Default::default(),
                     env: Vec::new(),
                     entrypoint: Vec::new(),
+                    image: None,
                 }),
             };
             insert_command(&mut tx, self.host, &command).await.unwrap();

@@ -17,6 +17,7 @@ pub mod env;
 pub mod http;
 pub mod inproc;
 pub mod nats_server;
+pub mod registry;
 pub mod stack;
 
 // Not every binary uses every shortcut.

@@ -89,7 +89,11 @@ pub fn router(state: AppState) -> Router {
             "/v1/sandboxes/{id}/ports/{port}/{*rest}",
             axum::routing::any(preview::forward),
         )
-        .route("/v1/templates", get(templates::templates))
+        .route(
+            "/v1/templates",
+            get(templates::templates).post(templates::create),
+        )
+        .route("/v1/templates/{name}", get(templates::get))
         .route("/v1/events", get(events::stream))
         .route("/v1/webhooks", post(webhooks::create).get(webhooks::list))
         .route(

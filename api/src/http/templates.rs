@@ -1,13 +1,21 @@
-//! `GET /v1/templates`: the templates a create may name.
+//! `GET /v1/templates` (the templates a create may name), `POST /v1/templates` (a template
+//! pulled from an OCI image) and `GET /v1/templates/{name}` (one, with its pull's events).
 
-use axum::extract::State;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
 use axum::Json;
 
+use super::extract::json_error;
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::model::Template;
+use crate::model::{CreateTemplate, Template};
 use crate::service;
 use crate::AppState;
+
+/// The runtime of a template pulled from an image when the request names none: gVisor, whose
+/// stop keeps memory.
+pub const DEFAULT_IMAGE_RUNTIME: &str = "runsc";
 
 /// `GET /v1/templates`
 #[utoipa::path(get, path = "/v1/templates", tag = "sandboxes", responses((status = 200, body = [Template])),
@@ -17,4 +25,48 @@ pub async fn templates(
     _caller: Caller,
 ) -> Result<Json<Vec<Template>>, ApiError> {
     Ok(Json(service::templates::list(&app.db).await?))
+}
+
+/// `GET /v1/templates/{name}`: the template with its events (the pull's progress and outcome).
+#[utoipa::path(get, path = "/v1/templates/{name}", tag = "sandboxes",
+    params(("name" = String, Path, description = "template name")),
+    responses((status = 200, body = Template), (status = 404, description = "no such template")),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(app): State<AppState>,
+    _caller: Caller,
+    Path(name): Path<String>,
+) -> Result<Json<Template>, ApiError> {
+    Ok(Json(service::templates::get(&app.db, &name).await?))
+}
+
+/// `POST /v1/templates`: registers a template pulled from an OCI image and starts the pull;
+/// answers 202 with the template (`pulling`; poll `GET /v1/templates/{name}` until `ready` or
+/// `failed`). Asking again with the same name, image and runtime is idempotent (and retries a
+/// failed pull). Templates are shared by every org.
+///
+/// Errors: 400 `invalid_request` (name, image or runtime); 409 `template_exists` (the name is
+/// taken by another template); 503 `not_configured` (this API process cannot pull).
+#[utoipa::path(post, path = "/v1/templates", tag = "sandboxes", request_body = CreateTemplate,
+    responses((status = 202, body = Template), (status = 409, description = "template_exists")),
+    security(("bearer" = [])))]
+pub async fn create(
+    State(app): State<AppState>,
+    _caller: Caller,
+    body: Result<Json<CreateTemplate>, JsonRejection>,
+) -> Result<(StatusCode, Json<Template>), ApiError> {
+    let Json(req) = body.map_err(json_error)?;
+    let puller = app.images.clone().ok_or_else(|| {
+        ApiError::NotConfigured("this API process has no image cache to pull templates into".into())
+    })?;
+    let template = service::templates::create_from_image(
+        &app.db,
+        &puller,
+        &req.name,
+        &req.image,
+        req.runtime.as_deref().unwrap_or(DEFAULT_IMAGE_RUNTIME),
+        req.description.as_deref(),
+    )
+    .await?;
+    Ok((StatusCode::ACCEPTED, Json(template)))
 }

@@ -626,6 +626,61 @@ pub struct Template {
     pub description: String,
     /// The OCI runtime its sandboxes run in: `runc` or `runsc`.
     pub runtime: String,
+    /// `ready` (creates may name it), `pulling` (its image is being pulled) or `failed` (the
+    /// pull failed: `error_code`, `error_message`).
+    pub state: String,
+    /// The OCI image it is pulled from, as asked; absent for built-in and imported templates.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The image's manifest digest for this platform (`sha256:...`), once pulled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_digest: Option<String>,
+    /// The compressed size of the image's layers in bytes, once pulled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_bytes: Option<i64>,
+    /// The image's entrypoint followed by its cmd. Berth does not run it unless a create asks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entrypoint: Option<Vec<String>>,
+    /// Why the last pull failed: `unknown_image`, `auth_failed`, `unsupported_platform`,
+    /// `image_too_large`, `hostile_layer`, `unsupported_layer`, `bad_reference`,
+    /// `registry_error`, `io_error`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+    /// Why the last pull failed, for people.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_message: Option<String>,
+    /// What happened to it, oldest first (`GET /v1/templates/{name}` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events: Option<Vec<TemplateEvent>>,
+}
+
+/// One event of a template.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateEvent {
+    /// When.
+    pub at: DateTime<Utc>,
+    /// `template.pulling`, `template.progress`, `template.ready` or `template.failed`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// What happened.
+    pub message: String,
+}
+
+/// `POST /v1/templates`: a template pulled from an OCI image.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateTemplate {
+    /// Its name: 1 to 64 of a-z, 0-9 and '-', not starting with '-'.
+    pub name: String,
+    /// The image: `registry/repo:tag` or `registry/repo@sha256:...` (a registry on a
+    /// loopback address is reached over plain HTTP).
+    pub image: String,
+    /// `runc` or `runsc` (default `runsc`).
+    #[serde(default)]
+    pub runtime: Option<String>,
+    /// One line for listings (default: the image).
+    #[serde(default)]
+    pub description: Option<String>,
 }
 
 #[cfg(test)]

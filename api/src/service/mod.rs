@@ -37,6 +37,18 @@ pub enum ServiceError {
     /// The create names a template that is not registered.
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
+    /// The template exists but cannot be used or changed as asked: `code` is
+    /// `template_not_ready` (its image is pulling or its pull failed) or `template_exists`
+    /// (a `POST /v1/templates` naming a taken name with another image or runtime).
+    #[error("{message}")]
+    TemplateConflict {
+        /// The stable error code.
+        code: &'static str,
+        /// The template's state (`pulling`, `ready`, `failed`).
+        state: String,
+        /// What conflicted, for the client.
+        message: String,
+    },
     /// The Idempotency-Key was used for a different request.
     #[error("Idempotency-Key {0:?} was used for a different request")]
     IdempotencyKeyReused(String),

@@ -51,6 +51,7 @@ pub async fn create(
     let template = templates::get(&mut *tx, &req.template)
         .await?
         .ok_or_else(|| ServiceError::UnknownTemplate(req.template.clone()))?;
+    super::templates::check_ready(&template)?;
     super::quota::check(&mut tx, org, req.resources).await?;
     let host = match placement::place(
         &mut tx,
@@ -95,6 +96,7 @@ pub async fn create(
         NewSandbox {
             org_id: org,
             runtime: template.runtime()?,
+            image: template.image_pinned.clone(),
             template: template.name,
             host_id: host,
             resources: req.resources,

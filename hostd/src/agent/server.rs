@@ -377,6 +377,8 @@ pub fn exec_with(input: ExecInput<'_>, timeout_ms: u64) -> Result<ExecOutput, St
         .env_clear()
         .env("PATH", GUEST_PATH)
         .env("HOME", "/root")
+        // The statx shim of gVisor sandboxes (`crate::oci::guest_env`) reaches what runs.
+        .envs(std::env::var("LD_PRELOAD").ok().map(|p| ("LD_PRELOAD", p)))
         .envs(input.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .current_dir(input.cwd.unwrap_or("/"))
         .stdin(if input.stdin.is_empty() {

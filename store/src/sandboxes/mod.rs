@@ -28,7 +28,7 @@ pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, g
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
      public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason, env, entrypoint, \
-     image_uri";
+     image_uri, image";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -48,6 +48,9 @@ pub struct SandboxRow {
     pub org_id: OrgId,
     /// The template it was created from (`base`, …; a `templates.name`).
     pub template: String,
+    /// Its template's image pinned at create (`templates.image_pinned`), for a template pulled
+    /// from an OCI image; `None` otherwise.
+    pub image: Option<String>,
     /// The host it is placed on (always set today: placement happens at create).
     pub host_id: Option<HostId>,
     /// Its lifecycle state (`sandboxes.state`, kebab-case).
@@ -116,6 +119,7 @@ impl SandboxRow {
             id: row.try_get("id").map_err(get)?,
             org_id: row.try_get("org_id").map_err(get)?,
             template: row.try_get("template").map_err(get)?,
+            image: row.try_get("image").map_err(get)?,
             host_id: row.try_get("host_id").map_err(get)?,
             state: state.parse().map_err(|e| corrupt("sandboxes.state", e))?,
             state_reason: row.try_get("state_reason").map_err(get)?,
@@ -176,6 +180,7 @@ impl SandboxRow {
             network: self.network.clone(),
             env: self.env.clone(),
             entrypoint: self.entrypoint.clone(),
+            image: self.image.clone(),
         }
     }
 }
@@ -277,6 +282,9 @@ pub struct NewSandbox {
     pub template: String,
     /// The runtime the template names.
     pub runtime: Runtime,
+    /// The template's image pinned to its digest (`templates.image_pinned`); `None` for a
+    /// template not pulled from an image.
+    pub image: Option<String>,
     /// The host placement chose; its capacity is already reserved in this transaction.
     pub host_id: HostId,
     /// Its size: whole vCPUs and MiB.
@@ -324,9 +332,9 @@ pub async fn create(
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
                                     auto_delete_minutes, runtime, disk_mib, network,
                                     auto_resume, public_ports, expires_at, on_expiry, env,
-                                    entrypoint, image_uri)
+                                    entrypoint, image_uri, image)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18, $19, $20, $21)
+                     $17, $18, $19, $20, $21, $22)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -355,6 +363,7 @@ pub async fn create(
         .bind(env_column(&new.env))
         .bind(&new.entrypoint)
         .bind(&new.image_uri)
+        .bind(&new.image)
         .fetch_one(&mut *conn),
     )
     .await?;

@@ -212,7 +212,10 @@ impl OciBackend {
         let names = host.names(id);
         let paths = host.layout.sandbox(id);
         let ids = runtime.user_namespace();
-        let mut lower = host.templates.ensure(&record.spec.template).await?;
+        let mut lower = host
+            .templates
+            .ensure_for(&record.spec.template, record.spec.image.as_deref())
+            .await?;
         if let Some(ids) = ids {
             lower = blocking(move || isolation::shifted_template(&lower, ids)).await?;
         }
@@ -307,6 +310,7 @@ impl OciBackend {
                 user_namespace: ids,
                 seccomp: &seccomp,
                 pids_limit: runtime.pids_limit(),
+                preload_statx_shim: runtime.name() == RUNSC,
             })?;
             write_json_atomic(&paths.oci_config(), &spec)
         };
