@@ -46,8 +46,10 @@ pub struct BenchArgs {
     /// Sandboxes to take through the whole lifecycle, one after another.
     #[arg(long, default_value_t = 20)]
     sandboxes: usize,
-    /// Sandboxes created at once in the throughput phase.
-    #[arg(long, default_value_t = 16)]
+    /// Sandboxes created at once in the throughput phase. The default fits `deploy/up`'s stack
+    /// on a 2-core machine (two hosts of 2 vCPUs, 4× overcommitted: 16 slots, two taken by its
+    /// hello and python sandboxes); more than the stack's free slots fails with `no_capacity`.
+    #[arg(long, default_value_t = 12)]
     burst: usize,
     #[arg(long, default_value = "base")]
     template: String,
