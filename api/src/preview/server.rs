@@ -262,6 +262,11 @@ async fn version_decidable(stream: &tokio::net::TcpStream, timeout: Option<Durat
     // No timeout configured: a day stands for "unbounded" (the operator turned it off).
     let deadline = Instant::now() + timeout.unwrap_or(Duration::from_secs(86_400));
     loop {
+        // `timeout_at` polls the peek first, and a peek of buffered bytes is always ready: the
+        // deadline must be checked here too, or a partial preface is waited for forever.
+        if Instant::now() >= deadline {
+            return false;
+        }
         match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return false,
             Ok(Ok(n)) if n == H2_PREFACE.len() || buf[..n] != H2_PREFACE[..n] => return true,
