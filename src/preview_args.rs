@@ -57,6 +57,7 @@ impl PreviewArgs {
                 .map(|s| Arc::new(s.as_bytes().to_vec())),
             wake_timeout: self.preview_wake_timeout.into(),
             token_ttl: self.preview_token_ttl.into(),
+            ..PreviewConfig::default()
         })
     }
 }

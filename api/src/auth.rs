@@ -39,16 +39,24 @@ async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiErro
     .await
 }
 
-/// The berth API key of an `Authorization: Bearer` header, if it carries one.
+/// The berth API key of the request's first `Authorization: Bearer` value that carries one,
+/// among all its `Authorization` headers. The scheme is case-insensitive (RFC 9110 §11.1) and
+/// parted from the key by any run of spaces or tabs (RFC 9110's `1*SP` read leniently, as
+/// clients send it): `Basic …` followed by `Bearer berth_…`, or `Bearer<TAB>berth_…`, still
+/// name the key.
 pub fn bearer_key(headers: &axum::http::HeaderMap) -> Option<&str> {
     headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        // The scheme is case-insensitive (RFC 9110 §11.1).
-        .and_then(|v| v.split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, key)| key.trim())
-        .filter(|k| k.starts_with(KEY_PREFIX))
+        .get_all(axum::http::header::AUTHORIZATION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .filter_map(|v| {
+            let v = v.trim_matches([' ', '\t']);
+            let (scheme, key) = v.split_once([' ', '\t'])?;
+            scheme
+                .eq_ignore_ascii_case("bearer")
+                .then(|| key.trim_matches([' ', '\t']))
+        })
+        .find(|k| k.starts_with(KEY_PREFIX))
 }
 
 /// Resolves the request's bearer key (cache first, then Postgres within the client address
@@ -128,5 +136,35 @@ impl FromRequestParts<AppState> for Admin {
             ));
         }
         Ok(Admin { key_id: p.key_id })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::{header::AUTHORIZATION, HeaderMap, HeaderValue};
+
+    fn headers(values: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(AUTHORIZATION, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn a_bearer_key_is_found_in_any_authorization_header_and_any_spacing() {
+        let key = "berth_abc";
+        assert_eq!(bearer_key(&headers(&["Bearer berth_abc"])), Some(key));
+        assert_eq!(bearer_key(&headers(&["bearer\tberth_abc"])), Some(key));
+        assert_eq!(bearer_key(&headers(&["BEARER  \t berth_abc "])), Some(key));
+        assert_eq!(
+            bearer_key(&headers(&["Basic dXNlcjpwdw==", "Bearer berth_abc"])),
+            Some(key)
+        );
+        assert_eq!(bearer_key(&headers(&["Bearer someone-elses-token"])), None);
+        assert_eq!(bearer_key(&headers(&["Basic berth_abc"])), None);
+        assert_eq!(bearer_key(&headers(&["Bearerberth_abc"])), None);
+        assert_eq!(bearer_key(&HeaderMap::new()), None);
     }
 }

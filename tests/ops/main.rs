@@ -15,6 +15,7 @@ mod limits;
 mod nats_auth;
 mod observability;
 mod preview;
+mod preview_abuse;
 mod preview_kit;
 mod proxy_limits;
 mod relay;

@@ -1,7 +1,8 @@
 //! One forwarded request: a connection to the host's forwarder opened with a signed preamble,
 //! then HTTP/1.1 to the sandbox's port over it (hyper's client). A `101 Switching Protocols`
 //! answer (WebSocket) joins the client's upgraded connection to the sandbox's, byte for byte.
-//! Response bodies stream (Server-Sent Events pass as they come).
+//! Response bodies stream (Server-Sent Events pass as they come). The response head must come
+//! within [`Bounds::response`] (else `504`); a tunnel ends as [`super::tunnel`] says.
 //!
 //! Each request opens its own connection through the forwarder (no pooling yet): simple, and
 //! no connection is ever shared between two clients.
@@ -19,6 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::page::Page;
+use super::tunnel::{self, TunnelLimits};
 use super::Target;
 
 /// How long connecting to a host's forwarder and reading its answer may take.
@@ -53,6 +55,8 @@ pub enum Failure {
     Upstream(hyper::Error),
     /// The sandbox's server switched protocols although the client did not ask to.
     UnaskedUpgrade,
+    /// The sandbox's server sent no response head within the bound.
+    NoAnswer(Duration),
 }
 
 impl Failure {
@@ -86,6 +90,13 @@ impl Failure {
             Failure::UnaskedUpgrade => Page::new(
                 StatusCode::BAD_GATEWAY,
                 format!("The server on port {port} switched protocols unasked."),
+            ),
+            Failure::NoAnswer(after) => Page::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                format!(
+                    "The server on port {port} did not answer within {} s.",
+                    after.as_secs()
+                ),
             ),
             Failure::Upstream(e) => Page::new(
                 StatusCode::BAD_GATEWAY,
@@ -130,6 +141,15 @@ pub async fn connect(forwarder: &str, key: &Key, target: &Target) -> Result<TcpS
     }
 }
 
+/// How long a forwarded exchange may last.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// The wait for the response head; `None`: unbounded.
+    pub response: Option<Duration>,
+    /// When a tunnel (an upgrade) is closed.
+    pub tunnel: TunnelLimits,
+}
+
 /// Forwards `req` (for `target`) through the forwarder and answers with the sandbox's
 /// response; `peer` becomes `X-Forwarded-For`.
 ///
@@ -140,6 +160,7 @@ pub async fn forward(
     target: &Target,
     mut req: Request<Body>,
     peer: Option<IpAddr>,
+    bounds: Bounds,
 ) -> Result<Response, Failure> {
     let stream = connect(forwarder, key, target).await?;
     let downstream_upgrade = req.extensions_mut().remove::<OnUpgrade>();
@@ -153,7 +174,16 @@ pub async fn forward(
             tracing::debug!(error = %e, "preview upstream connection ended with an error");
         }
     });
-    let mut response = sender.send_request(req).await.map_err(Failure::Upstream)?;
+    let sent = sender.send_request(req);
+    let mut response = match bounds.response {
+        // Dropping the exchange (and with it the connection task's sender) closes the
+        // connection to the sandbox.
+        Some(limit) => tokio::time::timeout(limit, sent)
+            .await
+            .map_err(|_| Failure::NoAnswer(limit))?,
+        None => sent.await,
+    }
+    .map_err(Failure::Upstream)?;
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
         match downstream_upgrade {
             Some(downstream) if upgrading => {
@@ -161,9 +191,13 @@ pub async fn forward(
                 tokio::spawn(async move {
                     match tokio::try_join!(downstream, upstream) {
                         Ok((client, server)) => {
-                            let (mut client, mut server) =
-                                (TokioIo::new(client), TokioIo::new(server));
-                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                            let ended = tunnel::join(
+                                TokioIo::new(client),
+                                TokioIo::new(server),
+                                bounds.tunnel,
+                            )
+                            .await;
+                            tracing::debug!(reason = ended.as_str(), "preview tunnel ended");
                         }
                         Err(e) => tracing::debug!(error = %e, "preview upgrade failed"),
                     }
@@ -179,7 +213,7 @@ pub async fn forward(
 }
 
 /// Whether the request asks for a protocol upgrade (`Connection: upgrade` and `Upgrade`).
-fn is_upgrade(req: &Request<Body>) -> bool {
+pub(crate) fn is_upgrade(req: &Request<Body>) -> bool {
     req.version() == Version::HTTP_11
         && req.headers().contains_key(header::UPGRADE)
         && req

@@ -12,16 +12,34 @@
 //! for auto-stop; forward it ([`forward`]).
 //!
 //! # Guarantees
+//! - On `berth proxy`'s listener every request but `/healthz` counts against its client
+//!   address's rate ([`crate::limits::LimitsConfig::per_ip`], the API's); one over it is `429`
+//!   with `Retry-After` (an HTML page), before any lookup. (On the API the API's own per-address
+//!   limit counts the path route.) An unknown or deleted sandbox is remembered for
+//!   [`routes::MISS_TTL`] (at most [`routes::MISS_CAPACITY`] of them), so a flood of made-up ids
+//!   does not become a flood of queries.
 //! - A sandbox that does not exist, is deleted or being deleted, or belongs to another org
 //!   than the caller's key is `404`; a request without a key or token for a private port, or
-//!   with a bad or expired token, is `401`. The key, the token header and the token query
-//!   parameter are removed before the request is forwarded.
+//!   with a bad or expired token, is `401`. Every `Authorization` (and `Proxy-Authorization`)
+//!   value that carries a Berth key, in any spelling, the token header, the token query
+//!   parameter and the token cookie are removed before the request is forwarded, whoever the
+//!   key belongs to.
+//! - A valid token in the query parameter of a `GET`/`HEAD` is answered with `303` to the same
+//!   URL without it, setting the token as an `HttpOnly`, `SameSite=Lax` cookie scoped to the
+//!   preview host (by host name) or to `/v1/sandboxes/{id}/ports/{port}/` (by path) that
+//!   expires with the token; the cookie is accepted afterwards ([`access`]).
 //! - A stopped (or stopping) sandbox with `auto_resume` is started through the same lifecycle
 //!   use case as `POST …/start` (so concurrent wakers start it once: the second finds it
 //!   `starting`, which is a no-op), and the request is held until it runs, at most
 //!   [`PreviewConfig::wake_timeout`], then `503` with `Retry-After`. Without `auto_resume`:
-//!   `409` naming the state, and nothing is started. A deleted sandbox is never started.
-//! - Nothing listening on the port: `502` with a short page.
+//!   `409` naming the state, and nothing is started. A deleted sandbox is never started. An
+//!   expiry that stops a sandbox turns its `auto_resume` off (the reconciler's pass), so a
+//!   preview request never restarts what its owner's deadline stopped.
+//! - Nothing listening on the port: `502` with a short page; a sandbox that sends no response
+//!   head within [`PreviewConfig::response_timeout`]: `504`.
+//! - A tunnel (WebSocket, any upgrade) is closed when it moves no byte either way for
+//!   [`PreviewConfig::tunnel_idle_timeout`], and when the token (or token cookie) that opened
+//!   it expires ([`tunnel`]).
 
 pub mod access;
 pub mod forward;
@@ -29,6 +47,7 @@ pub mod page;
 pub mod routes;
 pub mod server;
 pub mod target;
+pub mod tunnel;
 pub mod wake;
 
 use std::collections::HashMap;
@@ -60,6 +79,13 @@ pub const MAX_TOKEN_TTL: Duration = Duration::from_secs(24 * 3600);
 /// A forwarded request stamps the sandbox's activity at most this often (one write per
 /// sandbox per interval, not one per request).
 pub const ACTIVITY_INTERVAL: Duration = Duration::from_secs(10);
+/// Default bound on the wait for the sandbox's response head once a request is sent to it:
+/// past it the client gets `504` (Cloudflare gives an origin the same 100 s before its 524).
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(100);
+/// Default idle limit of a tunnel (a WebSocket or any other upgrade): one that moves no byte
+/// either way for this long is closed. Five minutes outlasts the keep-alive pings of common
+/// WebSocket clients (30 to 60 s) and still frees what an abandoned tab holds.
+pub const DEFAULT_TUNNEL_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The preview settings shared by the API and `berth proxy`.
 #[derive(Clone)]
@@ -76,6 +102,12 @@ pub struct PreviewConfig {
     pub wake_timeout: Duration,
     /// A token's lifetime when the request names none.
     pub token_ttl: Duration,
+    /// How long a forwarded request waits for the sandbox's response head (then `504`);
+    /// zero: unbounded.
+    pub response_timeout: Duration,
+    /// How long a tunnel (WebSocket, any upgrade) may move no byte either way before it is
+    /// closed; zero: unbounded.
+    pub tunnel_idle_timeout: Duration,
 }
 
 impl std::fmt::Debug for PreviewConfig {
@@ -86,13 +118,15 @@ impl std::fmt::Debug for PreviewConfig {
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
             .field("wake_timeout", &self.wake_timeout)
             .field("token_ttl", &self.token_ttl)
+            .field("response_timeout", &self.response_timeout)
+            .field("tunnel_idle_timeout", &self.tunnel_idle_timeout)
             .finish()
     }
 }
 
 impl Default for PreviewConfig {
     /// [`DEFAULT_PREVIEW_DOMAIN`], `http`, no secret (off), [`DEFAULT_WAKE_TIMEOUT`],
-    /// [`DEFAULT_TOKEN_TTL`].
+    /// [`DEFAULT_TOKEN_TTL`], [`DEFAULT_RESPONSE_TIMEOUT`], [`DEFAULT_TUNNEL_IDLE_TIMEOUT`].
     fn default() -> Self {
         Self {
             domain: DEFAULT_PREVIEW_DOMAIN.to_owned(),
@@ -100,6 +134,8 @@ impl Default for PreviewConfig {
             secret: None,
             wake_timeout: DEFAULT_WAKE_TIMEOUT,
             token_ttl: DEFAULT_TOKEN_TTL,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            tunnel_idle_timeout: DEFAULT_TUNNEL_IDLE_TIMEOUT,
         }
     }
 }
@@ -195,7 +231,18 @@ impl Preview {
             .get(&self.db, target.sandbox)
             .await?
             .ok_or_else(|| page::Page::not_found(target.sandbox))?;
-        access::authorize(self, req, &route, target, peer).await?;
+        let grant = access::authorize(self, req, &route, target, peer).await?;
+        if let Some(token) = grant.set_cookie {
+            // A shared link: the browser keeps the token as a cookie and reloads the page
+            // without it, so its images, scripts and links are let in too.
+            return Ok(access::cookie_redirect(
+                &self.config,
+                req.uri(),
+                target,
+                &token,
+                grant.expires,
+            ));
+        }
         let route = if route.state == SandboxState::Running {
             route
         } else {
@@ -205,7 +252,11 @@ impl Preview {
         let forwarder = self.routes.forwarder(&self.db, route.host).await?;
         let key = preview::forwarder_key(&secret, route.host);
         let outgoing = std::mem::replace(req, Request::new(Body::empty()));
-        match forward::forward(&forwarder, &key, target, outgoing, peer).await {
+        let bounds = forward::Bounds {
+            response: Some(self.config.response_timeout).filter(|t| !t.is_zero()),
+            tunnel: tunnel::TunnelLimits::new(self.config.tunnel_idle_timeout, grant.expires),
+        };
+        match forward::forward(&forwarder, &key, target, outgoing, peer, bounds).await {
             Ok(response) => Ok(response),
             Err(e) => {
                 if e.stale_route() {

@@ -4,8 +4,13 @@
 //! # Guarantees
 //! - Only a `running` sandbox's route is cached, for at most [`ROUTE_TTL`]; every lifecycle
 //!   event of the sandbox (on `{p}.events.sandbox.…`, see [`evict_on_events`]) evicts it, and
-//!   so does a forwarder that says it does not hold the sandbox running. A sleeping, deleted
-//!   or unknown sandbox is read from Postgres on every request.
+//!   so does a forwarder that says it does not hold the sandbox running. A sleeping sandbox is
+//!   read from Postgres on every request.
+//! - An unknown or deleted (or being deleted) sandbox is remembered as missing for
+//!   [`MISS_TTL`], so a flood of requests for made-up ids costs one query per id and
+//!   [`MISS_TTL`], not one per request; its events evict it too (a sandbox's id is made by the
+//!   API at create, so no request names it before it exists). At most [`MISS_CAPACITY`] ids
+//!   are remembered: past that the expired ones go, then all of them.
 //! - A host's forwarder address is cached for at most [`FORWARDER_TTL`] and evicted when a
 //!   connection to it fails.
 
@@ -27,6 +32,10 @@ use super::Preview;
 pub const ROUTE_TTL: Duration = Duration::from_secs(30);
 /// How long a host's forwarder address is trusted.
 pub const FORWARDER_TTL: Duration = Duration::from_secs(30);
+/// How long an unknown or deleted sandbox is answered `404` without asking Postgres again.
+pub const MISS_TTL: Duration = Duration::from_secs(5);
+/// Most unknown sandboxes remembered at once.
+pub const MISS_CAPACITY: usize = 10_000;
 
 /// What the proxy needs of a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +76,37 @@ impl Route {
 pub struct RouteCache {
     routes: Mutex<HashMap<SandboxId, (Route, Instant)>>,
     forwarders: Mutex<HashMap<HostId, (String, Instant)>>,
+    misses: Mutex<Misses>,
+}
+
+/// Sandboxes found missing, and when (bounded by [`MISS_CAPACITY`]).
+#[derive(Debug, Default)]
+struct Misses(HashMap<SandboxId, Instant>);
+
+impl Misses {
+    /// Whether `sandbox` was found missing less than [`MISS_TTL`] before `now`.
+    fn holds(&mut self, sandbox: SandboxId, now: Instant) -> bool {
+        match self.0.get(&sandbox) {
+            Some(at) if now.saturating_duration_since(*at) < MISS_TTL => true,
+            Some(_) => {
+                self.0.remove(&sandbox);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Remembers `sandbox` as missing at `now`, making room first when full.
+    fn insert(&mut self, sandbox: SandboxId, now: Instant) {
+        if self.0.len() >= MISS_CAPACITY {
+            self.0
+                .retain(|_, at| now.saturating_duration_since(*at) < MISS_TTL);
+            if self.0.len() >= MISS_CAPACITY {
+                self.0.clear();
+            }
+        }
+        self.0.insert(sandbox, now);
+    }
 }
 
 impl RouteCache {
@@ -75,11 +115,20 @@ impl RouteCache {
         if let Some(route) = self.cached(sandbox) {
             return Ok(Some(route));
         }
+        if self
+            .misses
+            .lock()
+            .expect("never poisoned")
+            .holds(sandbox, Instant::now())
+        {
+            return Ok(None);
+        }
         let route = self.read(db, sandbox).await?;
         Ok(route)
     }
 
-    /// The sandbox's route read from Postgres (cached when it runs).
+    /// The sandbox's route read from Postgres (cached when it runs, remembered as missing when
+    /// there is none).
     pub async fn read(&self, db: &PgPool, sandbox: SandboxId) -> Result<Option<Route>, Page> {
         let route = berth_store::sandboxes::find(db, sandbox)
             .await?
@@ -89,6 +138,12 @@ impl RouteCache {
                 .lock()
                 .expect("never poisoned")
                 .insert(sandbox, (r.clone(), Instant::now()));
+        }
+        if route.is_none() {
+            self.misses
+                .lock()
+                .expect("never poisoned")
+                .insert(sandbox, Instant::now());
         }
         Ok(route)
     }
@@ -105,9 +160,14 @@ impl RouteCache {
         }
     }
 
-    /// Forgets the sandbox's route.
+    /// Forgets the sandbox's route (and that it was missing).
     pub fn evict(&self, sandbox: SandboxId) {
         self.routes.lock().expect("never poisoned").remove(&sandbox);
+        self.misses
+            .lock()
+            .expect("never poisoned")
+            .0
+            .remove(&sandbox);
     }
 
     /// Forgets the host's forwarder address.
@@ -194,5 +254,36 @@ mod tests {
         let s = Subjects::default().sandbox_events(org, id);
         assert_eq!(sandbox_of(&s), Some(id));
         assert_eq!(sandbox_of("berth.events.webhook.x.y"), None);
+    }
+
+    #[test]
+    fn a_missing_sandbox_is_remembered_for_the_ttl_and_the_memory_is_bounded() {
+        let mut misses = Misses::default();
+        let t0 = Instant::now();
+        let id = SandboxId::new();
+        assert!(!misses.holds(id, t0));
+        misses.insert(id, t0);
+        assert!(misses.holds(id, t0 + MISS_TTL / 2));
+        assert!(!misses.holds(id, t0 + MISS_TTL));
+        assert!(
+            misses.0.is_empty(),
+            "an expired miss is dropped when looked at"
+        );
+        for _ in 0..MISS_CAPACITY {
+            misses.insert(SandboxId::new(), t0);
+        }
+        assert_eq!(misses.0.len(), MISS_CAPACITY);
+        // Full of live entries: they all go, and the new one is kept.
+        misses.insert(id, t0 + Duration::from_secs(1));
+        assert_eq!(misses.0.len(), 1);
+        assert!(misses.holds(id, t0 + Duration::from_secs(1)));
+        // Full with expired entries: only those go.
+        for _ in 0..MISS_CAPACITY - 1 {
+            misses.insert(SandboxId::new(), t0);
+        }
+        let later = t0 + Duration::from_secs(1) + MISS_TTL - Duration::from_millis(1);
+        misses.insert(SandboxId::new(), later);
+        assert_eq!(misses.0.len(), 2, "the live miss and the new one");
+        assert!(misses.holds(id, later));
     }
 }

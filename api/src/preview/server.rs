@@ -18,12 +18,17 @@
 //!   answering PINGs ([`H2_KEEP_ALIVE_INTERVAL`], [`H2_KEEP_ALIVE_TIMEOUT`]) is dropped even
 //!   while a stream is open, and one connection carries at most [`H2_MAX_CONCURRENT_STREAMS`]
 //!   streams at once.
+//! - Every request but the proxy's own `GET /healthz` counts against its client address's rate
+//!   ([`LimitsConfig::per_ip`], the API's, per [`crate::limits::client_of`]); one over it is
+//!   `429` with `Retry-After`, as a page, before any lookup. The rate state is swept every
+//!   [`crate::limits::RATE_STATE_SWEEP`].
 //! - On shutdown, accepting stops and open connections get [`crate::server::SHUTDOWN_GRACE`]
 //!   to finish.
 //!
 //! [`LimitsConfig::max_connections`]: crate::limits::LimitsConfig::max_connections
 //! [`LimitsConfig::max_connections_per_ip`]: crate::limits::LimitsConfig::max_connections_per_ip
 //! [`LimitsConfig::header_read_timeout`]: crate::limits::LimitsConfig::header_read_timeout
+//! [`LimitsConfig::per_ip`]: crate::limits::LimitsConfig::per_ip
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -86,6 +91,18 @@ pub async fn serve(
         .keep_alive_timeout(H2_KEEP_ALIVE_TIMEOUT)
         .max_concurrent_streams(H2_MAX_CONCURRENT_STREAMS);
     let connections = TaskTracker::new();
+    let sweeper = tokio::spawn({
+        let (guards, stop) = (preview.guards.clone(), shutdown.clone());
+        async move {
+            let mut every = tokio::time::interval(crate::limits::RATE_STATE_SWEEP);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = every.tick() => guards.sweep(),
+                }
+            }
+        }
+    });
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -150,6 +167,7 @@ pub async fn serve(
         });
     }
     drop(listener);
+    sweeper.abort();
     connections.close();
     if tokio::time::timeout(crate::server::SHUTDOWN_GRACE, connections.wait())
         .await
@@ -252,6 +270,11 @@ async fn version_decidable(stream: &tokio::net::TcpStream, timeout: Option<Durat
     // No timeout configured: a day stands for "unbounded" (the operator turned it off).
     let deadline = Instant::now() + timeout.unwrap_or(Duration::from_secs(86_400));
     loop {
+        // `timeout_at` polls the peek first, and a peek of buffered bytes is always ready: the
+        // deadline must be checked here too, or a partial preface is waited for forever.
+        if Instant::now() >= deadline {
+            return false;
+        }
         match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return false,
             Ok(Ok(n)) if n == H2_PREFACE.len() || buf[..n] != H2_PREFACE[..n] => return true,
@@ -265,7 +288,7 @@ async fn version_decidable(stream: &tokio::net::TcpStream, timeout: Option<Durat
 /// How long [`version_decidable`] waits before looking at a partial preface again.
 const PEEK_AGAIN: Duration = Duration::from_millis(20);
 
-/// Routes one request by host name, then by path.
+/// Routes one request by host name, then by path, once its client address's rate allows it.
 pub async fn route(preview: &Preview, req: Request<Body>, peer: SocketAddr) -> Response {
     let host = req
         .headers()
@@ -273,27 +296,33 @@ pub async fn route(preview: &Preview, req: Request<Body>, peer: SocketAddr) -> R
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned)
         .or_else(|| req.uri().authority().map(|a| a.as_str().to_owned()));
-    let peer_ip = Some(crate::limits::client_of(peer.ip()));
-    if let Some((sandbox, port)) = host
+    let target = match host
         .as_deref()
         .and_then(|h| target::from_host(h, &preview.config.domain))
     {
-        let target = target::by_host(sandbox, port, req.uri());
-        return preview.handle(req, target, peer_ip).await;
-    }
-    if let Some(target) = target::from_path(req.uri()) {
-        return preview.handle(req, target, peer_ip).await;
-    }
-    if req.uri().path() == "/healthz" {
+        Some((sandbox, port)) => Some(target::by_host(sandbox, port, req.uri())),
+        None => target::from_path(req.uri()),
+    };
+    // The proxy's own health check is free; everything else (a preview of any path, a 404
+    // page) counts against the client's rate.
+    if target.is_none() && req.uri().path() == "/healthz" {
         let mut ok = Response::new(Body::from("ok"));
         *ok.status_mut() = StatusCode::OK;
         return ok;
     }
-    Page::new(
-        StatusCode::NOT_FOUND,
-        "This is a Berth preview server: open a sandbox's preview URL.",
-    )
-    .into_response()
+    let client = crate::limits::client_of(peer.ip());
+    if let Err(e) = preview.guards.check_ip(client) {
+        metrics::counter!("berth_preview_requests_total", "status" => "429").increment(1);
+        return super::access::refusal(e).into_response();
+    }
+    match target {
+        Some(target) => preview.handle(req, target, Some(client)).await,
+        None => Page::new(
+            StatusCode::NOT_FOUND,
+            "This is a Berth preview server: open a sandbox's preview URL.",
+        )
+        .into_response(),
+    }
 }
 
 /// Binds `addr` and serves; the proxy's entry point (`berth proxy`, `berth dev`).

@@ -13,6 +13,9 @@ pub struct Target {
     pub port: u16,
     /// The path and query to forward (`/` at least).
     pub path_and_query: String,
+    /// Whether the request named it by path (`/v1/sandboxes/{id}/ports/{port}/…`) rather than
+    /// by host name: a preview link's cookie is then scoped to that path.
+    pub by_path: bool,
 }
 
 /// The `{port}-{sandbox_id}` label of a host name under `domain` (case-insensitive; a `:port`
@@ -43,6 +46,7 @@ pub fn by_host(sandbox: SandboxId, port: u16, uri: &Uri) -> Target {
             .map(|p| p.as_str().to_owned())
             .filter(|p| p.starts_with('/'))
             .unwrap_or_else(|| "/".to_owned()),
+        by_path: false,
     }
 }
 
@@ -67,6 +71,7 @@ pub fn from_path(uri: &Uri) -> Option<Target> {
         sandbox,
         port,
         path_and_query,
+        by_path: true,
     })
 }
 
@@ -104,7 +109,8 @@ mod tests {
             Some(Target {
                 sandbox: id,
                 port: 8000,
-                path_and_query: "/a/b?x=1".into()
+                path_and_query: "/a/b?x=1".into(),
+                by_path: true,
             })
         );
         let bare: Uri = format!("/v1/sandboxes/{id}/ports/8000").parse().unwrap();

@@ -467,7 +467,8 @@ async fn fail_over_lost_hosts(
 /// [`on_expiry`] decides — the request's transition with reason `expired` (and its expiry
 /// cleared: it fires once), only the expiry cleared when the sandbox is already there, or
 /// nothing yet while a conflicting transition is in flight (a later pass sees it settled).
-/// Returns how many transitions it wrote.
+/// An expiry that stops (or finds stopped) a sandbox also turns its `auto_resume` off
+/// ([`keep_asleep`]). Returns how many transitions it wrote.
 async fn expire(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
     let mut n = 0;
@@ -480,6 +481,7 @@ async fn expire(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, 
             Expiry::Apply(decision) => decision,
             Expiry::Settled => {
                 sandboxes::clear_expiry(&mut tx, &row, row.generation).await?;
+                keep_asleep(&mut tx, &row).await?;
                 continue;
             }
             Expiry::Later => continue,
@@ -508,11 +510,37 @@ async fn expire(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, 
         )
         .await?;
         sandboxes::clear_expiry(&mut tx, &row, written.row.generation).await?;
+        keep_asleep(&mut tx, &written.row).await?;
         info!(sandbox_id = %row.id, action = %row.on_expiry, "sandbox expired");
         n += 1;
     }
     commit(tx).await?;
     Ok(n)
+}
+
+/// The `sandbox.updated` message of an expiry that turned `auto_resume` off.
+pub const EXPIRY_RESUME_OFF: &str = "auto_resume: off, stopped by its expiry";
+
+/// An expiry that stops a sandbox turns its `auto_resume` off, in the expiry's transaction:
+/// otherwise any preview request (a shared link, a public port) would start again what the
+/// owner's deadline stopped, and it would then run with no expiry at all (the expiry fired
+/// once and is cleared). The owner's own start still works, and a PATCH turns `auto_resume`
+/// back on. The `sandbox.updated` event says so ([`EXPIRY_RESUME_OFF`]).
+async fn keep_asleep(conn: &mut PgConnection, row: &SandboxRow) -> Result<(), PassError> {
+    if row.on_expiry != ExpiryAction::Stop || !row.auto_resume {
+        return Ok(());
+    }
+    sandboxes::update_settings(
+        conn,
+        row,
+        &sandboxes::SettingsChange {
+            auto_resume: Some(false),
+            message: EXPIRY_RESUME_OFF,
+            ..Default::default()
+        },
+    )
+    .await?;
+    Ok(())
 }
 
 /// Auto-stop (`Request::Stop`: running, idle for `auto_stop_minutes`) and auto-delete
