@@ -108,14 +108,19 @@ pub async fn verdict(db: &PgPool, reports: &[PassReport]) -> anyhow::Result<Verd
     };
     // Every guest failure's event: the sandbox and when the pass wrote it.
     let failed = berth_store::events::guest_failures(db, &messages[..]).await?;
-    // Every boot the pass timed out (the reconciler's message, `timeout: host never
-    // answered <kind>`).
+    // Every boot the pass timed out (the reconciler's messages: `timeout: host never answered
+    // <kind>`, or never delivered while the relay lagged).
     let timeout_messages: Vec<String> = [
         berth_schemas::CommandKind::Create,
         berth_schemas::CommandKind::Start,
     ]
     .iter()
-    .map(|kind| format!("timeout: host never answered {kind}"))
+    .flat_map(|kind| {
+        [
+            format!("timeout: host never answered {kind}"),
+            format!("timeout: {kind} was never delivered to its host (control-plane backlog)"),
+        ]
+    })
     .collect();
     let timeout_messages: Vec<&str> = timeout_messages.iter().map(String::as_str).collect();
     let timed_out = berth_store::events::guest_failures(db, &timeout_messages).await?;

@@ -431,13 +431,20 @@ async fn time_out_commands(
         stop: config.stop_timeout,
     };
     let mut n = 0;
-    for (row, kind) in sandboxes::lock_timed_out(&mut tx, timeouts, config.batch).await? {
+    for timed_out in sandboxes::lock_timed_out(&mut tx, timeouts, config.batch).await? {
+        let (row, kind) = (&timed_out.row, timed_out.kind);
         let Some(failure) = on_timeout(kind, row.state) else {
             continue;
         };
-        let message = format!("timeout: host never answered {kind}");
-        fail_sandbox(&mut tx, &row, failure, &message).await?;
-        if let Some(host) = row.host_id {
+        // A command the relay never published never reached its host: the control plane's
+        // own backlog, so the reason says so and the host's health is not charged.
+        let message = if timed_out.published {
+            format!("timeout: host never answered {kind}")
+        } else {
+            format!("timeout: {kind} was never delivered to its host (control-plane backlog)")
+        };
+        fail_sandbox(&mut tx, row, failure, &message).await?;
+        if let (Some(host), true) = (row.host_id, timed_out.published) {
             crate::health::record_timeout(&mut tx, host, kind, &config.health.policy).await?;
         }
         info!(sandbox_id = %row.id, %kind, "command timed out; sandbox failed-start");

@@ -42,6 +42,18 @@ impl CommandTimeouts {
     }
 }
 
+/// A sandbox whose open command outlived its timeout ([`lock_timed_out`]).
+#[derive(Debug)]
+pub struct TimedOut {
+    /// The locked row.
+    pub row: SandboxRow,
+    /// The command's kind.
+    pub kind: CommandKind,
+    /// Whether the relay had published it: an unpublished one never reached its host (the
+    /// control plane's own backlog), so its timeout says nothing about the host.
+    pub published: bool,
+}
+
 /// Locks (skipping rows others hold) up to `batch` sandboxes whose current command, one they
 /// still wait on ([`TIMED_COMMANDS`]), is older than its timeout; with the command's kind.
 ///
@@ -53,7 +65,7 @@ pub async fn lock_timed_out(
     conn: &mut PgConnection,
     timeouts: CommandTimeouts,
     batch: i64,
-) -> Result<Vec<(SandboxRow, CommandKind)>, StoreError> {
+) -> Result<Vec<TimedOut>, StoreError> {
     let kinds: Vec<&str> = TIMED_COMMANDS.iter().map(|(k, _)| k.as_str()).collect();
     let states: Vec<&str> = TIMED_COMMANDS.iter().map(|(_, s)| s.as_str()).collect();
     let limits: Vec<f64> = TIMED_COMMANDS
@@ -63,7 +75,7 @@ pub async fn lock_timed_out(
     let found = timed(
         Op::SandboxTimedOut,
         sqlx::query(&format!(
-            "SELECT c.kind AS command_kind, {cols}
+            "SELECT c.kind AS command_kind, c.published_at IS NOT NULL AS delivered, {cols}
                FROM commands c JOIN sandboxes s ON s.id = c.sandbox_id
                JOIN unnest($1::text[], $2::text[], $3::float8[]) AS t(kind, state, secs)
                  ON t.kind = c.kind AND t.state = s.state
@@ -94,7 +106,14 @@ pub async fn lock_timed_out(
                 .try_get("command_kind")
                 .map_err(StoreError::database(Op::SandboxTimedOut))?;
             let kind = kind.parse().map_err(|e| corrupt("commands.kind", e))?;
-            Ok((SandboxRow::from_row(r)?, kind))
+            let published: bool = r
+                .try_get("delivered")
+                .map_err(StoreError::database(Op::SandboxTimedOut))?;
+            Ok(TimedOut {
+                row: SandboxRow::from_row(r)?,
+                kind,
+                published,
+            })
         })
         .collect()
 }

@@ -535,7 +535,7 @@ mod write;
 pub use compat::{execd_token, find_with_execd_token, list_in_states};
 pub use converge::{
     capacity_drift, count_by_state, guest_tallies, lock_due, lock_failed_guests, lock_stranded,
-    lock_timed_out, purge_tombstones, CommandTimeouts, Due, GuestTally, Judging,
+    lock_timed_out, purge_tombstones, CommandTimeouts, Due, GuestTally, Judging, TimedOut,
 };
 pub use settings::{clear_expiry, lock_expired, update_settings, SettingsChange};
 pub use write::{move_create, write_result, write_transition, ResultWrite, Transition, Written};
