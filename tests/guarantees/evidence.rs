@@ -516,3 +516,52 @@ async fn a_fleet_over_its_share_holds_every_host_until_released(db: PgPool) {
         .iter()
         .all(|s| s == "failed-start"));
 }
+
+/// A create the relay never published times out as never delivered and leaves its host's
+/// health alone; one the host had and never answered counts against it.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_timeout_of_a_command_never_published_does_not_charge_its_host(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let lease = inproc::lease(&plane.db).await;
+    let stuck = plane.create().await;
+    let delivered = plane.create().await;
+    let command = plane.latest(delivered).await;
+    sqlx::query("UPDATE commands SET published_at = now() WHERE id = $1")
+        .bind(command.id.0)
+        .execute(&plane.db)
+        .await
+        .unwrap();
+    let eager = PassConfig {
+        create_timeout: Duration::ZERO,
+        ..config()
+    };
+    assert_eq!(
+        pass(&plane.db, &eager, &lease)
+            .await
+            .count(Action::CommandTimeout),
+        2
+    );
+    let reason = |id: SandboxId| {
+        let db = plane.db.clone();
+        async move {
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT message FROM events WHERE sandbox_id = $1 AND to_state = 'failed-start'",
+            )
+            .bind(id.0)
+            .fetch_one(&db)
+            .await
+            .unwrap()
+            .unwrap_or_default()
+        }
+    };
+    assert!(
+        reason(stuck).await.contains("never delivered"),
+        "{}",
+        reason(stuck).await
+    );
+    assert!(reason(delivered).await.contains("host never answered"));
+    assert_eq!(
+        health(&plane.db, plane.host).await,
+        ("healthy".to_owned(), 1)
+    );
+}
