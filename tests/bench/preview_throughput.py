@@ -3,8 +3,9 @@
 # a busybox httpd in a fresh runc sandbox, N keep-alive connections, preview-token auth.
 # Usage: tests/bench/preview_throughput.py [connections]   (reads .berth/api-key, .berth/stack.env)
 import json, os, sys, threading, time, urllib.request, http.client
-api="http://127.0.0.1:8080"; key=open(os.environ.get("BERTH_STATE_DIR", ".berth") + "/api-key").read().strip()
+key=open(os.environ.get("BERTH_STATE_DIR", ".berth") + "/api-key").read().strip()
 env=dict(l.strip().split("=",1) for l in open(os.environ.get("BERTH_STATE_DIR", ".berth") + "/stack.env") if "=" in l)
+api=env.get("BERTH_API", "http://127.0.0.1:8080")
 proxy=env["BERTH_PROXY"].replace("http://",""); domain=env["BERTH_PREVIEW_DOMAIN"]
 def call(method, path, body=None):
     req=urllib.request.Request(api+path, method=method, data=json.dumps(body).encode() if body is not None else None,
