@@ -95,11 +95,16 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(h.containers().await?.len() == 2);
     h.start_hostd();
     h.heartbeat_with(sandbox, GuestStatus::Running).await?;
-    let containers = h.containers().await?;
-    ensure!(
-        containers == [(h.names(sandbox).container_id, "running".to_owned())],
-        "after adoption: {containers:?}"
-    );
+    // The heartbeat subscription still holds heartbeats of the hostd that stopped, so the one
+    // just taken may predate this run's adoption: wait for adoption to have swept the orphan.
+    let adopted = [(h.names(sandbox).container_id, "running".to_owned())];
+    let deadline = tokio::time::Instant::now() + RESULT_TIMEOUT;
+    let mut containers = h.containers().await?;
+    while containers != adopted && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        containers = h.containers().await?;
+    }
+    ensure!(containers == adopted, "after adoption: {containers:?}");
     let (_, stdout, _) = finished(
         &h.exec(sandbox, &["cat", "/root/f"], EXEC_TIMEOUT_MS)
             .await?,
