@@ -198,31 +198,13 @@ impl OciCli {
     }
 
     /// `delete --force`; succeeds when the container does not exist.
-    ///
-    /// Success means the container is gone: `delete --force` is asked again (at most
-    /// [`DESTROY_ATTEMPTS`] times) while `state` still finds it, since on a loaded host it has
-    /// been seen to answer success (or a "does not exist" about a part of the container) and
-    /// leave the container running (`hostd::runc::a_sandbox_is_created_executed_in_stopped_…`).
-    ///
-    /// Errors: the runtime's, or [`HostdError::Io`] when the container outlives every attempt.
     pub async fn destroy(&self, container_id: &str) -> Result<(), HostdError> {
         self.timed("delete", async {
-            for attempt in 1..=DESTROY_ATTEMPTS {
-                match self.call(&["delete", "--force", container_id]).await {
-                    Ok(_) => {}
-                    Err(HostdError::Tool { stderr, .. }) if stderr.contains("does not exist") => {}
-                    Err(e) => return Err(e),
-                }
-                if self.state(container_id).await?.is_none() {
-                    return Ok(());
-                }
-                tracing::warn!(%container_id, attempt, "container still exists after delete --force");
-                tokio::time::sleep(DESTROY_RETRY).await;
+            match self.call(&["delete", "--force", container_id]).await {
+                Ok(_) => Ok(()),
+                Err(HostdError::Tool { stderr, .. }) if stderr.contains("does not exist") => Ok(()),
+                Err(e) => Err(e),
             }
-            Err(HostdError::Io {
-                context: format!("{} delete --force {container_id}", self.binary),
-                source: std::io::Error::other("the container still exists"),
-            })
         })
         .await
     }
@@ -239,11 +221,6 @@ impl OciCli {
         out
     }
 }
-
-/// How many times [`OciCli::destroy`] asks the runtime to delete a container.
-pub const DESTROY_ATTEMPTS: u32 = 3;
-/// The pause between two of [`OciCli::destroy`]'s attempts.
-pub const DESTROY_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The last [`CONSOLE_TAIL_BYTES`] of a console log (and its rotated file), trimmed, for
 /// error messages; only those bytes are read (see [`crate::console::tail`]).
