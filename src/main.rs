@@ -6,6 +6,7 @@ mod cli;
 mod dev;
 mod limits_args;
 mod preview_args;
+pub(crate) use limits_args::DiskArgs;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -475,32 +476,6 @@ async fn serve_metrics(
         .with_context(|| format!("bind the metrics address {addr}"))?;
     tokio::spawn(berth_api::metrics::serve_on(listener, shutdown.clone()));
     Ok(())
-}
-
-/// The operator's bounds on a sandbox's `disk_mib` (`berth api`, `berth dev`).
-#[derive(clap::Args, Debug, Clone)]
-pub(crate) struct DiskArgs {
-    /// The writable disk of a sandbox whose create names no `disk_mib`, in MiB.
-    #[arg(long, env = "BERTH_SANDBOX_DISK_DEFAULT_MIB", default_value_t = berth_api::model::DEFAULT_DISK_MIB)]
-    sandbox_disk_default_mib: u32,
-    /// The largest `disk_mib` a create may ask for, in MiB.
-    #[arg(long, env = "BERTH_SANDBOX_DISK_MAX_MIB", default_value_t = berth_api::model::DEFAULT_MAX_DISK_MIB)]
-    sandbox_disk_max_mib: u32,
-    /// Let a sandbox's `network.egress` allow-list name private networks (RFC 1918, CGNAT);
-    /// refused by default. Loopback, link-local (cloud metadata), multicast and reserved
-    /// ranges are refused either way.
-    #[arg(long, env = "BERTH_SANDBOX_EGRESS_ALLOW_PRIVATE")]
-    pub(crate) sandbox_egress_allow_private: bool,
-}
-
-impl DiskArgs {
-    /// The limits, checked.
-    pub(crate) fn limits(&self) -> anyhow::Result<berth_api::model::DiskLimits> {
-        Ok(berth_api::model::DiskLimits::new(
-            self.sandbox_disk_default_mib,
-            self.sandbox_disk_max_mib,
-        )?)
-    }
 }
 
 fn subjects(prefix: &str) -> anyhow::Result<Subjects> {
