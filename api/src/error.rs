@@ -340,6 +340,39 @@ pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Ne
     {
         return response;
     }
+    let (status, code, message, parts) = match plain_error(response).await {
+        Ok(plain) => plain,
+        Err(passed) => return passed,
+    };
+    let mut fixed = (
+        status,
+        Json(json!({ "error": { "code": code, "message": message } })),
+    )
+        .into_response();
+    for (name, value) in parts.headers.iter() {
+        if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
+            fixed.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    fixed
+}
+
+/// An error response that is not JSON (axum's own rejections: 405, 413, 415, a query that
+/// does not parse), taken apart for a surface to answer in its own error shape: its status, a
+/// `code` for it (`method_not_allowed`, `payload_too_large`, `unsupported_media_type`,
+/// `invalid_request`, `internal`), its text (at most 64 KiB read; the status's reason when
+/// empty) and its head. A success or a JSON answer comes back unchanged as `Err`.
+pub(crate) async fn plain_error(
+    response: Response,
+) -> Result<
+    (
+        StatusCode,
+        &'static str,
+        String,
+        axum::http::response::Parts,
+    ),
+    Response,
+> {
     let status = response.status();
     let is_json = response
         .headers()
@@ -347,7 +380,7 @@ pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Ne
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("application/json"));
     if !(status.is_client_error() || status.is_server_error()) || is_json {
-        return response;
+        return Err(response);
     }
     let code = match status {
         StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
@@ -364,17 +397,7 @@ pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Ne
         "" => status.canonical_reason().unwrap_or("error").to_lowercase(),
         t => t.to_owned(),
     };
-    let mut fixed = (
-        status,
-        Json(json!({ "error": { "code": code, "message": message } })),
-    )
-        .into_response();
-    for (name, value) in parts.headers.iter() {
-        if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
-            fixed.headers_mut().insert(name.clone(), value.clone());
-        }
-    }
-    fixed
+    Ok((status, code, message, parts))
 }
 
 #[cfg(test)]

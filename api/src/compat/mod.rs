@@ -241,30 +241,8 @@ async fn require_key(
 /// Gives axum's own refusals inside the surface (a 405, a body over a limit, a path that does
 /// not parse) the surface's error shape; answers already in JSON (ours) and successes pass.
 async fn shape_errors(req: Request, next: Next) -> Response {
-    let response = next.run(req).await;
-    let status = response.status();
-    let is_json = response
-        .headers()
-        .get(axum::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/json"));
-    if !(status.is_client_error() || status.is_server_error()) || is_json {
-        return response;
+    match crate::error::plain_error(next.run(req).await).await {
+        Ok((status, code, message, _)) => CompatError::new(status, code, message).into_response(),
+        Err(passed) => passed,
     }
-    let code = match status {
-        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
-        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
-        s if s.is_client_error() => "invalid_request",
-        _ => "internal",
-    };
-    let (_, body) = response.into_parts();
-    let text = axum::body::to_bytes(body, 64 * 1024)
-        .await
-        .unwrap_or_default();
-    let message = match String::from_utf8_lossy(&text).trim() {
-        "" => status.canonical_reason().unwrap_or("error").to_lowercase(),
-        t => t.to_owned(),
-    };
-    CompatError::new(status, code, message).into_response()
 }
