@@ -51,6 +51,7 @@ pub struct BenchArgs {
     /// hello and python sandboxes); more than the stack's free slots fails with `no_capacity`.
     #[arg(long, default_value_t = 12)]
     burst: usize,
+    /// The template the bench's sandboxes are created from.
     #[arg(long, default_value = "base")]
     template: String,
     /// Postgres for the commit floor; default from `stack.env`.

@@ -1,11 +1,14 @@
 //! `berth`: the one binary. Parses flags and calls each component's `run`; nothing else lives
 //! here but `berth dev` (see [`dev`]).
 
+mod admin_args;
 mod bench;
 mod cli;
+mod config_doc;
 mod dev;
 mod limits_args;
 mod preview_args;
+use admin_args::AdminCmd;
 pub(crate) use limits_args::DiskArgs;
 
 use std::net::{Ipv4Addr, SocketAddr};
@@ -13,7 +16,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use berth_schemas::nats_auth::{NatsConnect, Role};
-use berth_schemas::{HostId, Subjects};
+use berth_schemas::Subjects;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
@@ -164,6 +167,7 @@ enum Cmd {
     },
     /// The in-sandbox agent (runs as PID 1 inside each sandbox).
     Agent {
+        /// Where the agent listens inside the sandbox's network namespace.
         #[arg(long, default_value = "0.0.0.0:18047")]
         listen: SocketAddr,
     },
@@ -184,6 +188,7 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Apply database migrations.
     Migrate {
+        /// Postgres URL (`postgres://user:password@host:port/db`).
         #[arg(long, env = "DATABASE_URL")]
         database_url: String,
     },
@@ -202,8 +207,15 @@ enum Cmd {
         #[command(subcommand)]
         command: TemplateCmd,
     },
+    /// Print reference documentation rendered from this binary (`docs config`: every flag and
+    /// environment variable, the content of deploy/CONFIG.md).
+    Docs {
+        #[command(subcommand)]
+        what: config_doc::DocsCmd,
+    },
     /// Administrative tasks.
     Admin {
+        /// Postgres URL (`postgres://user:password@host:port/db`).
         #[arg(long, env = "DATABASE_URL")]
         database_url: String,
         #[command(subcommand)]
@@ -235,93 +247,15 @@ enum TemplateCmd {
         /// The runtime its sandboxes run in: `runc` or `runsc`.
         #[arg(long, default_value = "runc")]
         runtime: String,
+        /// What the template is, as `GET /v1/templates` shows it.
         #[arg(long, default_value = "")]
         description: String,
+        /// The cache dir (hostd's `template_cache`).
         #[arg(long, default_value = berth_hostd::template::DEFAULT_TEMPLATE_CACHE)]
         cache_dir: PathBuf,
         /// Postgres to register the template in (unset: import on this machine only).
         #[arg(long, env = "DATABASE_URL")]
         database_url: Option<String>,
-    },
-}
-
-#[derive(Subcommand)]
-enum AdminCmd {
-    /// Create an org with the default quota and print its first API key (shown once).
-    CreateOrg {
-        name: String,
-        #[command(flatten)]
-        quota: limits_args::DefaultQuotaArgs,
-    },
-    /// Create an operator key for the `/v1/hosts` routes and print it (shown once).
-    CreateAdminKey,
-    /// Set an org's quotas; an omitted limit becomes unlimited.
-    SetQuota {
-        /// The org's name.
-        org: String,
-        /// Most capacity-holding (provisioning, starting, running, stopping) sandboxes.
-        #[arg(long)]
-        max_running: Option<i32>,
-        /// Most vCPUs across them.
-        #[arg(long)]
-        max_vcpus: Option<i32>,
-        /// Most memory across them, in MiB.
-        #[arg(long)]
-        max_memory_mib: Option<i64>,
-    },
-    /// Register a host and issue its NATS credentials (printed: the host id; written: the
-    /// credentials file for `berth hostd --nats-creds`). Re-running it for a host rotates its
-    /// key. Then re-render the server's user list (`nats-config`) and reload nats-server.
-    AddHost {
-        /// The host's id (a UUID; the `host-id` file of an existing hostd state dir). Omitted:
-        /// a new id.
-        host_id: Option<HostId>,
-        /// Where to write the credentials (mode 0600; must not exist).
-        #[arg(long)]
-        creds_out: PathBuf,
-    },
-    /// Print a host's preview forwarder key (hex), derived from the preview secret: give it
-    /// to that host's `berth hostd --forwarder-key`.
-    ForwarderKey {
-        /// The host's id.
-        host_id: HostId,
-        /// The preview secret the API and the proxy use.
-        #[arg(long, env = "BERTH_PREVIEW_SECRET", hide_env_values = true)]
-        preview_secret: String,
-    },
-    /// Forget a host's registration: the scheduler drops its heartbeats from now on, and the
-    /// next `nats-config` leaves its key out (reload nats-server to shut it out of NATS).
-    RemoveHost {
-        /// The host's id.
-        host_id: HostId,
-    },
-    /// Show the reconciler's tripped circuit breakers (per host and for the fleet) and the
-    /// newest host events.
-    BreakerList,
-    /// Release a tripped circuit breaker: the next reconciler pass fails the guests its
-    /// evidence shows failed there (README, "Operations").
-    BreakerRelease {
-        /// The host whose breaker to release.
-        #[arg(long, conflicts_with = "fleet", required_unless_present = "fleet")]
-        host: Option<HostId>,
-        /// Release the fleet's breaker (which lets every host act).
-        #[arg(long)]
-        fleet: bool,
-    },
-    /// Render nats-server's `authorization` block: the control plane's key and every
-    /// registered host's, each with its permissions. Include it in the server's config and
-    /// reload the server (`nats-server --signal reload`) after each `add-host`.
-    NatsConfig {
-        /// The control plane's credentials: read, or created (mode 0600) when missing. Give
-        /// the same file to api, scheduler and reconciler (`--nats-creds`).
-        #[arg(long)]
-        control_plane_creds: PathBuf,
-        /// Prefix of every NATS subject (the permissions name subjects).
-        #[arg(long, env = "BERTH_SUBJECT_PREFIX", default_value = berth_schemas::subjects::DEFAULT_PREFIX)]
-        subject_prefix: String,
-        /// Where to write the block (replaced); omitted: standard output.
-        #[arg(long)]
-        out: Option<PathBuf>,
     },
 }
 
@@ -363,6 +297,7 @@ impl NatsArgs {
 
 #[derive(Args, Clone)]
 struct Conn {
+    /// Postgres URL (`postgres://user:password@host:port/db`).
     #[arg(long, env = "DATABASE_URL")]
     database_url: String,
     #[command(flatten)]
@@ -381,6 +316,13 @@ fn main() -> anyhow::Result<()> {
         Cmd::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
+            return Ok(());
+        }
+        Cmd::Docs {
+            what: config_doc::DocsCmd::Config,
+        } => {
+            use clap::CommandFactory;
+            print!("{}", config_doc::render(&Cli::command()));
             return Ok(());
         }
         command => return run_component(Cli { command, ..cli }),
@@ -631,6 +573,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
         | Cmd::Sandbox(_)
         | Cmd::Login(_)
         | Cmd::Completions { .. }
+        | Cmd::Docs { .. }
         | Cmd::Template {
             command: TemplateCmd::Ls(_),
         } => {
