@@ -97,7 +97,8 @@ pub fn documented_flags(reference: &str) -> BTreeSet<String> {
         .skip(1)
         .step_by(2)
         .filter(|w| {
-            w.starts_with("--") && w[2..].chars().all(|c| c.is_ascii_lowercase() || c == '-')
+            w.strip_prefix("--")
+                .is_some_and(|f| f.chars().all(|c| c.is_ascii_lowercase() || c == '-'))
         })
         .map(str::to_owned)
         .collect()

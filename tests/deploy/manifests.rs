@@ -155,10 +155,13 @@ fn the_nats_values_ask_for_three_jetstream_nodes_on_volumes_with_berths_users() 
     let docs = documents(&[kit::repo().join("deploy/kubernetes/nats/values.yaml")]);
     let values = &docs[0];
     let config = &values["config"];
-    assert_eq!(config["cluster"]["enabled"], true);
-    assert_eq!(config["cluster"]["replicas"], 3);
-    assert_eq!(config["jetstream"]["enabled"], true);
-    assert_eq!(config["jetstream"]["fileStore"]["pvc"]["enabled"], true);
+    assert_eq!(config["cluster"]["enabled"].as_bool(), Some(true));
+    assert_eq!(config["cluster"]["replicas"].as_u64(), Some(3));
+    assert_eq!(config["jetstream"]["enabled"].as_bool(), Some(true));
+    assert_eq!(
+        config["jetstream"]["fileStore"]["pvc"]["enabled"].as_bool(),
+        Some(true)
+    );
     // The include names a file in the directory the container patch mounts (relative to
     // the chart's /etc/nats-config).
     let include = config["merge"]["$include"].as_str().expect("$include");

@@ -1,7 +1,7 @@
 //! `deploy/systemd/`: every unit passes `systemd-analyze verify`, every component has one,
 //! and they name only flags and variables the binary knows, secrets never inline.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::kit;
@@ -49,7 +49,7 @@ fn verify(units: &[(String, String)]) -> Result<(), String> {
     }
 }
 
-fn read(path: &PathBuf) -> (String, String) {
+fn read(path: &Path) -> (String, String) {
     let name = path
         .file_name()
         .expect("name")
@@ -60,7 +60,7 @@ fn read(path: &PathBuf) -> (String, String) {
 
 #[test]
 fn every_systemd_unit_passes_systemd_analyze_verify() {
-    let all: Vec<_> = units().iter().map(read).collect();
+    let all: Vec<_> = units().iter().map(|p| read(p)).collect();
     if let Err(said) = verify(&all) {
         panic!("systemd-analyze verify deploy/systemd:\n{said}");
     }
@@ -86,7 +86,7 @@ fn every_component_has_a_unit_naming_only_known_flags_and_variables() {
     let reference = kit::rendered_reference();
     let variables = kit::documented_variables(&reference);
     let flags = kit::documented_flags(&reference);
-    let all: Vec<_> = units().iter().map(read).collect();
+    let all: Vec<_> = units().iter().map(|p| read(p)).collect();
     for component in [
         "api",
         "scheduler",
@@ -132,7 +132,7 @@ fn every_component_has_a_unit_naming_only_known_flags_and_variables() {
 
 #[test]
 fn the_units_of_components_that_run_no_sandboxes_are_hardened() {
-    let all: Vec<_> = units().iter().map(read).collect();
+    let all: Vec<_> = units().iter().map(|p| read(p)).collect();
     let threshold = format!("--threshold={STATELESS_EXPOSURE}");
     let args = ["security", "--offline=yes", threshold.as_str()];
     for unit in all.iter().filter(|(n, _)| n != "berth-hostd.service") {
