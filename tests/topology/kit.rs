@@ -158,10 +158,11 @@ impl Topology {
         let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
         loop {
             for (i, url) in self.reconciler_metrics.iter().enumerate() {
-                if let Some(1.0) = self
+                let leads = self
                     .metric(&format!("{url}/metrics"), "berth_reconciler_is_leader")
                     .await
-                {
+                    .is_some_and(|v| v >= 1.0);
+                if leads {
                     return i + 1;
                 }
             }
