@@ -7,9 +7,11 @@ mod cli;
 mod config_doc;
 mod dev;
 mod limits_args;
+mod nats_args;
 mod preview_args;
 use admin_args::AdminCmd;
 pub(crate) use limits_args::DiskArgs;
+use nats_args::{Conn, NatsArgs};
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
@@ -17,12 +19,10 @@ use std::path::PathBuf;
 use anyhow::Context;
 use berth_schemas::nats_auth::{NatsConnect, Role};
 use berth_schemas::Subjects;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 
-/// Default NATS server.
-const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 /// Database connections per process.
 const DB_POOL_SIZE: u32 = 16;
 
@@ -259,50 +259,6 @@ enum TemplateCmd {
     },
 }
 
-#[derive(Args, Clone)]
-struct NatsArgs {
-    /// NATS server URL (`nats://…`, or `tls://…` with `--nats-ca`).
-    #[arg(long, env = "NATS_URL", default_value = DEFAULT_NATS_URL)]
-    nats_url: String,
-    /// This component's NATS credentials file (`berth admin add-host` for a host, `berth admin
-    /// nats-config` for the control plane); unset: connect anonymously (an open NATS).
-    #[arg(long, env = "BERTH_NATS_CREDS")]
-    nats_creds: Option<PathBuf>,
-    /// CA file (PEM) that signed the NATS server's certificate; set: TLS is required.
-    #[arg(long, env = "BERTH_NATS_CA")]
-    nats_ca: Option<PathBuf>,
-    /// Prefix of every NATS subject.
-    #[arg(long, env = "BERTH_SUBJECT_PREFIX", default_value = berth_schemas::subjects::DEFAULT_PREFIX)]
-    subject_prefix: String,
-}
-
-impl NatsArgs {
-    /// The connection these flags describe (reads the credentials file).
-    fn connect_spec(&self) -> anyhow::Result<NatsConnect> {
-        Ok(NatsConnect {
-            url: self.nats_url.clone(),
-            creds: self
-                .nats_creds
-                .as_deref()
-                .map(berth::nats_access::load)
-                .transpose()?,
-            ca_file: self.nats_ca.clone(),
-        })
-    }
-
-    async fn connect(&self) -> anyhow::Result<async_nats::Client> {
-        connect_with(&self.connect_spec()?).await
-    }
-}
-
-#[derive(Args, Clone)]
-struct Conn {
-    /// Postgres URL (`postgres://user:password@host:port/db`).
-    #[arg(long, env = "DATABASE_URL")]
-    database_url: String,
-    #[command(flatten)]
-    nats: NatsArgs,
-}
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -443,7 +399,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
-            let subjects = subjects(&conn.nats.subject_prefix)?;
+            let subjects = conn.nats.subjects()?;
             let mut config = berth_api::ApiConfig::new(listen, subjects.clone());
             config.webhooks.allow_private_targets = webhook_allow_private_targets;
             config.limits = limits.config();
@@ -482,7 +438,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
-            let subjects = subjects(&conn.nats.subject_prefix)?;
+            let subjects = conn.nats.subjects()?;
             let guards = berth_api::limits::Guards::new(limits.config());
             let proxy = berth_api::preview::Preview::new(db, guards, config, Default::default());
             tokio::spawn(berth_api::preview::routes::evict_on_events(
@@ -499,7 +455,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
             let config = berth_scheduler::SchedulerConfig {
-                subjects: subjects(&conn.nats.subject_prefix)?,
+                subjects: conn.nats.subjects()?,
             };
             berth_scheduler::run(config, db, nats, shutdown).await?;
         }
@@ -512,8 +468,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             serve_metrics(metrics_addr, &shutdown).await?;
             let db = connect_db(&conn.database_url).await?;
             let nats = conn.nats.connect().await?;
-            let mut config =
-                berth_reconciler::ReconcilerConfig::new(subjects(&conn.nats.subject_prefix)?);
+            let mut config = berth_reconciler::ReconcilerConfig::new(conn.nats.subjects()?);
             timing.apply(&mut config);
             berth_reconciler::run(config, db, nats, shutdown).await?;
         }
@@ -541,12 +496,9 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             }
             // BERTH_OBJECT_STORE (s3://bucket/prefix, or a directory), else <state dir>/objects.
             let object_store = berth_storage::Location::from_env_or_default(&state_dir)?;
-            let mut config = berth_hostd::HostdConfig::new(
-                nats.nats_url,
-                subjects(&nats.subject_prefix)?,
-                state_dir,
-                name,
-            );
+            let subjects = nats.subjects()?;
+            let mut config =
+                berth_hostd::HostdConfig::new(nats.nats_url, subjects, state_dir, name);
             config.object_store = berth_storage::StoreSettings::new(object_store);
             config.nats_creds = spec.creds;
             config.nats_ca = spec.ca_file;

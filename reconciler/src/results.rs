@@ -38,17 +38,15 @@ pub const ACK_WAIT: Duration = Duration::from_secs(30);
 /// time capped the control plane at about 200 results/s (`berth bench --runtime sim`).
 pub const APPLY_CONCURRENCY: usize = 8;
 
-/// Consumes results until `shutdown` fires, judging hosts' health and retrying failed
-/// creates as `health` says.
-pub async fn consume(
+/// Makes the streams (if missing) and the reconciler's durable consumer, and opens its message
+/// stream.
+///
+/// Errors: [`ReconcilerError::JetStream`] with the client's error.
+async fn subscribe(
+    js: &jetstream::Context,
     subjects: &Subjects,
-    db: &PgPool,
-    nats: async_nats::Client,
-    health: HealthConfig,
-    shutdown: CancellationToken,
-) -> Result<(), ReconcilerError> {
-    let js = jetstream::new(nats);
-    berth_schemas::streams::ensure_streams(&js, subjects)
+) -> Result<consumer::pull::Stream, ReconcilerError> {
+    berth_schemas::streams::ensure_streams(js, subjects)
         .await
         .map_err(|e| ReconcilerError::JetStream(e.to_string()))?;
     let stream = js
@@ -67,10 +65,36 @@ pub async fn consume(
         )
         .await
         .map_err(|e| ReconcilerError::JetStream(e.to_string()))?;
-    let mut messages = consumer
+    consumer
         .messages()
         .await
-        .map_err(|e| ReconcilerError::JetStream(e.to_string()))?;
+        .map_err(|e| ReconcilerError::JetStream(e.to_string()))
+}
+
+/// Consumes results until `shutdown` fires, judging hosts' health and retrying failed
+/// creates as `health` says.
+pub async fn consume(
+    subjects: &Subjects,
+    db: &PgPool,
+    nats: async_nats::Client,
+    health: HealthConfig,
+    shutdown: CancellationToken,
+) -> Result<(), ReconcilerError> {
+    let js = jetstream::new(nats);
+    // A JetStream cluster still electing its leaders (all of it just started, or a node was
+    // lost) times requests out for a while: wait it out instead of exiting.
+    let mut messages = loop {
+        match subscribe(&js, subjects).await {
+            Ok(messages) => break messages,
+            Err(error) => {
+                warn!(%error, "result consumer: JetStream not ready yet; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(RETRY_DELAY) => {}
+                }
+            }
+        }
+    };
     metrics::describe_counter!(
         "berth_results_rejected_total",
         "Host results not believed (forged or misrouted), by reason; none of them was applied"

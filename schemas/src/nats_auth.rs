@@ -322,7 +322,9 @@ fn user_entry(out: &mut String, comment: &str, key: &str, p: &Permissions) {
 /// TLS, the CA file that signed the server's certificate.
 #[derive(Debug, Clone, Default)]
 pub struct NatsConnect {
-    /// `nats://host:port` or `tls://host:port`.
+    /// `nats://host:port` or `tls://host:port`; several servers of one cluster separated by
+    /// commas (`nats://a:4222,nats://b:4222`): the client connects to one of them and moves to
+    /// another when it goes away (see [`NatsConnect::servers`]).
     pub url: String,
     /// Credentials to authenticate with; `None` connects anonymously.
     pub creds: Option<Creds>,
@@ -354,11 +356,24 @@ impl NatsConnect {
         options
     }
 
-    /// Connects with [`NatsConnect::options`].
+    /// The server URLs of [`NatsConnect::url`]: split at commas, trimmed, empty parts
+    /// dropped (`"nats://a:1, nats://b:2,"` → two).
+    pub fn servers(&self) -> Vec<&str> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect()
+    }
+
+    /// Connects with [`NatsConnect::options`] to one of [`NatsConnect::servers`] (the client
+    /// tries them in random order, and reconnects to any of them, or to a server the cluster
+    /// announced, when its server goes away).
     ///
-    /// Errors: the client's (unreachable, authorization violation, TLS handshake).
+    /// Errors: the client's (none reachable, a malformed URL, authorization violation, TLS
+    /// handshake).
     pub async fn connect(&self) -> Result<async_nats::Client, async_nats::ConnectError> {
-        self.options().connect(self.url.as_str()).await
+        self.options().connect(self.servers()).await
     }
 }
 
@@ -398,6 +413,19 @@ mod tests {
             Creds::parse("role: host"),
             Err(CredsError::Syntax { line: 1, .. })
         ));
+    }
+
+    #[test]
+    fn a_url_list_names_each_server_of_a_cluster() {
+        let spec = NatsConnect::open(" nats://10.0.0.1:4301,nats://10.0.0.1:4302 ,,");
+        assert_eq!(
+            spec.servers(),
+            ["nats://10.0.0.1:4301", "nats://10.0.0.1:4302"]
+        );
+        assert_eq!(
+            NatsConnect::open("nats://127.0.0.1:4222").servers(),
+            ["nats://127.0.0.1:4222"]
+        );
     }
 
     #[test]

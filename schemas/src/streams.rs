@@ -7,6 +7,9 @@
 //! - `{P}_EVENTS` on `{p}.events.>`: lifecycle events as CloudEvents JSON, limits retention
 //!   (kept for [`EVENTS_MAX_AGE`] whoever reads them), so any consumer can replay from any
 //!   point; deduplicated by `Nats-Msg-Id` = event id within [`DUPLICATE_WINDOW`].
+//!
+//! Each is created with [`Subjects::stream_replicas`] copies (1 by default; 3 on a
+//! three-node cluster, `--stream-replicas`), and its consumers inherit that count.
 
 use std::time::Duration;
 
@@ -31,6 +34,7 @@ pub fn events_stream_config(subjects: &Subjects) -> stream::Config {
         storage: stream::StorageType::File,
         max_age: EVENTS_MAX_AGE,
         duplicate_window: DUPLICATE_WINDOW,
+        num_replicas: subjects.stream_replicas(),
         ..Default::default()
     }
 }
@@ -52,6 +56,7 @@ pub async fn ensure_streams(
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
             duplicate_window: DUPLICATE_WINDOW,
+            num_replicas: subjects.stream_replicas(),
             ..Default::default()
         })
         .await?;

@@ -6,10 +6,18 @@ use crate::ids::{HostId, OrgId, SandboxId, WebhookId};
 /// The default subject prefix.
 pub const DEFAULT_PREFIX: &str = "berth";
 
-/// Builds every subject and stream name Berth uses from one prefix.
+/// How many copies of each stream a clustered JetStream keeps unless told otherwise: one, as
+/// on a single nats-server.
+pub const DEFAULT_STREAM_REPLICAS: usize = 1;
+/// The most replicas JetStream allows a stream.
+pub const MAX_STREAM_REPLICAS: usize = 5;
+
+/// Builds every subject and stream name Berth uses from one prefix, and says how many
+/// replicas its streams get (the streams of one prefix are one deployment's).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Subjects {
     prefix: String,
+    stream_replicas: usize,
 }
 
 /// The prefix was empty or held characters NATS tokens cannot.
@@ -30,10 +38,25 @@ impl Subjects {
         if ok {
             Ok(Self {
                 prefix: prefix.to_owned(),
+                stream_replicas: DEFAULT_STREAM_REPLICAS,
             })
         } else {
             Err(InvalidPrefix(prefix.to_owned()))
         }
+    }
+
+    /// The same subjects, whose streams are created with `replicas` copies (JetStream's
+    /// `num_replicas`: 3 on a three-node cluster survives one node's loss). Clamped to
+    /// 1..=[`MAX_STREAM_REPLICAS`]. A stream that already exists keeps its own count: the
+    /// components look streams up and never change them.
+    pub fn with_stream_replicas(mut self, replicas: usize) -> Self {
+        self.stream_replicas = replicas.clamp(1, MAX_STREAM_REPLICAS);
+        self
+    }
+
+    /// How many replicas the streams of this prefix are created with.
+    pub fn stream_replicas(&self) -> usize {
+        self.stream_replicas
     }
 
     /// The validated prefix every subject starts with (`{p}`, e.g. `berth`).
@@ -185,6 +208,18 @@ mod tests {
         ] {
             assert_eq!(s.host_of_result(&other), None, "{other}");
         }
+    }
+
+    #[test]
+    fn stream_replicas_default_to_one_and_stay_within_what_jetstream_allows() {
+        let s = Subjects::new("t1").unwrap();
+        assert_eq!(s.stream_replicas(), DEFAULT_STREAM_REPLICAS);
+        assert_eq!(s.clone().with_stream_replicas(3).stream_replicas(), 3);
+        assert_eq!(s.clone().with_stream_replicas(0).stream_replicas(), 1);
+        assert_eq!(
+            s.with_stream_replicas(9).stream_replicas(),
+            MAX_STREAM_REPLICAS
+        );
     }
 
     #[test]
