@@ -79,6 +79,18 @@ impl ImagePuller for CachePuller {
             }
         })
     }
+
+    fn remove(&self, digest: String) -> BoxFuture<'static, Result<bool, String>> {
+        self.remove_root(digest)
+    }
+}
+
+impl CachePuller {
+    /// See [`ImagePuller::remove`].
+    fn remove_root(&self, digest: String) -> BoxFuture<'static, Result<bool, String>> {
+        let cache = self.cache.clone();
+        Box::pin(async move { cache.remove_image(&digest).await.map_err(|e| e.to_string()) })
+    }
 }
 
 fn failure(e: berth_hostd::image::ImageError) -> PullFailure {

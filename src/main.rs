@@ -201,7 +201,7 @@ enum Cmd {
         /// The shell.
         shell: clap_complete::Shell,
     },
-    /// Templates: `ls` through the API (a user's); `build` and `import` on this machine (an
+    /// Templates: `ls` and `pull` through the API (a user's); `build` and `import` on this machine (an
     /// operator's).
     Template {
         #[command(subcommand)]
@@ -228,6 +228,8 @@ enum TemplateCmd {
     /// List the templates sandboxes can be created from (through the API, with a user's key).
     #[command(alias = "list")]
     Ls(cli::ApiArgs),
+    /// Pull an OCI image into a template (through the API) and wait until it is ready.
+    Pull(cli::TemplatePullArgs),
     /// Build a template into the machine-wide cache every hostd reads (idempotent).
     Build {
         /// The template (`python`).
@@ -269,6 +271,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Template {
             command: TemplateCmd::Ls(args),
         } => cli::UserCmd::TemplateLs(args),
+        Cmd::Template {
+            command: TemplateCmd::Pull(args),
+        } => cli::UserCmd::TemplatePull(args),
         Cmd::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
@@ -527,7 +532,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
         | Cmd::Completions { .. }
         | Cmd::Docs { .. }
         | Cmd::Template {
-            command: TemplateCmd::Ls(_),
+            command: TemplateCmd::Ls(_) | TemplateCmd::Pull(_),
         } => {
             unreachable!("handled before the runtime starts")
         }

@@ -45,6 +45,10 @@ pub struct ReconcilerTimingArgs {
     /// How long an `Idempotency-Key` is remembered.
     #[arg(long, env = "BERTH_IDEMPOTENCY_RETENTION", default_value_t = pass::DEFAULT_IDEMPOTENCY_RETENTION.into())]
     pub idempotency_retention: Duration,
+    /// A template `pulling` with no sign of its pull (the start, or a layer's progress) for
+    /// this long fails with `pull_timed_out` (the API process pulling it died).
+    #[arg(long, env = "BERTH_TEMPLATE_PULL_TIMEOUT", default_value_t = pass::DEFAULT_TEMPLATE_PULL_TIMEOUT.into())]
+    pub template_pull_timeout: Duration,
     /// At most this many rows per action in one pass.
     #[arg(long, env = "BERTH_RECONCILE_BATCH", default_value_t = pass::DEFAULT_BATCH,
           value_parser = clap::value_parser!(i64).range(1..))]
@@ -118,6 +122,7 @@ impl ReconcilerTimingArgs {
             },
             health: self.health(),
             snapshot_timeout: pass::DEFAULT_SNAPSHOT_TIMEOUT,
+            template_pull_timeout: self.template_pull_timeout.into(),
         }
     }
 
@@ -176,6 +181,7 @@ mod tests {
         assert_eq!(pass.health, built_in.health);
         assert_eq!(pass.evidence_max_age, built_in.evidence_max_age);
         assert_eq!(pass.breaker, built_in.breaker);
+        assert_eq!(pass.template_pull_timeout, built_in.template_pull_timeout);
 
         let set = Cli::try_parse_from([
             "berth",
@@ -221,11 +227,14 @@ mod tests {
             "9",
             "--breaker-persist-passes",
             "4",
+            "--template-pull-timeout",
+            "10m",
         ])
         .unwrap()
         .timing;
         let pass = set.pass();
         let s = std::time::Duration::from_secs;
+        assert_eq!(pass.template_pull_timeout, s(600));
         assert_eq!(
             (pass.interval, pass.host_lost_after, pass.failover_after),
             (s(2), s(45), s(90))

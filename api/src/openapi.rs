@@ -68,6 +68,7 @@ passes first.
         events::events,
         templates::templates,
         templates::get,
+        templates::delete,
         templates::create,
         exec::exec,
         hosts::list,

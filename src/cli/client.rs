@@ -9,6 +9,7 @@
 //! | code | meaning |
 //! |---|---|
 //! | 64 | the API refused the request as invalid (400, 413, 422) |
+//! | 65 | `template pull`: the image's pull failed (its code and message are printed) |
 //! | 66 | no such sandbox, template or path in the org (404) |
 //! | 69 | the API cannot be reached, or its host or agent is unavailable (502, 503) |
 //! | 70 | anything else the API or the CLI failed at (500, an unexpected answer) |

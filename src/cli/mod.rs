@@ -1,4 +1,4 @@
-//! The user's CLI: `berth sandbox …`, `berth template ls`, `berth login`. Every command speaks
+//! The user's CLI: `berth sandbox …`, `berth template ls|pull`, `berth login`. Every command speaks
 //! only the public HTTP API (`/v1/…`) with an org's key, from `BERTH_API_KEY` or the config
 //! file `berth login` writes (mode 0600); the API's URL from `--api-url`, `BERTH_API_URL`,
 //! the config file, or [`client::DEFAULT_API_URL`]. Output is a table (or one value) for
@@ -16,6 +16,9 @@ mod exec;
 mod render;
 mod sandbox;
 mod shell;
+mod template;
+
+pub use template::PullArgs as TemplatePullArgs;
 
 use std::path::PathBuf;
 
@@ -118,6 +121,8 @@ pub enum UserCmd {
     Sandbox(SandboxArgs),
     /// `berth template ls`
     TemplateLs(ApiArgs),
+    /// `berth template pull`
+    TemplatePull(TemplatePullArgs),
     /// `berth login`
     Login(LoginArgs),
 }
@@ -128,6 +133,10 @@ async fn dispatch(command: UserCmd) -> Result<i32, CliError> {
         UserCmd::TemplateLs(api) => {
             let client = connect(&api)?;
             sandbox::templates(&client, &api).await
+        }
+        UserCmd::TemplatePull(args) => {
+            let client = connect(args.api())?;
+            template::pull(&client, args).await
         }
         UserCmd::Sandbox(SandboxArgs { api, command }) => {
             let client = connect(&api)?;

@@ -380,7 +380,8 @@ pub async fn preview(client: &Client, api: &ApiArgs, args: PreviewArgs) -> Resul
     Ok(0)
 }
 
-/// `berth template ls`
+/// `berth template ls`: name, runtime, state (`ready`, `pulling`, `failed`), the image a
+/// pulled template comes from (`-` for built-in and imported ones), description.
 pub async fn templates(client: &Client, api: &ApiArgs) -> Result<i32, CliError> {
     let list = client.json(Method::GET, "/v1/templates", None).await?;
     if api.json {
@@ -395,13 +396,18 @@ pub async fn templates(client: &Client, api: &ApiArgs) -> Result<i32, CliError> 
                         vec![
                             render::cell(&t["name"]),
                             render::cell(&t["runtime"]),
+                            render::cell(&t["state"]),
+                            render::cell(&t["image"]),
                             render::cell(&t["description"]),
                         ]
                     })
                     .collect()
             })
             .unwrap_or_default();
-        print(&render::table(&["NAME", "RUNTIME", "DESCRIPTION"], &rows));
+        print(&render::table(
+            &["NAME", "RUNTIME", "STATE", "IMAGE", "DESCRIPTION"],
+            &rows,
+        ));
     }
     Ok(0)
 }

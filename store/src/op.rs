@@ -198,6 +198,12 @@ ops! {
     TemplateEventInsert => "template_event_insert",
     /// [`crate::templates::events`]: a template's events.
     TemplateEventList => "template_event_list",
+    /// [`crate::templates::get_shared`]: one template, locked against its deletion.
+    TemplateGetShared => "template_get_shared",
+    /// [`crate::templates::delete`]: an image template removed, unless sandboxes use it.
+    TemplateDelete => "template_delete",
+    /// [`crate::templates::fail_stale_pulls`]: pulls with no sign of life failed.
+    TemplateFailStalePulls => "template_fail_stale_pulls",
     /// [`crate::idempotency::purge`]: deletes expired idempotency keys.
     IdempotencyPurge => "idempotency_purge",
     /// [`crate::idempotency::lock`]: a key held for the request's transaction.

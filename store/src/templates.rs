@@ -258,3 +258,156 @@ pub async fn events(
     )
     .await
 }
+
+/// Template `name` locked `FOR SHARE` in the caller's transaction, or `None`: a create reads
+/// its template this way, so a concurrent [`delete`] waits for the create to commit (and then
+/// sees its sandbox) or runs first (and the create finds no template).
+pub async fn get_shared(
+    db: impl PgExecutor<'_>,
+    name: &str,
+) -> Result<Option<TemplateRow>, StoreError> {
+    timed(
+        Op::TemplateGetShared,
+        sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM templates WHERE name = $1 FOR SHARE"
+        ))
+        .bind(name)
+        .fetch_optional(db),
+    )
+    .await
+}
+
+/// What [`delete`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deleted {
+    /// The row and its events are gone. `digest`: the manifest digest it had pulled, when no
+    /// other template has the same (its cached root may be freed).
+    Deleted {
+        /// The row as it was.
+        row: TemplateRow,
+        /// Its digest, when no other template shares it.
+        unshared_digest: Option<String>,
+    },
+    /// No such template.
+    NotFound,
+    /// Not from an image (built-in or imported): not deleted.
+    NotAnImage(TemplateRow),
+    /// `sandboxes` sandboxes that are not deleted name it: not deleted.
+    InUse {
+        /// The row.
+        row: TemplateRow,
+        /// How many.
+        sandboxes: i64,
+    },
+}
+
+/// Deletes image template `name` with its events, in one transaction: the row is locked
+/// `FOR UPDATE` first (a create holding it `FOR SHARE`, [`get_shared`], commits first), then
+/// refused while any sandbox not yet deleted names it (a stopped sandbox's overlay still
+/// reads its root).
+pub async fn delete(db: &sqlx::PgPool, name: &str) -> Result<Deleted, StoreError> {
+    let mut tx = db.begin().await?;
+    let row: Option<TemplateRow> = timed(
+        Op::TemplateDelete,
+        sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM templates WHERE name = $1 FOR UPDATE"
+        ))
+        .bind(name)
+        .fetch_optional(&mut *tx),
+    )
+    .await?;
+    let Some(row) = row else {
+        return Ok(Deleted::NotFound);
+    };
+    if row.image.is_none() {
+        return Ok(Deleted::NotAnImage(row));
+    }
+    let sandboxes: i64 = timed(
+        Op::TemplateDelete,
+        sqlx::query_scalar(
+            "SELECT count(*) FROM sandboxes WHERE template = $1 AND state <> 'deleted'",
+        )
+        .bind(name)
+        .fetch_one(&mut *tx),
+    )
+    .await?;
+    if sandboxes > 0 {
+        return Ok(Deleted::InUse { row, sandboxes });
+    }
+    timed(
+        Op::TemplateDelete,
+        sqlx::query("DELETE FROM templates WHERE name = $1")
+            .bind(name)
+            .execute(&mut *tx),
+    )
+    .await?;
+    let unshared_digest = match &row.image_digest {
+        None => None,
+        Some(digest) => {
+            let shared: bool = timed(
+                Op::TemplateDelete,
+                sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM templates WHERE image_digest = $1)",
+                )
+                .bind(digest)
+                .fetch_one(&mut *tx),
+            )
+            .await?;
+            (!shared).then(|| digest.clone())
+        }
+    };
+    tx.commit().await?;
+    Ok(Deleted::Deleted {
+        row,
+        unshared_digest,
+    })
+}
+
+/// The error code a pull swept by [`fail_stale_pulls`] fails with.
+pub const PULL_TIMED_OUT: &str = "pull_timed_out";
+
+/// Fails every template `pulling` with no sign of its pull (its last event, or the start of
+/// the pull) for `quiet`: the process pulling it died (an API restarted mid-pull), and nothing
+/// else would ever finish it. Each gets error [`PULL_TIMED_OUT`] and a `template.failed`
+/// event, in one statement, at most `batch` of them; a pull that finishes later is fenced ([`finish_pull`] writes only
+/// from `pulling`). Returns the names failed.
+pub async fn fail_stale_pulls(
+    db: impl PgExecutor<'_>,
+    quiet: std::time::Duration,
+    batch: i64,
+) -> Result<Vec<String>, StoreError> {
+    let secs = quiet.as_secs_f64();
+    let message = format!(
+        "no sign of the pull for {secs:.0} s: the process pulling it stopped; \
+         POST /v1/templates again (or create by the image again) to retry"
+    );
+    timed(
+        Op::TemplateFailStalePulls,
+        sqlx::query_scalar(
+            "WITH stale AS (
+                 SELECT t.name FROM templates t
+                 WHERE t.state = 'pulling'
+                   AND greatest(t.updated_at,
+                                (SELECT max(e.at) FROM template_events e WHERE e.template = t.name))
+                       < now() - make_interval(secs => $1)
+                 ORDER BY t.updated_at LIMIT $4
+                 FOR UPDATE SKIP LOCKED
+             ), failed AS (
+                 UPDATE templates t SET state = 'failed', error_code = $2, error_message = $3,
+                                        updated_at = now()
+                 FROM stale WHERE t.name = stale.name AND t.state = 'pulling'
+                 RETURNING t.name
+             ), logged AS (
+                 INSERT INTO template_events (template, type, message)
+                 SELECT name, 'template.failed', $2 || ': ' || $3 FROM failed
+             )
+             SELECT name FROM failed ORDER BY name",
+        )
+        .bind(secs)
+        .bind(PULL_TIMED_OUT)
+        .bind(&message)
+        .bind(batch)
+        .fetch_all(db),
+    )
+    .await
+}

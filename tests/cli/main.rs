@@ -1,4 +1,4 @@
-//! The user's CLI (`berth sandbox …`, `berth template ls`, `berth login`, `berth completions`)
+//! The user's CLI (`berth sandbox …`, `berth template ls|pull`, `berth login`, `berth completions`)
 //! driven as the built binary against the end-to-end stack: real Postgres, NATS, `berth hostd`
 //! and runc/runsc sandboxes. `commands.rs` covers each subcommand, `errors.rs` the messages and
 //! exit codes of what goes wrong, `shell.rs` the interactive terminal through a pty the test
@@ -11,3 +11,4 @@ mod commands;
 mod errors;
 mod kit;
 mod shell;
+mod templates;

@@ -1,10 +1,13 @@
 """Drives the real OpenSandbox Python SDK (opensandbox==1.1.1), unchanged, against Berth's
-OpenSandbox surface: create by image and by template, commands (output, exit codes, a long
+OpenSandbox surface: create by image (a template's name, and an OCI image in a registry,
+pulled on first use; an unknown image is a clean SDK exception) and by template, commands (output, exit codes, a long
 run, argv, background), files (write, read, a missing file), pause and resume (a process that
 keeps running on gVisor), renew, get_info, list with filters, kill.
 
 Run by `tests/ops/compat.rs` with OPEN_SANDBOX_DOMAIN (`host:port/compat/opensandbox`),
-OPEN_SANDBOX_API_KEY (a Berth key) and BERTH_RUN (a unique metadata value). Any exception,
+OPEN_SANDBOX_API_KEY (a Berth key), BERTH_RUN (a unique metadata value), BERTH_OCI_IMAGE (an
+image in a local registry whose /etc/berth-mark holds BERTH_OCI_MARK) and BERTH_OCI_MISSING (a
+reference to an image that registry does not have). Any exception,
 from the SDK or an assertion, fails it (exit status 1 and a traceback); it prints `ok` at the
 end.
 """
@@ -30,6 +33,9 @@ CONFIG = ConnectionConfig(
     request_timeout=timedelta(seconds=120),
 )
 RUN = os.environ["BERTH_RUN"]
+OCI_IMAGE = os.environ["BERTH_OCI_IMAGE"]
+OCI_MARK = os.environ["BERTH_OCI_MARK"]
+OCI_MISSING = os.environ["BERTH_OCI_MISSING"]
 
 
 def stdout_of(execution):
@@ -142,6 +148,56 @@ async def by_image(manager):
     return sandbox
 
 
+async def create_pulled(image, **kwargs):
+    """Sandbox.create by an OCI image. Berth answers a create whose image is still being
+    pulled past its bounded wait with 409 template_not_ready; a client creates again."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        try:
+            return await Sandbox.create(image, **kwargs)
+        except SandboxApiException as e:
+            if e.error.code != "template_not_ready" or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1)
+
+
+async def by_oci_image(manager):
+    """An OCI image in a registry, pulled into a template on first use; a command in it reads
+    a file of the image. An unknown image is a clean SandboxApiException with Berth's code."""
+    sandbox = await create_pulled(
+        OCI_IMAGE,
+        connection_config=CONFIG,
+        timeout=timedelta(minutes=10),
+        ready_timeout=READY,
+        metadata={"run": RUN + "-oci"},
+        resource={"cpu": "1", "memory": "256Mi"},
+    )
+    info = await sandbox.get_info()
+    assert info.status.state == "Running", info.status
+    assert info.image.image == OCI_IMAGE, info.image
+    assert (await shell(sandbox, "cat /etc/berth-mark")) == OCI_MARK
+    execution = await sandbox.commands.run("echo from the image; exit 4")
+    assert execution.exit_code == 4 and stdout_of(execution) == ["from the image"], execution
+    await sandbox.kill()
+    await until_state(manager, sandbox.id, "Terminated")
+    await sandbox.close()
+    try:
+        await create_pulled(
+            OCI_MISSING,
+            connection_config=CONFIG,
+            timeout=timedelta(minutes=10),
+            ready_timeout=READY,
+            metadata={"run": RUN + "-missing"},
+        )
+    except SandboxApiException as e:
+        assert (e.status_code, e.error.code) == (400, "unknown_image"), (e.status_code, e.error)
+        assert OCI_MISSING in e.error.message, e.error.message
+    else:
+        raise AssertionError("a create by an unknown image succeeded")
+    ids, _ = await listed(manager, metadata={"run": RUN + "-missing"})
+    assert ids == set(), ids
+
+
 async def by_template(manager):
     sandbox = await Sandbox.create_from_template(
         "base-gvisor",
@@ -170,6 +226,7 @@ async def by_template(manager):
 
 async def main():
     manager = await SandboxManager.create(connection_config=CONFIG)
+    await by_oci_image(manager)
     image = await by_image(manager)
     template, pid, before = await by_template(manager)
 

@@ -10,6 +10,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 
+use crate::support::registry::{push_marked_image, Registry};
 use crate::support::{eventually, unique, Stack};
 
 /// Where `.ci/run` makes the SDK's venv.
@@ -68,6 +69,9 @@ fn assert_error(status: u16, body: &Value, want_status: u16, want_code: &str) {
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn the_opensandbox_sdk_drives_sandboxes_unchanged_from_create_to_kill(db: PgPool) {
     let python = venv_python();
+    let registry = Registry::start().await;
+    let mark = format!("compat {}", unique());
+    let oci_image = push_marked_image(&registry, "compat", &mark);
     let stack = Stack::start(db, 1).await;
     let domain = format!(
         "{}{MOUNT}",
@@ -82,6 +86,12 @@ async fn the_opensandbox_sdk_drives_sandboxes_unchanged_from_create_to_kill(db: 
         .env("OPEN_SANDBOX_DOMAIN", &domain)
         .env("OPEN_SANDBOX_API_KEY", &stack.key)
         .env("BERTH_RUN", unique())
+        .env("BERTH_OCI_IMAGE", &oci_image)
+        .env("BERTH_OCI_MARK", &mark)
+        .env(
+            "BERTH_OCI_MISSING",
+            registry.reference("no-such-image", "1"),
+        )
         .output()
         .await
         .expect("run the SDK script");
@@ -97,6 +107,21 @@ async fn the_opensandbox_sdk_drives_sandboxes_unchanged_from_create_to_kill(db: 
         .await
         .unwrap();
     assert_eq!(live, 0, "the script killed every sandbox it made");
+    // The image became a template, pulled once and pinned; the unknown one failed with its code.
+    let (state, pinned): (String, Option<String>) =
+        sqlx::query_as("SELECT state, image_pinned FROM templates WHERE image = $1")
+            .bind(&oci_image)
+            .fetch_one(&stack.db)
+            .await
+            .unwrap();
+    assert_eq!(state, "ready");
+    assert!(pinned.is_some_and(|p| p.contains("@sha256:")));
+    let code: Option<String> =
+        sqlx::query_scalar("SELECT error_code FROM templates WHERE image LIKE '%no-such-image%'")
+            .fetch_one(&stack.db)
+            .await
+            .unwrap();
+    assert_eq!(code.as_deref(), Some("unknown_image"));
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }
@@ -343,9 +368,14 @@ async fn keys_orgs_execd_tokens_and_malformed_bodies_are_refused_with_code_and_m
             "invalid_request",
         ),
         (
-            json!({"image": {"uri": "docker.io/library/ubuntu:24.04"}, "timeout": 600,
+            json!({"image": {"uri": "has space:1"}, "timeout": 600,
                 "entrypoint": ["tail", "-f", "/dev/null"]}),
-            "unsupported_image",
+            "invalid_request",
+        ),
+        (
+            json!({"image": {"uri": "127.0.0.1:1/x:1", "auth": {"username": "u"}},
+                   "timeout": 600}),
+            "invalid_request",
         ),
         (
             json!({"templateId": "no-such-template", "timeout": 600}),

@@ -21,5 +21,6 @@ mod proxy_limits;
 mod relay;
 mod settings;
 mod snapshots;
+mod templates;
 mod wait;
 mod webhooks;

@@ -259,3 +259,26 @@ pub fn write_layout(dir: &Path, tag: &str, layers: &[Vec<u8>], arch: &str, entry
     std::fs::write(dir.join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
     std::fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
 }
+
+/// Pushes a small bootable image as `repo:1` into `registry` and returns its reference: the
+/// busybox layer, then a layer with `/etc/berth-mark` holding `mark` and the applets a default
+/// entrypoint needs (`tail`, `sleep`). A unique `mark` gives the image a digest of its own, so
+/// deleting its template frees no other test's root in the machine's shared image cache.
+pub fn push_marked_image(registry: &Registry, repo: &str, mark: &str) -> String {
+    let marked = tar_of(&[
+        Entry::File("etc/berth-mark", mark.as_bytes(), false),
+        Entry::Symlink("bin/tail", "busybox"),
+        Entry::Symlink("bin/sleep", "busybox"),
+    ]);
+    let layout = std::env::temp_dir().join(format!("berth-layout-{}", unique()));
+    write_layout(
+        &layout,
+        "1",
+        &[busybox_layer(), marked],
+        "amd64",
+        &["/bin/sh"],
+    );
+    registry.push(&layout, "1", repo);
+    let _ = std::fs::remove_dir_all(&layout);
+    registry.reference(repo, "1")
+}

@@ -66,8 +66,11 @@ pub async fn create(
     Extension(caller): Extension<Caller>,
     raw: Bytes,
 ) -> Result<Response, CompatError> {
-    let valid = body::<CreateBody>(&raw)?.validate(app.config.disk)?;
+    let mut valid = body::<CreateBody>(&raw)?.validate(app.config.disk)?;
     let by_image = valid.by_image;
+    if let Some(uri) = valid.create.image_uri.clone() {
+        valid.create.template = super::image::template_for(&app, &uri).await?;
+    }
     let template = valid.create.template.clone();
     let policy = PlacementPolicy {
         heartbeat_freshness: app.config.heartbeat_freshness,
@@ -79,14 +82,11 @@ pub async fn create(
     .await
     .map_err(ApiError::from)
     .map_err(|e| match e {
-        // Until templates come from OCI images, an image must name a template.
+        // The image's template was deleted between its pull and this create.
         ApiError::UnknownTemplate(_) if by_image => CompatError::new(
-            StatusCode::BAD_REQUEST,
-            "unsupported_image",
-            format!(
-                "image.uri {template:?} is not a template of this Berth; an image must name \
-                 one (GET /v1/templates lists them: base, base-gvisor, python, …)"
-            ),
+            StatusCode::CONFLICT,
+            "template_not_ready",
+            format!("the template {template} of this image was deleted meanwhile; create again"),
         ),
         ApiError::UnknownTemplate(_) => CompatError::new(
             StatusCode::BAD_REQUEST,

@@ -31,6 +31,7 @@
 
 pub mod command;
 pub mod execd;
+pub mod image;
 pub mod lifecycle;
 pub mod model;
 

@@ -29,8 +29,8 @@ pub const DEFAULT_MEMORY_MIB: u32 = crate::model::DEFAULT_MEMORY_MIB;
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct CreateBody {
-    /// `{"uri": …, "auth"?: …}`: the uri must name a Berth template (until templates from OCI
-    /// images exist); `auth` is refused.
+    /// `{"uri": …, "auth"?: …}`: a Berth template's name, or an OCI image reference pulled
+    /// into a template on first use (`compat::image`); `auth` is refused.
     pub image: Option<ImageSpec>,
     /// A Berth template's name.
     pub template_id: Option<String>,
@@ -68,7 +68,8 @@ pub struct CreateBody {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ImageSpec {
-    /// The image reference; today it must name a Berth template (`base`, `python`, …).
+    /// A Berth template's name (`base`, `python`, …) or an OCI image reference
+    /// (`registry/repo:tag`).
     pub uri: String,
     /// Registry credentials: refused.
     pub auth: Option<serde_json::Value>,
@@ -79,7 +80,7 @@ pub struct ImageSpec {
 pub struct ValidCompatCreate {
     /// What Berth creates.
     pub create: ValidCreate,
-    /// Whether it came by `image` (an unknown template is then an unsupported image).
+    /// Whether it came by `image` (its template is resolved by `compat::image::template_for`).
     pub by_image: bool,
 }
 
@@ -129,14 +130,15 @@ impl CreateBody {
             }
             (None, Some(template)) => (template, None),
         };
-        if template.is_empty() || template.len() > 64 || template.contains('\0') {
+        let (field, max) = if image_uri.is_some() {
+            ("image.uri", crate::templates::MAX_IMAGE_REF_LEN)
+        } else {
+            ("templateId", crate::templates::MAX_NAME_LEN)
+        };
+        if template.is_empty() || template.len() > max || template.contains('\0') {
             return Err(CompatError::invalid(
-                if image_uri.is_some() {
-                    "image.uri"
-                } else {
-                    "templateId"
-                },
-                "must be 1 to 64 characters",
+                field,
+                format!("must be 1 to {max} characters"),
             ));
         }
         let expires_at = match self.timeout {

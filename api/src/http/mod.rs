@@ -93,7 +93,10 @@ pub fn router(state: AppState) -> Router {
             "/v1/templates",
             get(templates::templates).post(templates::create),
         )
-        .route("/v1/templates/{name}", get(templates::get))
+        .route(
+            "/v1/templates/{name}",
+            get(templates::get).delete(templates::delete),
+        )
         .route("/v1/events", get(events::stream))
         .route("/v1/webhooks", post(webhooks::create).get(webhooks::list))
         .route(

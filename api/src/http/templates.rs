@@ -56,6 +56,14 @@ pub async fn create(
     body: Result<Json<CreateTemplate>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
     let Json(req) = body.map_err(json_error)?;
+    if req.credentials.is_some() {
+        return Err(ApiError::invalid(
+            "credentials",
+            "private registries are not supported yet: Berth pulls anonymously (hosts pull \
+             the pinned image again and there is no encrypted store to hand them credentials); \
+             use a public image or a registry on the hosts' network",
+        ));
+    }
     let puller = app.images.clone().ok_or_else(|| {
         ApiError::NotConfigured("this API process has no image cache to pull templates into".into())
     })?;
@@ -69,4 +77,25 @@ pub async fn create(
     )
     .await?;
     Ok((StatusCode::ACCEPTED, Json(template)))
+}
+
+/// `DELETE /v1/templates/{name}` (operator key: templates are shared by every org): deletes
+/// a template pulled from an image (204), with its
+/// events, and frees its unpacked root in this machine's image cache when no other template
+/// pinned the same digest (layer blobs and other machines' copies are kept).
+///
+/// Errors: 403 `forbidden` for an org's key; 404 `not_found`; 409 `template_in_use` (sandboxes not yet deleted use it) or
+/// `template_builtin` (not from an image).
+#[utoipa::path(delete, path = "/v1/templates/{name}", tag = "sandboxes",
+    params(("name" = String, Path, description = "template name")),
+    responses((status = 204, description = "deleted"), (status = 403, description = "not an operator key"), (status = 404, description = "no such template"),
+        (status = 409, description = "template_in_use or template_builtin")),
+    security(("bearer" = [])))]
+pub async fn delete(
+    State(app): State<AppState>,
+    _operator: crate::auth::Admin,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    service::templates::delete(&app.db, app.images.as_ref(), &name).await?;
+    Ok(StatusCode::NO_CONTENT)
 }

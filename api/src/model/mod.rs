@@ -643,7 +643,8 @@ pub struct Template {
     pub entrypoint: Option<Vec<String>>,
     /// Why the last pull failed: `unknown_image`, `auth_failed`, `unsupported_platform`,
     /// `image_too_large`, `hostile_layer`, `unsupported_layer`, `bad_reference`,
-    /// `registry_error`, `io_error`.
+    /// `registry_error`, `io_error`, `pull_timed_out` (no sign of the pull for the
+    /// reconciler's `--template-pull-timeout`: the process pulling it died).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_code: Option<String>,
     /// Why the last pull failed, for people.
@@ -681,6 +682,12 @@ pub struct CreateTemplate {
     /// One line for listings (default: the image).
     #[serde(default)]
     pub description: Option<String>,
+    /// Registry credentials (`{"username", "password"}`): refused with 400. Berth pulls
+    /// anonymously: hosts on other machines pull the pinned image again, and Berth has no
+    /// encrypted store for secrets to hand them yet. Never stored, never logged.
+    #[serde(default, skip_serializing)]
+    #[schema(value_type = Option<Object>)]
+    pub credentials: Option<serde_json::Value>,
 }
 
 #[cfg(test)]

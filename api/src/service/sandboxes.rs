@@ -48,7 +48,8 @@ pub async fn create(
             return Ok(Replayable::Replayed(stored));
         }
     }
-    let template = templates::get(&mut *tx, &req.template)
+    // Locked against a concurrent delete of the template until this create commits.
+    let template = templates::get_shared(&mut *tx, &req.template)
         .await?
         .ok_or_else(|| ServiceError::UnknownTemplate(req.template.clone()))?;
     super::templates::check_ready(&template)?;

@@ -72,6 +72,10 @@ pub trait ImagePuller: Send + Sync + 'static {
         image: String,
         progress: mpsc::UnboundedSender<String>,
     ) -> BoxFuture<'static, Result<PulledImage, PullFailure>>;
+
+    /// Removes the unpacked root of manifest `digest` (`sha256:...`) from the machine's image
+    /// cache; layer blobs stay. Returns whether there was one.
+    fn remove(&self, digest: String) -> BoxFuture<'static, Result<bool, String>>;
 }
 
 /// Registers (or updates) template `name` with `runtime` (`runc`, `runsc`).
@@ -207,6 +211,54 @@ pub async fn create_from_image(
         .await?;
     }
     get(db, name).await
+}
+
+/// Deletes image template `name` and its events (`DELETE /v1/templates/{name}`), then frees
+/// its unpacked root in this machine's image cache when no other template pinned the same
+/// digest. Kept: the layer blobs (content-addressed, shared between images), and the copies on
+/// hosts of other machines (they have no sweep yet). A pull still running finishes into the
+/// cache and writes nothing (its row is gone).
+///
+/// Errors: [`ServiceError::NotFound`]; [`ServiceError::TemplateConflict`] `template_in_use`
+/// (sandboxes not yet deleted name it: delete them first) or `template_builtin` (a built-in or
+/// imported template, not from an image: the operator's).
+pub async fn delete(
+    db: &PgPool,
+    puller: Option<&Arc<dyn ImagePuller>>,
+    name: &str,
+) -> Result<(), ServiceError> {
+    use berth_store::templates::Deleted;
+    match templates::delete(db, name).await? {
+        Deleted::NotFound => Err(ServiceError::NotFound(format!("template {name}"))),
+        Deleted::NotAnImage(row) => Err(ServiceError::TemplateConflict {
+            code: "template_builtin",
+            state: row.state()?.as_str().to_owned(),
+            message: format!(
+                "template {name} is not from an image (built-in or imported on the hosts): the \
+                 operator removes it"
+            ),
+        }),
+        Deleted::InUse { row, sandboxes } => Err(ServiceError::TemplateConflict {
+            code: "template_in_use",
+            state: row.state()?.as_str().to_owned(),
+            message: format!(
+                "{sandboxes} sandbox(es) not yet deleted use template {name}; delete them first"
+            ),
+        }),
+        Deleted::Deleted {
+            row,
+            unshared_digest,
+        } => {
+            info!(template = %name, image = ?row.image, "template deleted");
+            if let (Some(digest), Some(puller)) = (unshared_digest, puller) {
+                match puller.remove(digest.clone()).await {
+                    Ok(freed) => info!(template = %name, %digest, freed, "image root freed"),
+                    Err(e) => warn!(template = %name, %digest, error = %e, "image root not freed"),
+                }
+            }
+            Ok(())
+        }
+    }
 }
 
 /// The template for `image` on `runtime`, registered and pulled on first use: what a create

@@ -154,6 +154,44 @@ impl ImageCache {
         Ok(pulled(rootfs, resolved))
     }
 
+    /// Removes the unpacked root of manifest `digest` (and the shifted copies runc sandboxes
+    /// boot from, which live beside it), under the image's lock: renamed aside first, so no
+    /// reader ever finds half a root, then deleted. Layer blobs are kept (content-addressed,
+    /// possibly shared with other images). Returns whether there was a root to remove.
+    ///
+    /// The caller makes sure no sandbox of this machine uses the image (the API refuses to
+    /// delete a template that sandboxes name).
+    ///
+    /// Errors: [`ImageError::Io`].
+    pub async fn remove_image(&self, digest: &str) -> Result<bool, ImageError> {
+        let hex = digest.trim_start_matches("sha256:").to_owned();
+        if hex.is_empty() || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Ok(false);
+        }
+        let images = self.dir.join("images");
+        let dir = self.image_dir(digest);
+        if !dir.is_dir() {
+            return Ok(false);
+        }
+        let lock = lock(&images.join(format!(".{hex}.lock"))).await?;
+        let aside = images.join(format!(".removing-{hex}-{}", std::process::id()));
+        let renamed = fs::rename(&dir, &aside);
+        drop(lock);
+        match renamed {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(ImageError::io(format!("rename {}", dir.display()))(e)),
+        }
+        tokio::task::spawn_blocking(move || fs::remove_dir_all(&aside).map(|()| aside))
+            .await
+            .map_err(|e| ImageError::Io {
+                context: "remove task".into(),
+                source: std::io::Error::other(e),
+            })?
+            .map_err(ImageError::io(format!("remove the root of {digest}")))?;
+        Ok(true)
+    }
+
     /// Downloads `layer` into the blob store unless it is there; true when it was.
     async fn fetch_blob(
         &self,

@@ -55,6 +55,9 @@ pub const DEFAULT_STOP_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a snapshot may stay `creating` (capture and upload) before it fails: 30 minutes,
 /// room for a large sandbox on a slow object store.
 pub const DEFAULT_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// Default [`PassConfig::template_pull_timeout`]: 30 minutes without any sign of a template's
+/// image pull (a progress event per layer), room for one large layer on a slow registry.
+pub const DEFAULT_TEMPLATE_PULL_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// Default [`PassConfig::inventory_grace`]: 30 seconds (several heartbeats).
 pub const DEFAULT_INVENTORY_GRACE: Duration = Duration::from_secs(30);
 /// Default [`PassConfig::tombstone_retention`]: a day.
@@ -151,6 +154,10 @@ pub struct PassConfig {
     pub breaker: GuestBreaker,
     /// How long a snapshot may stay `creating` before it fails ([`SNAPSHOT_TIMED_OUT`]).
     pub snapshot_timeout: Duration,
+    /// How long a template may stay `pulling` without a sign of its pull (the start, or its
+    /// last progress event) before it fails with `pull_timed_out`: the API process pulling it
+    /// died mid-pull.
+    pub template_pull_timeout: Duration,
 }
 
 impl Default for PassConfig {
@@ -170,6 +177,7 @@ impl Default for PassConfig {
             evidence_max_age: DEFAULT_EVIDENCE_MAX_AGE,
             breaker: GuestBreaker::default(),
             snapshot_timeout: DEFAULT_SNAPSHOT_TIMEOUT,
+            template_pull_timeout: DEFAULT_TEMPLATE_PULL_TIMEOUT,
         }
     }
 }
@@ -199,6 +207,9 @@ pub enum Action {
     OrphanStopped,
     /// Snapshots failed because they stayed `creating` past [`PassConfig::snapshot_timeout`].
     SnapshotTimeout,
+    /// Templates failed because their pull showed no sign of life for
+    /// [`PassConfig::template_pull_timeout`].
+    TemplatePullTimeout,
 }
 
 impl Action {
@@ -216,6 +227,7 @@ impl Action {
             Action::OrphanDestroyed => "orphan_destroyed",
             Action::OrphanStopped => "orphan_stopped",
             Action::SnapshotTimeout => "snapshot_timeout",
+            Action::TemplatePullTimeout => "template_pull_timeout",
         }
     }
 }
@@ -338,7 +350,32 @@ async fn run_actions(
     report.actions.push((Action::OrphanStopped, stopped));
     let n = time_out_snapshots(db, config, lease).await?;
     report.actions.push((Action::SnapshotTimeout, n));
+    let n = time_out_template_pulls(db, config, lease).await?;
+    report.actions.push((Action::TemplatePullTimeout, n));
     Ok(())
+}
+
+/// Templates `pulling` with no sign of their pull for [`PassConfig::template_pull_timeout`]
+/// fail with `pull_timed_out` and a `template.failed` event (the process pulling them died);
+/// asking for the template again pulls it again. A pull that still finishes later writes
+/// nothing (`store::templates::finish_pull` is fenced on `pulling`).
+async fn time_out_template_pulls(
+    db: &PgPool,
+    config: &PassConfig,
+    lease: &Lease,
+) -> Result<u64, PassError> {
+    let mut tx = fenced(db, lease).await?;
+    let failed = berth_store::templates::fail_stale_pulls(
+        &mut *tx,
+        config.template_pull_timeout,
+        config.batch,
+    )
+    .await?;
+    commit(tx).await?;
+    for name in &failed {
+        info!(template = %name, "template pull showed no sign of life; failed");
+    }
+    Ok(failed.len() as u64)
 }
 
 /// Snapshots still `creating` past [`PassConfig::snapshot_timeout`] fail with
