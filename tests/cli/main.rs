@@ -11,3 +11,4 @@ mod commands;
 mod errors;
 mod kit;
 mod shell;
+mod snapshots;

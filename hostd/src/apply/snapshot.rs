@@ -143,6 +143,7 @@ async fn take(
     let _ = std::fs::remove_dir_all(&memory_dir);
     thawed?;
     let staged = staged??;
+    crate::fault::crash_point(crate::fault::Step::Captured);
     let paused_ms = u32::try_from(paused.as_millis()).unwrap_or(u32::MAX);
     tracing::info!(
         paused_ms,

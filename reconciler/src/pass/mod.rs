@@ -413,6 +413,7 @@ pub(crate) async fn fail_sandbox(
             message: Some(message),
             activity: false,
             overcommit: Overcommit::default(),
+            snapshot: None,
         },
     )
     .await?;
@@ -513,6 +514,7 @@ async fn expire(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, 
                 message: Some(&message),
                 activity: false,
                 overcommit: Overcommit::default(),
+                snapshot: None,
             },
         )
         .await?;
@@ -569,7 +571,7 @@ async fn auto_lifecycle(
             sandboxes::lock_due(&mut tx, Due::AutoDelete, config.batch).await?,
             Reason::AutoDelete,
         ),
-        Request::Start => return Ok(0),
+        Request::Start | Request::Restore => return Ok(0),
     };
     let mut n = 0;
     for row in &rows {
@@ -593,6 +595,7 @@ async fn auto_lifecycle(
                 message: None,
                 activity: false,
                 overcommit: Overcommit::default(),
+                snapshot: None,
             },
         )
         .await?;
