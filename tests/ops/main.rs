@@ -22,6 +22,5 @@ mod relay;
 mod resume;
 mod settings;
 mod snapshots;
-mod snapshots_s3;
 mod wait;
 mod webhooks;

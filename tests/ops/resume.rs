@@ -428,7 +428,7 @@ async fn a_clone_whose_host_never_answers_fails_with_a_reason_and_is_destroyed_w
 ) {
     let config = berth_reconciler::pass::PassConfig {
         interval: Duration::from_millis(100),
-        create_timeout: Duration::from_secs(4),
+        create_timeout: Duration::from_secs(30),
         ..berth_reconciler::pass::PassConfig::default()
     };
     let stack = Stack::start_with(db.clone(), 1, config).await;
