@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 
 mod preview;
 mod scale;
+mod snapshots;
 mod verdict;
 
 /// How many times one request is retried after a `429`.
@@ -91,6 +92,10 @@ pub struct BenchArgs {
     /// Scale mode: keep the bench database afterwards (to `EXPLAIN ANALYZE` at that size).
     #[arg(long)]
     keep_database: bool,
+    /// Measure only snapshots, forks and clones (`bench/snapshots.rs`), `--sandboxes` samples
+    /// of each, on the running stack (its hosts need runc and runsc).
+    #[arg(long)]
+    snapshots: bool,
 }
 
 fn stack_env(state_dir: &Path) -> Vec<(String, String)> {
@@ -343,7 +348,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         throttled: Default::default(),
         run_tag: format!("{}-{}", std::process::id(), chrono::Utc::now().timestamp()),
     };
-    let outcome = measure(&args, &client, &lookup).await;
+    let outcome = if args.snapshots {
+        snapshots::run(&client, args.sandboxes).await
+    } else {
+        measure(&args, &client, &lookup).await
+    };
     client.clean_up().await;
     outcome
 }

@@ -21,7 +21,8 @@ pub const CRASH_AT_ENV: &str = "BERTH_HOSTD_CRASH_AT";
 /// A step of applying a command after which a crash can be injected. Bring-up (create and
 /// start) passes `Address`, `Network`, `Mounted`, `Container`, `Agent`; a stop passes
 /// `Stopping`, `Checkpointed` (only on a runtime with memory snapshots), `Destroyed`,
-/// `Unmounted`; every command passes `Recorded` once its record is written, before its result
+/// `Unmounted`; a snapshot passes `Captured`; a restore or clone passes `Seeded` before its
+/// bring-up; every command passes `Recorded` once its record is written, before its result
 /// is published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
@@ -45,11 +46,16 @@ pub enum Step {
     Unmounted,
     /// Any command: its record is written, its result not yet published.
     Recorded,
+    /// Snapshot: the capture is staged and the sandbox thawed; nothing is uploaded yet.
+    Captured,
+    /// Restore or clone: the disk (and memory image) is seeded from the snapshot; nothing is
+    /// booted yet.
+    Seeded,
 }
 
 impl Step {
     /// Every step, in the order a create, a stop and then any command pass them.
-    pub const ALL: [Step; 10] = [
+    pub const ALL: [Step; 12] = [
         Step::Address,
         Step::Network,
         Step::Mounted,
@@ -60,6 +66,8 @@ impl Step {
         Step::Destroyed,
         Step::Unmounted,
         Step::Recorded,
+        Step::Captured,
+        Step::Seeded,
     ];
 
     /// The step's name in [`CRASH_AT_ENV`].
@@ -75,6 +83,8 @@ impl Step {
             Step::Destroyed => "destroyed",
             Step::Unmounted => "unmounted",
             Step::Recorded => "recorded",
+            Step::Captured => "captured",
+            Step::Seeded => "seeded",
         }
     }
 

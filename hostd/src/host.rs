@@ -163,7 +163,49 @@ pub struct SnapshotStorage {
     pub staging: std::path::PathBuf,
 }
 
+/// How often hostd sweeps its chunk cache against the object store.
+pub const CACHE_SWEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Sweeps the host's chunk cache every `interval` until `stop` ([`SnapshotStorage::sweep_cache`]).
+pub async fn sweep_cache_every(
+    host: Arc<Host>,
+    interval: std::time::Duration,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(interval) => {}
+        }
+        match host.snapshots.sweep_cache().await {
+            Ok(freed) => tracing::info!(bytes_freed = freed, "chunk cache swept"),
+            Err(e) => tracing::warn!(error = %e, "chunk cache not swept"),
+        }
+    }
+}
+
 impl SnapshotStorage {
+    /// Drops from the host's chunk cache every chunk the object store no longer holds: a chunk
+    /// leaves the store only once no snapshot row references it (a snapshot delete's claimed
+    /// removal, `berth_store::chunks`), so this sweeps the local copies no row references.
+    /// The cache stays LRU-bounded in between. Returns the bytes freed.
+    ///
+    /// Errors: [`berth_storage::StorageError::Store`] when the store cannot be listed (nothing
+    /// is dropped then).
+    pub async fn sweep_cache(&self) -> Result<u64, berth_storage::StorageError> {
+        let stored: std::collections::HashSet<String> = self
+            .objects
+            .list("chunks")
+            .await?
+            .into_iter()
+            .filter_map(|(key, _)| {
+                let name = key.rsplit('/').next()?;
+                Some(name.strip_suffix(".zst").unwrap_or(name).to_owned())
+            })
+            .collect();
+        Ok(self.cache.sweep(&|hash| stored.contains(hash)))
+    }
+
     fn open(layout: &StateLayout, config: &HostdConfig) -> Result<Self, HostdError> {
         let staging = layout.root().join("snapshot-staging");
         let _ = std::fs::remove_dir_all(&staging);

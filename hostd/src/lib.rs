@@ -284,6 +284,11 @@ async fn run_as(
         config.subjects.clone(),
         stop.clone(),
     ));
+    let sweeper = tokio::spawn(host::sweep_cache_every(
+        host.clone(),
+        host::CACHE_SWEEP_INTERVAL,
+        stop.clone(),
+    ));
     let holder = host.clone();
     let consumed = commands::consume(host, js, config.subjects.clone(), stop.clone()).await;
     stop.cancel();
@@ -292,6 +297,7 @@ async fn run_as(
         source: std::io::Error::other(e),
     })?;
     let _ = heartbeats.await;
+    let _ = sweeper.await;
     if let Some(task) = forwarding {
         let _ = task.await;
     }

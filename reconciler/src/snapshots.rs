@@ -9,9 +9,9 @@ use berth_schemas::state::snapshot::{
 use berth_schemas::wire::{CommandResult, ResultOutcome};
 use berth_schemas::Reason;
 use berth_store::events::{self, NewEvent};
-use berth_store::sandboxes;
 use berth_store::snapshots::{self, Settled, SnapshotRow};
 use berth_store::StoreError;
+use berth_store::{chunks, sandboxes};
 use sqlx::PgConnection;
 use tracing::{info, warn};
 
@@ -51,6 +51,16 @@ pub(crate) async fn apply(
                 .iter()
                 .map(|(h, n)| (h.clone(), i64::from(*n)))
                 .collect();
+            let hashes: Vec<String> = chunks.iter().map(|(h, _)| h.clone()).collect();
+            let lost = chunks::check_for_ready(conn, row.id, row.created_at, &hashes).await?;
+            if !lost.is_empty() {
+                let reason = format!(
+                    "{} of its chunks were removed by a snapshot delete while it was uploaded; \
+                     take the snapshot again",
+                    lost.len()
+                );
+                return fail(conn, &row, reason).await;
+            }
             let settled = Settled {
                 holds: if stored.memory {
                     "disk_and_memory"
@@ -70,19 +80,12 @@ pub(crate) async fn apply(
             Ok(Applied::Snapshot(SnapshotState::Ready))
         }
         SnapshotDecision::Apply(_) => {
-            let reason = reason.unwrap_or_else(|| "snapshot failed".into());
-            snapshots::write_failed(conn, row.id, &reason).await?;
-            event(
+            fail(
                 conn,
                 &row,
-                "snapshot.failed",
-                Reason::RuntimeError,
-                Some(&reason),
+                reason.unwrap_or_else(|| "snapshot failed".into()),
             )
-            .await?;
-            metrics::counter!("berth_snapshots_total", "outcome" => "failed").increment(1);
-            warn!(snapshot_id = %row.id, %reason, "snapshot failed");
-            Ok(Applied::Snapshot(SnapshotState::Failed))
+            .await
         }
         SnapshotDecision::DeleteContent => {
             // The snapshot timed out before this upload landed; it stays failed. Its chunks are
@@ -94,6 +97,26 @@ pub(crate) async fn apply(
         }
         SnapshotDecision::Ignore => Ok(Applied::Duplicate),
     }
+}
+
+/// Writes `failed` with `reason` and its event.
+async fn fail(
+    conn: &mut PgConnection,
+    row: &SnapshotRow,
+    reason: String,
+) -> Result<Applied, StoreError> {
+    snapshots::write_failed(conn, row.id, &reason).await?;
+    event(
+        conn,
+        row,
+        "snapshot.failed",
+        Reason::RuntimeError,
+        Some(&reason),
+    )
+    .await?;
+    metrics::counter!("berth_snapshots_total", "outcome" => "failed").increment(1);
+    warn!(snapshot_id = %row.id, %reason, "snapshot failed");
+    Ok(Applied::Snapshot(SnapshotState::Failed))
 }
 
 /// Writes a snapshot's event on its sandbox's stream, when the sandbox row still exists (a

@@ -16,7 +16,9 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 12 (this one): a sandbox's spec ends with the OCI image its template was pulled
+/// Version 13 (this one): two command kinds, [`CommandKind::Restore`] and
+/// [`CommandKind::Clone`], whose [`Command::snapshot`] names the snapshot to boot from.
+/// Version 12: a sandbox's spec ends with the OCI image its template was pulled
 /// from, pinned to its digest ([`SandboxSpec::image`]). Version 11: a `sandbox.snapshot` command ([`CommandKind::Snapshot`]) carries a
 /// [`SnapshotOrder`] ([`Command::snapshot`]) and is answered by
 /// [`ResultOutcome::Snapshotted`]. Version 10: a sandbox's spec ends with its `env` and
@@ -31,7 +33,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 12;
+pub const WIRE_VERSION: u16 = 13;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -181,7 +183,9 @@ pub struct Command {
     /// record (for instance a start after a failed create). `None` only for a `Delete` of a
     /// container whose row was purged (the host reported it, so it has its own record).
     pub spec: Option<SandboxSpec>,
-    /// For a [`CommandKind::Snapshot`]: which snapshot to take; `None` for every other kind.
+    /// For a [`CommandKind::Snapshot`]: which snapshot to take; for a [`CommandKind::Restore`]
+    /// or [`CommandKind::Clone`]: which snapshot to boot from (`parent` is `None`); `None` for
+    /// every other kind.
     pub snapshot: Option<SnapshotOrder>,
 }
 

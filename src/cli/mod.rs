@@ -16,6 +16,7 @@ mod exec;
 mod render;
 mod sandbox;
 mod shell;
+mod snapshots;
 mod template;
 
 pub use template::PullArgs as TemplatePullArgs;
@@ -50,7 +51,7 @@ pub struct SandboxArgs {
     command: SandboxCmd,
 }
 
-/// The sandbox commands. Snapshot and fork are not here: the API has no such routes yet.
+/// The sandbox commands.
 #[derive(Subcommand, Debug)]
 enum SandboxCmd {
     /// Create a sandbox, wait until it runs, and print its id.
@@ -81,6 +82,13 @@ enum SandboxCmd {
     Events(sandbox::EventsArgs),
     /// A preview URL and token for a port of the sandbox.
     Preview(sandbox::PreviewArgs),
+    /// Snapshot a running sandbox (disk; memory too on gVisor), wait until it is stored, and
+    /// print its id.
+    Snapshot(snapshots::SnapshotArgs),
+    /// Snapshot a running sandbox and start N new sandboxes from it; print their ids.
+    Fork(snapshots::ForkArgs),
+    /// Rebuild a sandbox from one of its snapshots and wait until it runs again.
+    Restore(snapshots::RestoreArgs),
 }
 
 /// `berth login`
@@ -158,6 +166,9 @@ async fn dispatch(command: UserCmd) -> Result<i32, CliError> {
                 }
                 SandboxCmd::Events(args) => sandbox::events(&client, &api, args).await,
                 SandboxCmd::Preview(args) => sandbox::preview(&client, &api, args).await,
+                SandboxCmd::Snapshot(args) => snapshots::snapshot(&client, &api, args).await,
+                SandboxCmd::Fork(args) => snapshots::fork(&client, &api, args).await,
+                SandboxCmd::Restore(args) => snapshots::restore(&client, &api, args).await,
             }
         }
     }

@@ -19,6 +19,8 @@
 //! - [`orgs`]: tenants' quotas.
 //! - [`snapshots`]: snapshot rows (`creating` → `ready` | `failed`), the chunks each ready one
 //!   references, and an org's snapshot usage.
+//! - [`chunks`]: the removal of chunks no snapshot references, safe against a concurrent
+//!   upload that reuses them.
 //!
 //! Tables one component owns alone stay with it: the API's webhooks, deliveries and attempts.
 //!
@@ -38,6 +40,7 @@
 
 pub mod api_keys;
 pub mod breakers;
+pub mod chunks;
 pub mod commands;
 pub mod error;
 pub mod events;

@@ -141,6 +141,9 @@ ops! {
     /// [`crate::snapshots::lock_timed_out`] and [`crate::snapshots::lock_expired`]: the pass's
     /// selections.
     SnapshotDue => "snapshot_due",
+    /// [`crate::chunks`]: queueing, claiming and finishing the removal of unreferenced chunks,
+    /// and a settling snapshot's check of its chunks against them.
+    ChunkRemoval => "chunk_removal",
     /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
     /// [`crate::commands::complete`]: sets a command's outcome.

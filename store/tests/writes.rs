@@ -82,6 +82,7 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
             env: Vec::new(),
             entrypoint: Vec::new(),
             image_uri: None,
+            from_snapshot: None,
         },
     )
     .await
@@ -103,6 +104,7 @@ fn transition(to: SandboxState, command: CommandKind, capacity: Capacity) -> Tra
             cpu: 1.0,
             memory: 1.0,
         },
+        snapshot: None,
     }
 }
 

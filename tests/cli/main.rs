@@ -11,4 +11,5 @@ mod commands;
 mod errors;
 mod kit;
 mod shell;
+mod snapshots;
 mod templates;

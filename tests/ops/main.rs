@@ -19,6 +19,7 @@ mod preview_abuse;
 mod preview_kit;
 mod proxy_limits;
 mod relay;
+mod resume;
 mod settings;
 mod snapshots;
 mod templates;

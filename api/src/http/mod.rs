@@ -11,6 +11,7 @@ pub mod files;
 pub mod hosts;
 pub mod idempotency;
 pub mod preview;
+pub mod resume;
 pub mod sandboxes;
 pub mod settings;
 pub mod shell;
@@ -48,6 +49,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/renew", post(settings::renew))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshots::create))
         .route("/v1/sandboxes/{id}/snapshots", get(snapshots::list))
+        .route("/v1/sandboxes/{id}/restore", post(resume::restore))
+        .route("/v1/sandboxes/{id}/clone", post(resume::clone))
+        .route("/v1/sandboxes/{id}/fork", post(resume::fork))
         .route(
             "/v1/snapshots/{id}",
             get(snapshots::get).delete(snapshots::delete),

@@ -37,7 +37,7 @@ pub(crate) fn parse_id(raw: &str) -> Result<SandboxId, ApiError> {
 /// another state than the one `request` settles in ([`WaitTarget::of_request`]) is a 400
 /// before anything is done: `POST …/stop?wait=running` would stop the sandbox and then answer
 /// 409, and the client would take the stop for refused.
-fn wait_of(
+pub(crate) fn wait_of(
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
     request: Option<Request>,
 ) -> Result<Option<WaitFor>, ApiError> {
@@ -62,7 +62,7 @@ fn wait_of(
 /// `POST /v1/sandboxes`
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox, params(WaitQuery),
     responses(
-        (status = 202, description = "Accepted; the sandbox is `provisioning`", body = Sandbox),
+        (status = 202, description = "Accepted; the sandbox is `provisioning` (or, with `snapshot_id`, a clone of that ready snapshot: `resuming`, its template and size the snapshot's, and `template`, `vcpus`, `memory_mib`, `disk_mib` refused)", body = Sandbox),
         (status = 200, description = "With `?wait=`: the sandbox in that state", body = Sandbox),
         (status = 408, description = "With `?wait=`: `timeout`; the sandbox was created (`sandbox_id`) and is in `state`"),
         (status = 409, description = "With `?wait=`: `conflict`; the sandbox was created (`sandbox_id`) but settled in `state` (e.g. `failed-start`)"),
@@ -89,6 +89,12 @@ pub async fn create(
     } else {
         &body
     };
+    if let Some((snapshot, create)) = super::resume::clone_request(body)? {
+        return super::resume::create_from_snapshot(
+            &app, &caller, snapshot, create, idem, wait, shutdown,
+        )
+        .await;
+    }
     let Json(create) = Json::<CreateSandbox>::from_bytes(body).map_err(json_error)?;
     let req = create.validate(app.config.disk)?;
     req.network

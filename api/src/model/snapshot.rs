@@ -5,7 +5,7 @@ use berth_schemas::state::snapshot::SnapshotState;
 use berth_schemas::SandboxId;
 use berth_store::snapshots::SnapshotRow;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 /// A snapshot: a sandbox's disk (and on gVisor its memory) stored in the object store.
@@ -85,4 +85,32 @@ impl From<SnapshotRow> for Snapshot {
 pub struct SnapshotList {
     /// The snapshots.
     pub snapshots: Vec<Snapshot>,
+}
+
+/// `POST /v1/sandboxes/{id}/restore` and `POST /v1/sandboxes/{id}/clone`: the snapshot to boot
+/// from, one of that sandbox's own, `ready`. Unknown fields are refused.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FromSnapshot {
+    /// The snapshot's id.
+    #[schema(value_type = String, format = Uuid)]
+    pub snapshot_id: SnapshotId,
+}
+
+/// `POST /v1/sandboxes/{id}/fork`: how many clones. Unknown fields are refused.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// How many new sandboxes, 1 to 16.
+    pub count: u32,
+}
+
+/// What a fork made: the snapshot (`creating`: the clones boot once it is `ready`) and the new
+/// sandboxes (`resuming`), in one response.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Fork {
+    /// The snapshot the clones boot from.
+    pub snapshot: Snapshot,
+    /// The new sandboxes, each with its own id.
+    pub sandboxes: Vec<crate::model::Sandbox>,
 }

@@ -11,6 +11,7 @@ pub mod hosts;
 pub mod idempotency;
 pub mod keys;
 pub mod quota;
+pub mod resume;
 pub mod sandboxes;
 pub mod settings;
 pub mod snapshots;

@@ -54,44 +54,7 @@ pub async fn create(
         .ok_or_else(|| ServiceError::UnknownTemplate(req.template.clone()))?;
     super::templates::check_ready(&template)?;
     super::quota::check(&mut tx, org, req.resources).await?;
-    let host = match placement::place(
-        &mut tx,
-        req.resources,
-        policy.heartbeat_freshness,
-        policy.overcommit,
-        None,
-    )
-    .await?
-    {
-        placement::Placement::Placed { host, probe } => {
-            if probe {
-                info!(host_id = %host, "create placed as the degraded host's probe");
-            }
-            host
-        }
-        // Dropping the transaction rolls back: nothing is written.
-        placement::Placement::NoCapacity => {
-            return Err(ServiceError::NoCapacity {
-                vcpus: req.resources.vcpus,
-                memory_mib: req.resources.memory_mib,
-            })
-        }
-        placement::Placement::Unavailable { why, retry_after } => {
-            metrics::counter!("berth_creates_unavailable_total",
-                "why" => if why.stale > 0 { "stale_hosts" } else { "degraded_hosts" })
-            .increment(1);
-            return Err(ServiceError::Unavailable {
-                message: format!(
-                    "no host can take the sandbox now: of the hosts with room, {} have stale \
-                     heartbeats and {} are degraded; retry after {} s",
-                    why.stale,
-                    why.unhealthy,
-                    retry_after.as_secs_f64().ceil()
-                ),
-                retry_after,
-            });
-        }
-    };
+    let host = place_new(&mut tx, policy, req.resources).await?;
     let (row, _command) = sandboxes::create(
         &mut tx,
         NewSandbox {
@@ -113,6 +76,7 @@ pub async fn create(
             env: req.env,
             entrypoint: req.entrypoint,
             image_uri: req.image_uri,
+            from_snapshot: None,
         },
     )
     .await?;
@@ -122,6 +86,58 @@ pub async fn create(
     metrics::counter!("berth_sandboxes_created_total").increment(1);
     info!(sandbox_id = %id, host_id = %host, "sandbox placed");
     Ok(Replayable::Fresh(sandbox, response))
+}
+
+/// Places a new sandbox of `resources` in the caller's transaction (reserving capacity on the
+/// chosen host), as a create does: used by create, clone and fork.
+///
+/// Errors: [`ServiceError::NoCapacity`] (every host is full), [`ServiceError::Unavailable`]
+/// (hosts with room are stale or degraded); nothing is reserved then, and the caller's
+/// transaction is to be dropped.
+pub(crate) async fn place_new(
+    tx: &mut sqlx::PgConnection,
+    policy: PlacementPolicy,
+    resources: berth_schemas::wire::Resources,
+) -> Result<berth_schemas::HostId, ServiceError> {
+    let host = match placement::place(
+        tx,
+        resources,
+        policy.heartbeat_freshness,
+        policy.overcommit,
+        None,
+    )
+    .await?
+    {
+        placement::Placement::Placed { host, probe } => {
+            if probe {
+                info!(host_id = %host, "create placed as the degraded host's probe");
+            }
+            host
+        }
+        // Dropping the transaction rolls back: nothing is written.
+        placement::Placement::NoCapacity => {
+            return Err(ServiceError::NoCapacity {
+                vcpus: resources.vcpus,
+                memory_mib: resources.memory_mib,
+            })
+        }
+        placement::Placement::Unavailable { why, retry_after } => {
+            metrics::counter!("berth_creates_unavailable_total",
+                "why" => if why.stale > 0 { "stale_hosts" } else { "degraded_hosts" })
+            .increment(1);
+            return Err(ServiceError::Unavailable {
+                message: format!(
+                    "no host can take the sandbox now: of the hosts with room, {} have stale \
+                     heartbeats and {} are degraded; retry after {} s",
+                    why.stale,
+                    why.unhealthy,
+                    retry_after.as_secs_f64().ceil()
+                ),
+                retry_after,
+            });
+        }
+    };
+    Ok(host)
 }
 
 /// One sandbox of `org`; another org's sandbox is "not found".
@@ -243,6 +259,7 @@ pub async fn lifecycle(
             message: None,
             activity: true,
             overcommit,
+            snapshot: None,
         },
     )
     .await?;

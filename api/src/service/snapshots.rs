@@ -10,7 +10,7 @@ use berth_schemas::wire::{Command, SnapshotOrder};
 use berth_schemas::{CommandId, CommandKind, OrgId, Reason, SandboxId};
 use berth_store::events::{self, NewEvent};
 use berth_store::snapshots::{self, NewSnapshot};
-use berth_store::{commands, orgs, sandboxes};
+use berth_store::{chunks, commands, orgs, sandboxes};
 use sqlx::PgPool;
 use tracing::{info, instrument, warn};
 
@@ -42,6 +42,25 @@ pub async fn create(
     let row = sandboxes::lock(&mut tx, id, Some(org))
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
+    let created = request_locked(&mut tx, org, &row).await?;
+    let snapshot_id = created.id;
+    let snapshot = Snapshot::from(created);
+    let response = idempotency::commit(tx, db, org, key, render(&snapshot)?).await?;
+    info!(snapshot_id = %snapshot_id, parent = ?snapshot.parent_id, "snapshot requested");
+    Ok(Replayable::Fresh(snapshot, response))
+}
+
+/// Requests a snapshot of the locked sandbox `row` in the caller's transaction: the state
+/// check, the org's snapshot quota, the `creating` row, its `sandbox.snapshot` command and its
+/// `snapshot.created` event (a snapshot request and a fork share it).
+///
+/// Errors: [`ServiceError::Conflict`], [`ServiceError::QuotaExceeded`].
+pub(crate) async fn request_locked(
+    tx: &mut sqlx::PgConnection,
+    org: OrgId,
+    row: &sandboxes::SandboxRow,
+) -> Result<snapshots::SnapshotRow, ServiceError> {
+    let id = row.id;
     on_snapshot_request(row.state, row.deleting()).map_err(|refusal| ServiceError::Conflict {
         state: row.state,
         message: refusal.to_string(),
@@ -49,8 +68,8 @@ pub async fn create(
     let host = row
         .host_id
         .ok_or_else(|| ServiceError::Internal(format!("running sandbox {id} has no host")))?;
-    let quota = orgs::lock_snapshot_quota(&mut tx, org).await?;
-    let (count, bytes) = snapshots::org_usage(&mut tx, org).await?;
+    let quota = orgs::lock_snapshot_quota(&mut *tx, org).await?;
+    let (count, bytes) = snapshots::org_usage(&mut *tx, org).await?;
     if let Some(max) = quota.max_snapshots {
         if count + 1 > i64::from(max) {
             return Err(ServiceError::QuotaExceeded {
@@ -80,9 +99,9 @@ pub async fn create(
             parent,
         }),
     };
-    commands::insert(&mut tx, host, &command).await?;
+    commands::insert(&mut *tx, host, &command).await?;
     snapshots::create(
-        &mut tx,
+        &mut *tx,
         &NewSnapshot {
             id: snapshot_id,
             org_id: org,
@@ -100,7 +119,7 @@ pub async fn create(
     )
     .await?;
     events::insert_snapshot_event(
-        &mut tx,
+        &mut *tx,
         &NewEvent {
             sandbox_id: id,
             org_id: org,
@@ -116,13 +135,9 @@ pub async fn create(
         snapshot_id,
     )
     .await?;
-    let created = snapshots::get(&mut *tx, org, snapshot_id)
+    snapshots::get(&mut *tx, org, snapshot_id)
         .await?
-        .ok_or_else(|| ServiceError::Internal("the snapshot just written is gone".into()))?;
-    let snapshot = Snapshot::from(created);
-    let response = idempotency::commit(tx, db, org, key, render(&snapshot)?).await?;
-    info!(snapshot_id = %snapshot_id, parent = ?parent, command_id = %command.id, "snapshot requested");
-    Ok(Replayable::Fresh(snapshot, response))
+        .ok_or_else(|| ServiceError::Internal("the snapshot just written is gone".into()))
 }
 
 /// One snapshot of `org`; another org's is "not found".
@@ -172,18 +187,16 @@ pub async fn delete(
         }
     })?;
     let orphans = snapshots::delete(&mut tx, id).await?;
+    let hashes: Vec<String> = orphans.iter().map(|(h, _)| h.clone()).collect();
+    chunks::queue(&mut tx, &hashes).await?;
     tx.commit().await?;
     if let Some(objects) = objects {
         let removed = async {
             objects
                 .delete(&berth_storage::Objects::manifest_key(id))
-                .await?;
-            for (hash, _) in &orphans {
-                objects
-                    .delete(&berth_storage::Objects::chunk_key(hash))
-                    .await?;
-            }
-            Ok::<_, berth_storage::StorageError>(())
+                .await
+                .map_err(|e| e.to_string())?;
+            remove_chunks(db, objects, &hashes).await
         }
         .await;
         if let Err(error) = removed {
@@ -192,4 +205,35 @@ pub async fn delete(
     }
     info!(snapshot_id = %id, chunks_freed = orphans.len(), "snapshot deleted");
     Ok(())
+}
+
+/// Removes the queued chunks `hashes` from the object store, each only once claimed (no
+/// snapshot references it: `berth_store::chunks`), the claim committed before the object goes;
+/// how many went.
+///
+/// Errors: the first database or store failure, as text; the chunks not reached stay queued.
+pub async fn remove_chunks(
+    db: &PgPool,
+    objects: &berth_storage::Objects,
+    hashes: &[String],
+) -> Result<usize, String> {
+    let mut removed = 0;
+    for hash in hashes {
+        let mut conn = db.acquire().await.map_err(|e| e.to_string())?;
+        if !chunks::claim(&mut conn, hash)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            continue;
+        }
+        objects
+            .delete(&berth_storage::Objects::chunk_key(hash))
+            .await
+            .map_err(|e| e.to_string())?;
+        chunks::finish(&mut conn, hash)
+            .await
+            .map_err(|e| e.to_string())?;
+        removed += 1;
+    }
+    Ok(removed)
 }

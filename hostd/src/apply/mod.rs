@@ -1,6 +1,7 @@
 //! Applying commands, one use case per file: the fence, then the command's work, then the
 //! record. [`up`] makes a sandbox run (create and start), [`stop`] stops it, [`delete`]
-//! removes it, [`snapshot`] stores it in the object store while it runs; what a real host and a sim host do differently is the host's
+//! removes it, [`snapshot`] stores it in the object store while it runs, [`resume`] rebuilds
+//! it (restore) or builds a new one (clone) from a stored snapshot; what a real host and a sim host do differently is the host's
 //! [`Backend`](crate::host::Backend).
 //!
 //! # Guarantees
@@ -17,6 +18,7 @@
 //! Commands of one sandbox are applied one at a time (`nats::commands` chains them).
 
 pub mod delete;
+pub mod resume;
 pub mod snapshot;
 pub mod stop;
 pub mod up;
@@ -163,6 +165,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         CommandKind::Create | CommandKind::Start => up::up(host, cmd, live).await,
         CommandKind::Stop => stop::stop(host, live).await,
         CommandKind::Snapshot => snapshot::snapshot(host, cmd, live).await,
+        CommandKind::Restore | CommandKind::Clone => resume::resume(host, cmd, live).await,
         CommandKind::Delete => match delete::delete(host, cmd, record).await {
             Ok(done) => done,
             Err(error) => {
@@ -236,5 +239,7 @@ fn operation(kind: CommandKind) -> &'static str {
         CommandKind::Stop => "stop",
         CommandKind::Delete => "delete",
         CommandKind::Snapshot => "snapshot",
+        CommandKind::Restore => "restore",
+        CommandKind::Clone => "clone",
     }
 }

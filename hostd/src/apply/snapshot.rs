@@ -112,9 +112,28 @@ async fn take(
             tracing::warn!(waited = ?SNAPSHOT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
         }
         tokio::time::sleep(super::stop::CHECKPOINT_SETTLE).await;
-        let checkpointed = runtime
-            .checkpoint_running(&names.container_id, &memory_dir)
-            .await;
+        // Checkpoint, then restore in place: this runsc's `checkpoint --leave-running` never
+        // returns. The sandbox's netstack took its address off `eth0` at boot; the restore
+        // reads it from there again, as a memory stop's next start does.
+        let checkpointed = async {
+            runtime.checkpoint(&names.container_id, &memory_dir).await?;
+            let link = record
+                .link
+                .ok_or(HostdError::UnknownSandbox { sandbox_id: id })?;
+            crate::netns::ensure(&names, &link, &crate::netns::owner_alias(host.host_id, id))
+                .await?;
+            runtime
+                .restore(
+                    crate::runtime::RunRequest {
+                        container_id: &names.container_id,
+                        bundle: paths.dir(),
+                        console_log: &paths.console_log(),
+                    },
+                    &memory_dir,
+                )
+                .await
+        }
+        .await;
         host.gates.open(id);
         checkpointed?;
         sources.push(TreeSource {
@@ -143,6 +162,7 @@ async fn take(
     let _ = std::fs::remove_dir_all(&memory_dir);
     thawed?;
     let staged = staged??;
+    crate::fault::crash_point(crate::fault::Step::Captured);
     let paused_ms = u32::try_from(paused.as_millis()).unwrap_or(u32::MAX);
     tracing::info!(
         paused_ms,

@@ -135,24 +135,6 @@ pub trait RuntimeDriver: Send + Sync + 'static {
         })
     }
 
-    /// Saves the running container's memory and process state into `image_dir` and leaves it
-    /// running (gVisor: `runsc checkpoint --leave-running`, which on this runsc restores the
-    /// sandbox in place after saving it). A snapshot's memory tree.
-    ///
-    /// Errors: as [`RuntimeDriver::checkpoint`]; after an error the container may be gone.
-    fn checkpoint_running<'a>(
-        &'a self,
-        container_id: &'a str,
-        image_dir: &'a Path,
-    ) -> BoxFuture<'a, Result<(), HostdError>> {
-        let _ = (container_id, image_dir);
-        Box::pin(async move {
-            Err(HostdError::SnapshotUnsupported {
-                runtime: self.name(),
-            })
-        })
-    }
-
     /// Creates the container from `req` and restores the state saved by
     /// [`RuntimeDriver::checkpoint`] in `image_dir`, detached: its processes continue.
     ///

@@ -156,27 +156,6 @@ impl RuntimeDriver for Runsc {
         .boxed()
     }
 
-    fn checkpoint_running<'a>(
-        &'a self,
-        container_id: &'a str,
-        image_dir: &'a Path,
-    ) -> BoxFuture<'a, Result<(), HostdError>> {
-        async move {
-            fresh_dir(image_dir)?;
-            let image = image_dir.to_string_lossy().into_owned();
-            let args = [
-                "checkpoint",
-                "--leave-running",
-                "--image-path",
-                &image,
-                container_id,
-            ];
-            let checkpoint = self.cli.call(&args);
-            self.cli.timed("checkpoint", checkpoint).await.map(|_| ())
-        }
-        .boxed()
-    }
-
     fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {
         let bundle = req.bundle.to_string_lossy().into_owned();
         async move {

@@ -450,6 +450,7 @@ pub(crate) async fn fail_sandbox(
             message: Some(message),
             activity: false,
             overcommit: Overcommit::default(),
+            snapshot: None,
         },
     )
     .await?;
@@ -550,6 +551,7 @@ async fn expire(db: &PgPool, config: &PassConfig, lease: &Lease) -> Result<u64, 
                 message: Some(&message),
                 activity: false,
                 overcommit: Overcommit::default(),
+                snapshot: None,
             },
         )
         .await?;
@@ -606,7 +608,7 @@ async fn auto_lifecycle(
             sandboxes::lock_due(&mut tx, Due::AutoDelete, config.batch).await?,
             Reason::AutoDelete,
         ),
-        Request::Start => return Ok(0),
+        Request::Start | Request::Restore => return Ok(0),
     };
     let mut n = 0;
     for row in &rows {
@@ -630,6 +632,7 @@ async fn auto_lifecycle(
                 message: None,
                 activity: false,
                 overcommit: Overcommit::default(),
+                snapshot: None,
             },
         )
         .await?;

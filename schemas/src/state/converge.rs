@@ -10,10 +10,12 @@ use super::{Capacity, CommandKind, Reason, SandboxState};
 /// The commands the pass times out, each with the state its sandbox waits in while the command
 /// is open. A delete is not timed: the row is already a tombstone-to-be and its capacity goes
 /// with its `deleted` result or with the host's inventory.
-pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 3] = [
+pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 5] = [
     (CommandKind::Create, SandboxState::Provisioning),
     (CommandKind::Start, SandboxState::Starting),
     (CommandKind::Stop, SandboxState::Stopping),
+    (CommandKind::Restore, SandboxState::Resuming),
+    (CommandKind::Clone, SandboxState::Resuming),
 ];
 
 /// The states in which a sandbox lives on its host and is stranded when the host is lost.
@@ -51,8 +53,8 @@ pub struct Failure {
 
 /// A command of `kind` its sandbox (in `state`) still waits on was not answered in time. `None`
 /// when the sandbox no longer waits on it (a compensation queued at the current generation of a
-/// `failed-start` sandbox is such a command, and must not fail it again). A create is destroyed;
-/// a start or stop ends stopped on the host, keeping the disk.
+/// `failed-start` sandbox is such a command, and must not fail it again). A create or clone is
+/// destroyed; a start, stop or restore ends stopped on the host, keeping the disk.
 pub fn on_timeout(kind: CommandKind, state: SandboxState) -> Option<Failure> {
     if !TIMED_COMMANDS.contains(&(kind, state)) {
         return None;
@@ -61,11 +63,13 @@ pub fn on_timeout(kind: CommandKind, state: SandboxState) -> Option<Failure> {
         to: SandboxState::FailedStart,
         reason: Reason::Timeout,
         capacity: Capacity::Release,
-        compensation: Some(if kind == CommandKind::Create {
-            CommandKind::Delete
-        } else {
-            CommandKind::Stop
-        }),
+        compensation: Some(
+            if matches!(kind, CommandKind::Create | CommandKind::Clone) {
+                CommandKind::Delete
+            } else {
+                CommandKind::Stop
+            },
+        ),
     })
 }
 
@@ -145,12 +149,7 @@ mod tests {
 
     #[test]
     fn only_a_command_its_sandbox_still_waits_on_times_out() {
-        for kind in [
-            CommandKind::Create,
-            CommandKind::Start,
-            CommandKind::Stop,
-            CommandKind::Delete,
-        ] {
+        for kind in CommandKind::ALL {
             for state in S::ALL {
                 let failure = on_timeout(kind, state);
                 let waits = matches!(
@@ -158,6 +157,7 @@ mod tests {
                     (CommandKind::Create, S::Provisioning)
                         | (CommandKind::Start, S::Starting)
                         | (CommandKind::Stop, S::Stopping)
+                        | (CommandKind::Restore | CommandKind::Clone, S::Resuming)
                 );
                 assert_eq!(failure.is_some(), waits, "{kind} in {state}");
                 if let Some(f) = failure {
@@ -170,8 +170,16 @@ mod tests {
     }
 
     #[test]
-    fn a_timed_out_create_is_destroyed_and_a_start_or_stop_is_stopped() {
+    fn a_timed_out_create_or_clone_is_destroyed_and_a_start_stop_or_restore_is_stopped() {
         let compensation = |k, s| on_timeout(k, s).unwrap().compensation;
+        assert_eq!(
+            compensation(CommandKind::Clone, S::Resuming),
+            Some(CommandKind::Delete)
+        );
+        assert_eq!(
+            compensation(CommandKind::Restore, S::Resuming),
+            Some(CommandKind::Stop)
+        );
         assert_eq!(
             compensation(CommandKind::Create, S::Provisioning),
             Some(CommandKind::Delete)

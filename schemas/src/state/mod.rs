@@ -27,21 +27,30 @@
 //! queued. A sandbox being deleted (`deleted_at` set) answers `=` to delete and `409` to
 //! everything else.
 //!
-//! | state          | start / resume        | stop / pause         | delete               | snapshot                  |
-//! |----------------|-----------------------|----------------------|----------------------|---------------------------|
-//! | provisioning   | =                     | 409                  | stopping + delete    | 409                       |
-//! | starting       | =                     | 409                  | stopping + delete    | 409                       |
-//! | running        | =                     | stopping + stop      | stopping + delete    | + snapshot (state kept)   |
-//! | stopping       | 409                   | =                    | stopping + delete    | 409                       |
-//! | stopped        | starting + start      | =                    | stopping + delete    | 409                       |
-//! | resuming       | =                     | 409                  | stopping + delete    | 409                       |
-//! | restoring      | =                     | 409                  | stopping + delete    | 409                       |
-//! | migrating      | 409                   | 409                  | stopping + delete    | 409                       |
-//! | archiving      | 409                   | =                    | stopping + delete    | 409                       |
-//! | archived       | 409                   | =                    | stopping + delete    | 409                       |
-//! | unarchiving    | =                     | 409                  | stopping + delete    | 409                       |
-//! | failed-start   | starting + start      | =                    | stopping + delete    | 409                       |
-//! | deleted        | 409                   | 409                  | =                    | 409                       |
+//! | state          | start / resume        | stop / pause         | delete               | snapshot                  | restore                |
+//! |----------------|-----------------------|----------------------|----------------------|---------------------------|------------------------|
+//! | provisioning   | =                     | 409                  | stopping + delete    | 409                       | 409                    |
+//! | starting       | =                     | 409                  | stopping + delete    | 409                       | 409                    |
+//! | running        | =                     | stopping + stop      | stopping + delete    | + snapshot (state kept)   | resuming + restore     |
+//! | stopping       | 409                   | =                    | stopping + delete    | 409                       | 409                    |
+//! | stopped        | starting + start      | =                    | stopping + delete    | 409                       | resuming + restore (R) |
+//! | resuming       | =                     | 409                  | stopping + delete    | 409                       | 409                    |
+//! | restoring      | =                     | 409                  | stopping + delete    | 409                       | 409                    |
+//! | migrating      | 409                   | 409                  | stopping + delete    | 409                       | 409                    |
+//! | archiving      | 409                   | =                    | stopping + delete    | 409                       | 409                    |
+//! | archived       | 409                   | =                    | stopping + delete    | 409                       | 409                    |
+//! | unarchiving    | =                     | 409                  | stopping + delete    | 409                       | 409                    |
+//! | failed-start   | starting + start      | =                    | stopping + delete    | 409                       | resuming + restore (R) |
+//! | deleted        | 409                   | 409                  | =                    | 409                       | 409                    |
+//!
+//! `(R)`: the transition reserves the sandbox's capacity on its host again. A restore also
+//! needs a `ready` snapshot of that same sandbox (else 409 / 404 at the API). A clone or fork
+//! (`POST …/clone`, `…/fork`, `POST /v1/sandboxes {snapshot_id}`) writes a *new* row in
+//! `resuming` with its `sandbox.clone` command ([`CommandKind::Clone`]); the source sandbox's
+//! state only matters to a fork, whose snapshot needs it `running`. `resuming` settles to
+//! `running` on the host's success, `failed-start` on its failure or after the reconciler's
+//! timeout; a delete during `resuming` is accepted like in every state, and the clone's late
+//! success is then fenced (its generation is older) and destroyed by the delete.
 //!
 //! `snapshot` (`POST …/snapshot`, [`snapshot::on_snapshot_request`]) neither moves the sandbox
 //! nor bumps its generation: it writes a `creating` snapshot row and queues
@@ -72,7 +81,7 @@ pub enum SandboxState {
     Stopping,
     /// No guest process; the disk (and the memory, where the runtime can) is saved on the host.
     Stopped,
-    /// A clone, fork or snapshot restore is booting (seed state; no path writes it yet).
+    /// A clone, fork or snapshot restore is booting (`sandbox.restore`, `sandbox.clone`).
     Resuming,
     /// Being rebuilt from a backup on another host (seed state; no path writes it yet).
     Restoring,
@@ -177,6 +186,9 @@ pub enum Request {
     Stop,
     /// `DELETE /v1/sandboxes/{id}` (or auto-delete): destroy it; accepted in every state.
     Delete,
+    /// `POST …/restore {snapshot_id}`: rebuild a running or stopped sandbox from one of its
+    /// own ready snapshots (issue 13 item 5).
+    Restore,
 }
 
 impl Request {
@@ -186,6 +198,7 @@ impl Request {
             Request::Start => "start",
             Request::Stop => "stop",
             Request::Delete => "delete",
+            Request::Restore => "restore",
         }
     }
 }
@@ -210,6 +223,14 @@ pub enum CommandKind {
     /// Take a snapshot ([`crate::wire::Command::snapshot`]): the sandbox's state and generation
     /// do not change ([`snapshot`]).
     Snapshot,
+    /// Rebuild a sandbox (running or stopped) from one of its own snapshots
+    /// ([`crate::wire::Command::snapshot`] names it): files written after it are gone, and
+    /// on a memory snapshot its processes continue from it. The sandbox is `resuming`.
+    Restore,
+    /// Build a new sandbox from a snapshot (a clone or a fork;
+    /// [`crate::wire::Command::snapshot`] names it), from the host's cached chunks or the
+    /// object store. The sandbox is `resuming`.
+    Clone,
 }
 
 impl CommandKind {
@@ -221,18 +242,22 @@ impl CommandKind {
             CommandKind::Stop => "sandbox.stop",
             CommandKind::Delete => "sandbox.delete",
             CommandKind::Snapshot => "sandbox.snapshot",
+            CommandKind::Restore => "sandbox.restore",
+            CommandKind::Clone => "sandbox.clone",
         }
     }
 }
 
 impl CommandKind {
     /// Every kind, in wire order.
-    pub const ALL: [CommandKind; 5] = [
+    pub const ALL: [CommandKind; 7] = [
         CommandKind::Create,
         CommandKind::Start,
         CommandKind::Stop,
         CommandKind::Delete,
         CommandKind::Snapshot,
+        CommandKind::Restore,
+        CommandKind::Clone,
     ];
 }
 

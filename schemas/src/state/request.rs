@@ -1,4 +1,4 @@
-//! [`on_request`]: a start, stop or delete against the row's state (the table in the parent
+//! [`on_request`]: a start, stop, delete or restore against the row's state (the table in the parent
 //! module's docs), with the capacity change each transition needs.
 
 use super::{Capacity, CommandKind, Request, SandboxState};
@@ -78,6 +78,32 @@ pub fn on_request(
             | S::Lost
             | S::Deleted => conflict,
         },
+        Request::Restore => match state {
+            S::Running => Ok(Decision::Transition {
+                to: S::Resuming,
+                command: CommandKind::Restore,
+                capacity: Capacity::Keep,
+            }),
+            // Released when they settled; the rebuilt sandbox runs and needs it again.
+            S::Stopped | S::FailedStart => Ok(Decision::Transition {
+                to: S::Resuming,
+                command: CommandKind::Restore,
+                capacity: Capacity::Reserve,
+            }),
+            S::Provisioning
+            | S::Starting
+            | S::Stopping
+            | S::Resuming
+            | S::Restoring
+            | S::Migrating
+            | S::Archiving
+            | S::Archived
+            | S::Unarchiving
+            | S::Pending
+            | S::FailedProvision
+            | S::Lost
+            | S::Deleted => conflict,
+        },
         Request::Stop => match state {
             // Released when the host reports the sandbox stopped.
             S::Running => Ok(Decision::Transition {
@@ -107,10 +133,10 @@ mod tests {
     use super::*;
     use SandboxState as S;
 
-    /// The table in the module docs, spelled out: (state, start, stop) with `U` for unchanged,
-    /// `C` for conflict and a state for a transition. Delete is checked separately.
+    /// The table in the module docs, spelled out: (state, start, stop, restore) with `U` for
+    /// unchanged, `C` for conflict and a state for a transition. Delete is checked separately.
     #[test]
-    fn start_and_stop_follow_the_request_table_for_every_state() {
+    fn start_stop_and_restore_follow_the_request_table_for_every_state() {
         #[derive(Debug, PartialEq)]
         enum E {
             U,
@@ -120,26 +146,37 @@ mod tests {
         use CommandKind as K;
         use E::*;
         let table = [
-            (S::Pending, C, C),
-            (S::Provisioning, U, C),
-            (S::Starting, U, C),
-            (S::Running, U, T(S::Stopping, K::Stop, Capacity::Keep)),
-            (S::Stopping, C, U),
-            (S::Stopped, T(S::Starting, K::Start, Capacity::Reserve), U),
-            (S::Resuming, U, C),
-            (S::Restoring, U, C),
-            (S::Migrating, C, C),
-            (S::Archiving, C, U),
-            (S::Archived, C, U),
-            (S::Unarchiving, U, C),
+            (S::Pending, C, C, C),
+            (S::Provisioning, U, C, C),
+            (S::Starting, U, C, C),
+            (
+                S::Running,
+                U,
+                T(S::Stopping, K::Stop, Capacity::Keep),
+                T(S::Resuming, K::Restore, Capacity::Keep),
+            ),
+            (S::Stopping, C, U, C),
+            (
+                S::Stopped,
+                T(S::Starting, K::Start, Capacity::Reserve),
+                U,
+                T(S::Resuming, K::Restore, Capacity::Reserve),
+            ),
+            (S::Resuming, U, C, C),
+            (S::Restoring, U, C, C),
+            (S::Migrating, C, C, C),
+            (S::Archiving, C, U, C),
+            (S::Archived, C, U, C),
+            (S::Unarchiving, U, C, C),
             (
                 S::FailedStart,
                 T(S::Starting, K::Start, Capacity::Reserve),
                 U,
+                T(S::Resuming, K::Restore, Capacity::Reserve),
             ),
-            (S::FailedProvision, C, C),
-            (S::Lost, C, C),
-            (S::Deleted, C, C),
+            (S::FailedProvision, C, C, C),
+            (S::Lost, C, C, C),
+            (S::Deleted, C, C, C),
         ];
         assert_eq!(table.len(), S::ALL.len());
         let to_e = |r: Result<Decision, Refusal>| match r {
@@ -151,7 +188,7 @@ mod tests {
             }) => T(to, command, capacity),
             Err(Refusal::Conflict { .. }) => C,
         };
-        for (state, start, stop) in table {
+        for (state, start, stop, restore) in table {
             assert_eq!(
                 to_e(on_request(state, false, Request::Start)),
                 start,
@@ -161,6 +198,11 @@ mod tests {
                 to_e(on_request(state, false, Request::Stop)),
                 stop,
                 "stop in {state}"
+            );
+            assert_eq!(
+                to_e(on_request(state, false, Request::Restore)),
+                restore,
+                "restore in {state}"
             );
         }
     }
@@ -189,9 +231,9 @@ mod tests {
     }
 
     #[test]
-    fn a_sandbox_being_deleted_refuses_start_and_stop() {
+    fn a_sandbox_being_deleted_refuses_start_stop_and_restore() {
         for state in S::ALL {
-            for request in [Request::Start, Request::Stop] {
+            for request in [Request::Start, Request::Stop, Request::Restore] {
                 assert_eq!(
                     on_request(state, true, request),
                     Err(Refusal::Conflict { state, request })

@@ -37,8 +37,9 @@ pub enum ResultDecision {
 /// Decides a host result for `kind` against the row's `state`, once the generation fence has
 /// passed. Idempotent: a result already applied finds the row in its target state and is
 /// ignored. The first terminal result for a generation wins: a success that contradicts it is
-/// compensated — a create that succeeded after its sandbox became `failed-start` is destroyed,
-/// a start is stopped (its disk stays, so the sandbox can be started again).
+/// compensated — a create or clone that succeeded after its sandbox became `failed-start` is
+/// destroyed, a start or restore is stopped (its disk stays, so the sandbox can be started
+/// again).
 pub fn on_result(
     state: SandboxState,
     deleting: bool,
@@ -58,8 +59,17 @@ pub fn on_result(
         // The guest is still up: it keeps its capacity and the user may stop or delete again.
         (K::Stop, S::Stopping, Failed, false) => apply(S::Running, Capacity::Keep),
         (K::Delete, S::Stopping, Succeeded, true) => apply(S::Deleted, Capacity::Release),
-        (K::Create, S::FailedStart, Succeeded, _) => ResultDecision::Compensate(K::Delete),
-        (K::Start, S::FailedStart, Succeeded, _) => ResultDecision::Compensate(K::Stop),
+        // A restore or a clone booted from a snapshot, or could not (`resuming`).
+        (K::Restore | K::Clone, S::Resuming, Succeeded, false) => apply(S::Running, Capacity::Keep),
+        (K::Restore | K::Clone, S::Resuming, Failed, false) => {
+            apply(S::FailedStart, Capacity::Release)
+        }
+        (K::Create | K::Clone, S::FailedStart, Succeeded, _) => {
+            ResultDecision::Compensate(K::Delete)
+        }
+        (K::Start | K::Restore, S::FailedStart, Succeeded, _) => {
+            ResultDecision::Compensate(K::Stop)
+        }
         _ => ResultDecision::Ignore,
     }
 }
@@ -113,7 +123,7 @@ mod tests {
         let mut retried = Vec::new();
         for state in S::ALL {
             for deleting in [false, true] {
-                for kind in [K::Create, K::Start, K::Stop, K::Delete] {
+                for kind in CommandKind::ALL {
                     for fault in [Fault::Host, Fault::Request] {
                         for tried in 0..=MAX_CREATE_HOSTS {
                             if retries_elsewhere(state, deleting, kind, fault, tried) {
@@ -160,6 +170,10 @@ mod tests {
             (S::Stopping, false, K::Stop, Succeeded, S::Stopped, true),
             (S::Stopping, false, K::Stop, Failed, S::Running, false),
             (S::Stopping, true, K::Delete, Succeeded, S::Deleted, true),
+            (S::Resuming, false, K::Restore, Succeeded, S::Running, false),
+            (S::Resuming, false, K::Restore, Failed, S::FailedStart, true),
+            (S::Resuming, false, K::Clone, Succeeded, S::Running, false),
+            (S::Resuming, false, K::Clone, Failed, S::FailedStart, true),
         ];
         for (state, deleting, kind, outcome, to, releases_capacity) in cases {
             assert_eq!(
@@ -185,7 +199,7 @@ mod tests {
         let mut applied = 0;
         for state in S::ALL {
             for deleting in [false, true] {
-                for kind in [K::Create, K::Start, K::Stop, K::Delete] {
+                for kind in CommandKind::ALL {
                     for outcome in [Outcome::Succeeded, Outcome::Failed] {
                         if let ResultDecision::Apply { .. } =
                             on_result(state, deleting, kind, outcome)
@@ -196,7 +210,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(applied, 7);
+        assert_eq!(applied, 11);
         assert_eq!(
             on_result(S::Running, false, K::Create, Outcome::Succeeded),
             ResultDecision::Ignore,
@@ -206,6 +220,11 @@ mod tests {
             on_result(S::Stopping, true, K::Start, Outcome::Succeeded),
             ResultDecision::Ignore,
             "a late start cannot bring a deleting sandbox back"
+        );
+        assert_eq!(
+            on_result(S::Stopping, true, K::Clone, Outcome::Succeeded),
+            ResultDecision::Ignore,
+            "a late clone cannot bring a deleting sandbox back (its delete destroys it)"
         );
     }
 
@@ -226,7 +245,7 @@ mod tests {
         let mut compensated = 0;
         for state in S::ALL {
             for deleting in [false, true] {
-                for kind in [K::Create, K::Start, K::Stop, K::Delete] {
+                for kind in CommandKind::ALL {
                     for outcome in [Outcome::Succeeded, Outcome::Failed] {
                         if let ResultDecision::Compensate(_) =
                             on_result(state, deleting, kind, outcome)
@@ -238,8 +257,18 @@ mod tests {
             }
         }
         assert_eq!(
-            compensated, 4,
-            "two (kind, state) pairs, with or without deleted_at"
+            on_result(S::FailedStart, false, K::Clone, Outcome::Succeeded),
+            ResultDecision::Compensate(K::Delete),
+            "a clone that succeeded after it timed out is destroyed"
+        );
+        assert_eq!(
+            on_result(S::FailedStart, false, K::Restore, Outcome::Succeeded),
+            ResultDecision::Compensate(K::Stop),
+            "a restore that succeeded after it timed out is stopped, keeping its disk"
+        );
+        assert_eq!(
+            compensated, 8,
+            "four (kind, state) pairs, with or without deleted_at"
         );
     }
 }

@@ -23,7 +23,8 @@ fn secs(d: Duration) -> f64 {
 /// How long each timed command may stay unanswered.
 #[derive(Debug, Clone, Copy)]
 pub struct CommandTimeouts {
-    /// How long a `sandbox.create` may stay unanswered.
+    /// How long a `sandbox.create` may stay unanswered; also a `sandbox.restore` and a
+    /// `sandbox.clone` (`resuming`), which fetch a snapshot and boot like a create.
     pub create: Duration,
     /// How long a `sandbox.start` may stay unanswered.
     pub start: Duration,
@@ -34,7 +35,7 @@ pub struct CommandTimeouts {
 impl CommandTimeouts {
     fn of(&self, kind: CommandKind) -> Duration {
         match kind {
-            CommandKind::Create => self.create,
+            CommandKind::Create | CommandKind::Restore | CommandKind::Clone => self.create,
             CommandKind::Start => self.start,
             // A snapshot is timed on its own row (`snapshots.created_at`), never here.
             CommandKind::Stop | CommandKind::Delete | CommandKind::Snapshot => self.stop,

@@ -9,9 +9,12 @@
 //!   the event (guarantee 1).
 //! - Org scoping (guarantee 7): [`get`], [`lock`] and [`list`] take the caller's org.
 
+use berth_schemas::ids::SnapshotId;
 use berth_schemas::network::Network;
 use berth_schemas::state::ExpiryAction;
-use berth_schemas::wire::{Command, Resources, Runtime, SandboxSpec, StopFallback, StopMode};
+use berth_schemas::wire::{
+    Command, Resources, Runtime, SandboxSpec, SnapshotOrder, StopFallback, StopMode,
+};
 use berth_schemas::{
     CommandId, CommandKind, Generation, HostId, OrgId, Reason, SandboxId, SandboxState,
 };
@@ -313,11 +316,14 @@ pub struct NewSandbox {
     pub entrypoint: Vec<String>,
     /// The image named through the OpenSandbox surface, shown back by its `GET`.
     pub image_uri: Option<String>,
+    /// A clone's ready snapshot: the row is written `resuming` with a `sandbox.clone` command
+    /// naming it, instead of `provisioning` with a `sandbox.create`.
+    pub from_snapshot: Option<SnapshotId>,
 }
 
-/// Writes a new `provisioning` sandbox holding the capacity its placement reserved, its
-/// `sandbox.create` command and its event, in the caller's transaction (guarantee 1). Returns
-/// the row and the command id.
+/// Writes a new `provisioning` sandbox (or, cloned from a snapshot, `resuming`) holding the
+/// capacity its placement reserved, its `sandbox.create` (`sandbox.clone`) command and its
+/// event, in the caller's transaction (guarantee 1). Returns the row and the command id.
 pub async fn create(
     conn: &mut PgConnection,
     new: NewSandbox,
@@ -325,6 +331,10 @@ pub async fn create(
     let id = SandboxId::new();
     let generation = Generation::INITIAL;
     let (vcpus, memory_mib) = resource_columns(new.resources);
+    let (state, kind) = match new.from_snapshot {
+        None => (SandboxState::Provisioning, CommandKind::Create),
+        Some(_) => (SandboxState::Resuming, CommandKind::Clone),
+    };
     let row = timed(
         Op::SandboxInsert,
         sqlx::query(&format!(
@@ -341,7 +351,7 @@ pub async fn create(
         .bind(new.org_id)
         .bind(&new.template)
         .bind(new.host_id)
-        .bind(SandboxState::Provisioning.as_str())
+        .bind(state.as_str())
         .bind(generation)
         .bind(vcpus)
         .bind(memory_mib)
@@ -369,11 +379,14 @@ pub async fn create(
     .await?;
     let row = SandboxRow::from_row(&row)?;
     let command = Command {
-        snapshot: None,
+        snapshot: new.from_snapshot.map(|snapshot_id| SnapshotOrder {
+            snapshot_id,
+            parent: None,
+        }),
         id: CommandId::new(),
         sandbox_id: id,
         generation,
-        kind: CommandKind::Create,
+        kind,
         spec: Some(row.spec()),
     };
     commands::insert(&mut *conn, new.host_id, &command).await?;
@@ -383,7 +396,7 @@ pub async fn create(
             sandbox_id: id,
             org_id: new.org_id,
             from: None,
-            to: SandboxState::Provisioning,
+            to: state,
             reason: Reason::UserRequest,
             generation,
             command_id: Some(command.id),

@@ -3,7 +3,8 @@
 //! one). Both apply the decision's [`Capacity`] change in the same transaction — the only place
 //! a sandbox's hold on its host's capacity changes (guarantee 4).
 
-use berth_schemas::wire::{Command, StopFallback, StopMode};
+use berth_schemas::ids::SnapshotId;
+use berth_schemas::wire::{Command, SnapshotOrder, StopFallback, StopMode};
 use berth_schemas::{Capacity, CommandId, CommandKind, Reason, SandboxState};
 use sqlx::PgConnection;
 
@@ -34,6 +35,9 @@ pub struct Transition<'a> {
     pub activity: bool,
     /// The limits a [`Capacity::Reserve`] reserves within.
     pub overcommit: Overcommit,
+    /// For a `sandbox.restore`: the snapshot it boots from, carried in the command's order;
+    /// `None` for every other command.
+    pub snapshot: Option<SnapshotId>,
 }
 
 /// What [`write_transition`] wrote.
@@ -89,7 +93,10 @@ pub async fn write_transition(
     let mut command_id = None;
     if let (Some(kind), Some(host)) = (transition.command, row.host_id) {
         let command = Command {
-            snapshot: None,
+            snapshot: transition.snapshot.map(|snapshot_id| SnapshotOrder {
+                snapshot_id,
+                parent: None,
+            }),
             id: CommandId::new(),
             sandbox_id: row.id,
             generation,

@@ -1,0 +1,133 @@
+//! The removal of stored chunks no snapshot references (`chunk_removals`, migration 0020),
+//! safe against a snapshot being uploaded at the same time that reuses them.
+//!
+//! The race: a snapshot delete finds chunk `X` referenced by no other ready snapshot and removes
+//! it from the object store, while another snapshot's upload (still `creating`, so it holds no
+//! references yet) skipped `X` because the store held it, or reused it from its parent. That
+//! snapshot would become `ready` naming a chunk that is gone.
+//!
+//! The protocol:
+//! 1. [`queue`]: the delete queues its orphaned chunks in its own transaction.
+//! 2. [`claim`]: a remover claims a queued chunk only while no snapshot references it, and
+//!    commits before it removes the object; [`finish`] stamps when the object is gone.
+//! 3. [`check_for_ready`]: a snapshot settling `ready` locks the rows of its chunks, in its
+//!    transaction. A queued, unclaimed row is taken back (the chunk is referenced again, and a
+//!    later claim finds that reference). A claimed row whose removal had not finished before
+//!    the snapshot was requested means the chunk may be gone although its upload saw it:
+//!    that snapshot must fail. A removal finished before the request is harmless: the upload
+//!    looked after it and stored the chunk again.
+//!
+//! The row lock orders a claim and a settling snapshot: whichever is second sees the other.
+
+use berth_schemas::ids::SnapshotId;
+use chrono::{DateTime, Utc};
+use sqlx::PgConnection;
+
+use crate::op::{timed, Op};
+use crate::StoreError;
+
+/// Queues `hashes` (chunks a delete just orphaned) for removal, in the caller's transaction.
+/// A chunk removed before and stored again since is queued afresh.
+pub async fn queue(conn: &mut PgConnection, hashes: &[String]) -> Result<(), StoreError> {
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "INSERT INTO chunk_removals (sha256) SELECT unnest($1::text[])
+             ON CONFLICT (sha256) DO UPDATE
+                SET queued_at = clock_timestamp(), removing_at = NULL, removed_at = NULL",
+        )
+        .bind(hashes)
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Claims the queued chunk `hash` for removal, if no snapshot references it and nobody claimed
+/// it; whether it was claimed. Commit before deleting the object.
+pub async fn claim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "UPDATE chunk_removals SET removing_at = clock_timestamp()
+              WHERE sha256 = $1 AND removing_at IS NULL
+                AND NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)",
+        )
+        .bind(hash)
+        .execute(&mut *conn),
+    )
+    .await?;
+    if done.rows_affected() == 0 {
+        // Referenced again (or claimed by another remover): a referenced chunk's row goes.
+        timed(
+            Op::ChunkRemoval,
+            sqlx::query(
+                "DELETE FROM chunk_removals WHERE sha256 = $1 AND removing_at IS NULL
+                    AND EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)",
+            )
+            .bind(hash)
+            .execute(conn),
+        )
+        .await?;
+        return Ok(false);
+    }
+    Ok(true)
+}
+
+/// Stamps the claimed chunk `hash` as removed from the object store.
+pub async fn finish(conn: &mut PgConnection, hash: &str) -> Result<(), StoreError> {
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "UPDATE chunk_removals SET removed_at = clock_timestamp()
+              WHERE sha256 = $1 AND removing_at IS NOT NULL AND removed_at IS NULL",
+        )
+        .bind(hash)
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// For snapshot `snapshot`, requested at `requested_at`, about to settle `ready` referencing
+/// `hashes`: locks their removal rows, takes back those not claimed, and returns the chunks a
+/// removal may have taken from under its upload (claimed, and not finished before
+/// `requested_at`). Non-empty: the snapshot must not become ready. Call in the transaction
+/// that writes it.
+pub async fn check_for_ready(
+    conn: &mut PgConnection,
+    snapshot: SnapshotId,
+    requested_at: DateTime<Utc>,
+    hashes: &[String],
+) -> Result<Vec<String>, StoreError> {
+    let rows: Vec<(String, Option<DateTime<Utc>>, Option<DateTime<Utc>>)> = timed(
+        Op::ChunkRemoval,
+        sqlx::query_as(
+            "SELECT sha256, removing_at, removed_at FROM chunk_removals
+              WHERE sha256 = ANY($1) ORDER BY sha256 FOR UPDATE",
+        )
+        .bind(hashes)
+        .fetch_all(&mut *conn),
+    )
+    .await?;
+    let lost: Vec<String> = rows
+        .iter()
+        .filter(|(_, claimed, removed)| {
+            claimed.is_some() && removed.is_none_or(|at| at >= requested_at)
+        })
+        .map(|(h, _, _)| h.clone())
+        .collect();
+    if lost.is_empty() {
+        let taken_back: Vec<&str> = rows.iter().map(|(h, _, _)| h.as_str()).collect();
+        timed(
+            Op::ChunkRemoval,
+            sqlx::query("DELETE FROM chunk_removals WHERE sha256 = ANY($1)")
+                .bind(&taken_back)
+                .execute(conn),
+        )
+        .await?;
+    } else {
+        tracing::warn!(snapshot_id = %snapshot, lost = lost.len(), "a settling snapshot references chunks a delete removed under its upload");
+    }
+    Ok(lost)
+}
