@@ -16,9 +16,13 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
 
+mod floors;
+mod podman;
 mod preview;
+mod real;
 mod scale;
 mod snapshots;
+mod targets;
 mod verdict;
 
 /// How many times one request is retried after a `429`.
@@ -96,6 +100,23 @@ pub struct BenchArgs {
     /// of each, on the running stack (its hosts need runc and runsc).
     #[arg(long)]
     snapshots: bool,
+    /// The gVisor template taken through the lifecycle (memory stop and restore); empty: skip.
+    #[arg(long, default_value = berth_hostd::template::BASE_GVISOR_TEMPLATE)]
+    gvisor_template: String,
+    /// Sandboxes of `--gvisor-template` taken through the lifecycle, one after another.
+    #[arg(long, default_value_t = 5)]
+    gvisor_sandboxes: usize,
+    /// Berth-vs-Podman pairs (each a Berth create→running→exec→delete→deleted, then a Podman
+    /// run → exec → rm of the same busybox rootfs); 0 skips the Podman column.
+    #[arg(long, default_value_t = 10)]
+    podman_pairs: usize,
+    /// Samples of each raw runsc floor (run, run -d, checkpoint, restore).
+    #[arg(long, default_value_t = 5)]
+    runsc_floor_samples: usize,
+    /// The PID of the stack's process, for its CPU per create; default `BERTH_DEV_PID` from
+    /// `stack.env` (written by `berth dev`).
+    #[arg(long)]
+    stack_pid: Option<u32>,
 }
 
 fn stack_env(state_dir: &Path) -> Vec<(String, String)> {
@@ -351,316 +372,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let outcome = if args.snapshots {
         snapshots::run(&client, args.sandboxes).await
     } else {
-        measure(&args, &client, &lookup).await
+        real::measure(&args, &client, &lookup).await
     };
     client.clean_up().await;
     outcome
-}
-
-/// The lifecycle, time-to-interactive, throughput, floor and preview figures of a running
-/// stack, printed as tables.
-async fn measure(
-    args: &BenchArgs,
-    client: &Client,
-    lookup: &dyn Fn(&str) -> Option<String>,
-) -> anyhow::Result<()> {
-    let sandbox = json!({"template": args.template, "vcpus": 1, "memory_mib": 128});
-
-    let mut create = Samples::default();
-    let mut exec = Samples::default();
-    let mut stop = Samples::default();
-    let mut start = Samples::default();
-    let mut delete = Samples::default();
-    for _ in 0..args.sandboxes {
-        let (d, id) = client
-            .transition(
-                reqwest::Method::POST,
-                "/v1/sandboxes",
-                Some(sandbox.clone()),
-                None,
-                "running",
-            )
-            .await?;
-        create.push(d);
-        let t = Instant::now();
-        let (status, out) = client
-            .send(
-                reqwest::Method::POST,
-                &format!("/v1/sandboxes/{id}/exec"),
-                Some(json!({"cmd": ["echo", "hi"]})),
-            )
-            .await?;
-        if status != 200 || out["stdout"] != "hi\n" {
-            bail!("exec failed: {status} {out}");
-        }
-        exec.push(t.elapsed());
-        stop.push(
-            client
-                .transition(
-                    reqwest::Method::POST,
-                    &format!("/v1/sandboxes/{id}/stop"),
-                    None,
-                    Some(&id),
-                    "stopped",
-                )
-                .await?
-                .0,
-        );
-        start.push(
-            client
-                .transition(
-                    reqwest::Method::POST,
-                    &format!("/v1/sandboxes/{id}/start"),
-                    None,
-                    Some(&id),
-                    "running",
-                )
-                .await?
-                .0,
-        );
-        delete.push(
-            client
-                .transition(
-                    reqwest::Method::DELETE,
-                    &format!("/v1/sandboxes/{id}"),
-                    None,
-                    Some(&id),
-                    "deleted",
-                )
-                .await?
-                .0,
-        );
-    }
-
-    // Time to interactive: create (waited on, no polling) → first exec answered.
-    let mut waited_create = Samples::default();
-    let mut interactive = Samples::default();
-    for _ in 0..args.sandboxes {
-        let (running, first_exec, id) = client.interactive(&sandbox).await?;
-        waited_create.push(running);
-        interactive.push(first_exec);
-        let (status, gone) = client
-            .send(
-                reqwest::Method::DELETE,
-                &format!("/v1/sandboxes/{id}?wait=deleted&timeout={MAX_WAIT_SECS}s"),
-                None,
-            )
-            .await?;
-        if status != 200 {
-            bail!("delete with wait: {status} {gone}");
-        }
-    }
-
-    // Throughput: a burst of creates, then deletes, all in flight at once.
-    let burst_started = Instant::now();
-    let created = futures::future::try_join_all((0..args.burst).map(|_| {
-        client.transition(
-            reqwest::Method::POST,
-            "/v1/sandboxes",
-            Some(sandbox.clone()),
-            None,
-            "running",
-        )
-    }))
-    .await?;
-    let paths: Vec<(String, &str)> = created
-        .iter()
-        .map(|(_, id)| (format!("/v1/sandboxes/{id}"), id.as_str()))
-        .collect();
-    futures::future::try_join_all(paths.iter().map(|(path, id)| {
-        client.transition(reqwest::Method::DELETE, path, None, Some(id), "deleted")
-    }))
-    .await?;
-    let burst_elapsed = burst_started.elapsed();
-    let throughput = (2 * args.burst) as f64 / burst_elapsed.as_secs_f64();
-
-    let runc_floor = runc_floor().await.unwrap_or_else(|e| {
-        eprintln!("runc floor not measured: {e:#}");
-        Samples::default()
-    });
-    let db_url = args.database_url.clone().or_else(|| lookup("DATABASE_URL"));
-    let pg_floor = match db_url {
-        Some(url) => pg_floor(&url).await.unwrap_or_else(|e| {
-            eprintln!("Postgres floor not measured: {e:#}");
-            Samples::default()
-        }),
-        None => Samples::default(),
-    };
-    let nats_url = args.nats_url.clone().or_else(|| lookup("NATS_URL"));
-    let nats_creds = std::env::var("BERTH_NATS_CREDS")
-        .ok()
-        .or_else(|| lookup("BERTH_NATS_CREDS"));
-    let js_floor = match nats_url {
-        Some(url) => js_floor(&url, nats_creds.as_deref())
-            .await
-            .unwrap_or_else(|e| {
-                eprintln!("JetStream floor not measured: {e:#}");
-                Samples::default()
-            }),
-        None => Samples::default(),
-    };
-
-    println!("| operation | n | p50 ms | p95 ms | p99 ms | floor | floor p50 ms | overhead p50 ms | ratio p50 |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    let row = |name: &str, s: &Samples, floor_name: &str, floor: &Samples| {
-        let (p50, f50) = (s.quantile(0.5), floor.quantile(0.5));
-        let overhead = p50.zip(f50).map(|(a, b)| a - b);
-        let ratio = p50
-            .zip(f50)
-            .map(|(a, b)| format!("{:.1}x", a / b))
-            .unwrap_or_else(|| "n/a".into());
-        println!(
-            "| {name} | {} | {} | {} | {} | {floor_name} | {} | {} | {ratio} |",
-            s.0.len(),
-            ms(p50),
-            ms(s.quantile(0.95)),
-            ms(s.quantile(0.99)),
-            ms(f50),
-            ms(overhead)
-        );
-    };
-    row("create→running", &create, "runc run", &runc_floor);
-    row("exec round trip", &exec, "—", &Samples::default());
-    row(
-        "create→running (?wait=running)",
-        &waited_create,
-        "runc run",
-        &runc_floor,
-    );
-    row(
-        "time to interactive (create→first exec answered)",
-        &interactive,
-        "runc run",
-        &runc_floor,
-    );
-    row("stop→stopped", &stop, "—", &Samples::default());
-    row("start→running", &start, "runc run", &runc_floor);
-    row("delete→deleted", &delete, "—", &Samples::default());
-    row(
-        "raw runc run (busybox true)",
-        &runc_floor,
-        "—",
-        &Samples::default(),
-    );
-    row("raw Postgres commit", &pg_floor, "—", &Samples::default());
-    row(
-        "raw JetStream publish+ack",
-        &js_floor,
-        "—",
-        &Samples::default(),
-    );
-    println!();
-    println!(
-        "throughput: {} creates + {} deletes in flight at once took {:.2} s: {:.1} lifecycle commands/s",
-        args.burst, args.burst, burst_elapsed.as_secs_f64(), throughput
-    );
-    // The preview figures, when the stack runs a proxy (`berth dev` writes where).
-    if let (Some(url), Some(domain)) = (lookup("BERTH_PROXY"), lookup("BERTH_PREVIEW_DOMAIN")) {
-        preview::run(client, &preview::ProxyTarget { url, domain }).await?;
-    }
-    let throttled = client.throttled.load(std::sync::atomic::Ordering::Relaxed);
-    if throttled > 0 {
-        println!(
-            "\nthe API's rate limits answered 429 to {throttled} requests (retried after Retry-After): \
-             the figures of those requests include that wait; raise `--rate-per-key` on the stack to measure without it"
-        );
-    }
-    Ok(())
-}
-
-/// Raw `runc run` of a busybox container that runs `true`: the runtime's own cost.
-async fn runc_floor() -> anyhow::Result<Samples> {
-    let dir = PathBuf::from(format!("/var/tmp/berth-bench-{}", std::process::id()));
-    let rootfs = dir.join("rootfs");
-    std::fs::create_dir_all(rootfs.join("bin"))?;
-    std::fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
-        .context("copy /bin/busybox (busybox-static)")?;
-    std::os::unix::fs::symlink("busybox", rootfs.join("bin/true")).ok();
-    let spec = tokio::process::Command::new("runc")
-        .arg("spec")
-        .current_dir(&dir)
-        .status()
-        .await?;
-    if !spec.success() {
-        bail!("runc spec failed");
-    }
-    let config_path = dir.join("config.json");
-    let mut config: Value = serde_json::from_slice(&std::fs::read(&config_path)?)?;
-    config["process"]["terminal"] = json!(false);
-    config["process"]["args"] = json!(["/bin/true"]);
-    std::fs::write(&config_path, serde_json::to_vec(&config)?)?;
-    let root = dir.join("runc-root");
-    let mut samples = Samples::default();
-    for i in 0..FLOOR_SAMPLES {
-        let t = Instant::now();
-        let status = tokio::process::Command::new("runc")
-            .arg("--root")
-            .arg(&root)
-            .args(["run", "--bundle"])
-            .arg(&dir)
-            .arg(format!("floor{i}"))
-            .stdin(std::process::Stdio::null())
-            .status()
-            .await?;
-        samples.push(t.elapsed());
-        if !status.success() {
-            bail!("runc run failed");
-        }
-    }
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok(samples)
-}
-
-/// A raw single-row insert and commit.
-async fn pg_floor(url: &str) -> anyhow::Result<Samples> {
-    use sqlx::Connection;
-    let mut conn = sqlx::PgConnection::connect(url).await?;
-    sqlx::query("CREATE TEMP TABLE bench_floor (id bigint, at timestamptz)")
-        .execute(&mut conn)
-        .await?;
-    let mut samples = Samples::default();
-    for i in 0..CHEAP_FLOOR_SAMPLES {
-        let t = Instant::now();
-        let mut tx = conn.begin().await?;
-        sqlx::query("INSERT INTO bench_floor VALUES ($1, now())")
-            .bind(i as i64)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        samples.push(t.elapsed());
-    }
-    Ok(samples)
-}
-
-/// A raw JetStream publish awaiting its ack, on a file-backed stream of its own; with the
-/// control plane's credentials file when the stack's NATS has auth on.
-async fn js_floor(url: &str, creds: Option<&str>) -> anyhow::Result<Samples> {
-    let spec = berth_schemas::nats_auth::NatsConnect {
-        url: url.to_owned(),
-        creds: creds
-            .map(|path| berth::nats_access::load(std::path::Path::new(path)))
-            .transpose()?,
-        ca_file: None,
-    };
-    let client = crate::connect_with(&spec).await?;
-    let js = async_nats::jetstream::new(client);
-    let tag = uuid::Uuid::now_v7().simple().to_string();
-    let name = format!("BENCH_FLOOR_{tag}");
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: name.clone(),
-        subjects: vec![format!("bench.floor.{tag}")],
-        storage: async_nats::jetstream::stream::StorageType::File,
-        ..Default::default()
-    })
-    .await?;
-    let mut samples = Samples::default();
-    for _ in 0..CHEAP_FLOOR_SAMPLES {
-        let t = Instant::now();
-        js.publish(format!("bench.floor.{tag}"), "x".into())
-            .await?
-            .await?;
-        samples.push(t.elapsed());
-    }
-    let _ = js.delete_stream(&name).await;
-    Ok(samples)
 }

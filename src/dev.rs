@@ -586,9 +586,10 @@ async fn run_stack(
         state_dir.join("stack.env"),
         format!(
             "BERTH_API=http://{api_addr}\nDATABASE_URL={database_url}\nNATS_URL={nats_url}\n\
-             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\n{}{}",
+             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\nBERTH_DEV_PID={}\n{}{}",
             args.subject_prefix,
             state_dir.join("hosts").display(),
+            std::process::id(),
             match &auth {
                 Some(_) => format!(
                     "BERTH_NATS_CREDS={}\n",

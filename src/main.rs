@@ -36,6 +36,10 @@ struct Cli {
     /// Log format on stderr.
     #[arg(long, env = "BERTH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     log_format: LogFormat,
+    /// Log each span's duration when it closes (`time.busy`, `time.idle`): the profile of a
+    /// path such as a create's API transaction, relay publish, hostd apply and result apply.
+    #[arg(long, env = "BERTH_LOG_SPANS", global = true)]
+    log_spans: bool,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -304,18 +308,20 @@ fn run_component(cli: Cli) -> anyhow::Result<()> {
             .context("console log")?;
         return Ok(());
     }
-    init_tracing(cli.log_format);
+    init_tracing(cli.log_format, cli.log_spans);
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
         .block_on(run(cli.command))
 }
 
-fn init_tracing(format: LogFormat) {
+fn init_tracing(format: LogFormat, spans: bool) {
+    use tracing_subscriber::fmt::format::FmtSpan;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_span_events(if spans { FmtSpan::CLOSE } else { FmtSpan::NONE })
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

@@ -1,12 +1,17 @@
 //! Agent gates: per sandbox, the agent calls in flight (exec, files, pings), and a way to
 //! close the gate and wait for them to finish — a gVisor checkpoint fails on any connected
-//! TCP endpoint, so a memory stop first drains the agent's connections.
+//! TCP endpoint, so a memory stop first drains the agent's connections. The gates also keep
+//! each sandbox's idle agent connections (see `agent::kept`), which belong to the sandbox's
+//! current run: closing or opening a gate drops them.
 //!
 //! # Guarantees
 //! - While a sandbox's gate is closed, [`AgentGates::enter`] refuses; calls already in
 //!   flight finish normally and [`AgentGates::close_and_drain`] waits for them (up to its
 //!   timeout).
-//! - The lock is never held across an `.await`.
+//! - While a sandbox's gate is closed it has no idle connection: closing drops them (hostd
+//!   closes first, so no endpoint is left connected or in TIME_WAIT inside the sandbox), and
+//!   a call that ends while the gate is closed drops its connection instead of keeping it.
+//! - Lock order: the gates, then the idle connections. No lock is held across an `.await`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -26,6 +31,18 @@ struct GateState {
 pub struct AgentGates {
     gates: Mutex<HashMap<SandboxId, GateState>>,
     changed: Notify,
+    idle: Mutex<HashMap<SandboxId, Idle>>,
+}
+
+/// The most idle agent connections kept per sandbox (more at once are closed after use).
+pub const MAX_IDLE_PER_SANDBOX: usize = 4;
+
+/// A sandbox's idle agent connections, and whether its agent cannot keep one (an agent of an
+/// older bundle answers each call on its own connection).
+#[derive(Debug, Default)]
+struct Idle {
+    connections: Vec<tokio::net::TcpStream>,
+    one_per_call: bool,
 }
 
 /// One agent call in flight; dropping it ends the call.
@@ -59,7 +76,7 @@ impl AgentGates {
     /// Closes the gate, then waits until no call is in flight or `timeout` passes. Returns
     /// whether it drained.
     pub async fn close_and_drain(&self, sandbox: SandboxId, timeout: Duration) -> bool {
-        self.lock().entry(sandbox).or_default().closed = true;
+        self.close(sandbox);
         let drained = async {
             loop {
                 let notified = self.changed.notified();
@@ -79,7 +96,7 @@ impl AgentGates {
     /// by [`AgentGates::enter`] refusing that the sandbox is going away, not failing); new
     /// calls are refused.
     pub fn close_while(self: &Arc<Self>, sandbox: SandboxId) -> ClosedGate {
-        self.lock().entry(sandbox).or_default().closed = true;
+        self.close(sandbox);
         ClosedGate {
             gates: self.clone(),
             sandbox,
@@ -91,9 +108,18 @@ impl AgentGates {
         self.lock().get(&sandbox).is_some_and(|g| g.closed)
     }
 
-    /// Opens the gate again.
+    /// Closes the gate and drops the sandbox's idle connections.
+    fn close(&self, sandbox: SandboxId) {
+        let mut gates = self.lock();
+        gates.entry(sandbox).or_default().closed = true;
+        self.idle().remove(&sandbox);
+    }
+
+    /// Opens the gate again (for a new run of the sandbox: the idle connections of the last
+    /// one, if any, are dropped).
     pub fn open(&self, sandbox: SandboxId) {
         let mut gates = self.lock();
+        self.idle().remove(&sandbox);
         if let Some(gate) = gates.get_mut(&sandbox) {
             gate.closed = false;
             if gate.in_flight == 0 {
@@ -102,9 +128,53 @@ impl AgentGates {
         }
     }
 
+    /// An idle connection to the sandbox's agent, if one is kept.
+    pub fn take_idle(&self, sandbox: SandboxId) -> Option<tokio::net::TcpStream> {
+        self.idle().get_mut(&sandbox)?.connections.pop()
+    }
+
+    /// Keeps `connection` for the sandbox's next call, unless the gate is closed or
+    /// [`MAX_IDLE_PER_SANDBOX`] are kept already (then it is closed).
+    pub fn keep_idle(&self, sandbox: SandboxId, connection: tokio::net::TcpStream) {
+        let gates = self.lock();
+        if gates.get(&sandbox).is_some_and(|g| g.closed) {
+            return;
+        }
+        let mut idle = self.idle();
+        let kept = &mut idle.entry(sandbox).or_default().connections;
+        if kept.len() < MAX_IDLE_PER_SANDBOX {
+            kept.push(connection);
+        }
+    }
+
+    /// Whether the sandbox's agent answers one call per connection (until its gate closes or
+    /// opens again).
+    pub fn one_per_call(&self, sandbox: SandboxId) -> bool {
+        self.idle().get(&sandbox).is_some_and(|i| i.one_per_call)
+    }
+
+    /// Records that the sandbox's agent answers one call per connection.
+    pub fn set_one_per_call(&self, sandbox: SandboxId) {
+        let gates = self.lock();
+        if gates.get(&sandbox).is_some_and(|g| g.closed) {
+            return;
+        }
+        self.idle().entry(sandbox).or_default().one_per_call = true;
+    }
+
+    /// How many idle connections the sandbox has kept.
+    pub fn idle_count(&self, sandbox: SandboxId) -> usize {
+        self.idle().get(&sandbox).map_or(0, |i| i.connections.len())
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<SandboxId, GateState>> {
         // Entries are whole counters; a poisoned map is still consistent.
         self.gates.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn idle(&self) -> MutexGuard<'_, HashMap<SandboxId, Idle>> {
+        // Whole connections; a poisoned map is still consistent.
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -38,6 +38,10 @@ use tokio_util::sync::CancellationToken;
 use berth::stack::{Pools, Reconciler, Stack, StackConfig};
 
 use super::verdict::{verdict, PassLoop};
+
+/// The share of the heartbeats sent that applied ones must reach to count as keeping up (the
+/// two rates are counted over slightly different windows).
+const HEARTBEAT_KEEPS_UP: f64 = 0.95;
 use super::{ms, Client, Samples};
 use crate::dev::{start_private_nats, start_private_postgres, PrivateService};
 
@@ -543,6 +547,18 @@ async fn measure(
         println!("| orphans destroyed | {} |", judged.orphans_destroyed);
         println!("| most hosts one pass left alone (evidence too old) | {} |", judged.most_stale_hosts);
         println!("| most guest failures one pass's circuit breaker held | {} |", judged.most_held);
+        let sustained = lifecycle_commands as f64 / lifecycle_total.as_secs_f64();
+        let p50 = |s: &Samples| super::targets::in_ms(s.quantile(0.5));
+        use super::targets::{Goal, Target};
+        super::targets::print(
+            "target (issue 16, sim)",
+            &[
+                Target::new("lifecycle commands/s sustained", Goal::AtLeastPerSec(1000.0), Some(sustained), format!("{} false failures, {} false timeouts (target: none)", judged.false_failures, judged.false_timeouts)),
+                Target::new("reconciler pass p50", Goal::AtMostMs(500.0), p50(&pass), format!("{} hosts, {} sandbox rows", args.hosts, total)),
+                Target::new("heartbeats applied while creating", Goal::AtLeastPerSec(expected * HEARTBEAT_KEEPS_UP), Some(hb_load), format!("{expected:.0}/s sent; within 5% keeps up")),
+                Target::new("GET /v1/sandboxes?state=running p50", Goal::AtMostMs(10.0), p50(&list_filtered), ""),
+            ],
+        );
         println!();
         println!("| profile (whole run) | observations | mean ms |");
         println!("|---|---|---|");

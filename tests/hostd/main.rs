@@ -16,6 +16,7 @@ mod gvisor;
 mod harness;
 mod images;
 mod io;
+mod kept;
 mod network;
 mod runc;
 mod spoofing;

@@ -103,6 +103,19 @@ pub async fn exec_with(
     stdin: Vec<u8>,
     timeout_ms: u64,
 ) -> Result<ExecResult, HostdError> {
+    let (request, wait) = exec_request(argv, env, cwd, stdin, timeout_ms);
+    exec_answer(address, call(address, &request, wait).await?)
+}
+
+/// A (not streamed) exec request and how long its answer may take: `timeout_ms` clamped to
+/// [`MAX_EXEC_TIMEOUT_MS`], plus [`EXEC_REPLY_GRACE`].
+pub(crate) fn exec_request(
+    argv: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: Option<String>,
+    stdin: Vec<u8>,
+    timeout_ms: u64,
+) -> (Request, Duration) {
     let timeout_ms = timeout_ms.min(MAX_EXEC_TIMEOUT_MS);
     let wait = Duration::from_millis(timeout_ms) + EXEC_REPLY_GRACE;
     let request = Request::Exec {
@@ -113,7 +126,17 @@ pub async fn exec_with(
         stdin,
         stream: false,
     };
-    match call(address, &request, wait).await? {
+    (request, wait)
+}
+
+/// What an exec's answer means.
+///
+/// Errors: [`HostdError::Agent`] for an answer that is no exec's.
+pub(crate) fn exec_answer(
+    address: SocketAddr,
+    response: Response,
+) -> Result<ExecResult, HostdError> {
+    match response {
         Response::Exec(out) => Ok(ExecResult::Finished(out)),
         Response::Error(e) => Ok(ExecResult::Refused(e.error)),
         other => Err(HostdError::Agent {
@@ -330,7 +353,8 @@ impl Drop for AbortOnDrop {
     }
 }
 
-fn truncate(s: &str) -> &str {
+/// At most the first 200 characters of `s` (for error messages).
+pub(crate) fn truncate(s: &str) -> &str {
     const SHOWN: usize = 200;
     match s.char_indices().nth(SHOWN) {
         Some((i, _)) => &s[..i],

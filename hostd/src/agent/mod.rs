@@ -16,6 +16,7 @@
 //! `PTRACE_MODE_ATTACH`), ptrace(2) ("dumpable" in the access mode checks).
 
 pub mod client;
+pub mod kept;
 pub mod protocol;
 pub mod server;
 pub mod tty;

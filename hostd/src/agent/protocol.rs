@@ -22,9 +22,15 @@
 //! ← {"fd":1,"data":"…"}  …the terminal's output…  ← {"exit_code":0,"stdout":"","stderr":"",…}
 //! ```
 //!
-//! A `tty` connection is the one that carries more than one request line: after the request,
-//! the client sends [`TtyFrame`] lines for as long as the session runs, and closes its side to
-//! hang the terminal up.
+//! A `tty` connection carries more than one request line: after the request, the client sends
+//! [`TtyFrame`] lines for as long as the session runs, and closes its side to hang the
+//! terminal up. A kept connection does too: after `{"op":"keep"}` (answered `{"ok":true}`)
+//! the client sends one request line at a time and reads its one answer line, for as long as
+//! it keeps the connection (hostd keeps a few per sandbox, `agent::kept`):
+//!
+//! ```text
+//! → {"op":"keep"}  ← {"ok":true}  → {"op":"exec",…}  ← {"exit_code":0,…}  → {"op":"stat",…}  ← …
+//! ```
 //!
 //! Append-only: new operations are new `op`s; new exec fields are optional and omitted when
 //! empty, so a plain exec reads the same to an agent of an older bundle. The agent closes
@@ -141,6 +147,12 @@ pub enum Request {
         /// The file.
         path: String,
     },
+    /// Keep this connection for more requests: the agent answers `{"ok":true}`, then answers
+    /// each further request line in turn, one line each, until the client closes (never
+    /// closing first). A streamed `exec` or a `tty` still needs a connection of its own and is
+    /// refused on a kept one. An agent older than this answers `{"error":"bad request: …"}`;
+    /// its client then opens one connection per call.
+    Keep,
     /// Run `argv` on a new pseudo-terminal of `rows` × `cols` as the leader of a new session
     /// (the terminal is its controlling terminal); output comes as [`OutputChunk`] lines
     /// (`fd` 1), input as [`TtyFrame`] lines on the same connection, then one

@@ -1,6 +1,7 @@
 //! The agent's TCP server (std only: threads, no async runtime inside the sandbox).
 //!
-//! One thread per connection; one request per connection (see `protocol`). An exec runs its
+//! One thread per connection; one request per connection, or a kept connection that carries
+//! one request after another (see `protocol`). An exec runs its
 //! command in a new process group with stdin from `/dev/null`, reads stdout and stderr on two
 //! threads (capped at [`MAX_CAPTURED_OUTPUT`] each), and at the timeout kills the whole group.
 
@@ -23,8 +24,13 @@ use super::protocol::{
 };
 use crate::oci::GUEST_PATH;
 
-/// How often an exec checks whether its process has exited.
+/// How often an exec checks whether its process has exited, at most.
 const EXIT_POLL_INTERVAL: Duration = Duration::from_millis(5);
+
+/// The first wait before an exec checks again whether its process has exited; each wait
+/// doubles up to [`EXIT_POLL_INTERVAL`]. A short command (`echo`) ends within a millisecond:
+/// a first wait of the whole interval put 5 ms on every such exec's round trip.
+const FIRST_EXIT_POLL: Duration = Duration::from_micros(100);
 
 /// How long an exec waits for its output readers after its process ended or was killed (a
 /// background descendant may hold the pipes open).
@@ -120,11 +126,45 @@ fn handle(stream: TcpStream) -> std::io::Result<()> {
                 .map(Response::Exec)
                 .unwrap_or_else(|e| Response::Error(ErrorReply::new(e)))
         }
+        Ok(Request::Keep) => return serve_kept(reader, &writer),
         Ok(request) => answer(request),
         Err(e) => Response::Error(ErrorReply::new(format!("bad request: {e}"))),
     };
     write_line(&writer, &response)?;
     await_client_close(&stream)
+}
+
+/// Serves a kept connection (`{"op":"keep"}`, see `protocol`): one answer line per request
+/// line until the client closes; never closes first (the TIME_WAIT stays on the host side).
+fn serve_kept(mut reader: BufReader<TcpStream>, writer: &Mutex<TcpStream>) -> std::io::Result<()> {
+    write_line(writer, &Response::Ping(PingReply { ok: true }))?;
+    // Idle between calls for as long as hostd keeps the connection.
+    reader.get_ref().set_read_timeout(None)?;
+    loop {
+        let mut line = String::new();
+        let read = (&mut reader).take(MAX_LINE_BYTES).read_line(&mut line)?;
+        if read == 0 {
+            return Ok(());
+        }
+        if !line.ends_with('\n') {
+            // Longer than any request: the framing is lost. Wait for the client to close.
+            write_line(
+                writer,
+                &Response::Error(ErrorReply::new("request line too long")),
+            )?;
+            return await_client_close(reader.get_ref());
+        }
+        let response = match serde_json::from_str::<Request>(&line) {
+            Ok(Request::Exec { stream: true, .. } | Request::Tty { .. } | Request::Keep) => {
+                Response::Error(ErrorReply::new(
+                    "a streamed exec or a tty needs a connection of its own",
+                ))
+            }
+            Ok(request) => answer(request),
+            Err(e) => Response::Error(ErrorReply::new(format!("bad request: {e}"))),
+        };
+        write_line(writer, &response)?;
+    }
 }
 
 /// Where a streamed exec's output goes: `(fd, bytes)` as they are read.
@@ -180,6 +220,7 @@ fn answer(request: Request) -> Response {
         Request::Tty { .. } => Err(ErrorReply::new(
             "a tty session is served on its own connection",
         )),
+        Request::Keep => Err(ErrorReply::new("keep is the first request of a connection")),
         Request::Stat { path } => stat(&path).map(|stat| Response::Stat(StatReply { stat })),
         Request::Read { path, offset, len } => read(&path, offset, len).map(Response::Data),
         Request::Write {
@@ -471,6 +512,7 @@ fn wait_until(
     deadline: Instant,
     group: Pid,
 ) -> Result<(std::process::ExitStatus, bool), String> {
+    let mut pause = FIRST_EXIT_POLL;
     loop {
         if let Some(status) = child.try_wait().map_err(|e| format!("wait: {e}"))? {
             return Ok((status, false));
@@ -480,7 +522,8 @@ fn wait_until(
             let status = child.wait().map_err(|e| format!("wait: {e}"))?;
             return Ok((status, true));
         }
-        thread::sleep(EXIT_POLL_INTERVAL);
+        thread::sleep(pause);
+        pause = (pause * 2).min(EXIT_POLL_INTERVAL);
     }
 }
 

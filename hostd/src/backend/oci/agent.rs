@@ -11,6 +11,7 @@ use berth_schemas::wire::{
 use berth_schemas::SandboxId;
 
 use crate::agent::client::{self, ExecResult};
+use crate::agent::kept;
 use crate::agent::protocol::{
     ErrorReply, Kind, Request, Response, Stat, CODE_NOT_FOUND, CODE_NOT_REGULAR, CODE_TOO_LARGE,
     MAX_FILE_CHUNK,
@@ -44,6 +45,11 @@ pub async fn run(
             "path {path:?} is not absolute"
         )));
     }
+    let kept = kept::Target {
+        gates: host.gates.clone(),
+        sandbox,
+        address,
+    };
     let outcome = match (op, output) {
         (AgentOp::Exec(spec), _) => return exec(host, sandbox, address, spec, None).await,
         (AgentOp::ExecStream(spec) | AgentOp::ExecStreamWindowed { spec, .. }, Some(output)) => {
@@ -55,10 +61,10 @@ pub async fn run(
                 "a streamed exec needs the agent subject's streaming reply".into(),
             ))
         }
-        (AgentOp::Stat { path }, _) => file_op(address, Request::Stat { path }).await,
+        (AgentOp::Stat { path }, _) => file_op(&kept, Request::Stat { path }).await,
         (AgentOp::Read { path, offset, len }, _) => {
             let len = u64::from(len).min(MAX_FILE_CHUNK);
-            file_op(address, Request::Read { path, offset, len }).await
+            file_op(&kept, Request::Read { path, offset, len }).await
         }
         (
             AgentOp::Write {
@@ -70,7 +76,7 @@ pub async fn run(
             _,
         ) => {
             file_op(
-                address,
+                &kept,
                 Request::Write {
                     path,
                     offset,
@@ -80,9 +86,9 @@ pub async fn run(
             )
             .await
         }
-        (AgentOp::List { path }, _) => file_op(address, Request::List { path }).await,
-        (AgentOp::Rename { from, to }, _) => file_op(address, Request::Rename { from, to }).await,
-        (AgentOp::Remove { path }, _) => file_op(address, Request::Remove { path }).await,
+        (AgentOp::List { path }, _) => file_op(&kept, Request::List { path }).await,
+        (AgentOp::Rename { from, to }, _) => file_op(&kept, Request::Rename { from, to }).await,
+        (AgentOp::Remove { path }, _) => file_op(&kept, Request::Remove { path }).await,
         // Flow control of a stream and terminal sessions, routed by `nats::agent` before
         // they reach this.
         (
@@ -158,9 +164,14 @@ async fn exec(
         Some(output) => Box::pin(client::exec_stream(
             address, argv, env, cwd, stdin, timeout_ms, output,
         )),
-        None => Box::pin(client::exec_with(
-            address, argv, env, cwd, stdin, timeout_ms,
-        )),
+        None => {
+            let target = kept::Target {
+                gates: host.gates.clone(),
+                sandbox,
+                address,
+            };
+            Box::pin(async move { kept::exec(&target, argv, env, cwd, stdin, timeout_ms).await })
+        }
     };
     supervise(host, sandbox, call).await
 }
@@ -269,9 +280,9 @@ fn still_meant_to_run(host: &Host, sandbox: SandboxId) -> bool {
     host.exec_target(sandbox).is_ok()
 }
 
-/// Sends a file request and maps the agent's answer.
-async fn file_op(address: SocketAddr, request: Request) -> Result<AgentReply, HostdError> {
-    let response = client::call(address, &request, FILE_OP_TIMEOUT).await?;
+/// Sends a file request over a kept connection and maps the agent's answer.
+async fn file_op(target: &kept::Target, request: Request) -> Result<AgentReply, HostdError> {
+    let response = kept::call(target, &request, FILE_OP_TIMEOUT).await?;
     Ok(match (request, response) {
         (_, Response::Error(e)) => AgentReply::Failed(failure(e)),
         (Request::Stat { .. }, Response::Stat(s)) => AgentReply::Stat(file_stat(s.stat)),

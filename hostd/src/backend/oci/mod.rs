@@ -458,9 +458,14 @@ impl Backend for OciBackend {
     ) -> BoxFuture<'a, bool> {
         async move {
             match host.gates.enter(sandbox) {
-                Some(_permit) => client::ping(SocketAddr::new(link.sandbox.into(), AGENT_PORT))
-                    .await
-                    .is_ok(),
+                Some(_permit) => {
+                    let target = crate::agent::kept::Target {
+                        gates: host.gates.clone(),
+                        sandbox,
+                        address: SocketAddr::new(link.sandbox.into(), AGENT_PORT),
+                    };
+                    crate::agent::kept::ping(&target).await.is_ok()
+                }
                 // Being stopped: its agent is left alone; it answered until now.
                 None => true,
             }
