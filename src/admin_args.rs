@@ -19,6 +19,8 @@ pub(crate) enum AdminCmd {
     },
     /// Create an operator key for the `/v1/hosts` routes and print it (shown once).
     CreateAdminKey,
+    #[command(flatten)]
+    Orgs(berth::org_admin::OrgAdminCmd),
     /// Set an org's quotas; an omitted limit becomes unlimited.
     SetQuota {
         /// The org's name.

@@ -76,6 +76,10 @@ pub struct DevArgs {
     proxy_addr: SocketAddr,
     #[command(flatten)]
     preview: crate::preview_args::PreviewArgs,
+    /// Serve Prometheus metrics (`GET /metrics`) on this address (`deploy/up`:
+    /// `127.0.0.1:9464`); unset: not served. The API's listener never serves them.
+    #[arg(long, env = "BERTH_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
 }
 
 /// The preview settings of the dev stack: the flags', with a fresh random secret when none
@@ -487,6 +491,7 @@ async fn run_stack(
     services: &mut Vec<PrivateService>,
 ) -> anyhow::Result<()> {
     let shutdown = crate::shutdown_on_signal();
+    crate::serve_metrics(args.metrics_addr, &shutdown).await?;
     let database_url = match &args.database_url {
         Some(url) => url.clone(),
         None => {

@@ -5,5 +5,6 @@
 pub mod breaker_admin;
 pub mod image_puller;
 pub mod nats_access;
+pub mod org_admin;
 pub mod stack;
 pub mod timing_args;

@@ -69,10 +69,14 @@ enum Cmd {
         disk: DiskArgs,
         #[command(flatten)]
         limits: limits_args::ApiLimitArgs,
-        /// Serve Prometheus metrics (`GET /metrics`) on this address instead of the API's own
-        /// listener (which then answers 404 there); unset: served on the API's listener.
+        /// Serve Prometheus metrics (`GET /metrics`) on this address (keep it inside the
+        /// operator's network); unset: not served there.
         #[arg(long, env = "BERTH_METRICS_ADDR")]
         metrics_addr: Option<SocketAddr>,
+        /// Also answer `GET /metrics` on the API's own (public) listener; off by default, when
+        /// it answers 404 like any unknown path.
+        #[arg(long, env = "BERTH_METRICS_ON_API")]
+        metrics_on_api: bool,
         /// Placement chooses only hosts heard from within this window.
         #[arg(long, env = "BERTH_HEARTBEAT_FRESHNESS",
               default_value_t = berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS.into())]
@@ -399,6 +403,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             webhook_allow_private_targets,
             limits,
             metrics_addr,
+            metrics_on_api,
             disk,
             heartbeat_freshness,
             preview,
@@ -416,7 +421,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             config.limits = limits.config();
             config.disk = disk;
             config.sandbox_egress_private = disk_args_private;
-            config.metrics_on_api = metrics_addr.is_none();
+            config.metrics_on_api = metrics_on_api;
             config.heartbeat_freshness = heartbeat_freshness.into();
             config.preview = preview.config()?;
             // The hosts' object store, so a snapshot's delete removes its content.
@@ -604,6 +609,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                     eprintln!("created org {name} ({org}); the key is shown only now");
                     println!("{key}");
                 }
+                AdminCmd::Orgs(cmd) => print!("{}", berth::org_admin::run(&db, cmd).await?),
                 AdminCmd::CreateAdminKey => {
                     let key = berth_api::auth::create_admin_key(&db).await?;
                     eprintln!("created an operator key; it is shown only now");

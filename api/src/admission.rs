@@ -9,12 +9,32 @@
 //!   count by their /64, [`crate::limits::client_of`]), so a flood of idle connections cannot
 //!   hold the process's file descriptors or memory, and one client cannot take every slot.
 //! - An [`Admitted`] gives its slots back when dropped, whatever way its connection ended.
+//! - A request head carries at most [`MAX_REQUEST_HEADERS`] header fields and
+//!   [`MAX_REQUEST_HEAD_BYTES`] bytes, on HTTP/1.1 and on HTTP/2 alike ([`too_many_headers`] for
+//!   what HTTP/2's own settings cannot count); beyond either the client gets `431` and nothing
+//!   is forwarded. Without the count, an h2c client could push hundreds of small headers
+//!   through the preview proxy to a sandbox (HTTP/1.1 parsers cap the count, HTTP/2's only the
+//!   bytes).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The most header fields one request may carry (hyper's HTTP/1.1 default, now also applied
+/// to HTTP/2).
+pub const MAX_REQUEST_HEADERS: usize = 100;
+/// The most bytes of request head (HTTP/1.1: hyper's `max_header_size` on the API's listener,
+/// and the read buffer the head must fit in on both; HTTP/2: `SETTINGS_MAX_HEADER_LIST_SIZE`). 32 KiB is nginx's default (`large_client_header_buffers`
+/// 4 × 8k) and holds any browser's cookies.
+pub const MAX_REQUEST_HEAD_BYTES: usize = 32 * 1024;
+
+/// Whether `headers` has more fields than [`MAX_REQUEST_HEADERS`]: such a request is answered
+/// `431` (HTTP/2 announces only a byte bound, so its field count is checked here).
+pub fn too_many_headers(headers: &axum::http::HeaderMap) -> bool {
+    headers.len() > MAX_REQUEST_HEADERS
+}
 
 /// The metric names one listener reports under.
 #[derive(Clone, Copy, Debug)]

@@ -35,9 +35,10 @@ pub struct ApiConfig {
     pub disk: DiskLimits,
     /// Connection, timeout, rate, size and concurrency limits (see [`LimitsConfig`]).
     pub limits: LimitsConfig,
-    /// Whether the API's own listener answers `GET /metrics`. `false` when the operator serves
-    /// metrics on a separate address (`berth api --metrics-addr`), so that the public listener
-    /// does not expose them; the route then answers 404 like any unknown path.
+    /// Whether the API's own listener answers `GET /metrics`. Off by default (`berth api
+    /// --metrics-on-api` turns it on): what the metrics tell (routes, hosts, fleet size, other
+    /// tenants' traffic) stays off the public listener, which answers 404 there like any
+    /// unknown path; the operator serves them on a separate address (`--metrics-addr`).
     pub metrics_on_api: bool,
     /// Whether a sandbox's egress allow-list may name private networks (RFC 1918, CGNAT):
     /// off by default, so tenants reach only public addresses and what the hosts' operator
@@ -71,7 +72,7 @@ impl ApiConfig {
             webhooks: Default::default(),
             disk: DiskLimits::default(),
             limits: Default::default(),
-            metrics_on_api: true,
+            metrics_on_api: false,
             sandbox_egress_private: false,
             preview: PreviewConfig::default(),
             object_store: None,

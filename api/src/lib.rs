@@ -23,6 +23,7 @@ pub mod model;
 pub mod openapi;
 pub mod outbox;
 pub mod preview;
+pub mod revocations;
 pub mod server;
 pub mod service;
 pub mod watch;
@@ -166,6 +167,11 @@ pub async fn serve(
         state.config.webhooks.clone(),
         shutdown.clone(),
     ));
+    let revocations = tokio::spawn(revocations::forget_revoked_keys(
+        state.db.clone(),
+        state.guards.clone(),
+        shutdown.clone(),
+    ));
     let (limits, state_guards) = (state.config.limits.clone(), state.guards.clone());
     let watch = state.watch.clone();
     // Long-lived responses (the SSE stream) end on shutdown, or graceful shutdown would wait
@@ -194,5 +200,6 @@ pub async fn serve(
     let _ = relay.await;
     let _ = webhooks.await;
     let _ = preview_routes.await;
+    let _ = revocations.await;
     served
 }

@@ -18,8 +18,10 @@
 //! client address is the TCP peer; behind a proxy every client shares the proxy's address
 //! (give the per-address limits room for that, or turn them off with 0).
 //!
-//! A revoked key keeps working for up to [`LimitsConfig::key_cache_ttl`] in a process that
-//! cached it.
+//! A revoked key is forgotten by every process's cache at once, when the revocation commits
+//! ([`crate::revocations`] calls [`Guards::forget_keys`]); only while a process's listener is
+//! reconnecting can a revoked key it cached keep working, for at most
+//! [`LimitsConfig::key_cache_ttl`].
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -339,6 +341,13 @@ impl Guards {
             org,
             kind,
         })
+    }
+
+    /// Forgets every cached key lookup: the next request of each key asks Postgres again (one
+    /// token of its address's lookup budget, as after the cache's TTL). Called when a key is
+    /// revoked anywhere; revocations are rare, so clearing all is cheaper than naming one.
+    pub fn forget_keys(&self) {
+        self.keys.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     /// Drops rate-limit state of idle keys and addresses (bounded memory under a flood of

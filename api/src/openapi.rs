@@ -83,6 +83,9 @@ passes first.
         crate::http::resume::restore,
         crate::http::resume::clone,
         crate::http::resume::fork,
+        crate::http::keys::list,
+        crate::http::keys::create,
+        crate::http::keys::revoke,
     ),
     components(schemas(
         model::snapshot::Snapshot,
@@ -90,6 +93,8 @@ passes first.
         model::snapshot::FromSnapshot,
         model::snapshot::ForkRequest,
         model::snapshot::Fork,
+        crate::http::keys::ApiKey,
+        crate::http::keys::CreatedKey,
         berth_schemas::state::snapshot::SnapshotState,
         crate::http::preview::TokenRequest,
         crate::http::preview::PreviewTokenResponse,

@@ -11,6 +11,8 @@
 //! - A connection that has not sent a whole request head within
 //!   [`LimitsConfig::header_read_timeout`] of its start (or of the end of the previous
 //!   response) is closed: a slow-loris client holds a slot for that long at most.
+//! - A request head with more than [`crate::admission::MAX_REQUEST_HEADERS`] fields or
+//!   [`crate::admission::MAX_REQUEST_HEAD_BYTES`] bytes is answered `431` by hyper.
 //! - A request body that pauses longer than [`LimitsConfig::body_idle_timeout`] fails (the
 //!   router's [`tower_http::timeout::RequestBodyTimeoutLayer`]).
 //! - On shutdown, accepting stops and open connections finish their current request (long
@@ -33,7 +35,7 @@ use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tower_http::timeout::TimeoutBody;
 
-use crate::admission::{Admission, API_METRICS};
+use crate::admission::{Admission, API_METRICS, MAX_REQUEST_HEADERS, MAX_REQUEST_HEAD_BYTES};
 use crate::limits::LimitsConfig;
 
 /// How long shutdown waits for open connections to finish.
@@ -63,6 +65,9 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(Some(limits.header_read_timeout).filter(|timeout| !timeout.is_zero()))
+        .max_headers(MAX_REQUEST_HEADERS)
+        .max_header_size(MAX_REQUEST_HEAD_BYTES)
+        .max_buf_size(MAX_REQUEST_HEAD_BYTES)
         .keep_alive(true);
     // Each connection's task: on shutdown it asks its connection to finish the request in
     // flight and close; the tracker waits for them (hyper's upgradeable HTTP/1.1 connection

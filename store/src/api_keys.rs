@@ -2,7 +2,7 @@
 //! (none for an operator key).
 
 use berth_schemas::{ApiKeyId, OrgId};
-use sqlx::PgExecutor;
+use sqlx::{PgConnection, PgExecutor};
 
 use crate::op::{timed, Op};
 use crate::StoreError;
@@ -20,27 +20,28 @@ pub struct NewKey<'a> {
     pub is_admin: bool,
 }
 
-/// Stores a key; returns its id.
-pub async fn insert(db: impl PgExecutor<'_>, key: &NewKey<'_>) -> Result<ApiKeyId, StoreError> {
+/// Stores a key; returns its row.
+pub async fn insert(db: impl PgExecutor<'_>, key: &NewKey<'_>) -> Result<KeyRow, StoreError> {
     let id = ApiKeyId::new();
     timed(
         Op::ApiKeyInsert,
-        sqlx::query(
+        sqlx::query_as(
             "INSERT INTO api_keys (id, org_id, key_hash, prefix, is_admin)
-             VALUES ($1, $2, $3, $4, $5)",
+             VALUES ($1, $2, $3, $4, $5)
+             RETURNING id, prefix, created_at, revoked_at",
         )
         .bind(id)
         .bind(key.org_id)
         .bind(key.hash)
         .bind(key.prefix)
         .bind(key.is_admin)
-        .execute(db),
+        .fetch_one(db),
     )
-    .await?;
-    Ok(id)
+    .await
 }
 
-/// The unrevoked key with this hash: (id, its org, whether it is an operator key).
+/// The unrevoked key with this hash, unless its org is deleted: (id, its org, whether it is an
+/// operator key).
 pub async fn find_active(
     db: impl PgExecutor<'_>,
     hash: &[u8],
@@ -48,10 +49,102 @@ pub async fn find_active(
     timed(
         Op::ApiKeyFind,
         sqlx::query_as(
-            "SELECT id, org_id, is_admin FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL",
+            "SELECT k.id, k.org_id, k.is_admin FROM api_keys k LEFT JOIN orgs o ON o.id = k.org_id
+              WHERE k.key_hash = $1 AND k.revoked_at IS NULL AND o.deleted_at IS NULL",
         )
         .bind(hash)
         .fetch_optional(db),
+    )
+    .await
+}
+
+/// One key as its org sees it: never its hash.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct KeyRow {
+    /// The key's id.
+    pub id: ApiKeyId,
+    /// Its first characters (`berth_` and four more), to tell keys apart.
+    pub prefix: String,
+    /// When it was made.
+    pub created_at: chrono::DateTime<chrono::Utc>,
+    /// When it was revoked; `None` while it works.
+    pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// The org's keys, revoked ones included, oldest first.
+pub async fn list(db: impl PgExecutor<'_>, org: OrgId) -> Result<Vec<KeyRow>, StoreError> {
+    timed(
+        Op::ApiKeyList,
+        sqlx::query_as(
+            "SELECT id, prefix, created_at, revoked_at FROM api_keys
+              WHERE org_id = $1 ORDER BY created_at, id",
+        )
+        .bind(org)
+        .fetch_all(db),
+    )
+    .await
+}
+
+/// Revokes key `id` when it belongs to `org` (`None`: any key, the operator's own command);
+/// the key as it is now, revoked (at its first revocation's time when it already was), or
+/// `None` when no such key (of that org) exists. Every process forgets its cached keys at
+/// commit (migration 0022's trigger).
+pub async fn revoke(
+    db: impl PgExecutor<'_>,
+    org: Option<OrgId>,
+    id: ApiKeyId,
+) -> Result<Option<KeyRow>, StoreError> {
+    timed(
+        Op::ApiKeyRevoke,
+        sqlx::query_as(
+            "UPDATE api_keys SET revoked_at = COALESCE(revoked_at, now())
+              WHERE id = $1 AND ($2::uuid IS NULL OR org_id = $2)
+              RETURNING id, prefix, created_at, revoked_at",
+        )
+        .bind(id)
+        .bind(org)
+        .fetch_optional(db),
+    )
+    .await
+}
+
+/// Revokes every key of `org`; how many were still working.
+pub async fn revoke_all_of_org(db: impl PgExecutor<'_>, org: OrgId) -> Result<u64, StoreError> {
+    let revoked = timed(
+        Op::ApiKeyRevoke,
+        sqlx::query(
+            "UPDATE api_keys SET revoked_at = now() WHERE org_id = $1 AND revoked_at IS NULL",
+        )
+        .bind(org)
+        .execute(db),
+    )
+    .await?;
+    Ok(revoked.rows_affected())
+}
+
+/// How many of `org`'s keys still work, with the org's row locked (`FOR NO KEY UPDATE`) until
+/// the caller's transaction ends, so two creates cannot both pass the same headroom.
+///
+/// Errors: [`StoreError::NotFound`] when no such org exists.
+pub async fn lock_active_count(conn: &mut PgConnection, org: OrgId) -> Result<i64, StoreError> {
+    timed(
+        Op::ApiKeyCount,
+        sqlx::query_scalar::<_, i32>("SELECT 1 FROM orgs WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(org)
+            .fetch_optional(&mut *conn),
+    )
+    .await?
+    .ok_or_else(|| StoreError::NotFound {
+        what: "org",
+        id: org.to_string(),
+    })?;
+    timed(
+        Op::ApiKeyCount,
+        sqlx::query_scalar(
+            "SELECT count(*) FROM api_keys WHERE org_id = $1 AND revoked_at IS NULL",
+        )
+        .bind(org)
+        .fetch_one(conn),
     )
     .await
 }

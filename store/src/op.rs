@@ -219,6 +219,14 @@ ops! {
     ApiKeyInsert => "api_key_insert",
     /// [`crate::api_keys::find_active`]: the key a request presents.
     ApiKeyFind => "api_key_find",
+    /// [`crate::api_keys::list`]: an org's keys, without their hashes.
+    ApiKeyList => "api_key_list",
+    /// [`crate::api_keys::lock_active_count`]: an org's working keys, its row locked.
+    ApiKeyCount => "api_key_count",
+    /// [`crate::api_keys::revoke`] and `revoke_all_of_org`: keys revoked.
+    ApiKeyRevoke => "api_key_revoke",
+    /// [`crate::orgs::find_by_name`] and `tombstone`: an org by name, an org deleted.
+    OrgDelete => "org_delete",
     /// [`crate::ping`]: readiness.
     Ping => "ping",
     /// [`crate::orgs::lock_quota`] and `set_quota`: an org's quota row.

@@ -165,3 +165,31 @@ pub async fn set_snapshot_quota(
     .await?;
     Ok(updated.rows_affected() == 1)
 }
+
+/// The org named `name`: its id and when it was deleted (`None`: live); `None` when no org has
+/// that name.
+pub async fn find_by_name(
+    db: impl PgExecutor<'_>,
+    name: &str,
+) -> Result<Option<(OrgId, Option<chrono::DateTime<chrono::Utc>>)>, StoreError> {
+    timed(
+        Op::OrgDelete,
+        sqlx::query_as("SELECT id, deleted_at FROM orgs WHERE name = $1")
+            .bind(name)
+            .fetch_optional(db),
+    )
+    .await
+}
+
+/// Marks `org` deleted (a tombstone: the row, its name and its events stay); `false` when it
+/// already was or does not exist. Its keys stop working with it ([`crate::api_keys::find_active`]).
+pub async fn tombstone(db: impl PgExecutor<'_>, org: OrgId) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::OrgDelete,
+        sqlx::query("UPDATE orgs SET deleted_at = now() WHERE id = $1 AND deleted_at IS NULL")
+            .bind(org)
+            .execute(db),
+    )
+    .await?;
+    Ok(done.rows_affected() == 1)
+}

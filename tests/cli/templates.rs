@@ -19,11 +19,16 @@ async fn template_pull_waits_for_the_image_and_a_failed_pull_exits_65_with_its_c
     let locked = Registry::start_with_auth().await;
     let stack = Stack::start(db, 1).await;
     let user = User::of(&stack);
+    // Templates are shared by every org: an operator pulls them, an org's key is refused (77).
+    let operator_key = berth_api::auth::create_admin_key(&stack.db).await.unwrap();
+    let operator = User::with(&stack.base, Some(&operator_key));
     let name = format!("cli-{}", unique());
+    let run = user.run(&["template", "pull", &name, &image]).await;
+    assert_eq!(run.code, 77, "{run:?}");
 
     // The pull waits until the template is ready and prints one line.
     let out = ok(
-        &user,
+        &operator,
         &["template", "pull", &name, &image, "--runtime", "runc"],
     )
     .await;
@@ -34,7 +39,7 @@ async fn template_pull_waits_for_the_image_and_a_failed_pull_exits_65_with_its_c
     // Again, as JSON: idempotent, the API's template with its events.
     let again: Value = serde_json::from_str(
         &ok(
-            &user,
+            &operator,
             &[
                 "template",
                 "pull",
@@ -92,7 +97,7 @@ async fn template_pull_waits_for_the_image_and_a_failed_pull_exits_65_with_its_c
 
     // Failed pulls: the code and message on stderr, exit 65, the template listed as failed.
     let missing = format!("missing-{}", unique());
-    let run = user
+    let run = operator
         .run(&[
             "template",
             "pull",
@@ -106,7 +111,7 @@ async fn template_pull_waits_for_the_image_and_a_failed_pull_exits_65_with_its_c
         "{run:?}"
     );
     assert_eq!(run.stdout, "", "{run:?}");
-    let run = user
+    let run = operator
         .run(&[
             "template",
             "pull",
@@ -124,7 +129,7 @@ async fn template_pull_waits_for_the_image_and_a_failed_pull_exits_65_with_its_c
     assert!(row.contains(" failed "), "{table}");
 
     // A bad request: 64 and the API's message.
-    let run = user.run(&["template", "pull", "Bad Name", &image]).await;
+    let run = operator.run(&["template", "pull", "Bad Name", &image]).await;
     assert_eq!(run.code, 64, "{run:?}");
     assert!(run.stderr.contains("template names are"), "{run:?}");
     stack.teardown().await;

@@ -315,12 +315,27 @@ async fn a_template_pulled_from_a_registry_boots_on_runc_and_gvisor_with_its_fil
         "amd64",
     );
     let stack = Stack::start(db, 1).await;
+    // Templates are shared by every org: only an operator registers them.
+    let operator = berth_api::auth::create_admin_key(&stack.db).await.unwrap();
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            "/v1/templates",
+            Some(json!({"name": format!("tenant-{}", unique()), "image": image})),
+        )
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (403, Some("forbidden")),
+        "{body}"
+    );
 
     let mut sandboxes = Vec::new();
     for runtime in ["runc", "runsc"] {
         let name = format!("img-{runtime}-{}", unique());
         let (status, body) = stack
-            .call(
+            .call_as(
+                &operator,
                 Method::POST,
                 "/v1/templates",
                 Some(json!({"name": name, "image": image, "runtime": runtime})),
@@ -346,7 +361,8 @@ async fn a_template_pulled_from_a_registry_boots_on_runc_and_gvisor_with_its_fil
         assert!(events.contains(&"template.progress"), "{template}");
         // Asking again is idempotent.
         let (status, again) = stack
-            .call(
+            .call_as(
+                &operator,
                 Method::POST,
                 "/v1/templates",
                 Some(json!({"name": name, "image": image, "runtime": runtime})),
@@ -378,7 +394,8 @@ async fn a_template_pulled_from_a_registry_boots_on_runc_and_gvisor_with_its_fil
 
     // A template whose image does not exist fails with its code, and creates are refused.
     let (status, body) = stack
-        .call(
+        .call_as(
+            &operator,
             Method::POST,
             "/v1/templates",
             Some(json!({"name": format!("missing-{}", unique()), "image": registry.reference("nope", "1")})),
@@ -414,12 +431,13 @@ async fn a_template_pulled_from_a_registry_boots_on_runc_and_gvisor_with_its_fil
         json!({"name": "fine", "image": image, "surprise": true}),
     ] {
         let (status, body) = stack
-            .call(Method::POST, "/v1/templates", Some(bad.clone()))
+            .call_as(&operator, Method::POST, "/v1/templates", Some(bad.clone()))
             .await;
         assert_eq!(status, 400, "{bad}: {body}");
     }
     let (status, body) = stack
-        .call(
+        .call_as(
+            &operator,
             Method::POST,
             "/v1/templates",
             Some(json!({"name": "base", "image": image})),

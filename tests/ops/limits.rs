@@ -385,11 +385,28 @@ async fn a_new_org_gets_the_default_quota(db: PgPool) {
     stack.teardown().await;
 }
 
-/// Issue 11 item 8: `berth api --metrics-addr` serves `/metrics` on its own address only; the
-/// public listener answers 404 there, like any unknown path.
+/// Issue 11 item 8, and an attack run's finding (`/metrics` was served on the public listener
+/// by default, telling any tenant the fleet's size and every route's traffic): `berth api`
+/// serves `/metrics` only on `--metrics-addr`; the public listener answers 404 there, like any
+/// unknown path, unless the operator asks for it (`--metrics-on-api`).
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn metrics_can_move_off_the_public_listener(db: PgPool) {
+async fn metrics_are_off_the_public_listener_by_default_and_served_on_their_own_address(
+    db: PgPool,
+) {
     let stack = Stack::start(db, 0).await;
+    let bare = ApiProcess::spawn_exact(&stack, &[]).await;
+    let public = reqwest::get(bare.url("/metrics")).await.unwrap();
+    assert_eq!(
+        public.status(),
+        404,
+        "metrics on the public listener by default"
+    );
+    drop(bare);
+    let opted_in = ApiProcess::spawn_exact(&stack, &["--metrics-on-api"]).await;
+    let public = reqwest::get(opted_in.url("/metrics")).await.unwrap();
+    assert_eq!(public.status(), 200);
+    assert!(public.text().await.unwrap().contains("# TYPE"));
+    drop(opted_in);
     let metrics_addr = {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         probe.local_addr().unwrap()

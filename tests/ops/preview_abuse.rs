@@ -550,8 +550,10 @@ async fn a_sandbox_its_expiry_stopped_is_not_woken_by_a_preview_but_its_owner_ma
     let id = created["id"].as_str().unwrap().to_owned();
     let stopped = stack.wait_state(&id, "stopped").await;
     assert_eq!(stopped["auto_resume"], false, "{stopped}");
-    let updated: Vec<(String, Option<String>)> = sqlx::query_as(
-        "SELECT type, message FROM events WHERE sandbox_id = $1::uuid AND type = 'sandbox.updated'",
+    // The event says why, with the real reason (the expiry), not a user's request.
+    let updated: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT type, reason, message FROM events
+          WHERE sandbox_id = $1::uuid AND type = 'sandbox.updated'",
     )
     .bind(&id)
     .fetch_all(&stack.db)
@@ -561,6 +563,7 @@ async fn a_sandbox_its_expiry_stopped_is_not_woken_by_a_preview_but_its_owner_ma
         updated,
         [(
             "sandbox.updated".to_owned(),
+            "expired".to_owned(),
             Some(berth_reconciler::pass::EXPIRY_RESUME_OFF.to_owned())
         )]
     );

@@ -141,3 +141,83 @@ async fn silent_and_idle_http2_connections_to_the_proxy_are_closed(db: PgPool) {
     assert!(healthz_from(&stack, "127.0.0.1").await);
     stack.teardown().await;
 }
+
+/// A GET of `/healthz` over h2c to `addr` with `extra` headers (`x-pad-N: v`); its status.
+async fn h2c_healthz_with_headers(addr: std::net::SocketAddr, extra: usize) -> u16 {
+    use bytes::Bytes;
+    use http_body_util::Empty;
+
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let mut req = hyper::Request::builder().uri(format!("http://{addr}/healthz"));
+    for n in 0..extra {
+        req = req.header(format!("x-pad-{n}"), "v");
+    }
+    let req = req.body(Empty::<Bytes>::new()).unwrap();
+    let resp = tokio::time::timeout(crate::support::env::HTTP_TIMEOUT, sender.send_request(req))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.version(), hyper::Version::HTTP_2);
+    resp.status().as_u16()
+}
+
+/// The status line an HTTP/1.1 `GET /healthz` to `addr` with `extra` headers (and a `Cookie`
+/// of `cookie_bytes` bytes) gets.
+async fn h1_healthz_with_headers(
+    addr: std::net::SocketAddr,
+    extra: usize,
+    cookie_bytes: usize,
+) -> String {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let mut request = String::from("GET /healthz HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n");
+    for n in 0..extra {
+        request.push_str(&format!("x-pad-{n}: v\r\n"));
+    }
+    if cookie_bytes > 0 {
+        request.push_str(&format!("Cookie: a={}\r\n", "c".repeat(cookie_bytes)));
+    }
+    request.push_str("\r\n");
+    // The server may answer and close before it read all of a refused head.
+    let _ = stream.write_all(request.as_bytes()).await;
+    let seen = until_closed(&mut stream).await;
+    String::from_utf8_lossy(&seen)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Found by an attack run: h2c through the proxy forwarded a request with 150 headers (HTTP/2
+/// bounds only the head's bytes, HTTP/1.1's parser the count). Both listeners now refuse a
+/// head with more than `MAX_REQUEST_HEADERS` fields or `MAX_REQUEST_HEAD_BYTES` bytes with 431,
+/// on HTTP/1.1 and (the proxy) h2c, and serve one just under.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn request_heads_with_too_many_or_too_large_headers_are_refused_with_431(db: PgPool) {
+    use berth_api::admission::{MAX_REQUEST_HEADERS, MAX_REQUEST_HEAD_BYTES};
+
+    let stack = Stack::start_configured(db, 0, Default::default(), |_| {}).await;
+    let proxy = stack.proxy_addr;
+    let api: std::net::SocketAddr = stack.url("").trim_start_matches("http://").parse().unwrap();
+    // h2c to the proxy: 150 headers refused, a few under the cap served.
+    assert_eq!(h2c_healthz_with_headers(proxy, 150).await, 431);
+    assert_eq!(
+        h2c_healthz_with_headers(proxy, MAX_REQUEST_HEADERS - 5).await,
+        200
+    );
+    for (which, addr) in [("proxy", proxy), ("api", api)] {
+        let refused = h1_healthz_with_headers(addr, 150, 0).await;
+        assert!(refused.starts_with("HTTP/1.1 431"), "{which}: {refused}");
+        let big = h1_healthz_with_headers(addr, 0, MAX_REQUEST_HEAD_BYTES + 1024).await;
+        assert!(big.starts_with("HTTP/1.1 431"), "{which}: {big}");
+        let served = h1_healthz_with_headers(addr, MAX_REQUEST_HEADERS - 5, 4096).await;
+        assert!(served.starts_with("HTTP/1.1 200"), "{which}: {served}");
+    }
+    stack.teardown().await;
+}

@@ -55,7 +55,8 @@ async fn an_image_template_is_deleted_only_by_an_operator_once_unused_and_frees_
     // Credentials are refused, named, and never echoed.
     let secret = format!("pw-{}", unique());
     let (status, body) = stack
-        .call(
+        .call_as(
+            &admin,
             Method::POST,
             "/v1/templates",
             Some(
@@ -77,7 +78,8 @@ async fn an_image_template_is_deleted_only_by_an_operator_once_unused_and_frees_
     // A registry that wants credentials: the pull fails as `auth_failed`.
     let name = format!("locked-{}", unique());
     let (status, body) = stack
-        .call(
+        .call_as(
+            &admin,
             Method::POST,
             "/v1/templates",
             Some(json!({"name": name, "image": locked.reference("x", "1")})),
@@ -94,7 +96,8 @@ async fn an_image_template_is_deleted_only_by_an_operator_once_unused_and_frees_
     // A template and a sandbox of it.
     let name = format!("doomed-{}", unique());
     let (status, body) = stack
-        .call(
+        .call_as(
+            &admin,
             Method::POST,
             "/v1/templates",
             Some(json!({"name": name, "image": image, "runtime": "runc"})),
@@ -182,7 +185,8 @@ async fn an_image_template_is_deleted_only_by_an_operator_once_unused_and_frees_
     );
     // The name may be pulled again: the image comes back from the registry.
     let (status, body) = stack
-        .call(
+        .call_as(
+            &admin,
             Method::POST,
             "/v1/templates",
             Some(json!({"name": name, "image": image, "runtime": "runc"})),

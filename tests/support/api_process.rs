@@ -18,8 +18,20 @@ pub struct ApiProcess {
 }
 
 impl ApiProcess {
-    /// Starts `berth api` for `stack` with `args` and waits until it answers `/healthz`.
+    /// Starts `berth api` for `stack` with `args` and waits until it answers `/healthz`; its
+    /// public listener serves `/metrics` too ([`ApiProcess::metric`] reads them there) unless
+    /// `args` name a `--metrics-addr`.
     pub async fn spawn(stack: &Stack, args: &[&str]) -> ApiProcess {
+        let mut args = args.to_vec();
+        if !args.contains(&"--metrics-addr") {
+            args.push("--metrics-on-api");
+        }
+        Self::spawn_exact(stack, &args).await
+    }
+
+    /// Starts `berth api` for `stack` with exactly `args` (its defaults otherwise) and waits
+    /// until it answers `/healthz`.
+    pub async fn spawn_exact(stack: &Stack, args: &[&str]) -> ApiProcess {
         let port = {
             let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             probe.local_addr().unwrap().port()

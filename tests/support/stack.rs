@@ -251,6 +251,9 @@ impl Stack {
         config.api.limits = berth_api::limits::LimitsConfig::without_rate_limits();
         // The tests' egress targets are private networks they make.
         config.api.sandbox_egress_private = true;
+        // The tests read the in-process API's metrics from its own listener (`berth api` serves
+        // them only on `--metrics-addr` unless told otherwise).
+        config.api.metrics_on_api = true;
         config.api.preview.secret = Some(std::sync::Arc::new(PREVIEW_SECRET.to_vec()));
         config.api.preview.domain = PREVIEW_DOMAIN.to_owned();
         // A wake on a loaded machine is slow; a held request must still end before the

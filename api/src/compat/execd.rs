@@ -116,7 +116,7 @@ pub async fn download(
         State(app),
         caller,
         Path(id),
-        Query(FileQuery { path: path.clone() }),
+        crate::http::extract::StrictQuery(FileQuery { path: path.clone() }),
     )
     .await?;
     let is_listing = response
@@ -196,7 +196,7 @@ pub async fn upload(
             State(app.clone()),
             caller,
             Path(id.clone()),
-            Query(FileQuery {
+            crate::http::extract::StrictQuery(FileQuery {
                 path: meta.path.clone(),
             }),
             HeaderMap::new(),

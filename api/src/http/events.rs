@@ -15,14 +15,16 @@
 //! - The stream ends when the server shuts down; the client reconnects with `Last-Event-ID`.
 //!
 //! # Errors
-//! 400 `invalid_request` for a malformed `sandbox_id`, an unknown `type`, or a
+//! 400 `invalid_request` naming the parameter for an unknown query parameter (a misspelt
+//! filter would otherwise stream every event of the org); for a malformed `sandbox_id`, an
+//! unknown `type`, or a
 //! `Last-Event-ID` that names no published event of the caller's org (e.g. purged with its
 //! sandbox's tombstone): reconnect without it to start from the oldest retained event.
 
 use std::convert::Infallible;
 use std::time::Duration;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::{Extension, Json};
@@ -34,6 +36,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::extract::{KnownParams, NoParams, StrictQuery};
 use super::sandboxes::parse_id;
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -89,6 +92,10 @@ pub struct EventsQuery {
     pub last_event_id: Option<String>,
 }
 
+impl KnownParams for EventsQuery {
+    const NAMES: &'static [&'static str] = &["sandbox_id", "type", "last_event_id"];
+}
+
 /// Parses the `type` list.
 ///
 /// Errors: 400 naming `type` for an event type Berth does not emit.
@@ -112,6 +119,7 @@ pub async fn events(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<Json<Vec<model::Event>>, ApiError> {
     Ok(Json(
         events::of_sandbox(&app.db, caller.org_id, parse_id(&id)?).await?,
@@ -131,7 +139,7 @@ pub async fn stream(
     caller: Caller,
     headers: HeaderMap,
     shutdown: Option<Extension<StreamShutdown>>,
-    Query(query): Query<EventsQuery>,
+    StrictQuery(query): StrictQuery<EventsQuery>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     let permit = app
         .guards

@@ -25,8 +25,9 @@
 
 use std::time::Duration;
 
+use super::extract::StrictQuery;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -60,6 +61,10 @@ pub const FILE_SIZE_HEADER: &str = "x-berth-file-size";
 pub struct FileQuery {
     /// Absolute path inside the sandbox.
     pub path: String,
+}
+
+impl super::extract::KnownParams for FileQuery {
+    const NAMES: &'static [&'static str] = &["path"];
 }
 
 /// One entry of a directory listing.
@@ -122,7 +127,7 @@ pub async fn get(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    Query(query): Query<FileQuery>,
+    StrictQuery(query): StrictQuery<FileQuery>,
 ) -> Result<Response, ApiError> {
     let path = absolute(query.path)?;
     let permit = app
@@ -283,7 +288,7 @@ pub async fn put(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    Query(query): Query<FileQuery>,
+    StrictQuery(query): StrictQuery<FileQuery>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {

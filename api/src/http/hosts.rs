@@ -20,7 +20,11 @@ use crate::AppState;
 #[utoipa::path(get, path = "/v1/hosts",
     responses((status = 200, body = [Host]), (status = 403, description = "`forbidden`: not an operator key")),
     security(("bearer" = [])))]
-pub async fn list(State(app): State<AppState>, _admin: Admin) -> Result<Json<Vec<Host>>, ApiError> {
+pub async fn list(
+    State(app): State<AppState>,
+    _admin: Admin,
+    _query: super::extract::StrictQuery<super::extract::NoParams>,
+) -> Result<Json<Vec<Host>>, ApiError> {
     Ok(Json(hosts::list(&app.db).await?))
 }
 

@@ -10,6 +10,7 @@ pub mod extract;
 pub mod files;
 pub mod hosts;
 pub mod idempotency;
+pub mod keys;
 pub mod preview;
 pub mod resume;
 pub mod sandboxes;
@@ -108,6 +109,8 @@ pub fn router(state: AppState) -> Router {
             get(webhooks::get).delete(webhooks::delete),
         )
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::deliveries))
+        .route("/v1/keys", get(keys::list).post(keys::create))
+        .route("/v1/keys/{id}", axum::routing::delete(keys::revoke))
         .route("/v1/hosts", get(hosts::list))
         .route("/v1/hosts/{id}/drain", post(hosts::drain))
         .route("/v1/hosts/{id}/cordon", post(hosts::cordon))

@@ -55,6 +55,7 @@ pub async fn list(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: super::extract::StrictQuery<super::extract::NoParams>,
 ) -> Result<Json<SnapshotList>, ApiError> {
     let snapshots = snapshots::list(&app.db, caller.org_id, parse_id(&id)?).await?;
     Ok(Json(SnapshotList { snapshots }))

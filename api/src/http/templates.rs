@@ -7,7 +7,7 @@ use axum::http::StatusCode;
 use axum::Json;
 
 use super::extract::json_error;
-use crate::auth::Caller;
+use crate::auth::{Admin, Caller};
 use crate::error::ApiError;
 use crate::model::{CreateTemplate, Template};
 use crate::service;
@@ -23,6 +23,7 @@ pub const DEFAULT_IMAGE_RUNTIME: &str = "runsc";
 pub async fn templates(
     State(app): State<AppState>,
     _caller: Caller,
+    _query: super::extract::StrictQuery<super::extract::NoParams>,
 ) -> Result<Json<Vec<Template>>, ApiError> {
     Ok(Json(service::templates::list(&app.db).await?))
 }
@@ -43,16 +44,20 @@ pub async fn get(
 /// `POST /v1/templates`: registers a template pulled from an OCI image and starts the pull;
 /// answers 202 with the template (`pulling`; poll `GET /v1/templates/{name}` until `ready` or
 /// `failed`). Asking again with the same name, image and runtime is idempotent (and retries a
-/// failed pull). Templates are shared by every org.
+/// failed pull). Templates are shared by every org, so only an operator key registers one
+/// (an attack run found any tenant could: pull from any registry the API's machine reaches,
+/// fill its template cache, and plant a template under a name other tenants create from).
 ///
-/// Errors: 400 `invalid_request` (name, image or runtime); 409 `template_exists` (the name is
-/// taken by another template); 503 `not_configured` (this API process cannot pull).
+/// Errors: 403 `forbidden` for an org key; 400 `invalid_request` (name, image or runtime); 409
+/// `template_exists` (the name is taken by another template); 503 `not_configured` (this API
+/// process cannot pull).
 #[utoipa::path(post, path = "/v1/templates", tag = "sandboxes", request_body = CreateTemplate,
-    responses((status = 202, body = Template), (status = 409, description = "template_exists")),
+    responses((status = 202, body = Template), (status = 409, description = "template_exists"),
+        (status = 403, description = "`forbidden`: an org key (templates are the operator's)")),
     security(("bearer" = [])))]
 pub async fn create(
     State(app): State<AppState>,
-    _caller: Caller,
+    _operator: Admin,
     body: Result<Json<CreateTemplate>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
     let Json(req) = body.map_err(json_error)?;

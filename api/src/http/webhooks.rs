@@ -3,14 +3,14 @@
 //! [`crate::webhooks::delivery`]; signing is [`crate::webhooks::signature`].
 
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::Json;
 use berth_schemas::WebhookId;
 use serde::Deserialize;
 
-use super::extract::{json_error, parse_path_id};
+use super::extract::{json_error, parse_path_id, KnownParams, NoParams, StrictQuery};
 use super::idempotency::{render_replayable, stored, Idempotency};
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -64,6 +64,7 @@ pub async fn create(
 pub async fn list(
     State(app): State<AppState>,
     caller: Caller,
+    _query: StrictQuery<NoParams>,
 ) -> Result<Json<Vec<Webhook>>, ApiError> {
     Ok(Json(webhooks::list(&app.db, caller.org_id).await?))
 }
@@ -103,6 +104,10 @@ pub struct DeliveriesQuery {
     pub limit: Option<i64>,
 }
 
+impl KnownParams for DeliveriesQuery {
+    const NAMES: &'static [&'static str] = &["limit"];
+}
+
 /// `GET /v1/webhooks/{id}/deliveries`: the delivery log, newest event first, each delivery
 /// with its attempts.
 #[utoipa::path(get, path = "/v1/webhooks/{id}/deliveries", tag = "crate::webhooks",
@@ -113,7 +118,7 @@ pub async fn deliveries(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    Query(query): Query<DeliveriesQuery>,
+    StrictQuery(query): StrictQuery<DeliveriesQuery>,
 ) -> Result<Json<Vec<Delivery>>, ApiError> {
     let limit = query.limit.unwrap_or(DEFAULT_DELIVERY_PAGE);
     if !(1..=MAX_DELIVERY_PAGE).contains(&limit) {

@@ -2,7 +2,9 @@
 //! then HTTP/1.1 to the sandbox's port over it (hyper's client). A `101 Switching Protocols`
 //! answer (WebSocket) joins the client's upgraded connection to the sandbox's, byte for byte.
 //! Response bodies stream (Server-Sent Events pass as they come). The response head must come
-//! within [`Bounds::response`] (else `504`); a tunnel ends as [`super::tunnel`] says.
+//! within [`Bounds::response`] (else `504`); a tunnel ends as [`super::tunnel`] says, and a
+//! response body opened by a token fails at the token's expiry ([`tunnel::ExpiringBody`]).
+//! The response's cookies and, by path, its origin are confined by [`super::confine`].
 //!
 //! Each request opens its own connection through the forwarder (no pooling yet): simple, and
 //! no connection is ever shared between two clients.
@@ -209,7 +211,15 @@ pub async fn forward(
         }
     }
     strip_hop_by_hop(response.headers_mut(), false);
-    Ok(response.map(Body::new))
+    super::confine::response_headers(response.headers_mut(), target);
+    Ok(match bounds.tunnel.until {
+        // A grant that expires (a token) ends the body with it: an event stream opened with a
+        // token would otherwise outlive the token for as long as the server keeps writing.
+        Some(until) => {
+            response.map(|body| Body::new(tunnel::ExpiringBody::new(Body::new(body), until)))
+        }
+        None => response.map(Body::new),
+    })
 }
 
 /// Whether the request asks for a protocol upgrade (`Connection: upgrade` and `Upgrade`).

@@ -39,9 +39,13 @@
 //!   head within [`PreviewConfig::response_timeout`]: `504`.
 //! - A tunnel (WebSocket, any upgrade) is closed when it moves no byte either way for
 //!   [`PreviewConfig::tunnel_idle_timeout`], and when the token (or token cookie) that opened
-//!   it expires ([`tunnel`]).
+//!   it expires ([`tunnel`]); so is any other response body (an event stream) a token opened.
+//! - A sandbox's `Set-Cookie` loses its `Domain` (by path: is confined to the port's prefix),
+//!   one named like the share link's cookie is dropped, and by path the response runs as an
+//!   opaque origin (`Content-Security-Policy: sandbox`, [`confine`]).
 
 pub mod access;
+pub mod confine;
 pub mod forward;
 pub mod page;
 pub mod routes;

@@ -18,6 +18,8 @@
 //!   answering PINGs ([`H2_KEEP_ALIVE_INTERVAL`], [`H2_KEEP_ALIVE_TIMEOUT`]) is dropped even
 //!   while a stream is open, and one connection carries at most [`H2_MAX_CONCURRENT_STREAMS`]
 //!   streams at once.
+//! - A request head with more than [`MAX_REQUEST_HEADERS`] fields or [`MAX_REQUEST_HEAD_BYTES`]
+//!   bytes is answered `431`, on HTTP/1.1 and h2c, and never forwarded.
 //! - Every request but the proxy's own `GET /healthz` counts against its client address's rate
 //!   ([`LimitsConfig::per_ip`], the API's, per [`crate::limits::client_of`]); one over it is
 //!   `429` with `Retry-After`, as a page, before any lookup. The rate state is swept every
@@ -52,7 +54,9 @@ use tokio_util::task::TaskTracker;
 
 use super::page::Page;
 use super::{target, Preview};
-use crate::admission::{Admission, PROXY_METRICS};
+use crate::admission::{
+    too_many_headers, Admission, MAX_REQUEST_HEADERS, MAX_REQUEST_HEAD_BYTES, PROXY_METRICS,
+};
 
 /// How often an HTTP/2 connection's peer is sent a PING.
 pub const H2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
@@ -83,14 +87,23 @@ pub async fn serve(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(idle_timeout);
+        .header_read_timeout(idle_timeout)
+        .max_headers(MAX_REQUEST_HEADERS)
+        .max_buf_size(MAX_REQUEST_HEAD_BYTES);
     builder
         .http2()
         .timer(TokioTimer::new())
+        .max_header_list_size(MAX_REQUEST_HEAD_BYTES as u32)
         .keep_alive_interval(Some(H2_KEEP_ALIVE_INTERVAL))
         .keep_alive_timeout(H2_KEEP_ALIVE_TIMEOUT)
         .max_concurrent_streams(H2_MAX_CONCURRENT_STREAMS);
     let connections = TaskTracker::new();
+    // A key revoked anywhere is refused here at once (the proxy caches keys too).
+    let revocations = tokio::spawn(crate::revocations::forget_revoked_keys(
+        preview.db.clone(),
+        preview.guards.clone(),
+        shutdown.clone(),
+    ));
     let sweeper = tokio::spawn({
         let (guards, stop) = (preview.guards.clone(), shutdown.clone());
         async move {
@@ -127,7 +140,17 @@ pub async fn serve(
             let preview = preview.clone();
             let busy = Busy::new(tracked.clone());
             async move {
-                let response = route(&preview, req.map(Body::new), peer).await;
+                // HTTP/2 bounds only the head's bytes; its field count is checked here
+                // (HTTP/1.1's parser refuses more itself).
+                let response = if too_many_headers(req.headers()) {
+                    Page::new(
+                        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                        format!("A request may carry at most {MAX_REQUEST_HEADERS} headers."),
+                    )
+                    .into_response()
+                } else {
+                    route(&preview, req.map(Body::new), peer).await
+                };
                 // The connection counts as busy until the response body is sent (or dropped).
                 Ok::<_, Infallible>(response.map(|inner| Body::new(Tracked { inner, _busy: busy })))
             }
@@ -168,6 +191,7 @@ pub async fn serve(
     }
     drop(listener);
     sweeper.abort();
+    revocations.abort();
     connections.close();
     if tokio::time::timeout(crate::server::SHUTDOWN_GRACE, connections.wait())
         .await

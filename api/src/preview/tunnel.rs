@@ -8,6 +8,8 @@
 //! - A tunnel opened with a token is closed at the token's expiry, busy or not: the access
 //!   check only runs when the tunnel opens, so the token's lifetime must end it.
 //! - Either side's end of stream is passed on (half-close), as `copy_bidirectional` does.
+//! - A response body forwarded under a token (an event stream, any long download) fails at the
+//!   token's expiry ([`ExpiringBody`]), as a tunnel is closed then.
 //!
 //! Each end is counted in `berth_preview_tunnels_closed_total{reason}` (`closed`, `idle`,
 //! `expired`, `error`).
@@ -143,6 +145,58 @@ async fn watchdog(last: &Mutex<Instant>, limits: TunnelLimits) -> Ended {
                 return Ended::Idle;
             }
         }
+    }
+}
+
+/// A forwarded response body (an event stream, a long download: anything that is not an
+/// upgrade) cut at its grant's expiry: the access check ran once, when the request came, so a
+/// stream opened with a token must not outlive the token. At the deadline the body fails
+/// (`berth_preview_streams_expired_total`): the client sees the response end unfinished (an
+/// HTTP/1.1 connection closed mid-body, an HTTP/2 stream reset), and a reconnecting
+/// `EventSource` then meets the access check again.
+pub struct ExpiringBody {
+    inner: axum::body::Body,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl ExpiringBody {
+    /// `inner`, failing at `until`.
+    pub fn new(inner: axum::body::Body, until: Instant) -> Self {
+        Self {
+            inner,
+            deadline: Box::pin(tokio::time::sleep_until(until)),
+        }
+    }
+}
+
+impl hyper::body::Body for ExpiringBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
+        use std::future::Future;
+        use std::task::Poll;
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            if self.inner.is_end_stream() {
+                return Poll::Ready(None);
+            }
+            metrics::counter!("berth_preview_streams_expired_total").increment(1);
+            return Poll::Ready(Some(Err(axum::Error::new(
+                "the preview grant of this response expired",
+            ))));
+        }
+        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

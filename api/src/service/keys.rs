@@ -6,7 +6,7 @@
 
 use base64::Engine;
 use berth_schemas::{ApiKeyId, OrgId};
-use berth_store::api_keys::{self, NewKey};
+use berth_store::api_keys::{self, KeyRow, NewKey};
 use berth_store::orgs::Quota;
 use berth_store::StoreError;
 use rand::RngCore;
@@ -87,20 +87,73 @@ pub async fn create_key(db: &PgPool, org: OrgId) -> Result<String, StoreError> {
     store_new_key(db, Some(org)).await
 }
 
+/// The most keys an org may have working at once (`POST /v1/keys` past it: 429
+/// `quota_exceeded`, `limit: max_keys`): keys are cheap to make and each costs a row forever.
+pub const MAX_ACTIVE_KEYS: i64 = 100;
+
+/// Creates another key for `org`; returns its row (no secret) and the key, shown only now.
+///
+/// Errors: [`ServiceError::QuotaExceeded`] (`max_keys`) with [`MAX_ACTIVE_KEYS`] working;
+/// Postgres errors.
+///
+/// [`ServiceError::QuotaExceeded`]: super::ServiceError::QuotaExceeded
+pub async fn issue_key(db: &PgPool, org: OrgId) -> Result<(KeyRow, String), super::ServiceError> {
+    let mut tx = db.begin().await?;
+    if api_keys::lock_active_count(&mut tx, org).await? >= MAX_ACTIVE_KEYS {
+        return Err(super::ServiceError::QuotaExceeded {
+            limit: "max_keys",
+            value: MAX_ACTIVE_KEYS,
+        });
+    }
+    let key = generate_key();
+    let row = insert_key(&mut *tx, Some(org), &key).await?;
+    tx.commit().await?;
+    Ok((row, key))
+}
+
+/// The org's keys, revoked ones included, oldest first; never a secret or a hash.
+pub async fn list_keys(db: &PgPool, org: OrgId) -> Result<Vec<KeyRow>, StoreError> {
+    api_keys::list(db, org).await
+}
+
+/// Revokes the org's key `id` (again: a no-op that keeps the first revocation's time). Every
+/// API and proxy process forgets its cached keys at commit ([`crate::revocations`]), so the key
+/// is refused at once everywhere.
+///
+/// Errors: [`ServiceError::NotFound`] when `org` has no such key (another org's looks the same).
+pub async fn revoke_key(
+    db: &PgPool,
+    org: OrgId,
+    id: ApiKeyId,
+) -> Result<KeyRow, super::ServiceError> {
+    api_keys::revoke(db, Some(org), id)
+        .await?
+        .ok_or_else(|| super::ServiceError::NotFound(format!("key {id}")))
+}
+
 /// Generates a key for `org` (`None`: an operator key), stores its hash, and returns it.
 async fn store_new_key(db: impl PgExecutor<'_>, org: Option<OrgId>) -> Result<String, StoreError> {
     let key = generate_key();
+    insert_key(db, org, &key).await?;
+    Ok(key)
+}
+
+/// Stores `key`'s hash for `org` (`None`: an operator key); its row.
+async fn insert_key(
+    db: impl PgExecutor<'_>,
+    org: Option<OrgId>,
+    key: &str,
+) -> Result<KeyRow, StoreError> {
     api_keys::insert(
         db,
         &NewKey {
             org_id: org,
-            hash: &hash(&key),
+            hash: &hash(key),
             prefix: &key[..SHOWN_PREFIX_LEN],
             is_admin: org.is_none(),
         },
     )
-    .await?;
-    Ok(key)
+    .await
 }
 
 /// Who a key belongs to.

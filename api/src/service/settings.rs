@@ -12,7 +12,7 @@
 //!   (so turning auto-stop on for a sandbox idle for hours does not stop it at the next pass,
 //!   and changing it always arms the new deadline).
 
-use berth_schemas::{OrgId, SandboxId, SandboxState};
+use berth_schemas::{OrgId, Reason, SandboxId, SandboxState};
 use berth_store::sandboxes::{self, SettingsChange};
 use berth_store::SandboxRow;
 use chrono::Utc;
@@ -140,7 +140,8 @@ async fn write(
 ) -> Result<Replayable<Sandbox>, ServiceError> {
     let row = match &change {
         Some(change) => {
-            let written = sandboxes::update_settings(&mut tx, &row, change).await?;
+            let written =
+                sandboxes::update_settings(&mut tx, &row, change, Reason::UserRequest).await?;
             info!(changed = change.message, "sandbox settings changed");
             written
         }

@@ -571,7 +571,7 @@ pub const EXPIRY_RESUME_OFF: &str = "auto_resume: off, stopped by its expiry";
 /// otherwise any preview request (a shared link, a public port) would start again what the
 /// owner's deadline stopped, and it would then run with no expiry at all (the expiry fired
 /// once and is cleared). The owner's own start still works, and a PATCH turns `auto_resume`
-/// back on. The `sandbox.updated` event says so ([`EXPIRY_RESUME_OFF`]).
+/// back on. The `sandbox.updated` event says so ([`EXPIRY_RESUME_OFF`], reason `expired`).
 async fn keep_asleep(conn: &mut PgConnection, row: &SandboxRow) -> Result<(), PassError> {
     if row.on_expiry != ExpiryAction::Stop || !row.auto_resume {
         return Ok(());
@@ -584,6 +584,7 @@ async fn keep_asleep(conn: &mut PgConnection, row: &SandboxRow) -> Result<(), Pa
             message: EXPIRY_RESUME_OFF,
             ..Default::default()
         },
+        Reason::Expired,
     )
     .await?;
     Ok(())

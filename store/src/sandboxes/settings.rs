@@ -41,14 +41,16 @@ pub struct SettingsChange<'a> {
     pub message: &'a str,
 }
 
-/// Writes `change` onto the locked sandbox `row` with its `sandbox.updated` event (reason
-/// `user_request`), in the caller's transaction; returns the row as it is now.
+/// Writes `change` onto the locked sandbox `row` with its `sandbox.updated` event, whose reason
+/// is `reason` (`user_request` for a PATCH or renew, `expired` when an expiry turned
+/// `auto_resume` off), in the caller's transaction; returns the row as it is now.
 ///
 /// Errors: [`StoreError::Fenced`] when the row left `row.generation` or is being deleted.
 pub async fn update_settings(
     conn: &mut PgConnection,
     row: &SandboxRow,
     change: &SettingsChange<'_>,
+    reason: Reason,
 ) -> Result<SandboxRow, StoreError> {
     let updated = timed(
         Op::SandboxUpdateSettings,
@@ -97,7 +99,7 @@ pub async fn update_settings(
             org_id: row.org_id,
             from: Some(row.state),
             to: row.state,
-            reason: Reason::UserRequest,
+            reason,
             generation: row.generation,
             command_id: None,
             message: Some(change.message),

@@ -1,0 +1,131 @@
+//! A hostile tenant against the API's routes, through the real router and Postgres (no host
+//! needed): what an attack run found and what was fixed, each pinned here.
+
+use axum::http::Method;
+use sqlx::PgPool;
+
+use crate::support::inproc::{self, Api};
+
+/// Found by an attack run: `/v1/events?sandboxid=…` (a misspelt filter) was accepted and
+/// streamed every event of the org. Every list route (and the files routes) now refuses a
+/// query parameter it does not read with 400 `invalid_request` naming it; the ones it reads
+/// still work.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn every_list_route_refuses_a_query_parameter_it_does_not_read_naming_it(db: PgPool) {
+    let org = inproc::org(&db).await;
+    let admin = berth_api::auth::create_admin_key(&db).await.unwrap();
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = Api::new(db.clone(), nats, inproc::unique_subjects());
+    let some = "0b3e5c64-3b4e-4a3c-9a51-2b0f0e7d7a11";
+    let refused = [
+        (
+            org.key.as_str(),
+            "/v1/events?sandboxid=x".to_owned(),
+            "sandboxid",
+        ),
+        (
+            org.key.as_str(),
+            "/v1/events?type=sandbox.running&types=x".to_owned(),
+            "types",
+        ),
+        (
+            org.key.as_str(),
+            "/v1/sandboxes?sate=running".to_owned(),
+            "sate",
+        ),
+        (
+            org.key.as_str(),
+            format!("/v1/sandboxes/{some}/events?since=1"),
+            "since",
+        ),
+        (
+            org.key.as_str(),
+            format!("/v1/sandboxes/{some}/snapshots?limit=1"),
+            "limit",
+        ),
+        (org.key.as_str(), "/v1/webhooks?limit=2".to_owned(), "limit"),
+        (
+            org.key.as_str(),
+            format!("/v1/webhooks/{some}/deliveries?limt=2"),
+            "limt",
+        ),
+        (
+            org.key.as_str(),
+            "/v1/templates?runtime=runc".to_owned(),
+            "runtime",
+        ),
+        (org.key.as_str(), "/v1/keys?all=1".to_owned(), "all"),
+        (
+            org.key.as_str(),
+            format!("/v1/sandboxes/{some}/files?path=/x&mode=1"),
+            "mode",
+        ),
+        (admin.as_str(), "/v1/hosts?state=ready".to_owned(), "state"),
+    ];
+    for (key, path, param) in refused {
+        let reply = api.call(key, Method::GET, &path, None, None).await;
+        assert_eq!(reply.status, 400, "{path}: {}", reply.body);
+        assert_eq!(reply.code(), "invalid_request", "{path}: {}", reply.body);
+        assert_eq!(
+            reply.body["error"]["field"], param,
+            "{path}: {}",
+            reply.body
+        );
+        let message = reply.body["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains(param), "{path}: {message}");
+    }
+    // What the routes read still works (an unknown id is answered as before).
+    for (key, path, status) in [
+        (org.key.as_str(), "/v1/templates".to_owned(), 200),
+        (org.key.as_str(), "/v1/webhooks".to_owned(), 200),
+        (org.key.as_str(), "/v1/keys".to_owned(), 200),
+        (
+            org.key.as_str(),
+            "/v1/sandboxes?state=running&limit=5".to_owned(),
+            200,
+        ),
+        (
+            org.key.as_str(),
+            format!("/v1/webhooks/{some}/deliveries?limit=2"),
+            404,
+        ),
+        (
+            org.key.as_str(),
+            format!("/v1/sandboxes/{some}/snapshots"),
+            200,
+        ),
+        (admin.as_str(), "/v1/hosts".to_owned(), 200),
+    ] {
+        let reply = api.call(key, Method::GET, &path, None, None).await;
+        assert_eq!(reply.status, status, "{path}: {}", reply.body);
+    }
+}
+
+/// Found by an attack run: any org key could register a template, which every org shares:
+/// pull any image the API's machine reaches (a registry on the operator's network), fill its
+/// template cache, and plant an image under a name other tenants create from. Only an
+/// operator key registers one now; an org key is 403 and nothing is written.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_tenant_cannot_register_a_template_every_org_shares(db: PgPool) {
+    let org = inproc::org(&db).await;
+    let operator = berth_api::auth::create_admin_key(&db).await.unwrap();
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = Api::new(db.clone(), nats, inproc::unique_subjects());
+    let body = r#"{"name":"node","image":"registry.internal:5000/evil:1"}"#;
+    let refused = api
+        .call(&org.key, Method::POST, "/v1/templates", None, Some(body))
+        .await;
+    assert_eq!(refused.status, 403, "{}", refused.body);
+    assert_eq!(refused.code(), "forbidden");
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM templates WHERE name = 'node'")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(count, 0, "a refused template was written");
+    // The operator passes the check (this router has no image cache: 503, nothing written).
+    let operated = api
+        .call(&operator, Method::POST, "/v1/templates", None, Some(body))
+        .await;
+    assert_eq!(operated.status, 503, "{}", operated.body);
+    assert_eq!(operated.code(), "not_configured");
+}
