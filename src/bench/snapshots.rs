@@ -358,7 +358,7 @@ impl Floors {
                 let _ = runsc(vec!["delete".into(), "--force".into(), id]).await;
             }
         }
-        let runc_run = super::runc_floor().await?;
+        let runc_run = super::floors::runc_run(super::FLOOR_SAMPLES).await?;
         let copy_small = copy_floor(dir, 1, n).await?;
         let copy_big = copy_floor(dir, CLONE_MIB, n.min(5)).await?;
         Ok(Floors {
