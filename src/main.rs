@@ -269,7 +269,6 @@ enum TemplateCmd {
     },
 }
 
-
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // The user's commands: their own errors and exit codes, no logs.

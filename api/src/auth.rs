@@ -118,6 +118,24 @@ impl FromRequestParts<AppState> for Caller {
     }
 }
 
+/// Any authenticated key, an org's or an operator's: the caller of the routes both read (the
+/// templates every org shares: an operator registers them and waits on their pulls, an org
+/// creates from them).
+#[derive(Debug, Clone, Copy)]
+pub struct Authenticated {
+    /// The key that authenticated the request.
+    pub key_id: ApiKeyId,
+}
+
+impl FromRequestParts<AppState> for Authenticated {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let p = principal(parts, state).await?;
+        Ok(Authenticated { key_id: p.key_id })
+    }
+}
+
 /// An operator: the caller of the `/v1/hosts` routes (an admin key).
 #[derive(Debug, Clone, Copy)]
 pub struct Admin {

@@ -60,7 +60,12 @@ async fn template_pull_waits_for_the_image_and_a_failed_pull_exits_65_with_its_c
         "template.ready"
     );
 
-    // ls shows its state and image; built-in templates have none.
+    // ls shows its state and image, to the operator and to the org; built-in templates have none.
+    let by_operator = ok(&operator, &["template", "ls"]).await;
+    assert!(
+        by_operator.lines().any(|l| l.starts_with(&name)),
+        "{by_operator}"
+    );
     let table = ok(&user, &["template", "ls"]).await;
     let header = table.lines().next().unwrap();
     assert!(
@@ -129,7 +134,9 @@ async fn template_pull_waits_for_the_image_and_a_failed_pull_exits_65_with_its_c
     assert!(row.contains(" failed "), "{table}");
 
     // A bad request: 64 and the API's message.
-    let run = operator.run(&["template", "pull", "Bad Name", &image]).await;
+    let run = operator
+        .run(&["template", "pull", "Bad Name", &image])
+        .await;
     assert_eq!(run.code, 64, "{run:?}");
     assert!(run.stderr.contains("template names are"), "{run:?}");
     stack.teardown().await;

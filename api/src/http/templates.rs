@@ -1,4 +1,4 @@
-//! `GET /v1/templates` (the templates a create may name), `POST /v1/templates` (a template
+//! `GET /v1/templates` (the templates a create may name; any key, an org's or an operator's), `POST /v1/templates` (a template
 //! pulled from an OCI image) and `GET /v1/templates/{name}` (one, with its pull's events).
 
 use axum::extract::rejection::JsonRejection;
@@ -7,7 +7,7 @@ use axum::http::StatusCode;
 use axum::Json;
 
 use super::extract::json_error;
-use crate::auth::{Admin, Caller};
+use crate::auth::{Admin, Authenticated};
 use crate::error::ApiError;
 use crate::model::{CreateTemplate, Template};
 use crate::service;
@@ -22,7 +22,7 @@ pub const DEFAULT_IMAGE_RUNTIME: &str = "runsc";
     security(("bearer" = [])))]
 pub async fn templates(
     State(app): State<AppState>,
-    _caller: Caller,
+    _caller: Authenticated,
     _query: super::extract::StrictQuery<super::extract::NoParams>,
 ) -> Result<Json<Vec<Template>>, ApiError> {
     Ok(Json(service::templates::list(&app.db).await?))
@@ -35,7 +35,7 @@ pub async fn templates(
     security(("bearer" = [])))]
 pub async fn get(
     State(app): State<AppState>,
-    _caller: Caller,
+    _caller: Authenticated,
     Path(name): Path<String>,
 ) -> Result<Json<Template>, ApiError> {
     Ok(Json(service::templates::get(&app.db, &name).await?))
