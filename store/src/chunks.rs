@@ -89,6 +89,9 @@ pub async fn finish(conn: &mut PgConnection, hash: &str) -> Result<(), StoreErro
     Ok(())
 }
 
+/// A `chunk_removals` row: the chunk's sha256, when a remover claimed it, when it finished.
+type RemovalRow = (String, Option<DateTime<Utc>>, Option<DateTime<Utc>>);
+
 /// For snapshot `snapshot`, requested at `requested_at`, about to settle `ready` referencing
 /// `hashes`: locks their removal rows, takes back those not claimed, and returns the chunks a
 /// removal may have taken from under its upload (claimed, and not finished before
@@ -100,7 +103,7 @@ pub async fn check_for_ready(
     requested_at: DateTime<Utc>,
     hashes: &[String],
 ) -> Result<Vec<String>, StoreError> {
-    let rows: Vec<(String, Option<DateTime<Utc>>, Option<DateTime<Utc>>)> = timed(
+    let rows: Vec<RemovalRow> = timed(
         Op::ChunkRemoval,
         sqlx::query_as(
             "SELECT sha256, removing_at, removed_at FROM chunk_removals

@@ -110,6 +110,9 @@ pub async fn restore(
 /// [`ServiceError::UnknownTemplate`] (its template was removed), the quota and placement
 /// errors of a create, [`ServiceError::IdempotencyKeyReused`].
 #[instrument(skip_all, fields(org_id = %org, snapshot_id = %snapshot_id))]
+// A create's arguments (pool, policy, org, settings, key, render) plus the snapshot and its
+// source: bundling two of them into a one-use struct would read worse than the list.
+#[allow(clippy::too_many_arguments)]
 pub async fn clone(
     db: &PgPool,
     policy: PlacementPolicy,
