@@ -553,10 +553,10 @@ async fn measure(
         super::targets::print(
             "target (issue 16, sim)",
             &[
-                Target::new("lifecycle commands/s sustained", Goal::AtLeastPerSec(1000.0), Some(sustained), format!("{} false failures, {} false timeouts (target: none)", judged.false_failures, judged.false_timeouts)),
-                Target::new("reconciler pass p50", Goal::AtMostMs(500.0), p50(&pass), format!("{} hosts, {} sandbox rows", args.hosts, total)),
-                Target::new("heartbeats applied while creating", Goal::AtLeastPerSec(expected * HEARTBEAT_KEEPS_UP), Some(hb_load), format!("{expected:.0}/s sent; within 5% keeps up")),
-                Target::new("GET /v1/sandboxes?state=running p50", Goal::AtMostMs(10.0), p50(&list_filtered), ""),
+                Target::new("lifecycle commands/s sustained", Goal::MinPerSec(1000.0), Some(sustained), format!("{} false failures, {} false timeouts (target: none)", judged.false_failures, judged.false_timeouts)),
+                Target::new("reconciler pass p50", Goal::MaxMs(500.0), p50(&pass), format!("{} hosts, {} sandbox rows", args.hosts, total)),
+                Target::new("heartbeats applied while creating", Goal::MinPerSec(expected * HEARTBEAT_KEEPS_UP), Some(hb_load), format!("{expected:.0}/s sent; within 5% keeps up")),
+                Target::new("GET /v1/sandboxes?state=running p50", Goal::MaxMs(10.0), p50(&list_filtered), ""),
             ],
         );
         println!();

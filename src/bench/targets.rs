@@ -8,34 +8,34 @@
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Goal {
     /// At most this many milliseconds.
-    AtMostMs(f64),
+    MaxMs(f64),
     /// At most this ratio (a figure over another of the same run).
-    AtMostRatio(f64),
+    MaxRatio(f64),
     /// At least this many per second.
-    AtLeastPerSec(f64),
+    MinPerSec(f64),
 }
 
 impl Goal {
     fn met(self, value: f64) -> bool {
         match self {
-            Goal::AtMostMs(goal) | Goal::AtMostRatio(goal) => value <= goal,
-            Goal::AtLeastPerSec(goal) => value >= goal,
+            Goal::MaxMs(goal) | Goal::MaxRatio(goal) => value <= goal,
+            Goal::MinPerSec(goal) => value >= goal,
         }
     }
 
     fn render(self, value: f64) -> String {
         match self {
-            Goal::AtMostMs(_) => format!("{value:.1} ms"),
-            Goal::AtMostRatio(_) => format!("{value:.2}×"),
-            Goal::AtLeastPerSec(_) => format!("{value:.1}/s"),
+            Goal::MaxMs(_) => format!("{value:.1} ms"),
+            Goal::MaxRatio(_) => format!("{value:.2}×"),
+            Goal::MinPerSec(_) => format!("{value:.1}/s"),
         }
     }
 
     fn describe(self) -> String {
         match self {
-            Goal::AtMostMs(goal) => format!("≤ {goal} ms"),
-            Goal::AtMostRatio(goal) => format!("≤ {goal}×"),
-            Goal::AtLeastPerSec(goal) => format!("≥ {goal}/s"),
+            Goal::MaxMs(goal) => format!("≤ {goal} ms"),
+            Goal::MaxRatio(goal) => format!("≤ {goal}×"),
+            Goal::MinPerSec(goal) => format!("≥ {goal}/s"),
         }
     }
 }
@@ -113,13 +113,13 @@ mod tests {
 
     #[test]
     fn a_target_is_met_missed_or_not_measured_never_guessed() {
-        let at_most = Target::new("x", Goal::AtMostMs(25.0), Some(25.0), "");
+        let at_most = Target::new("x", Goal::MaxMs(25.0), Some(25.0), "");
         assert_eq!(at_most.status(), "met");
-        let over = Target::new("x", Goal::AtMostMs(25.0), Some(25.1), "");
+        let over = Target::new("x", Goal::MaxMs(25.0), Some(25.1), "");
         assert_eq!(over.status(), "missed");
-        let rate = Target::new("x", Goal::AtLeastPerSec(50.0), Some(12.0), "");
+        let rate = Target::new("x", Goal::MinPerSec(50.0), Some(12.0), "");
         assert_eq!(rate.status(), "missed");
-        let missing = Target::new("x", Goal::AtMostRatio(1.5), None, "no runsc");
+        let missing = Target::new("x", Goal::MaxRatio(1.5), None, "no runsc");
         assert_eq!(missing.status(), "not measured");
         assert_eq!(ratio(Some(3.0), Some(0.0)), None);
         assert_eq!(ratio(Some(3.0), Some(2.0)), Some(1.5));

@@ -91,7 +91,7 @@ async fn a_chunk_claimed_for_removal_under_an_upload_fails_that_snapshot(db: PgP
     ready(&db, old, std::slice::from_ref(&x)).await;
     // Another snapshot is requested and uploads; its upload finds `x` stored and skips it.
     let (uploading, requested_at) = creating(&db, org).await;
-    assert_eq!(delete(&db, old).await, [x.clone()]);
+    assert_eq!(delete(&db, old).await, std::slice::from_ref(&x));
     let mut conn = db.acquire().await.unwrap();
     assert!(
         chunks::claim(&mut conn, &x).await.unwrap(),
@@ -105,7 +105,7 @@ async fn a_chunk_claimed_for_removal_under_an_upload_fails_that_snapshot(db: PgP
         .unwrap();
     assert_eq!(
         lost,
-        [x.clone()],
+        std::slice::from_ref(&x),
         "the snapshot must fail, not become ready"
     );
     tx.commit().await.unwrap();
@@ -131,7 +131,7 @@ async fn a_settling_snapshot_takes_a_queued_chunk_back_and_the_remover_then_leav
     let (old, _) = creating(&db, org).await;
     ready(&db, old, std::slice::from_ref(&x)).await;
     let (uploading, requested_at) = creating(&db, org).await;
-    assert_eq!(delete(&db, old).await, [x.clone()]);
+    assert_eq!(delete(&db, old).await, std::slice::from_ref(&x));
     assert!(queued(&db, &x).await);
 
     // The snapshot settles first, in one transaction: check, then ready.
@@ -170,7 +170,7 @@ async fn a_settling_snapshot_takes_a_queued_chunk_back_and_the_remover_then_leav
     assert!(!queued(&db, &x).await, "taken back");
 
     // Deleting the last snapshot that references it orphans it again, and then it goes.
-    assert_eq!(delete(&db, uploading).await, [x.clone()]);
+    assert_eq!(delete(&db, uploading).await, std::slice::from_ref(&x));
     assert!(chunks::claim(&mut conn, &x).await.unwrap());
     chunks::finish(&mut conn, &x).await.unwrap();
 }
