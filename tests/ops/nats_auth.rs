@@ -21,7 +21,17 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::nats_server::{write_pem, NatsServer};
 use crate::support::stack::NatsTarget;
-use crate::support::{eventually, nats_url, unique_subjects, Stack};
+use crate::support::{eventually, nats_url, unique_subjects, Stack, SETTLE_TIMEOUT};
+
+/// The next message of `sub`, or a panic naming `what` after [`SETTLE_TIMEOUT`]: a message the
+/// server never delivers fails the test instead of hanging it (this test once hung for 20
+/// minutes in a full run on the loaded machine; alone it passes in 10 s, cause not found).
+async fn next_within(sub: &mut async_nats::Subscriber, what: &str) -> async_nats::Message {
+    tokio::time::timeout(SETTLE_TIMEOUT, sub.next())
+        .await
+        .unwrap_or_else(|_| panic!("no message within {SETTLE_TIMEOUT:?}: {what}"))
+        .unwrap_or_else(|| panic!("subscription closed: {what}"))
+}
 
 fn connect_spec(server: &NatsServer, creds: Option<&Creds>) -> NatsConnect {
     NatsConnect {
@@ -167,7 +177,7 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
     }
     host_a.flush().await.unwrap();
     for own in [subjects.result(a), subjects.heartbeat(a)] {
-        let next = everything.next().await.unwrap();
+        let next = next_within(&mut everything, "host A's own result and heartbeat").await;
         assert_eq!(
             (next.subject.as_str(), &next.payload[..]),
             (own.as_str(), &b"mine"[..]),
@@ -212,7 +222,7 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
     }
     cp.publish(subjects.agent(a), "for A".into()).await.unwrap();
     cp.flush().await.unwrap();
-    let mine = own.next().await.unwrap();
+    let mine = next_within(&mut own, "the control plane's message on A's agent subject").await;
     assert_eq!(&mine.payload[..], b"for A");
     for (subject, sub) in forbidden.iter().zip(&mut stolen) {
         assert!(
@@ -547,7 +557,10 @@ async fn a_tls_connection_with_the_test_ca_works_and_a_client_without_it_is_refu
         .publish("tls.check", "over tls".into())
         .await
         .unwrap();
-    assert_eq!(&sub.next().await.unwrap().payload[..], b"over tls");
+    assert_eq!(
+        &next_within(&mut sub, "the message over TLS").await.payload[..],
+        b"over tls"
+    );
 
     let without_ca = NatsConnect {
         ca_file: None,
