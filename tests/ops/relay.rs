@@ -119,13 +119,22 @@ impl Outbox {
     }
 }
 
-/// One relay batch loop with the default per-host cap on creates and starts in flight.
+/// One relay batch loop, unbounded, with the default per-host cap on creates and starts in
+/// flight.
 async fn drain(
     db: &PgPool,
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<usize, RelayError> {
-    relay::drain(db, js, subjects, relay::DEFAULT_MAX_CONCURRENT_STARTS).await
+    relay::drain(
+        db,
+        js,
+        subjects,
+        relay::DEFAULT_MAX_CONCURRENT_STARTS,
+        usize::MAX,
+    )
+    .await
+    .map(|drained| drained.published)
 }
 
 /// Runs `test` on a fresh outbox and deletes its streams afterwards, also when it fails.
@@ -308,6 +317,81 @@ async fn two_relays_draining_at_once_publish_each_command_exactly_once(db: PgPoo
             .map(|m| msg_id(Some(&m.headers)))
             .collect();
         assert_eq!(stored, ids, "the stream holds each command once");
+    })
+    .await;
+}
+
+/// Unpublished events the backlog test starts with: far more than one relay round publishes
+/// (`ROUND_BATCHES` × the event batch), so a relay that drained every event before its next
+/// command would still be draining when the command is committed.
+const EVENT_BACKLOG: i64 = 50_000;
+
+/// How many events are still unpublished.
+async fn events_pending(db: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM events WHERE published_at IS NULL")
+        .fetch_one(db)
+        .await
+        .expect("count unpublished events")
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_backlog_of_events_never_holds_a_command_back_past_one_round(db: PgPool) {
+    with_outbox(db.clone(), |outbox| async move {
+        outbox.ensure_streams().await;
+        let api = inproc::Api::new(db.clone(), outbox.nats.clone(), outbox.subjects.clone());
+        let org = inproc::org(&db).await;
+        let first = api.create(&org.key, inproc::SANDBOX).await;
+        // The first sandbox's event, copied into a backlog the size a lagging fleet builds.
+        sqlx::query(
+            "INSERT INTO events (id, sandbox_id, org_id, type, from_state, to_state, reason,
+                                 generation)
+             SELECT gen_random_uuid(), e.sandbox_id, e.org_id, e.type, e.from_state, e.to_state,
+                    e.reason, e.generation
+               FROM events e, generate_series(1, $2)
+              WHERE e.sandbox_id = $1",
+        )
+        .bind(first)
+        .bind(EVENT_BACKLOG)
+        .execute(&db)
+        .await
+        .unwrap();
+        let backlog = events_pending(&db).await;
+        assert!(backlog > EVENT_BACKLOG, "{backlog}");
+
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let relay = tokio::spawn(berth_api::outbox::run(
+            db.clone(),
+            outbox.nats.clone(),
+            outbox.subjects.clone(),
+            relay::DEFAULT_MAX_CONCURRENT_STARTS,
+            shutdown.clone(),
+        ));
+        crate::support::eventually("the relay is publishing the event backlog", || async {
+            events_pending(&db).await < backlog
+        })
+        .await;
+
+        // A command committed while the backlog drains goes out within a round.
+        let second = api.create(&org.key, inproc::SANDBOX).await;
+        let command = inproc::commands_of(&db, second).await.remove(0);
+        crate::support::eventually("the second create is published", || async {
+            publish_state(&db, command.id).await.0
+        })
+        .await;
+        let left = events_pending(&db).await;
+        assert!(
+            left > 0,
+            "the command waited for all {backlog} events to be published first"
+        );
+
+        // And the events go on draining after the command (the rounds alternate; draining
+        // all of them takes minutes on a loaded machine, so the test stops at progress).
+        crate::support::eventually("more events are published after the command", || async {
+            events_pending(&db).await < left
+        })
+        .await;
+        shutdown.cancel();
+        relay.await.unwrap();
     })
     .await;
 }

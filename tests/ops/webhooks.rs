@@ -134,7 +134,7 @@ async fn publish_events(db: &PgPool) -> (jetstream::Context, berth_schemas::Subj
     berth_schemas::streams::ensure_streams(&js, &subjects)
         .await
         .unwrap();
-    berth_api::outbox::event_relay::drain(db, &js, &subjects)
+    berth_api::outbox::event_relay::drain(db, &js, &subjects, usize::MAX)
         .await
         .unwrap();
     (js, subjects)

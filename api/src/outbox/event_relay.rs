@@ -26,7 +26,7 @@ use sqlx::PgPool;
 use crate::webhooks::store;
 use tracing::{debug, Span};
 
-use super::{msg_id_headers, Outgoing};
+use super::{msg_id_headers, Drained, Outgoing};
 
 /// Events claimed per batch.
 pub const BATCH_SIZE: i64 = 256;
@@ -50,20 +50,23 @@ pub enum EventRelayError {
     },
 }
 
-/// Publishes everything unpublished (sandbox events, then webhook-disabled events) and updates
-/// the backlog gauges. Returns how many were published; errors are for the caller to log and
-/// retry (nothing is lost: unmarked rows are published again).
+/// Publishes unpublished sandbox events in batches of [`BATCH_SIZE`], at most `max_batches`
+/// of them, then one batch of webhook-disabled events, and updates the backlog gauges. Returns
+/// how many were published and whether sandbox events are left past the bound
+/// ([`Drained::more`]); errors are for the caller to log and retry (nothing is lost: unmarked
+/// rows are published again).
 pub async fn drain(
     db: &PgPool,
     js: &jetstream::Context,
     subjects: &Subjects,
-) -> Result<usize, EventRelayError> {
-    let mut total = drain_sandbox_events(db, js, subjects).await?;
-    total += drain_webhook_events(db, js, subjects).await?;
+    max_batches: usize,
+) -> Result<Drained, EventRelayError> {
+    let mut drained = drain_sandbox_events(db, js, subjects, max_batches).await?;
+    drained.published += drain_webhook_events(db, js, subjects).await?;
     if let Err(error) = record_backlog(db).await {
         debug!(%error, "event outbox gauges not updated");
     }
-    Ok(total)
+    Ok(drained)
 }
 
 fn headers(id: EventId) -> HeaderMap {
@@ -98,13 +101,17 @@ async fn drain_sandbox_events(
     db: &PgPool,
     js: &jetstream::Context,
     subjects: &Subjects,
-) -> Result<usize, EventRelayError> {
+    max_batches: usize,
+) -> Result<Drained, EventRelayError> {
     let mut total = 0;
-    loop {
+    for _ in 0..max_batches {
         let mut tx = db.begin().await.map_err(StoreError::from)?;
         let rows = events::claim_unpublished(&mut tx, BATCH_SIZE).await?;
         if rows.is_empty() {
-            return Ok(total);
+            return Ok(Drained {
+                published: total,
+                more: false,
+            });
         }
         let batch = rows
             .into_iter()
@@ -125,6 +132,10 @@ async fn drain_sandbox_events(
             return Err(error);
         }
     }
+    Ok(Drained {
+        published: total,
+        more: true,
+    })
 }
 
 async fn drain_webhook_events(
@@ -170,9 +181,13 @@ async fn record_backlog(db: &PgPool) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// One relay round for events, for the relay loop: drains, logs a failure, and says how long
+/// One relay round for events, for the relay loop: drains at most [`super::ROUND_BATCHES`]
+/// batches, logs a failure, and says how long
 /// to wait before the next round ([`super::POLL_INTERVAL`] after success,
 /// [`super::RETRY_DELAY`] after a failure).
 pub async fn round(db: &PgPool, js: &jetstream::Context, subjects: &Subjects) -> Duration {
-    super::settle("event outbox", drain(db, js, subjects).await)
+    super::settle(
+        "event outbox",
+        drain(db, js, subjects, super::ROUND_BATCHES).await,
+    )
 }

@@ -15,7 +15,7 @@ use berth_store::{commands, StoreError};
 use sqlx::PgPool;
 use tracing::info_span;
 
-use super::{msg_id_headers, publish_all, Outgoing};
+use super::{msg_id_headers, publish_all, Drained, Outgoing};
 
 pub use super::{POLL_INTERVAL, RETRY_DELAY};
 
@@ -39,20 +39,25 @@ pub enum RelayError {
     },
 }
 
-/// Publishes every unpublished command, oldest first, in batches; returns how many were
-/// published. Publishes of a batch are pipelined, then their acks awaited.
+/// Publishes unpublished commands, oldest first, in batches of [`BATCH_SIZE`], at most
+/// `max_batches` of them; returns how many were published and whether it stopped at that
+/// bound ([`Drained::more`]). Publishes of a batch are pipelined, then their acks awaited.
 pub async fn drain(
     db: &PgPool,
     js: &jetstream::Context,
     subjects: &Subjects,
     max_concurrent_starts: i64,
-) -> Result<usize, RelayError> {
+    max_batches: usize,
+) -> Result<Drained, RelayError> {
     let mut total = 0;
-    loop {
+    for _ in 0..max_batches {
         let mut tx = db.begin().await.map_err(StoreError::from)?;
         let rows = commands::claim_publishable(&mut tx, BATCH_SIZE, max_concurrent_starts).await?;
         if rows.is_empty() {
-            return Ok(total);
+            return Ok(Drained {
+                published: total,
+                more: false,
+            });
         }
         let claimed: Vec<CommandId> = rows.iter().map(|r| r.id).collect();
         let batch = rows
@@ -93,6 +98,10 @@ pub async fn drain(
             return Err(error);
         }
     }
+    Ok(Drained {
+        published: total,
+        more: true,
+    })
 }
 
 /// Sets `berth_outbox_pending` and `berth_outbox_oldest_age_seconds`.
