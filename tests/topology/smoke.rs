@@ -10,6 +10,8 @@ use super::{NO_RATE_LIMITS, SERIAL};
 const SMOKE_SANDBOXES: usize = 12;
 /// How long a connection attempt from a host's namespace may take before it counts as refused.
 const PROBE_TIMEOUT: &str = "3";
+/// How long a replicated stream may stay between leaders before the test fails.
+const STREAM_LEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Whether a TCP connection from host `n`'s namespace to `addr:port` opens.
 fn host_reaches(topo: &Topology, n: usize, addr: &str, port: u16) -> bool {
@@ -54,10 +56,28 @@ async fn the_topology_runs_sandboxes_over_a_nats_cluster_with_replicated_streams
         subjects.events_stream(),
     ] {
         let mut stream = js.get_stream(&name).await.unwrap();
-        let info = stream.info().await.unwrap();
+        // A stream between leaders (just created, or its leader moved) lists all three peers
+        // as replicas and no leader: wait, bounded, for the election to end.
+        let deadline = tokio::time::Instant::now() + STREAM_LEADER_TIMEOUT;
+        let (info, cluster) = loop {
+            let info = stream.info().await.unwrap().clone();
+            let cluster = info.cluster.clone().expect("a clustered stream");
+            if cluster.leader.is_some() || tokio::time::Instant::now() >= deadline {
+                break (info, cluster);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        };
         assert_eq!(info.config.num_replicas, 3, "{name}");
-        let cluster = info.cluster.clone().expect("a clustered stream");
-        assert_eq!(cluster.replicas.len(), 2, "{name}: {cluster:?}");
+        let leader = cluster
+            .leader
+            .clone()
+            .unwrap_or_else(|| panic!("{name}: no leader"));
+        let mut peers: Vec<_> = cluster.replicas.iter().map(|p| p.name.clone()).collect();
+        assert!(!peers.contains(&leader), "{name}: {cluster:?}");
+        peers.push(leader);
+        peers.sort();
+        peers.dedup();
+        assert_eq!(peers.len(), 3, "{name}: {cluster:?}");
     }
 
     // A host reaches the NATS servers over the bridge, and nothing else of this machine: not
