@@ -2,7 +2,8 @@
 //! snapshot come back and files written after it are gone, on runc and on gVisor (where the
 //! snapshot's processes continue); a clone on another host fetches its content from the object
 //! store; a gVisor fork's counter continues in every fork and the forks are independent; the
-//! request × state refusals; a delete during `resuming`; hostd killed mid-clone converges.
+//! request × state refusals; a delete during `resuming`; hostd killed mid-clone, mid-snapshot
+//! and mid-restore converges.
 
 use std::time::Duration;
 
@@ -418,6 +419,98 @@ async fn hostd_killed_mid_clone_and_mid_snapshot_converges_without_orphans(db: s
         })
         .await;
     }
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+/// Containers in host `index`'s runc root.
+fn containers(stack: &Stack, index: usize) -> Vec<String> {
+    let out = std::process::Command::new("runc")
+        .arg("--root")
+        .arg(stack.hosts[index].runc_root())
+        .args(["list", "-q"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "runc list: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn hostd_killed_mid_restore_converges_to_the_snapshot_without_orphans(db: sqlx::PgPool) {
+    use berth_hostd::fault::{crash_at, Step, CRASH_AT_ENV};
+    use berth_schemas::CommandKind;
+    let mut stack = Stack::start(db.clone(), 1).await;
+    let host = 0;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo kept > /root/before").await;
+    let snapshot = ready_snapshot(&stack, &id).await;
+    // The host kills itself (SIGKILL) mid-restore: once the disk is seeded (the old container
+    // destroyed, the new one not booted), then once the new container exists (its agent not
+    // yet asked).
+    for step in [Step::Seeded, Step::Container] {
+        let what = crash_at(CommandKind::Restore, step);
+        stack.hosts[host].stop(false).await;
+        // Its object store stays the stack's: the snapshot is there.
+        stack.hosts[host].env.retain(|(k, _)| k != CRASH_AT_ENV);
+        let env = (CRASH_AT_ENV.to_owned(), what.clone());
+        stack.hosts[host].env.push(env);
+        stack.restart_host(host).await;
+        // A restarted host heartbeats before its agent responder is up: 503 until then.
+        eventually("the restarted host answers exec", || async {
+            let (status, _) = stack.exec(&id, &["true"]).await;
+            status == 200
+        })
+        .await;
+        run(&stack, &id, "echo later > /root/after").await;
+        let before = generation(&stack, &id).await;
+        let (status, body) = post(
+            &stack,
+            &format!("/v1/sandboxes/{id}/restore"),
+            json!({ "snapshot_id": snapshot }),
+        )
+        .await;
+        assert_eq!(status, 202, "{body}");
+        assert_eq!(body["state"], "resuming", "{body}");
+        let child = stack.hosts[host].child.as_mut().unwrap();
+        let exited = tokio::time::timeout(SETTLE_TIMEOUT, child.wait()).await;
+        assert!(exited.is_ok(), "hostd never crashed at {what}");
+        stack.hosts[host].child = None;
+        stack.hosts[host].env.retain(|(k, _)| k != CRASH_AT_ENV);
+        stack.restart_host(host).await;
+
+        // The redelivered restore starts again from the snapshot and finishes.
+        stack.wait_state(&id, "running").await;
+        assert!(
+            generation(&stack, &id).await > before,
+            "{what}: generation bumped"
+        );
+        let out = run(
+            &stack,
+            &id,
+            "cat /root/before; test -e /root/after && echo after-is-back || true",
+        )
+        .await;
+        assert_eq!(out, "kept\n", "{what}: running from the snapshot");
+        let running = containers(&stack, host);
+        assert_eq!(
+            running.len(),
+            1,
+            "{what}: one container, the sandbox's: {running:?}"
+        );
+        assert!(stack.container_exists(&id), "{what}: {running:?}");
+        stack.assert_no_capacity_drift().await;
+    }
+
+    assert_eq!(stack.delete(&id).await.0, 202);
+    stack.wait_state(&id, "deleted").await;
+    eventually("nothing of the sandbox is left", || async {
+        stack.leftovers(&id).is_empty()
+    })
+    .await;
+    assert!(containers(&stack, host).is_empty(), "no orphan container");
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }

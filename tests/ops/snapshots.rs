@@ -1,8 +1,8 @@
 //! Snapshots of running sandboxes on the real stack (issue 13 items 3 and 4): a runc sandbox
 //! is frozen, captured and thawed, and keeps running; the snapshot becomes `ready` only once its
 //! manifest is in the stack's object store; a second one stores only what changed; the routes'
-//! refusals, the org's quota and the delete; and an object store that refuses the upload fails
-//! the snapshot, never the sandbox.
+//! refusals, the org's quota and the delete; and an object store that refuses the upload, or a
+//! real S3 server killed mid-upload, fails the snapshot, never the sandbox.
 
 use std::time::Duration;
 
@@ -158,6 +158,20 @@ async fn a_running_sandbox_is_snapshotted_in_place_and_a_second_snapshot_stores_
         )
         .await;
     assert_eq!(status, 404);
+    // Its list is `not_found` for another org, as for an id no one has.
+    let unknown = berth_schemas::ids::SandboxId::new();
+    for (key, sandbox) in [(&other, id.clone()), (&stack.key, unknown.to_string())] {
+        let (status, body) = stack
+            .call_as(
+                key,
+                Method::GET,
+                &format!("/v1/sandboxes/{sandbox}/snapshots"),
+                None,
+            )
+            .await;
+        assert_eq!(status, 404, "{body}");
+        assert_eq!(body["error"]["code"], "not_found", "{body}");
+    }
 
     // Deleting the first keeps what the second still references.
     let (status, body) = stack
@@ -190,6 +204,11 @@ async fn a_running_sandbox_is_snapshotted_in_place_and_a_second_snapshot_stores_
         )
         .await;
     assert_eq!((status, kept["state"].as_str()), (200, Some("ready")));
+    let (status, list) = stack
+        .call(Method::GET, &format!("/v1/sandboxes/{id}/snapshots"), None)
+        .await;
+    assert_eq!(status, 200, "a deleted sandbox's list: {list}");
+    assert_eq!(list["snapshots"].as_array().unwrap().len(), 1, "{list}");
     stack.teardown().await;
 }
 
@@ -211,6 +230,11 @@ async fn snapshots_are_refused_when_not_running_over_quota_and_deletes_while_cre
     assert!(berth_store::orgs::set_snapshot_quota(&db, &org, limits)
         .await
         .unwrap());
+    let (status, list) = stack
+        .call(Method::GET, &format!("/v1/sandboxes/{id}/snapshots"), None)
+        .await;
+    assert_eq!(status, 200, "a sandbox without snapshots: {list}");
+    assert_eq!(list["snapshots"], serde_json::json!([]), "{list}");
     let (status, first) = snapshot(&stack, &id).await;
     assert_eq!(status, 202, "{first}");
     let (status, body) = snapshot(&stack, &id).await;
@@ -313,5 +337,131 @@ async fn an_object_store_that_refuses_the_upload_fails_the_snapshot_and_never_th
         .map(|(k, _)| k)
         .collect();
     assert_eq!(kinds, ["snapshot.created", "snapshot.failed"]);
+    stack.teardown().await;
+}
+
+/// The `.zst` chunk objects under `dir` (an S3 server's directory of a key prefix).
+fn stored_chunks(dir: &std::path::Path) -> usize {
+    let Ok(shards) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    shards
+        .flatten()
+        .filter_map(|shard| std::fs::read_dir(shard.path()).ok())
+        .flat_map(|objects| objects.flatten())
+        .filter(|o| o.file_name().to_string_lossy().ends_with(".zst"))
+        .count()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_s3_server_killed_mid_upload_fails_the_snapshot_and_once_back_takes_the_next(
+    db: PgPool,
+) {
+    use crate::support::s3::S3Server;
+    use crate::support::throttle::Throttle;
+    const PREFIX: &str = "snapshots/berth";
+    let mut stack = Stack::start(db.clone(), 0).await;
+    let root = stack.root.join("s3");
+    let s3 = S3Server::start(&root);
+    // A slow link to the store (1 MiB/s per connection): the 40 MB below take over ten seconds
+    // to upload, so the server is surely killed mid-upload.
+    let link = Throttle::start(s3.port, 1 << 20).await;
+    let env = s3.env(PREFIX, link.port);
+    // The first host fits one sandbox: the clone at the end goes to the second, which fetches
+    // the snapshot from the S3 server.
+    stack
+        .add_host_env((Some(1), Some(256)), &[], None, env.clone())
+        .await;
+    let id = running_sandbox(&stack).await;
+    run(
+        &stack,
+        &id,
+        "head -c 40000000 /dev/urandom > /root/big && md5sum /root/big > /root/sum && echo before > /root/f",
+    )
+    .await;
+
+    let (status, body) = snapshot(&stack, &id).await;
+    assert_eq!(status, 202, "{body}");
+    let doomed = body["id"].as_str().unwrap().to_owned();
+    let stored = s3.dir_of(PREFIX);
+    let chunks = stored.join("chunks");
+    let manifest = |id: &str| stored.join(format!("manifests/{id}.json"));
+    crate::support::eventually("the upload stores its first chunk", || async {
+        stored_chunks(&chunks) > 0
+    })
+    .await;
+    assert!(
+        !manifest(&doomed).exists(),
+        "the upload is still in progress"
+    );
+    s3.kill();
+
+    let failed = settled(&stack, &doomed).await;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("object store"), "{failed}");
+    assert!(
+        failed.get("stored_bytes").is_none(),
+        "nothing reported stored: {failed}"
+    );
+    assert!(!manifest(&doomed).exists(), "nothing made durable");
+    let kinds: Vec<String> = snapshot_events(&db, &id)
+        .await
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(
+        kinds,
+        ["snapshot.created", "snapshot.failed"],
+        "never reported ready"
+    );
+    assert_eq!(
+        stack.state_of(&id).await,
+        "running",
+        "the sandbox is untouched"
+    );
+    let out = run(&stack, &id, "cat /root/f && md5sum -c /root/sum >/dev/null").await;
+    assert_eq!(out["stdout"], "before\n", "and still answers, thawed");
+
+    // The server back on the same directory and port: the next snapshot is durable, and a
+    // clone on the other host boots from it.
+    let port = s3.port;
+    drop(s3);
+    let s3 = S3Server::start_on(&root, port);
+    let (status, body) = snapshot(&stack, &id).await;
+    assert_eq!(status, 202, "{body}");
+    let ready = settled(&stack, body["id"].as_str().unwrap()).await;
+    assert_eq!(ready["state"], "ready", "{ready}");
+    assert!(
+        ready["stored_bytes"].as_i64().unwrap() >= 40_000_000,
+        "{ready}"
+    );
+    let ready_id = ready["id"].as_str().unwrap().to_owned();
+    assert!(manifest(&ready_id).is_file(), "ready means stored");
+    stack.add_host_env((None, None), &[], None, env).await;
+    let (status, clone) = stack
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/clone"),
+            Some(serde_json::json!({ "snapshot_id": ready_id })),
+        )
+        .await;
+    assert_eq!(status, 202, "{clone}");
+    let clone_id = clone["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&clone_id, "running").await;
+    assert_ne!(
+        crate::support::http::host_of(&stack, &clone_id).await,
+        crate::support::http::host_of(&stack, &id).await,
+        "the clone fetched from the store on the other host"
+    );
+    let out = run(
+        &stack,
+        &clone_id,
+        "cat /root/f && md5sum -c /root/sum >/dev/null",
+    )
+    .await;
+    assert_eq!(out["stdout"], "before\n");
+    stack.assert_no_capacity_drift().await;
+    drop(s3);
     stack.teardown().await;
 }

@@ -49,7 +49,10 @@ pub async fn create(
 
 /// `GET /v1/sandboxes/{id}/snapshots`
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/snapshots", params(("id" = String, Path)),
-    responses((status = 200, description = "The sandbox's snapshots, oldest first (also of a deleted sandbox)", body = SnapshotList)),
+    responses(
+        (status = 200, description = "The sandbox's snapshots, oldest first (also of a deleted sandbox)", body = SnapshotList),
+        (status = 404, description = "`not_found`: no such sandbox in the caller's org"),
+    ),
     security(("bearer" = [])))]
 pub async fn list(
     State(app): State<AppState>,

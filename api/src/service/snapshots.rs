@@ -150,18 +150,21 @@ pub async fn get(db: &PgPool, org: OrgId, id: SnapshotId) -> Result<Snapshot, Se
         .ok_or_else(|| ServiceError::NotFound(format!("snapshot {id}")))
 }
 
-/// The snapshots `org` has of a sandbox, oldest first (also of a deleted sandbox: they outlive
-/// it).
+/// The snapshots `org` has of a sandbox, oldest first (also of a deleted sandbox, even once
+/// its tombstone is purged: they outlive it).
+///
+/// Errors: [`ServiceError::NotFound`] when `org` has no such sandbox and no snapshot of it
+/// (an unknown id, or another org's sandbox: guarantee 7), as every sandbox route answers.
 pub async fn list(
     db: &PgPool,
     org: OrgId,
     sandbox: SandboxId,
 ) -> Result<Vec<Snapshot>, ServiceError> {
-    Ok(snapshots::list_for_sandbox(db, org, sandbox)
-        .await?
-        .into_iter()
-        .map(Snapshot::from)
-        .collect())
+    let rows = snapshots::list_for_sandbox(db, org, sandbox).await?;
+    if rows.is_empty() && sandboxes::get(db, org, sandbox).await?.is_none() {
+        return Err(ServiceError::NotFound(format!("sandbox {sandbox}")));
+    }
+    Ok(rows.into_iter().map(Snapshot::from).collect())
 }
 
 /// Deletes a settled snapshot: its row and chunk references in one transaction, then (when an

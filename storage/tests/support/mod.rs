@@ -5,26 +5,18 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 use berth_schemas::ids::{SandboxId, SnapshotId};
 use berth_schemas::wire::Runtime;
 use berth_storage::{Location, Objects, RetrySettings, SnapshotInfo, StoreSettings};
 use rand::RngCore;
 
-/// Where `.ci/run` installs `s3s-fs` (`cargo install s3s-fs --features binary --root
-/// /var/tmp/berth-tools`); `BERTH_S3S_FS` overrides it.
-pub const S3S_FS_DEFAULT: &str = "/var/tmp/berth-tools/bin/s3s-fs";
-/// How long a started S3 server may take to accept connections on a loaded machine.
-pub const SERVER_START_TIMEOUT: Duration = Duration::from_secs(60);
-const ACCESS_KEY: &str = "berth-test";
-const SECRET_KEY: &str = "berth-test-secret";
-const BUCKET: &str = "berth";
+/// The S3 server the root package's tests start too (one starter for both).
+#[path = "../../../tests/support/s3.rs"]
+mod s3;
+pub use s3::{S3Server, ACCESS_KEY, BUCKET, SECRET_KEY};
 
 /// A scratch directory below `BERTH_TEST_ROOT` (or the system temp dir), removed on drop.
 pub fn scratch() -> tempfile::TempDir {
@@ -38,81 +30,7 @@ pub fn scratch() -> tempfile::TempDir {
         .unwrap()
 }
 
-/// A real `s3s-fs` process serving `root` on a loopback port; killed (by its own handle) on drop.
-pub struct S3Server {
-    child: Mutex<Option<Child>>,
-    /// The directory it serves (a bucket is a directory below it).
-    pub root: PathBuf,
-    /// Its loopback port.
-    pub port: u16,
-}
-
 impl S3Server {
-    /// Starts a server on `root` (creating the bucket directory) and waits until it accepts.
-    pub fn start(root: &Path) -> S3Server {
-        let bin = std::env::var("BERTH_S3S_FS").unwrap_or_else(|_| S3S_FS_DEFAULT.to_owned());
-        assert!(
-            Path::new(&bin).is_file(),
-            "the S3 tests need the s3s-fs server at {bin} (set BERTH_S3S_FS to use another); install it with \
-             `cargo install s3s-fs@0.14.1 --features binary --locked --root /var/tmp/berth-tools`, as .ci/run does"
-        );
-        fs::create_dir_all(root.join(BUCKET)).unwrap();
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new(&bin)
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--access-key",
-                ACCESS_KEY,
-                "--secret-key",
-                SECRET_KEY,
-            ])
-            .arg(root)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {bin}: {e}"));
-        let server = S3Server {
-            child: Mutex::new(Some(child)),
-            root: root.to_owned(),
-            port,
-        };
-        let start = Instant::now();
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Some(status) = server
-                .child
-                .lock()
-                .unwrap()
-                .as_mut()
-                .unwrap()
-                .try_wait()
-                .unwrap()
-            {
-                panic!("s3s-fs exited at start: {status}");
-            }
-            assert!(
-                start.elapsed() < SERVER_START_TIMEOUT,
-                "s3s-fs did not listen on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        server
-    }
-
-    /// Kills the server (SIGKILL) and reaps it.
-    pub fn kill(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
     /// Settings for a store in this server's bucket under `prefix`.
     pub fn settings(&self, prefix: &str, retry: RetrySettings) -> StoreSettings {
         let mut s = StoreSettings::new(Location::S3 {
@@ -132,12 +50,6 @@ impl S3Server {
         .collect();
         s.retry = retry;
         s
-    }
-}
-
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 
