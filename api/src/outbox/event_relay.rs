@@ -1,7 +1,7 @@
 //! The event half of the outbox relay: publishes committed `events` rows as CloudEvents on
 //! `{p}.events.sandbox.<org>.<sandbox>` (stream `{P}_EVENTS`), and the `webhook.disabled`
-//! event a disabled webhook's row carries on `{p}.events.webhook.<org>.<webhook>`. Runs in its own
-//! relay loop ([`super::run`]), beside the commands'.
+//! event a disabled webhook's row carries on `{p}.events.webhook.<org>.<webhook>`. Runs in the
+//! relay loop ([`super::run`]) after the commands.
 //!
 //! # Guarantees
 //! - At least once, exactly as for commands: a row is marked published only after JetStream
@@ -13,6 +13,8 @@
 //!   seq values commit in increasing order (the property [`crate::service::events`] readers
 //!   rely on).
 //! - Several relays may run: rows are claimed with `FOR UPDATE SKIP LOCKED`.
+
+use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::HeaderMap;
@@ -177,4 +179,15 @@ async fn record_backlog(db: &PgPool) -> Result<(), StoreError> {
     metrics::gauge!("berth_event_outbox_pending").set(pending as f64);
     metrics::gauge!("berth_event_outbox_oldest_age_seconds").set(oldest);
     Ok(())
+}
+
+/// One relay round for events, for the relay loop: drains at most [`super::ROUND_BATCHES`]
+/// batches, logs a failure, and says how long
+/// to wait before the next round ([`super::POLL_INTERVAL`] after success,
+/// [`super::RETRY_DELAY`] after a failure).
+pub async fn round(db: &PgPool, js: &jetstream::Context, subjects: &Subjects) -> Duration {
+    super::settle(
+        "event outbox",
+        drain(db, js, subjects, super::ROUND_BATCHES).await,
+    )
 }

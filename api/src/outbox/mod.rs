@@ -1,5 +1,5 @@
 //! The transactional outbox relay: publishes committed commands ([`relay`]) and committed
-//! events ([`event_relay`]) to JetStream, through one publish pipeline.
+//! events ([`event_relay`]) to JetStream, through one loop and one publish pipeline.
 //!
 //! # Guarantees
 //! - At least once: a row is marked published only after JetStream acked it; a crash between
@@ -9,12 +9,11 @@
 //! - Woken by `LISTEN berth_outbox` (a trigger notifies on insert), with a polling fallback of
 //!   [`POLL_INTERVAL`] in case a notification is lost while the listener reconnects.
 //!
-//! Two loops run at once, one per outbox (commands, events), each woken by the notification.
-//! One round of a loop: claim a batch, publish it pipelined (every publish sent, then every ack
-//! awaited), mark what was acked, repeat up to [`ROUND_BATCHES`] batches; while rows are left the
-//! next round starts at once. Neither outbox waits for the other: the 1,000-host sim once
-//! stalled every create for minutes behind 67,000 unpublished events when one loop drained
-//! commands, then events until empty.
+//! One round: claim a batch, publish it pipelined (one shared pipeline: every publish sent,
+//! then every ack awaited), mark what was acked, repeat up to [`ROUND_BATCHES`] batches;
+//! commands first, then events. While either outbox has more, the next round starts at once, so
+//! a backlog of events never holds commands back for more than one bounded round (the 1,000-host
+//! sim once stalled every create for minutes behind 67,000 unpublished events).
 
 pub mod event_relay;
 pub mod relay;
@@ -35,7 +34,7 @@ use tracing::{debug, info, warn, Instrument, Span};
 pub const POLL_INTERVAL: Duration = Duration::from_secs(1);
 /// Wait after a failed batch before trying again.
 pub const RETRY_DELAY: Duration = Duration::from_millis(500);
-/// Batches a relay loop publishes per round before it checks for shutdown and notifications.
+/// Batches each outbox (commands, events) publishes per round before the other has its turn.
 pub const ROUND_BATCHES: usize = 4;
 
 /// What one bounded drain did: how many rows it published, and whether it stopped at its
@@ -48,9 +47,8 @@ pub struct Drained {
     pub more: bool,
 }
 
-/// Runs the relay until `shutdown` fires: two loops at once, one for commands and one for
-/// events, so neither outbox's backlog ever delays the other. Errors are logged and retried;
-/// the relay only returns on shutdown.
+/// Runs the relay until `shutdown` fires: commands, then events, each round. Errors are logged
+/// and retried; the relay only returns on shutdown.
 pub async fn run(
     db: PgPool,
     nats: async_nats::Client,
@@ -66,33 +64,11 @@ pub async fn run(
             _ = tokio::time::sleep(RETRY_DELAY) => {}
         }
     }
-    info!("outbox relay running");
-    let commands = pump(&db, &shutdown, "outbox", || async {
-        let drained = relay::drain(&db, &js, &subjects, max_concurrent_starts, ROUND_BATCHES).await;
-        if let Err(error) = relay::record_backlog(&db).await {
-            debug!(%error, "outbox gauges not updated");
-        }
-        drained
-    });
-    let events = pump(&db, &shutdown, "event outbox", || {
-        event_relay::drain(&db, &js, &subjects, ROUND_BATCHES)
-    });
-    tokio::join!(commands, events);
-}
-
-/// One relay loop: runs `drain` whenever `LISTEN berth_outbox` fires, at once while it stops at
-/// its bound with rows left, and every [`POLL_INTERVAL`] otherwise, until `shutdown`.
-async fn pump<F, Fut, E>(db: &PgPool, shutdown: &CancellationToken, what: &str, mut drain: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<Drained, E>>,
-    E: std::fmt::Display,
-{
     let mut listener = loop {
-        match listen(db).await {
+        match listen(&db).await {
             Ok(l) => break l,
             Err(error) => {
-                warn!(%error, what, "relay: cannot LISTEN yet");
+                warn!(%error, "relay: cannot LISTEN yet");
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     _ = tokio::time::sleep(RETRY_DELAY) => {}
@@ -100,13 +76,21 @@ where
             }
         }
     };
+    info!("outbox relay running");
     loop {
-        let delay = settle(what, drain().await);
+        let commands =
+            relay::drain(&db, &js, &subjects, max_concurrent_starts, ROUND_BATCHES).await;
+        let delay = settle("outbox", commands);
+        if let Err(error) = relay::record_backlog(&db).await {
+            debug!(%error, "outbox gauges not updated");
+        }
+        // Events after commands, with the same ack-then-mark guarantee.
+        let delay = delay.min(event_relay::round(&db, &js, &subjects).await);
         tokio::select! {
             _ = shutdown.cancelled() => return,
             n = listener.recv() => {
                 if let Err(error) = n {
-                    warn!(%error, what, "relay: notification listener failed; it reconnects");
+                    warn!(%error, "relay: notification listener failed; it reconnects");
                     tokio::time::sleep(RETRY_DELAY).await;
                 }
             }
