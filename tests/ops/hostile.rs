@@ -92,7 +92,7 @@ async fn every_list_route_refuses_a_query_parameter_it_does_not_read_naming_it(d
         (
             org.key.as_str(),
             format!("/v1/sandboxes/{some}/snapshots"),
-            200,
+            404,
         ),
         (admin.as_str(), "/v1/hosts".to_owned(), 200),
     ] {
