@@ -26,11 +26,21 @@ use crate::support::{eventually, nats_url, unique_subjects, Stack, SETTLE_TIMEOU
 /// The next message of `sub`, or a panic naming `what` after [`SETTLE_TIMEOUT`]: a message the
 /// server never delivers fails the test instead of hanging it (this test once hung for 20
 /// minutes in a full run on the loaded machine; alone it passes in 10 s, cause not found).
-async fn next_within(sub: &mut async_nats::Subscriber, what: &str) -> async_nats::Message {
-    tokio::time::timeout(SETTLE_TIMEOUT, sub.next())
-        .await
-        .unwrap_or_else(|_| panic!("no message within {SETTLE_TIMEOUT:?}: {what}"))
-        .unwrap_or_else(|| panic!("subscription closed: {what}"))
+/// The panic carries `context()` (the clients' connection events and the server's log), so a
+/// lost message says whether a connection dropped on the way.
+async fn next_within(
+    sub: &mut async_nats::Subscriber,
+    what: &str,
+    context: impl Fn() -> String,
+) -> async_nats::Message {
+    match tokio::time::timeout(SETTLE_TIMEOUT, sub.next()).await {
+        Ok(Some(message)) => message,
+        Ok(None) => panic!("subscription closed: {what}\n{}", context()),
+        Err(_) => panic!(
+            "no message within {SETTLE_TIMEOUT:?}: {what}\n{}",
+            context()
+        ),
+    }
 }
 
 fn connect_spec(server: &NatsServer, creds: Option<&Creds>) -> NatsConnect {
@@ -139,15 +149,20 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
         &[host_user(&creds_a), host_user(&creds_b)],
     );
     let server = NatsServer::start(Some(&auth), None).await;
-    let cp = connect_spec(&server, Some(&control_plane))
-        .connect()
-        .await
-        .unwrap();
+    let (cp, cp_events) = watched(&server, &control_plane).await;
     let cp_js = jetstream::new(cp.clone());
     berth_schemas::streams::ensure_streams(&cp_js, &subjects)
         .await
         .unwrap();
     let (host_a, errors) = watched(&server, &creds_a).await;
+    let context = || {
+        format!(
+            "control plane's events: {:?}\nhost A's events: {:?}\nserver log:\n{}",
+            cp_events.lock().unwrap(),
+            errors.lock().unwrap(),
+            server.log()
+        )
+    };
 
     // Publishing: host A forges B's result and heartbeat, sends agent requests (exec as root
     // in a sandbox) and commands to B and to itself, and an event; then its own result and
@@ -177,7 +192,12 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
     }
     host_a.flush().await.unwrap();
     for own in [subjects.result(a), subjects.heartbeat(a)] {
-        let next = next_within(&mut everything, "host A's own result and heartbeat").await;
+        let next = next_within(
+            &mut everything,
+            "host A's own result and heartbeat",
+            context,
+        )
+        .await;
         assert_eq!(
             (next.subject.as_str(), &next.payload[..]),
             (own.as_str(), &b"mine"[..]),
@@ -222,7 +242,12 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
     }
     cp.publish(subjects.agent(a), "for A".into()).await.unwrap();
     cp.flush().await.unwrap();
-    let mine = next_within(&mut own, "the control plane's message on A's agent subject").await;
+    let mine = next_within(
+        &mut own,
+        "the control plane's message on A's agent subject",
+        context,
+    )
+    .await;
     assert_eq!(&mine.payload[..], b"for A");
     for (subject, sub) in forbidden.iter().zip(&mut stolen) {
         assert!(
@@ -558,7 +583,9 @@ async fn a_tls_connection_with_the_test_ca_works_and_a_client_without_it_is_refu
         .await
         .unwrap();
     assert_eq!(
-        &next_within(&mut sub, "the message over TLS").await.payload[..],
+        &next_within(&mut sub, "the message over TLS", String::new)
+            .await
+            .payload[..],
         b"over tls"
     );
 
