@@ -339,10 +339,13 @@ pub(crate) fn shutdown_on_signal() -> CancellationToken {
     tokio::spawn(async move {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
+        // Said in the log: a part that ends without an error line ended on one of these (or
+        // on SIGKILL).
+        let signal = tokio::select! {
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        };
+        tracing::info!(signal, "shutting down on a signal");
         t.cancel();
     });
     token

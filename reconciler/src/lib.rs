@@ -7,6 +7,8 @@
 //! - [`gauges`]: fleet gauges and end-to-end command latency for Prometheus.
 //! - [`health`]: hosts' health from their boots' outcomes, and the one retry elsewhere of a
 //!   create its host failed.
+//! - [`watermark`]: the time before which every published result is applied; the pass's
+//!   command timeouts count to it, so the control plane's own backlog never times a command out.
 //!
 //! # Guarantees
 //! - A result changes a row only when its generation equals the row's current generation and
@@ -23,6 +25,7 @@ pub mod health;
 pub mod pass;
 pub mod results;
 mod snapshots;
+pub mod watermark;
 
 use std::time::Duration;
 
@@ -77,7 +80,8 @@ impl ReconcilerConfig {
     }
 }
 
-/// Runs the result consumer, the leader loop and the fleet gauges until `shutdown` fires.
+/// Runs the result consumer, the results watermark, the leader loop and the fleet gauges until
+/// `shutdown` fires.
 ///
 /// Errors: [`ReconcilerError::JetStream`] when the result stream or consumer cannot be set up.
 pub async fn run(
@@ -89,6 +93,12 @@ pub async fn run(
     let fleet = tokio::spawn(gauges::run(
         db.clone(),
         config.gauge_interval,
+        shutdown.clone(),
+    ));
+    let watermark = tokio::spawn(watermark::run(
+        db.clone(),
+        nats.clone(),
+        config.subjects.clone(),
         shutdown.clone(),
     ));
     let leader = tokio::spawn(lead(
@@ -108,6 +118,7 @@ pub async fn run(
     shutdown.cancel();
     let _ = leader.await;
     let _ = fleet.await;
+    let _ = watermark.await;
     consumed
 }
 

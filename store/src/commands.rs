@@ -229,6 +229,53 @@ pub async fn latency(db: impl PgExecutor<'_>, id: CommandId) -> Result<Option<f6
     .await
 }
 
+/// The database's clock (`now()`, microseconds since the Unix epoch): the clock every
+/// timestamp of the shared tables is written in, so samples compared with them take it too.
+pub async fn database_now(db: impl PgExecutor<'_>) -> Result<i64, StoreError> {
+    timed(
+        Op::DatabaseNow,
+        sqlx::query_scalar("SELECT (EXTRACT(EPOCH FROM now()) * 1e6)::int8").fetch_one(db),
+    )
+    .await
+}
+
+/// Moves the results watermark (table `results_watermark`, migration 0024) forward to
+/// `applied_through_us` (database clock, microseconds since the Unix epoch): every result
+/// published before then has been applied. Never moves it back (several reconciler processes
+/// advance it). The command timeouts count to it ([`crate::sandboxes::lock_timed_out`]).
+pub async fn advance_results_watermark(
+    db: impl PgExecutor<'_>,
+    applied_through_us: i64,
+) -> Result<(), StoreError> {
+    timed(
+        Op::ResultsWatermarkAdvance,
+        sqlx::query(
+            "INSERT INTO results_watermark (applied_through)
+                  VALUES (to_timestamp($1::float8 / 1e6))
+             ON CONFLICT (id) DO UPDATE
+                 SET applied_through = GREATEST(results_watermark.applied_through,
+                                                EXCLUDED.applied_through)",
+        )
+        .bind(applied_through_us)
+        .execute(db),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Seconds the results watermark trails the database clock, or `None` before any reconciler
+/// sampled it.
+pub async fn results_watermark_lag(db: impl PgExecutor<'_>) -> Result<Option<f64>, StoreError> {
+    timed(
+        Op::ResultsWatermarkLag,
+        sqlx::query_scalar(
+            "SELECT EXTRACT(EPOCH FROM now() - applied_through)::float8 FROM results_watermark",
+        )
+        .fetch_optional(db),
+    )
+    .await
+}
+
 /// The kinds that boot a sandbox (`sandbox.create`, `sandbox.start`): the relay holds them back
 /// beyond a host's cap of in-flight boots.
 const BOOT_KINDS: [CommandKind; 2] = [CommandKind::Create, CommandKind::Start];

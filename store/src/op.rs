@@ -53,6 +53,12 @@ ops! {
     SandboxOrgUsage => "sandbox_org_usage",
     /// [`crate::sandboxes::lock_timed_out`]: rows whose open command outlived its timeout.
     SandboxTimedOut => "sandbox_timed_out",
+    /// [`crate::commands::advance_results_watermark`]: move the results watermark forward.
+    ResultsWatermarkAdvance => "results_watermark_advance",
+    /// [`crate::commands::results_watermark_lag`]: how far the results watermark trails.
+    ResultsWatermarkLag => "results_watermark_lag",
+    /// [`crate::commands::database_now`]: the database's clock.
+    DatabaseNow => "database_now",
     /// [`crate::sandboxes::lock_failed_guests`]: `running` rows whose guest failed.
     SandboxUnhealthy => "sandbox_unhealthy",
     /// [`crate::sandboxes::lock_stranded`]: rows on a host that was lost.

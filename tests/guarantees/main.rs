@@ -15,5 +15,6 @@ mod late_completion;
 mod one_host;
 mod orgs;
 mod restore;
+mod results_backlog;
 mod results_delivery;
 mod stop_fallback;

@@ -186,6 +186,16 @@ async fn an_api_killed_mid_request_is_retried_on_the_other_with_the_same_answer_
             .unwrap();
     assert_eq!(rows, 1, "one sandbox for one key");
     topo.part("start", "api1");
+    // The restarted API answers before its last request below (a start is asynchronous).
+    let ready = format!("{}/readyz", topo.api_urls[0]);
+    crate::support::eventually("the restarted api1 answers /readyz", || async {
+        topo.http
+            .get(&ready)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+    })
+    .await;
     let api_converged = converged(&topo, t0, watched).await;
     let after = load.tally();
 
@@ -213,7 +223,12 @@ async fn an_api_killed_mid_request_is_retried_on_the_other_with_the_same_answer_
         .bearer_auth(&topo.key)
         .send()
         .await
-        .unwrap()
+        .unwrap_or_else(|e| {
+            panic!(
+                "DELETE on the restarted api1: {e}\n{}",
+                topo.part_state("api1", 40)
+            )
+        })
         .status();
     assert!(status.is_success(), "{status}");
 

@@ -102,6 +102,23 @@ impl Topology {
         assert!(status.success(), "deploy/topology {verb} {name} failed");
     }
 
+    /// Whether part `name` (e.g. `api1`) runs, and the last `lines` lines of its log: what a
+    /// failed assertion about that part prints.
+    pub fn part_state(&self, name: &str, lines: usize) -> String {
+        let pid =
+            std::fs::read_to_string(self.dir.join(format!("pids/{name}"))).unwrap_or_default();
+        let pid = pid.trim();
+        let alive = !pid.is_empty() && std::path::Path::new(&format!("/proc/{pid}")).exists();
+        let log =
+            std::fs::read_to_string(self.dir.join(format!("logs/{name}.log"))).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(lines).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        format!(
+            "{name}: pid {pid:?}, alive {alive}; its log's last lines:\n{}",
+            tail.join("\n")
+        )
+    }
+
     /// The network namespace of host `n` (1-based).
     pub fn netns(&self, n: usize) -> String {
         format!("{}-h{n}", self.prefix)

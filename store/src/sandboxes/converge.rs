@@ -62,6 +62,13 @@ pub struct TimedOut {
 /// the sandbox at the command's generation (or later), the host answered and its result is in
 /// the control plane's queues (results are durable in JetStream, so it arrives); failing the
 /// sandbox then would be a false failure caused by the control plane's own lag (issue 12).
+///
+/// For the same reason a published command's time runs from its publish (the relay's backlog
+/// is not its host's) to the results watermark (`results_watermark`, advanced by
+/// `berth_reconciler::watermark`), not to now: it is timed out only when every result published
+/// until its deadline has been applied and none was its own. While the result consumer has a
+/// backlog the watermark stays behind, and so do the timeouts. A command the relay never
+/// published runs from its insert to now (`published` is false: it says nothing of the host).
 pub async fn lock_timed_out(
     conn: &mut PgConnection,
     timeouts: CommandTimeouts,
@@ -82,7 +89,11 @@ pub async fn lock_timed_out(
                  ON t.kind = c.kind AND t.state = s.state
               WHERE c.completed_at IS NULL
                 AND c.generation = s.generation AND s.deleted_at IS NULL
-                AND c.created_at < now() - make_interval(secs => t.secs)
+                AND CASE WHEN c.published_at IS NULL
+                         THEN c.created_at < now() - make_interval(secs => t.secs)
+                         ELSE c.published_at < COALESCE((SELECT applied_through
+                                                           FROM results_watermark), now())
+                                               - make_interval(secs => t.secs) END
                 AND NOT EXISTS (SELECT 1 FROM hosts h
                                  CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
                                  WHERE h.id = c.host_id
