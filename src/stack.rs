@@ -36,7 +36,8 @@ const HOSTS_POLL: Duration = Duration::from_millis(200);
 pub enum Reconciler {
     /// The result consumer, the leader loop (the periodic pass) and the fleet gauges.
     Leader(Box<berth_reconciler::ReconcilerConfig>),
-    /// Only the result consumer: the caller runs passes itself, e.g. to time them.
+    /// Only the result consumer (and the results watermark its progress gives): the caller runs
+    /// passes itself, e.g. to time them.
     ResultsOnly,
 }
 
@@ -213,9 +214,25 @@ impl Stack {
                         heartbeat_freshness: freshness,
                         ..Default::default()
                     };
-                    berth_reconciler::results::consume(&result_subjects, &db, bus, health, halt)
-                        .await
-                        .context("result consumer")
+                    // The caller's passes count command timeouts to the results watermark.
+                    let sampling = halt.child_token();
+                    let watermark = tokio::spawn(berth_reconciler::watermark::run(
+                        db.clone(),
+                        bus.clone(),
+                        result_subjects.clone(),
+                        sampling.clone(),
+                    ));
+                    let consumed = berth_reconciler::results::consume(
+                        &result_subjects,
+                        &db,
+                        bus,
+                        health,
+                        halt,
+                    )
+                    .await;
+                    sampling.cancel();
+                    let _ = watermark.await;
+                    consumed.context("result consumer")
                 }
             }
         });

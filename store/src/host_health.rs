@@ -40,9 +40,43 @@ pub struct Recorded {
     pub change: HealthChange,
 }
 
+/// `host`'s health, locking its row when `lock`; `None` when no such host exists.
+async fn read(
+    conn: &mut PgConnection,
+    host: HostId,
+    lock: bool,
+) -> Result<Option<HostHealth>, StoreError> {
+    let current: Option<(String, i32, i64)> = timed(
+        Op::HostHealthRecord,
+        sqlx::query_as(if lock {
+            "SELECT health, health_failures, health_backoff_ms FROM hosts
+              WHERE id = $1 FOR NO KEY UPDATE"
+        } else {
+            "SELECT health, health_failures, health_backoff_ms FROM hosts WHERE id = $1"
+        })
+        .bind(host)
+        .fetch_optional(&mut *conn),
+    )
+    .await?;
+    current
+        .map(|(health, failures, backoff_ms)| {
+            Ok(HostHealth {
+                condition: condition(&health)?,
+                failures: u32::try_from(failures.max(0)).unwrap_or(0),
+                backoff: Duration::from_millis(u64::try_from(backoff_ms.max(0)).unwrap_or(0)),
+            })
+        })
+        .transpose()
+}
+
 /// Applies `event` to `host`'s health in the caller's transaction: locks the row, asks
 /// [`HostHealth::on`], writes the result (`probe_at` = now + the decided delay, cleared when
 /// `healthy`; `reason` is kept as the last bad boot's). `None` when no such host exists.
+///
+/// An event that changes nothing (a good boot on a healthy host, the common case) is decided
+/// on an unlocked read and writes nothing: every boot result would otherwise lock and rewrite
+/// its host's row, queueing behind the heartbeat upserts that hold it (issue 12, the sim's
+/// result consumer). Deciding it before a concurrent bad event is a valid order of the two.
 ///
 /// Errors: [`StoreError::Corrupt`] for a `hosts.health` the schema does not know.
 pub async fn record(
@@ -52,23 +86,18 @@ pub async fn record(
     policy: &HealthPolicy,
     reason: Option<&str>,
 ) -> Result<Option<Recorded>, StoreError> {
-    let current: Option<(String, i32, i64)> = timed(
-        Op::HostHealthRecord,
-        sqlx::query_as(
-            "SELECT health, health_failures, health_backoff_ms FROM hosts
-              WHERE id = $1 FOR NO KEY UPDATE",
-        )
-        .bind(host)
-        .fetch_optional(&mut *conn),
-    )
-    .await?;
-    let Some((health, failures, backoff_ms)) = current else {
+    let Some(seen) = read(conn, host, false).await? else {
         return Ok(None);
     };
-    let before = HostHealth {
-        condition: condition(&health)?,
-        failures: u32::try_from(failures.max(0)).unwrap_or(0),
-        backoff: Duration::from_millis(u64::try_from(backoff_ms.max(0)).unwrap_or(0)),
+    let unchanged = seen.on(event, policy);
+    if unchanged.health == seen && unchanged.probe_in.is_none() && !event.is_bad() {
+        return Ok(Some(Recorded {
+            before: seen,
+            change: unchanged,
+        }));
+    }
+    let Some(before) = read(conn, host, true).await? else {
+        return Ok(None);
     };
     let change = before.on(event, policy);
     let after = change.health;
