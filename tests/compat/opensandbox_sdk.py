@@ -210,7 +210,9 @@ async def by_template(manager):
     assert info.status.state == "Running", info.status
     # A background counter: the command answers at once, the process keeps running.
     execution = await sandbox.commands.run(
-        "echo $$ > /tmp/pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done",
+        # (written beside and renamed over, so a read never finds the file truncated mid-write)
+        "echo $$ > /tmp/pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new;"
+        " mv /tmp/count.new /tmp/count; sleep 0.2; done",
         opts=RunCommandOpts(background=True),
     )
     # (the SDK leaves a background run's exit_code unset)
