@@ -110,9 +110,7 @@ async fn sample_once(
     let at_us = commands::database_now(db).await?;
     let stream = js.get_stream_no_info(subjects.result_stream()).await?;
     let last_sequence = stream.get_info().await?.state.last_sequence;
-    let consumer = stream
-        .consumer_info(subjects.reconciler_consumer())
-        .await?;
+    let consumer = stream.consumer_info(subjects.reconciler_consumer()).await?;
     let progress = Progress {
         ack_floor: consumer.ack_floor.stream_sequence,
         caught_up: consumer.num_pending == 0 && consumer.num_ack_pending == 0,

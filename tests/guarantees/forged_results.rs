@@ -225,11 +225,5 @@ async fn a_result_published_on_another_hosts_subject_is_not_applied(db: PgPool) 
         .expect("the consumer stops")
         .unwrap()
         .unwrap();
-    for stream in [
-        subjects.cmd_stream(),
-        subjects.result_stream(),
-        subjects.events_stream(),
-    ] {
-        let _ = js.delete_stream(stream).await;
-    }
+    berth_schemas::streams::delete_streams(&js, &subjects).await;
 }

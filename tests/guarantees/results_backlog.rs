@@ -103,9 +103,7 @@ async fn a_command_is_not_timed_out_while_its_result_waits_in_the_consumers_back
     // The consumer applies the backlog; the watermark then passes both deadlines.
     let consumer = tokio::spawn({
         let (subjects, db, shutdown) = (subjects.clone(), plane.db.clone(), shutdown.clone());
-        async move {
-            results::consume(&subjects, &db, nats, Default::default(), shutdown).await
-        }
+        async move { results::consume(&subjects, &db, nats, Default::default(), shutdown).await }
     });
     eventually("the queued result is applied", || async {
         inproc::row(&plane.db, answered).await.state == "running"
@@ -118,7 +116,10 @@ async fn a_command_is_not_timed_out_while_its_result_waits_in_the_consumers_back
     let report = run_pass(&plane.db, &eager, &lease).await.unwrap();
     assert_eq!(report.count(Action::CommandTimeout), 1, "{report:?}");
     assert_eq!(inproc::row(&plane.db, answered).await.state, "running");
-    assert_eq!(inproc::row(&plane.db, unanswered).await.state, "failed-start");
+    assert_eq!(
+        inproc::row(&plane.db, unanswered).await.state,
+        "failed-start"
+    );
 
     shutdown.cancel();
     sampler.await.unwrap();
@@ -127,11 +128,5 @@ async fn a_command_is_not_timed_out_while_its_result_waits_in_the_consumers_back
         .expect("the consumer stops")
         .unwrap()
         .unwrap();
-    for stream in [
-        subjects.cmd_stream(),
-        subjects.result_stream(),
-        subjects.events_stream(),
-    ] {
-        let _ = js.delete_stream(stream).await;
-    }
+    berth_schemas::streams::delete_streams(&js, &subjects).await;
 }

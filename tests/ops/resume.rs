@@ -82,7 +82,8 @@ async fn gvisor_sandbox(stack: &Stack) -> String {
 /// A counter in the background: its value in `/root/n` (disk) each 50 ms, its pid in
 /// `/root/pid`. Each value is written beside the file and renamed over it, so a read never
 /// finds the file truncated mid-write (an empty read failed this test under load).
-const COUNTER: &str = "(i=0; while :; do i=$((i+1)); echo $i > /root/n.new; mv /root/n.new /root/n; \
+const COUNTER: &str =
+    "(i=0; while :; do i=$((i+1)); echo $i > /root/n.new; mv /root/n.new /root/n; \
                        sleep 0.05; done) </dev/null >/dev/null 2>&1 & echo $! > /root/pid";
 
 async fn count(stack: &Stack, id: &str) -> u64 {
