@@ -364,6 +364,13 @@ lifecycle_route!(
     "Resume: an alias of start."
 );
 
+lifecycle_route!(
+    archive,
+    "/v1/sandboxes/{id}/archive",
+    Request::Archive,
+    "Archive a `stopped` sandbox: its stop snapshot is made durable in the object store, then its local disk is freed; settles as `archived` (or back to `stopped` with the reason in its event when the upload fails). A start of an `archived` sandbox unarchives it on whatever host placement picks."
+);
+
 /// `DELETE /v1/sandboxes/{id}`: accepted from every state; repeating it changes nothing.
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path), WaitQuery),
     responses(

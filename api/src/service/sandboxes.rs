@@ -67,6 +67,7 @@ pub async fn create(
             metadata: req.metadata,
             auto_stop_minutes: req.auto_stop_minutes,
             auto_delete_minutes: req.auto_delete_minutes,
+            auto_archive_days: req.auto_archive_days,
             disk_mib: req.disk_mib,
             network: req.network,
             auto_resume: req.auto_resume,
@@ -246,6 +247,22 @@ pub async fn lifecycle(
     };
     if capacity == Capacity::Reserve && !row.holds_capacity {
         super::quota::check(&mut tx, org, row.resources).await?;
+    }
+    if to == SandboxState::Unarchiving {
+        // An archived sandbox lives on no host: placement picks one and reserves its capacity
+        // there in this transaction, as a create does (guarantee 4).
+        let policy = PlacementPolicy {
+            heartbeat_freshness: berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS,
+            overcommit,
+        };
+        let host = place_new(&mut tx, policy, row.resources).await?;
+        let (moved, command_id) =
+            sandboxes::unarchive(&mut tx, &row, host, Reason::UserRequest).await?;
+        let generation = moved.generation;
+        let outcome = LifecycleOutcome::Accepted(Sandbox::from(moved));
+        let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
+        info!(command_id = %command_id, generation = %generation, host_id = %host, "unarchive placed");
+        return Ok(Replayable::Fresh(outcome, response));
     }
     let written = sandboxes::write_transition(
         &mut tx,

@@ -17,6 +17,7 @@
 //! # Assumptions
 //! Commands of one sandbox are applied one at a time (`nats::commands` chains them).
 
+pub mod archive;
 pub mod delete;
 pub mod resume;
 pub mod snapshot;
@@ -165,7 +166,11 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         CommandKind::Create | CommandKind::Start => up::up(host, cmd, live).await,
         CommandKind::Stop => stop::stop(host, live).await,
         CommandKind::Snapshot => snapshot::snapshot(host, cmd, live).await,
-        CommandKind::Restore | CommandKind::Clone => resume::resume(host, cmd, live).await,
+        // An unarchive is a clone of its stop snapshot under the sandbox's own id.
+        CommandKind::Restore | CommandKind::Clone | CommandKind::Unarchive => {
+            resume::resume(host, cmd, live).await
+        }
+        CommandKind::Archive => archive::archive(host, cmd, live).await,
         CommandKind::Delete => match delete::delete(host, cmd, record).await {
             Ok(done) => done,
             Err(error) => {
@@ -181,6 +186,9 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         outcome,
     };
     if let Some(mut record) = after {
+        if changes_the_disk(cmd.kind) {
+            record.durable = None;
+        }
         record.remember(stored.clone());
         let persisted = if record.is_tombstone() {
             host.store
@@ -198,7 +206,8 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     let outcome = match stored.outcome {
         ResultOutcome::Succeeded { .. }
         | ResultOutcome::StoppedOnDisk { .. }
-        | ResultOutcome::Snapshotted(_) => CommandOutcome::Succeeded,
+        | ResultOutcome::Snapshotted(_)
+        | ResultOutcome::Durable(_) => CommandOutcome::Succeeded,
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
@@ -241,5 +250,20 @@ fn operation(kind: CommandKind) -> &'static str {
         CommandKind::Snapshot => "snapshot",
         CommandKind::Restore => "restore",
         CommandKind::Clone => "clone",
+        CommandKind::Archive => "archive",
+        CommandKind::Unarchive => "unarchive",
     }
+}
+
+/// Whether a command of `kind` changes (or replaces) the sandbox's disk, so its last durable
+/// stop snapshot no longer describes it.
+fn changes_the_disk(kind: CommandKind) -> bool {
+    matches!(
+        kind,
+        CommandKind::Create
+            | CommandKind::Start
+            | CommandKind::Restore
+            | CommandKind::Clone
+            | CommandKind::Unarchive
+    )
 }
