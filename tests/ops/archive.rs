@@ -288,3 +288,53 @@ async fn an_s3_server_killed_mid_archive_leaves_it_stopped_with_its_disk_and_a_l
     drop(s3);
     stack.teardown().await;
 }
+
+/// A counter in the background: its value in `/root/n` each 50 ms, its pid in `/root/pid`.
+const COUNTER: &str = "(i=0; while :; do i=$((i+1)); echo $i > /root/n; sleep 0.05; done) \
+                       </dev/null >/dev/null 2>&1 & echo $! > /root/pid";
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_gvisor_sandbox_archived_after_a_memory_stop_continues_its_processes_on_the_other_host(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    stack.add_host_with((Some(1), Some(256))).await;
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(serde_json::json!({"template": "base-gvisor", "vcpus": 1, "memory_mib": 256})),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    let first_host = host_of(&stack, &id).await;
+    run(&stack, &id, COUNTER).await;
+    let pid = run(&stack, &id, "cat /root/pid").await;
+    let stopped = stop_durably(&stack, &id).await;
+    assert_eq!(stopped["last_stop"], "memory", "{stopped}");
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    assert!(stack.leftovers(&id).is_empty());
+
+    let filler = running_sandbox(&stack).await;
+    assert_eq!(host_of(&stack, &filler).await, first_host);
+    stack.add_host().await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_ne!(host_of(&stack, &id).await, first_host);
+    // The same process, still counting.
+    run(&stack, &id, &format!("kill -0 {}", pid.trim())).await;
+    let first = count(&stack, &id).await;
+    eventually("the unarchived counter counts on", || async {
+        count(&stack, &id).await > first
+    })
+    .await;
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+async fn count(stack: &Stack, id: &str) -> u64 {
+    run(stack, id, "cat /root/n").await.trim().parse().unwrap()
+}
