@@ -191,10 +191,27 @@ async fn a_delete_is_accepted_while_archiving_and_once_archived(db: PgPool) {
     stop_durably(&stack, &b).await;
     assert_eq!(stack.request(&b, "archive").await.0, 202);
     stack.wait_state(&b, "archived").await;
+    let snapshot: uuid::Uuid =
+        sqlx::query_scalar("SELECT durable_snapshot FROM sandboxes WHERE id = $1::uuid")
+            .bind(&b)
+            .fetch_one(&stack.db)
+            .await
+            .unwrap();
+    let manifest = format!("{snapshot}.json");
+    let stored = |name: &str| {
+        walk(&stack.object_store_dir())
+            .iter()
+            .any(|p| p.file_name().is_some_and(|n| n == name))
+    };
+    assert!(stored(&manifest), "the archive is in the store");
     let (status, body) = stack.delete(&b).await;
     assert_eq!(status, 202, "{body}");
     assert_eq!(body["state"], "deleted", "{body}");
     assert_eq!(stack.request(&b, "start").await.0, 409);
+    assert!(
+        !stored(&manifest),
+        "its stored content is collected with the sandbox"
+    );
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }
@@ -337,4 +354,40 @@ async fn a_gvisor_sandbox_archived_after_a_memory_stop_continues_its_processes_o
 
 async fn count(stack: &Stack, id: &str) -> u64 {
     run(stack, id, "cat /root/n").await.trim().parse().unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_host_never_answers_times_out_to_stopped_and_its_late_archive_loses_nothing(
+    db: PgPool,
+) {
+    let config = PassConfig {
+        interval: Duration::from_millis(100),
+        archive_timeout: Duration::from_secs(10),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db.clone(), 1, config).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo kept > /root/f").await;
+    stop_durably(&stack, &id).await;
+    stack.hosts[0].freeze();
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    let stopped = stack.wait_state(&id, "stopped").await;
+    let reason = stopped["state_reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("timeout") && reason.contains("sandbox.archive"),
+        "{stopped}"
+    );
+    stack.hosts[0].thaw();
+    // The host archives late (its result is fenced: the row stays stopped)...
+    eventually("the late archive frees the disk", || async {
+        stack.leftovers(&id).is_empty()
+    })
+    .await;
+    assert_eq!(stack.state_of(&id).await, "stopped");
+    // ...and a start still finds its files: the host unarchives it from its own copy.
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
 }

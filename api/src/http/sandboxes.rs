@@ -388,14 +388,14 @@ pub async fn delete(
 ) -> Result<Response, ApiError> {
     let wait = wait_slot(&app, &caller, wait_of(query, Some(Request::Delete))?)?;
     let stop = stop_token(shutdown);
-    lifecycle(
-        &app,
-        &caller,
-        parse_id(&id)?,
-        Request::Delete,
-        None,
-        wait,
-        &stop,
-    )
-    .await
+    let id = parse_id(&id)?;
+    let response = lifecycle(&app, &caller, id, Request::Delete, None, wait, &stop).await?;
+    // Issue 14: what a durable stop or an archive stored goes with the sandbox.
+    if let Some(settings) = &app.config.object_store {
+        match berth_storage::Objects::open(settings) {
+            Ok(objects) => sandboxes::collect_durable(&app.db, &objects, id).await?,
+            Err(error) => tracing::warn!(%error, "object store not opened; durable content kept"),
+        }
+    }
+    Ok(response)
 }

@@ -288,6 +288,40 @@ pub async fn lifecycle(
     Ok(Replayable::Fresh(outcome, response))
 }
 
+/// After a delete was accepted: removes the sandbox's durable stop snapshot from the object
+/// store (issue 14) — its manifest, and each chunk no snapshot and no other durable stop
+/// references (claimed first, as a snapshot delete's are). Nothing to do without one; a store
+/// that fails leaves the content (logged), never the delete.
+pub async fn collect_durable(
+    db: &PgPool,
+    objects: &berth_storage::Objects,
+    id: SandboxId,
+) -> Result<(), ServiceError> {
+    let mut tx = db.begin().await?;
+    let Some((snapshot, orphans)) = sandboxes::take_durable(&mut tx, id).await? else {
+        return Ok(());
+    };
+    berth_store::chunks::queue(&mut tx, &orphans).await?;
+    tx.commit().await?;
+    let removed = async {
+        objects
+            .delete(&berth_storage::Objects::manifest_key(snapshot))
+            .await
+            .map_err(|e| e.to_string())?;
+        super::snapshots::remove_chunks(db, objects, &orphans).await
+    }
+    .await;
+    match removed {
+        Ok(n) => {
+            info!(sandbox_id = %id, snapshot_id = %snapshot, chunks_freed = n, "durable stop snapshot removed")
+        }
+        Err(error) => {
+            tracing::warn!(%error, sandbox_id = %id, "durable stop snapshot not removed from the store")
+        }
+    }
+    Ok(())
+}
+
 /// Marks a sandbox active now (an exec counts as activity for auto-stop).
 pub async fn mark_active(db: &PgPool, id: SandboxId) -> Result<(), ServiceError> {
     Ok(sandboxes::touch(db, id).await?)

@@ -205,13 +205,27 @@ pub async fn upload_stop(
 
 /// Applies a `sandbox.archive`: the stop snapshot durable first (its manifest read back from
 /// the store, or uploaded now), then the local disk freed. Returns the tombstone and
-/// [`ResultOutcome::Durable`], or the record untouched and `Failed` with why.
+/// [`ResultOutcome::Durable`], or the record untouched and `Failed` with why. `archived_here`:
+/// this host already archived the sandbox (an earlier archive the control plane timed out):
+/// answered from its stored copy once the manifest reads back.
 pub async fn archive(
     host: &Arc<Host>,
     cmd: &Command,
     live: Option<SandboxRecord>,
+    archived_here: Option<StopDurable>,
 ) -> (Option<SandboxRecord>, ResultOutcome) {
     let Some(mut record) = live else {
+        if let Some(durable) = archived_here {
+            return match berth_storage::fetch_manifest(&host.snapshots.objects, durable.snapshot_id)
+                .await
+            {
+                Ok(_) => (None, ResultOutcome::Durable(durable)),
+                Err(error) => {
+                    let reason = format!("archived here, but its copy does not read back: {error}");
+                    (None, ResultOutcome::Failed { reason })
+                }
+            };
+        }
         let reason = "no such sandbox on this host".to_owned();
         return (None, ResultOutcome::Failed { reason });
     };

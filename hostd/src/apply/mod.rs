@@ -162,7 +162,28 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     // API), not an agent fault.
     let _closed = matches!(cmd.kind, CommandKind::Stop | CommandKind::Delete)
         .then(|| host.gates.close_while(cmd.sandbox_id));
+    // A sandbox this host archived: its tombstone remembers where its disk went. A start that
+    // still comes here (its archive timed out in the control plane but finished on this host)
+    // unarchives it from there instead of booting a fresh template, and another archive is
+    // answered from there (issue 14: a late archive never loses the disk).
+    let archived_here = record
+        .as_ref()
+        .filter(|r| r.is_tombstone() && r.phase == crate::record::Phase::Deleted)
+        .and_then(|r| r.durable.clone());
     let (after, outcome) = match cmd.kind {
+        CommandKind::Start if archived_here.is_some() => {
+            let durable = archived_here.clone().unwrap_or_else(|| unreachable!());
+            tracing::info!(snapshot_id = %durable.snapshot_id, "a start of a sandbox archived here: unarchiving it");
+            let from_store = Command {
+                snapshot: Some(berth_schemas::wire::SnapshotOrder {
+                    snapshot_id: durable.snapshot_id,
+                    parent: None,
+                }),
+                kind: CommandKind::Unarchive,
+                ..cmd.clone()
+            };
+            resume::resume(host, &from_store, None).await
+        }
         CommandKind::Create | CommandKind::Start => up::up(host, cmd, live).await,
         CommandKind::Stop => stop::stop(host, live).await,
         CommandKind::Snapshot => snapshot::snapshot(host, cmd, live).await,
@@ -170,7 +191,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         CommandKind::Restore | CommandKind::Clone | CommandKind::Unarchive => {
             resume::resume(host, cmd, live).await
         }
-        CommandKind::Archive => archive::archive(host, cmd, live).await,
+        CommandKind::Archive => archive::archive(host, cmd, live, archived_here).await,
         CommandKind::Delete => match delete::delete(host, cmd, record).await {
             Ok(done) => done,
             Err(error) => {
@@ -265,5 +286,6 @@ fn changes_the_disk(kind: CommandKind) -> bool {
             | CommandKind::Restore
             | CommandKind::Clone
             | CommandKind::Unarchive
+            | CommandKind::Delete
     )
 }

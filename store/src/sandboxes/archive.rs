@@ -145,3 +145,46 @@ pub async fn unarchive(
     .await?;
     Ok((moved, command.id))
 }
+
+/// For a sandbox being deleted: forgets its durable stop snapshot (`durable_at`,
+/// `durable_snapshot` and its chunk references) in the caller's transaction, and returns the
+/// snapshot with the chunks no snapshot and no other durable stop references any more (for the
+/// caller to queue for removal, `crate::chunks::queue`). `None` when it has none, or is not
+/// being deleted.
+pub async fn take_durable(
+    conn: &mut PgConnection,
+    id: SandboxId,
+) -> Result<Option<(SnapshotId, Vec<String>)>, StoreError> {
+    let taken: Option<SnapshotId> = timed(
+        Op::SandboxDurable,
+        sqlx::query_scalar(
+            "WITH old AS (SELECT id, durable_snapshot FROM sandboxes
+                           WHERE id = $1 AND deleted_at IS NOT NULL
+                             AND durable_snapshot IS NOT NULL
+                           FOR UPDATE)
+             UPDATE sandboxes s SET durable_at = NULL, durable_snapshot = NULL
+               FROM old WHERE s.id = old.id
+             RETURNING old.durable_snapshot",
+        )
+        .bind(id)
+        .fetch_optional(&mut *conn),
+    )
+    .await?;
+    let Some(snapshot) = taken else {
+        return Ok(None);
+    };
+    let orphans: Vec<String> = timed(
+        Op::SandboxDurable,
+        sqlx::query_scalar(
+            "WITH mine AS (DELETE FROM durable_chunks WHERE sandbox_id = $1 RETURNING sha256)
+             SELECT m.sha256 FROM mine m
+              WHERE NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = m.sha256)
+                AND NOT EXISTS (SELECT 1 FROM durable_chunks d
+                                 WHERE d.sha256 = m.sha256 AND d.sandbox_id <> $1)",
+        )
+        .bind(id)
+        .fetch_all(&mut *conn),
+    )
+    .await?;
+    Ok(Some((snapshot, orphans)))
+}
