@@ -391,3 +391,64 @@ async fn an_archive_whose_host_never_answers_times_out_to_stopped_and_its_late_a
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_unarchive_whose_host_never_answers_fails_start_releasing_capacity_and_a_delete_while_unarchiving_converges(
+    db: PgPool,
+) {
+    let config = PassConfig {
+        interval: Duration::from_millis(100),
+        archive_timeout: Duration::from_secs(10),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db.clone(), 1, config).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo kept > /root/f").await;
+    stop_durably(&stack, &id).await;
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    stack.hosts[0].freeze();
+    let (status, body) = stack.request(&id, "start").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "unarchiving", "{body}");
+    let failed = stack.wait_state(&id, "failed-start").await;
+    let reason = failed["state_reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("timeout") && reason.contains("sandbox.unarchive"),
+        "{failed}"
+    );
+    stack.assert_no_capacity_drift().await;
+    stack.hosts[0].thaw();
+    // The late unarchive is stopped by the timeout's compensation, keeping the fetched disk:
+    // a start boots it with its files.
+    eventually("the compensating stop is applied", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM commands WHERE sandbox_id = $1::uuid
+                 AND kind = 'sandbox.stop' AND outcome = 'succeeded'
+                 AND generation = (SELECT generation FROM sandboxes WHERE id = $1::uuid))",
+        )
+        .bind(&id)
+        .fetch_one(&db)
+        .await
+        .unwrap()
+    })
+    .await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
+
+    // A delete while `unarchiving`.
+    stop_durably(&stack, &id).await;
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    let (status, body) = stack.delete(&id).await;
+    assert_eq!(status, 202, "{body}");
+    stack.wait_state(&id, "deleted").await;
+    eventually("the deleted sandbox left nothing", || async {
+        stack.leftovers(&id).is_empty()
+    })
+    .await;
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
