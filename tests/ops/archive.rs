@@ -147,6 +147,24 @@ async fn a_stopped_sandbox_is_auto_archived_after_its_interval(db: PgPool) {
     let id = running_sandbox(&stack).await;
     run(&stack, &id, "echo kept > /root/f").await;
     stop_durably(&stack, &id).await;
+    let (status, body) = stack
+        .call(
+            Method::PATCH,
+            &format!("/v1/sandboxes/{id}"),
+            Some(serde_json::json!({"auto_archive_days": 1})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["auto_archive_days"], 1, "{body}");
+    let (status, body) = stack
+        .call(
+            Method::PATCH,
+            &format!("/v1/sandboxes/{id}"),
+            Some(serde_json::json!({"auto_archive_days": 0})),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(stack.state_of(&id).await, "stopped", "a day has not passed");
     // The tests' seconds override of `auto_archive_days`.
     sqlx::query("UPDATE sandboxes SET auto_archive_seconds = 1 WHERE id = $1::uuid")
         .bind(&id)
