@@ -122,6 +122,7 @@ impl ReconcilerTimingArgs {
             },
             health: self.health(),
             snapshot_timeout: pass::DEFAULT_SNAPSHOT_TIMEOUT,
+            archive_timeout: pass::DEFAULT_ARCHIVE_TIMEOUT,
             template_pull_timeout: self.template_pull_timeout.into(),
         }
     }

@@ -146,6 +146,8 @@ pub struct Host {
     pub heartbeat_seq: HeartbeatSeq,
     /// Where snapshots go, and this host's cache of their chunks.
     pub snapshots: SnapshotStorage,
+    /// The background stop uploads, by sandbox, so a sandbox's next command cancels its own.
+    pub uploads: crate::apply::archive::UploadCancels,
     records: Mutex<HashMap<SandboxId, SandboxRecord>>,
 }
 
@@ -280,6 +282,7 @@ impl Host {
             gates: AgentGates::new(),
             backend,
             heartbeat_seq: HeartbeatSeq::default(),
+            uploads: Default::default(),
             records: Mutex::new(records),
         })
     }

@@ -17,7 +17,7 @@ use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
 
-use berth_schemas::wire::{CommandResult, ResultOutcome, SandboxSpec};
+use berth_schemas::wire::{CommandResult, ResultOutcome, SandboxSpec, StopDurable};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxId};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -104,6 +104,11 @@ pub struct SandboxRecord {
     pub results: Vec<StoredResult>,
     /// When the record was last written.
     pub updated_at: DateTime<Utc>,
+    /// The stop snapshot of the sandbox's current stopped disk, once stored in the object store
+    /// (issue 14); cleared by every command that changes the disk (a start). Records written
+    /// before it read as `None`.
+    #[serde(default)]
+    pub durable: Option<StopDurable>,
 }
 
 impl SandboxRecord {
@@ -123,6 +128,7 @@ impl SandboxRecord {
             link: None,
             results: Vec::new(),
             updated_at: Utc::now(),
+            durable: None,
         }
     }
 

@@ -100,7 +100,8 @@ pub async fn observe_command_latency(db: &PgPool, result: &CommandResult) {
     let outcome = match result.outcome {
         ResultOutcome::Succeeded { .. }
         | ResultOutcome::StoppedOnDisk { .. }
-        | ResultOutcome::Snapshotted(_) => "succeeded",
+        | ResultOutcome::Snapshotted(_)
+        | ResultOutcome::Durable(_) => "succeeded",
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => "failed",
         ResultOutcome::RefusedStale { .. } => return,
     };

@@ -86,7 +86,8 @@ pub async fn record_result(
         ),
         ResultOutcome::Rejected { .. }
         | ResultOutcome::RefusedStale { .. }
-        | ResultOutcome::Snapshotted(_) => return Ok(()),
+        | ResultOutcome::Snapshotted(_)
+        | ResultOutcome::Durable(_) => return Ok(()),
     };
     record(conn, result.host_id, event, policy, reason.as_deref()).await
 }

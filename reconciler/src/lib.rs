@@ -20,6 +20,7 @@
 //!   state machine decides it and the store applies it with the state write.
 //! - Only the lease holder's pass can commit (see [`berth_store::leases`]).
 
+mod durable;
 pub mod gauges;
 pub mod health;
 pub mod pass;

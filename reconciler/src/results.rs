@@ -303,6 +303,8 @@ pub enum Applied {
     Rejected(Rejection),
     /// A snapshot's row settled in this state (its sandbox row is unchanged).
     Snapshot(berth_schemas::state::snapshot::SnapshotState),
+    /// A stop snapshot was recorded durable (`durable_at`); the state is unchanged.
+    Durable,
 }
 
 impl Applied {
@@ -317,6 +319,7 @@ impl Applied {
             Applied::Retried { .. } => "retried",
             Applied::Rejected(_) => "rejected",
             Applied::Snapshot(_) => "snapshot",
+            Applied::Durable => "durable",
         }
     }
 }
@@ -368,7 +371,8 @@ async fn apply_once(
     let completed = match &result.outcome {
         ResultOutcome::Succeeded { .. }
         | ResultOutcome::StoppedOnDisk { .. }
-        | ResultOutcome::Snapshotted(_) => CommandOutcome::Succeeded,
+        | ResultOutcome::Snapshotted(_)
+        | ResultOutcome::Durable(_) => CommandOutcome::Succeeded,
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
@@ -380,6 +384,12 @@ async fn apply_once(
     if result.kind == CommandKind::Snapshot {
         // A snapshot settles its own row; the sandbox's state and generation do not move.
         let applied = crate::snapshots::apply(&mut tx, result).await?;
+        tx.commit().await?;
+        return Ok(applied);
+    }
+    if let (CommandKind::Stop, ResultOutcome::Durable(durable)) = (result.kind, &result.outcome) {
+        // A stop's second result: its snapshot is stored; the state does not move.
+        let applied = crate::durable::apply_stop(&mut tx, result, durable).await?;
         tx.commit().await?;
         return Ok(applied);
     }
@@ -399,6 +409,8 @@ async fn apply_once(
         ResultOutcome::StoppedOnDisk { .. } => {
             (Outcome::Succeeded, None, Some(StopMode::Disk), None)
         }
+        // An archive's success: its stop snapshot is stored and its local disk freed.
+        ResultOutcome::Durable(_) => (Outcome::Succeeded, None, None, None),
         ResultOutcome::Failed { reason } | ResultOutcome::Rejected { reason } => {
             (Outcome::Failed, None, None, Some(reason.as_str()))
         }
@@ -435,6 +447,12 @@ async fn apply_once(
                 return Ok(Applied::Retried { to });
             }
         }
+    }
+    if let (ResultDecision::Apply { .. }, ResultOutcome::Durable(durable)) =
+        (decision, &result.outcome)
+    {
+        // `archived` only with its durable stop snapshot recorded (guarantee 9).
+        crate::durable::record(&mut tx, &row, row.generation, durable).await?;
     }
     let applied = match decision {
         ResultDecision::Apply { to, capacity } => {

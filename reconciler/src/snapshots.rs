@@ -36,7 +36,9 @@ pub(crate) async fn apply(
                 "the host refused the snapshot: it had applied generation {applied}"
             )),
         ),
-        ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. } => (
+        ResultOutcome::Succeeded { .. }
+        | ResultOutcome::StoppedOnDisk { .. }
+        | ResultOutcome::Durable(_) => (
             SnapshotReport::Failed,
             Some("the host answered the snapshot with another command's outcome".into()),
         ),

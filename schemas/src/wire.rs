@@ -16,7 +16,11 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 13 (this one): two command kinds, [`CommandKind::Restore`] and
+/// Version 14 (this one): two command kinds, [`CommandKind::Archive`] and
+/// [`CommandKind::Unarchive`] (whose [`Command::snapshot`] names the stop snapshot to fetch),
+/// and [`ResultOutcome::Durable`]: a stop snapshot stored in the object store (a second
+/// result of a stop, sent once its upload is confirmed, and the success of an archive).
+/// Version 13: two command kinds, [`CommandKind::Restore`] and
 /// [`CommandKind::Clone`], whose [`Command::snapshot`] names the snapshot to boot from.
 /// Version 12: a sandbox's spec ends with the OCI image its template was pulled
 /// from, pinned to its digest ([`SandboxSpec::image`]). Version 11: a `sandbox.snapshot` command ([`CommandKind::Snapshot`]) carries a
@@ -33,7 +37,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 13;
+pub const WIRE_VERSION: u16 = 14;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -274,6 +278,24 @@ pub enum ResultOutcome {
     /// A snapshot is durable in the object store (its manifest stored); the sandbox is as it
     /// was. A snapshot that failed is [`ResultOutcome::Failed`], and the sandbox is untouched.
     Snapshotted(SnapshotStored),
+    /// A stopped sandbox's stop snapshot is durable in the object store (its manifest stored,
+    /// issue 14): sent by a host as a second result of a `sandbox.stop` once its background
+    /// upload is confirmed, and as the success of a `sandbox.archive` (the local disk is freed
+    /// only after that). A failed upload of a stop sends nothing; of an archive, `Failed`.
+    Durable(StopDurable),
+}
+
+/// A stop snapshot stored in the object store (wire v14).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StopDurable {
+    /// The manifest's id: an unarchive fetches it ([`Command::snapshot`]).
+    pub snapshot_id: SnapshotId,
+    /// Whether it holds the memory too (a gVisor memory stop), not only the disk.
+    pub memory: bool,
+    /// Compressed bytes of the distinct chunks it references.
+    pub stored_bytes: u64,
+    /// Every chunk it references: SHA-256 (lowercase hex) and compressed bytes.
+    pub chunks: Vec<(String, u32)>,
 }
 
 /// The most characters of a runtime's error a [`StopFallback`] carries (it travels in a
@@ -348,6 +370,7 @@ impl ResultOutcome {
             ResultOutcome::Succeeded { .. }
             | ResultOutcome::StoppedOnDisk { .. }
             | ResultOutcome::Snapshotted(_)
+            | ResultOutcome::Durable(_)
             | ResultOutcome::RefusedStale { .. } => None,
         }
     }

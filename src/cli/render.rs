@@ -87,6 +87,8 @@ pub fn sandbox_detail(s: &Value) -> String {
         "last_stop_reason",
         "auto_stop_minutes",
         "auto_delete_minutes",
+        "auto_archive_days",
+        "durable_at",
         "auto_resume",
         "public_ports",
         "expires_at",

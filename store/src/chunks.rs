@@ -8,7 +8,8 @@
 //!
 //! The protocol:
 //! 1. [`queue`]: the delete queues its orphaned chunks in its own transaction.
-//! 2. [`claim`]: a remover claims a queued chunk only while no snapshot references it, and
+//! 2. [`claim`]: a remover claims a queued chunk only while no snapshot references it (nor a
+//!    durable stop snapshot, `durable_chunks`), and
 //!    commits before it removes the object; [`finish`] stamps when the object is gone.
 //! 3. [`check_for_ready`]: a snapshot settling `ready` locks the rows of its chunks, in its
 //!    transaction. A queued, unclaimed row is taken back (the chunk is referenced again, and a
@@ -51,7 +52,8 @@ pub async fn claim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreErr
         sqlx::query(
             "UPDATE chunk_removals SET removing_at = clock_timestamp()
               WHERE sha256 = $1 AND removing_at IS NULL
-                AND NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)",
+                AND NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
+                AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)",
         )
         .bind(hash)
         .execute(&mut *conn),
@@ -63,7 +65,8 @@ pub async fn claim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreErr
             Op::ChunkRemoval,
             sqlx::query(
                 "DELETE FROM chunk_removals WHERE sha256 = $1 AND removing_at IS NULL
-                    AND EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)",
+                    AND (EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
+                         OR EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1))",
             )
             .bind(hash)
             .execute(conn),

@@ -68,6 +68,13 @@ ops! {
     /// [`crate::sandboxes::lock_due`] with `Due::AutoDelete`: `stopped`/`failed-start` rows past
     /// `auto_delete_minutes`.
     SandboxAutoDelete => "sandbox_auto_delete",
+    /// [`crate::sandboxes::lock_due`] with `Due::AutoArchive`: `stopped` rows past
+    /// `auto_archive_days`.
+    SandboxAutoArchive => "sandbox_auto_archive",
+    /// [`crate::sandboxes::write_durable`]: a stop snapshot confirmed durable (fenced).
+    SandboxDurable => "sandbox_durable",
+    /// [`crate::sandboxes::unarchive`]: an archived sandbox placed and sent its unarchive.
+    SandboxUnarchive => "sandbox_unarchive",
     /// [`crate::sandboxes::update_settings`]: a fenced write of a sandbox's settings (PATCH,
     /// renew).
     SandboxUpdateSettings => "sandbox_update_settings",

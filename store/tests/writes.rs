@@ -74,6 +74,7 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
             metadata: serde_json::json!({}),
             auto_stop_minutes: None,
             auto_delete_minutes: None,
+            auto_archive_days: None,
             disk_mib: 256,
             auto_resume: true,
             public_ports: vec![],
@@ -280,4 +281,67 @@ async fn a_transaction_postgres_aborts_for_a_deadlock_is_run_again(db: PgPool) {
         3,
         "one of the two deadlocked transactions ran again"
     );
+}
+
+/// Issue 14: `durable_at` is written only at the stop's generation while the sandbox keeps its
+/// stopped disk; a late report for a sandbox that moved on (started, deleted) changes nothing.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_late_durability_report_for_a_sandbox_that_moved_on_changes_nothing(db: PgPool) {
+    use berth_schemas::ids::SnapshotId;
+    let host = host(&db).await;
+    let row = placed(&db, host).await;
+    let chunks = vec![("ab".to_owned(), 5_i64)];
+    let mut tx = db.begin().await.unwrap();
+    // Provisioning: not a stopped disk, nothing written.
+    assert!(
+        !sandboxes::write_durable(&mut tx, row.id, row.generation, SnapshotId::new(), &chunks)
+            .await
+            .unwrap()
+    );
+    let stopped = sandboxes::write_transition(
+        &mut tx,
+        &row,
+        &transition(SandboxState::Stopped, CommandKind::Stop, Capacity::Release),
+    )
+    .await
+    .unwrap()
+    .row;
+    let snapshot = SnapshotId::new();
+    assert!(
+        sandboxes::write_durable(&mut tx, row.id, stopped.generation, snapshot, &chunks)
+            .await
+            .unwrap()
+    );
+    let durable = sandboxes::lock(&mut tx, row.id, None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(durable.durable_at.is_some());
+    assert_eq!(durable.durable_snapshot, Some(snapshot));
+    // Started: the next generation clears it, and the old stop's report is fenced.
+    let started = sandboxes::write_transition(
+        &mut tx,
+        &durable,
+        &transition(
+            SandboxState::Starting,
+            CommandKind::Start,
+            Capacity::Reserve,
+        ),
+    )
+    .await
+    .unwrap()
+    .row;
+    assert_eq!((started.durable_at, started.durable_snapshot), (None, None));
+    assert!(
+        !sandboxes::write_durable(&mut tx, row.id, stopped.generation, snapshot, &chunks)
+            .await
+            .unwrap(),
+        "a late report changes nothing"
+    );
+    let after = sandboxes::lock(&mut tx, row.id, None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((after.durable_at, after.durable_snapshot), (None, None));
+    tx.commit().await.unwrap();
 }

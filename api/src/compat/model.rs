@@ -174,6 +174,7 @@ impl CreateBody {
                 metadata: serde_json::Value::Object(metadata),
                 auto_stop_minutes: None,
                 auto_delete_minutes: None,
+                auto_archive_days: None,
                 disk_mib: disk.default_mib(),
                 network: Default::default(),
                 auto_resume: true,

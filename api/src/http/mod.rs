@@ -60,6 +60,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/wait", get(settings::wait_for))
         .route("/v1/sandboxes/{id}/stop", post(sandboxes::stop))
         .route("/v1/sandboxes/{id}/pause", post(sandboxes::pause))
+        .route("/v1/sandboxes/{id}/archive", post(sandboxes::archive))
         .route("/v1/sandboxes/{id}/start", post(sandboxes::start))
         .route("/v1/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/v1/sandboxes/{id}/exec", post(exec::exec))

@@ -364,6 +364,13 @@ lifecycle_route!(
     "Resume: an alias of start."
 );
 
+lifecycle_route!(
+    archive,
+    "/v1/sandboxes/{id}/archive",
+    Request::Archive,
+    "Archive a `stopped` sandbox: its stop snapshot is made durable in the object store, then its local disk is freed; settles as `archived` (or back to `stopped` with the reason in its event when the upload fails). A start of an `archived` sandbox unarchives it on whatever host placement picks."
+);
+
 /// `DELETE /v1/sandboxes/{id}`: accepted from every state; repeating it changes nothing.
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path), WaitQuery),
     responses(
@@ -381,14 +388,14 @@ pub async fn delete(
 ) -> Result<Response, ApiError> {
     let wait = wait_slot(&app, &caller, wait_of(query, Some(Request::Delete))?)?;
     let stop = stop_token(shutdown);
-    lifecycle(
-        &app,
-        &caller,
-        parse_id(&id)?,
-        Request::Delete,
-        None,
-        wait,
-        &stop,
-    )
-    .await
+    let id = parse_id(&id)?;
+    let response = lifecycle(&app, &caller, id, Request::Delete, None, wait, &stop).await?;
+    // Issue 14: what a durable stop or an archive stored goes with the sandbox.
+    if let Some(settings) = &app.config.object_store {
+        match berth_storage::Objects::open(settings) {
+            Ok(objects) => sandboxes::collect_durable(&app.db, &objects, id).await?,
+            Err(error) => tracing::warn!(%error, "object store not opened; durable content kept"),
+        }
+    }
+    Ok(response)
 }

@@ -58,6 +58,9 @@ pub struct CreateSandbox {
     pub auto_stop_minutes: Option<u32>,
     /// Delete after this many minutes stopped; 1 to 525600.
     pub auto_delete_minutes: Option<u32>,
+    /// Archive (upload to object storage and free the host's disk) after this many days
+    /// stopped; 1 to 3650.
+    pub auto_archive_days: Option<u32>,
     /// The size of the sandbox's writable disk in MiB: what it may write beyond its template
     /// (an exec that writes more gets `ENOSPC`). 64 to the operator's maximum (default 65536);
     /// default 2048 unless the operator set another. Kept across stops.
@@ -241,6 +244,8 @@ pub struct ValidCreate {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes stopped before an auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// Days stopped before an auto-archive; `None`: never.
+    pub auto_archive_days: Option<i32>,
     /// The writable disk in MiB, within the operator's [`DiskLimits`], default applied.
     pub disk_mib: u32,
     /// The network policy; public egress when the request named none.
@@ -265,6 +270,8 @@ pub struct ValidCreate {
 pub const MAX_AUTO_STOP_MINUTES: u32 = 7 * 24 * 60;
 /// The longest `auto_delete_minutes` (a year).
 pub const MAX_AUTO_DELETE_MINUTES: u32 = 365 * 24 * 60;
+/// The longest `auto_archive_days` (ten years).
+pub const MAX_AUTO_ARCHIVE_DAYS: u32 = 3650;
 
 /// The 400 of a metadata object over [`MAX_METADATA_KEYS`].
 pub(crate) fn too_many_keys() -> ApiError {
@@ -414,6 +421,11 @@ impl CreateSandbox {
                 self.auto_delete_minutes,
                 MAX_AUTO_DELETE_MINUTES,
             )?,
+            auto_archive_days: minutes(
+                "auto_archive_days",
+                self.auto_archive_days,
+                MAX_AUTO_ARCHIVE_DAYS,
+            )?,
             disk_mib,
         })
     }
@@ -486,6 +498,14 @@ pub struct Sandbox {
     /// The argv started in the background at each boot from disk; empty: none.
     #[serde(default)]
     pub entrypoint: Vec<String>,
+    /// When its stop snapshot was confirmed stored in the object store (after a stop, hostd
+    /// uploads it in the background; an archive makes sure of it); `None` while it is not (a
+    /// running sandbox, or an upload still under way or failed). Cleared by a start.
+    #[serde(default)]
+    pub durable_at: Option<DateTime<Utc>>,
+    /// Days stopped before the reconciler archives it; `None`: never.
+    #[serde(default)]
+    pub auto_archive_days: Option<i32>,
 }
 
 fn yes() -> bool {
@@ -523,6 +543,8 @@ impl From<SandboxRow> for Sandbox {
             expires_at: row.expires_at,
             on_expiry: row.on_expiry.as_str().to_owned(),
             entrypoint: row.entrypoint,
+            durable_at: row.durable_at,
+            auto_archive_days: row.auto_archive_days,
         }
     }
 }

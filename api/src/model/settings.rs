@@ -13,8 +13,8 @@ use serde::{Deserialize, Deserializer};
 use utoipa::ToSchema;
 
 use super::{
-    check_metadata_entry, too_many_keys, MAX_AUTO_DELETE_MINUTES, MAX_AUTO_STOP_MINUTES,
-    MAX_METADATA_KEYS,
+    check_metadata_entry, too_many_keys, MAX_AUTO_ARCHIVE_DAYS, MAX_AUTO_DELETE_MINUTES,
+    MAX_AUTO_STOP_MINUTES, MAX_METADATA_KEYS,
 };
 use crate::error::ApiError;
 use crate::service::ServiceError;
@@ -51,6 +51,11 @@ pub struct PatchSandbox {
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<i64>, nullable)]
     pub auto_delete_minutes: Option<Option<i64>>,
+    /// Archive after this many days stopped, counted from now (1 to 3650); `null` turns
+    /// auto-archive off.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>, nullable)]
+    pub auto_archive_days: Option<Option<i64>>,
     /// When the reconciler applies `on_expiry` (RFC 3339, in the future, at most a year
     /// ahead); `null` removes the expiry.
     #[serde(default, deserialize_with = "present")]
@@ -93,6 +98,8 @@ pub struct ValidPatch {
     pub auto_stop_minutes: Option<Option<i32>>,
     /// New `auto_delete_minutes`.
     pub auto_delete_minutes: Option<Option<i32>>,
+    /// New `auto_archive_days`.
+    pub auto_archive_days: Option<Option<i32>>,
     /// New `expires_at`.
     pub expires_at: Option<Option<DateTime<Utc>>>,
     /// New `on_expiry`.
@@ -111,6 +118,7 @@ impl ValidPatch {
             ("metadata", self.metadata.is_some()),
             ("auto_stop_minutes", self.auto_stop_minutes.is_some()),
             ("auto_delete_minutes", self.auto_delete_minutes.is_some()),
+            ("auto_archive_days", self.auto_archive_days.is_some()),
             ("expires_at", self.expires_at.is_some()),
             ("on_expiry", self.on_expiry.is_some()),
             ("auto_resume", self.auto_resume.is_some()),
@@ -212,6 +220,11 @@ impl PatchSandbox {
                 "auto_delete_minutes",
                 self.auto_delete_minutes,
                 MAX_AUTO_DELETE_MINUTES,
+            )?,
+            auto_archive_days: patch_minutes(
+                "auto_archive_days",
+                self.auto_archive_days,
+                MAX_AUTO_ARCHIVE_DAYS,
             )?,
             expires_at: match self.expires_at {
                 None => None,

@@ -67,6 +67,7 @@ pub async fn create(
             metadata: req.metadata,
             auto_stop_minutes: req.auto_stop_minutes,
             auto_delete_minutes: req.auto_delete_minutes,
+            auto_archive_days: req.auto_archive_days,
             disk_mib: req.disk_mib,
             network: req.network,
             auto_resume: req.auto_resume,
@@ -247,6 +248,22 @@ pub async fn lifecycle(
     if capacity == Capacity::Reserve && !row.holds_capacity {
         super::quota::check(&mut tx, org, row.resources).await?;
     }
+    if to == SandboxState::Unarchiving {
+        // An archived sandbox lives on no host: placement picks one and reserves its capacity
+        // there in this transaction, as a create does (guarantee 4).
+        let policy = PlacementPolicy {
+            heartbeat_freshness: berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS,
+            overcommit,
+        };
+        let host = place_new(&mut tx, policy, row.resources).await?;
+        let (moved, command_id) =
+            sandboxes::unarchive(&mut tx, &row, host, Reason::UserRequest).await?;
+        let generation = moved.generation;
+        let outcome = LifecycleOutcome::Accepted(Sandbox::from(moved));
+        let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
+        info!(command_id = %command_id, generation = %generation, host_id = %host, "unarchive placed");
+        return Ok(Replayable::Fresh(outcome, response));
+    }
     let written = sandboxes::write_transition(
         &mut tx,
         &row,
@@ -269,6 +286,40 @@ pub async fn lifecycle(
     let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
     info!(command_id = ?command_id, generation = %generation, to = %to, "lifecycle request accepted");
     Ok(Replayable::Fresh(outcome, response))
+}
+
+/// After a delete was accepted: removes the sandbox's durable stop snapshot from the object
+/// store (issue 14) — its manifest, and each chunk no snapshot and no other durable stop
+/// references (claimed first, as a snapshot delete's are). Nothing to do without one; a store
+/// that fails leaves the content (logged), never the delete.
+pub async fn collect_durable(
+    db: &PgPool,
+    objects: &berth_storage::Objects,
+    id: SandboxId,
+) -> Result<(), ServiceError> {
+    let mut tx = db.begin().await?;
+    let Some((snapshot, orphans)) = sandboxes::take_durable(&mut tx, id).await? else {
+        return Ok(());
+    };
+    berth_store::chunks::queue(&mut tx, &orphans).await?;
+    tx.commit().await?;
+    let removed = async {
+        objects
+            .delete(&berth_storage::Objects::manifest_key(snapshot))
+            .await
+            .map_err(|e| e.to_string())?;
+        super::snapshots::remove_chunks(db, objects, &orphans).await
+    }
+    .await;
+    match removed {
+        Ok(n) => {
+            info!(sandbox_id = %id, snapshot_id = %snapshot, chunks_freed = n, "durable stop snapshot removed")
+        }
+        Err(error) => {
+            tracing::warn!(%error, sandbox_id = %id, "durable stop snapshot not removed from the store")
+        }
+    }
+    Ok(())
 }
 
 /// Marks a sandbox active now (an exec counts as activity for auto-stop).

@@ -82,6 +82,7 @@ pub async fn patch(
         metadata: patch.merge_metadata(&row.metadata)?,
         auto_stop_minutes: patch.auto_stop_minutes,
         auto_delete_minutes: patch.auto_delete_minutes,
+        auto_archive_days: patch.auto_archive_days,
         expires_at: patch.expires_at,
         on_expiry: patch.on_expiry,
         auto_resume: patch.auto_resume,

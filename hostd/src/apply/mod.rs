@@ -17,6 +17,7 @@
 //! # Assumptions
 //! Commands of one sandbox are applied one at a time (`nats::commands` chains them).
 
+pub mod archive;
 pub mod delete;
 pub mod resume;
 pub mod snapshot;
@@ -161,11 +162,36 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     // API), not an agent fault.
     let _closed = matches!(cmd.kind, CommandKind::Stop | CommandKind::Delete)
         .then(|| host.gates.close_while(cmd.sandbox_id));
+    // A sandbox this host archived: its tombstone remembers where its disk went. A start that
+    // still comes here (its archive timed out in the control plane but finished on this host)
+    // unarchives it from there instead of booting a fresh template, and another archive is
+    // answered from there (issue 14: a late archive never loses the disk).
+    let archived_here = record
+        .as_ref()
+        .filter(|r| r.is_tombstone() && r.phase == crate::record::Phase::Deleted)
+        .and_then(|r| r.durable.clone());
     let (after, outcome) = match cmd.kind {
+        CommandKind::Start if archived_here.is_some() => {
+            let durable = archived_here.clone().unwrap_or_else(|| unreachable!());
+            tracing::info!(snapshot_id = %durable.snapshot_id, "a start of a sandbox archived here: unarchiving it");
+            let from_store = Command {
+                snapshot: Some(berth_schemas::wire::SnapshotOrder {
+                    snapshot_id: durable.snapshot_id,
+                    parent: None,
+                }),
+                kind: CommandKind::Unarchive,
+                ..cmd.clone()
+            };
+            resume::resume(host, &from_store, None).await
+        }
         CommandKind::Create | CommandKind::Start => up::up(host, cmd, live).await,
         CommandKind::Stop => stop::stop(host, live).await,
         CommandKind::Snapshot => snapshot::snapshot(host, cmd, live).await,
-        CommandKind::Restore | CommandKind::Clone => resume::resume(host, cmd, live).await,
+        // An unarchive is a clone of its stop snapshot under the sandbox's own id.
+        CommandKind::Restore | CommandKind::Clone | CommandKind::Unarchive => {
+            resume::resume(host, cmd, live).await
+        }
+        CommandKind::Archive => archive::archive(host, cmd, live, archived_here).await,
         CommandKind::Delete => match delete::delete(host, cmd, record).await {
             Ok(done) => done,
             Err(error) => {
@@ -181,6 +207,9 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         outcome,
     };
     if let Some(mut record) = after {
+        if changes_the_disk(cmd.kind) {
+            record.durable = None;
+        }
         record.remember(stored.clone());
         let persisted = if record.is_tombstone() {
             host.store
@@ -198,7 +227,8 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     let outcome = match stored.outcome {
         ResultOutcome::Succeeded { .. }
         | ResultOutcome::StoppedOnDisk { .. }
-        | ResultOutcome::Snapshotted(_) => CommandOutcome::Succeeded,
+        | ResultOutcome::Snapshotted(_)
+        | ResultOutcome::Durable(_) => CommandOutcome::Succeeded,
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
@@ -241,5 +271,21 @@ fn operation(kind: CommandKind) -> &'static str {
         CommandKind::Snapshot => "snapshot",
         CommandKind::Restore => "restore",
         CommandKind::Clone => "clone",
+        CommandKind::Archive => "archive",
+        CommandKind::Unarchive => "unarchive",
     }
+}
+
+/// Whether a command of `kind` changes (or replaces) the sandbox's disk, so its last durable
+/// stop snapshot no longer describes it.
+fn changes_the_disk(kind: CommandKind) -> bool {
+    matches!(
+        kind,
+        CommandKind::Create
+            | CommandKind::Start
+            | CommandKind::Restore
+            | CommandKind::Clone
+            | CommandKind::Unarchive
+            | CommandKind::Delete
+    )
 }

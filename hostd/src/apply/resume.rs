@@ -132,8 +132,15 @@ async fn clone(
             }
         },
     };
+    // A fork's clone waits for its snapshot's manifest; an unarchive's stop snapshot was
+    // confirmed stored before the sandbox was archived, so a missing one fails at once.
+    let wait = if cmd.kind == CommandKind::Unarchive {
+        Duration::ZERO
+    } else {
+        SNAPSHOT_WAIT
+    };
     if record.phase == Phase::Creating {
-        if let Err(error) = prepare_clone(host, &record, order).await {
+        if let Err(error) = prepare_clone(host, &record, order, wait).await {
             let reason = format!(
                 "clone of snapshot {}: {}",
                 order.snapshot_id,
@@ -164,6 +171,7 @@ async fn prepare_clone(
     host: &Arc<Host>,
     record: &SandboxRecord,
     order: SnapshotOrder,
+    wait: Duration,
 ) -> Result<(), HostdError> {
     if host.runtime_of(record)?.name() == SIM {
         return Ok(());
@@ -177,7 +185,7 @@ async fn prepare_clone(
         tracing::info!("the clone's disk was seeded before; keeping it");
         return Ok(());
     }
-    let manifest = wait_for_manifest(host, order, SNAPSHOT_WAIT).await?;
+    let manifest = wait_for_manifest(host, order, wait).await?;
     seed(host, record, &manifest, &paths.snapshot(), &upper).await?;
     crash_point(Step::Seeded);
     Ok(())

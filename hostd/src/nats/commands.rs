@@ -23,8 +23,8 @@ use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsum
 use async_nats::jetstream::{self, AckKind};
 use async_nats::HeaderMap;
 use berth_schemas::trace::{TraceParent, TRACEPARENT};
-use berth_schemas::wire::{self, Command, CommandResult};
-use berth_schemas::{CommandId, SandboxId, Subjects};
+use berth_schemas::wire::{self, Command, CommandResult, ResultOutcome};
+use berth_schemas::{CommandId, CommandKind, SandboxId, Subjects};
 use futures::StreamExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -155,6 +155,8 @@ fn dispatch(
         }
     };
     chains.retain(|_, h| !h.is_finished());
+    // A background stop upload of this sandbox gives way to its next command.
+    host.uploads.cancel(command.sandbox_id);
     let previous = chains.remove(&command.sandbox_id);
     let span = tracing::info_span!(
         "command",
@@ -207,6 +209,9 @@ async fn handle(
             }
         }
     };
+    let stopped = matches!(&applied, Applied::Respond { result, .. }
+        if command.kind == CommandKind::Stop
+            && matches!(result.outcome, ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. }));
     let settle = match applied {
         Applied::Respond { result, .. } => {
             match publish_result(js, result_subject, &result, &trace.outgoing()).await {
@@ -222,6 +227,16 @@ async fn handle(
     if let Err(e) = message.ack_with(settle).await {
         // Not acked: JetStream redelivers after the ack wait and the fence replays the result.
         tracing::warn!(error = %e, "settling the command message failed");
+    }
+    if stopped {
+        // Issue 14: make the stop durable in the background (still in the sandbox's chain, so
+        // its next command finds the disk as the upload left it; that command cancels it).
+        let cancel = host.uploads.arm(command.sandbox_id);
+        if let Some(report) = apply::archive::durable_after_stop(host, &command, cancel).await {
+            if let Err(e) = publish_result(js, result_subject, &report, &trace.outgoing()).await {
+                tracing::warn!(error = %e.report(), "stop durability report not published");
+            }
+        }
     }
 }
 

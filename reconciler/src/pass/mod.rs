@@ -55,6 +55,9 @@ pub const DEFAULT_STOP_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a snapshot may stay `creating` (capture and upload) before it fails: 30 minutes,
 /// room for a large sandbox on a slow object store.
 pub const DEFAULT_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// Default [`PassConfig::archive_timeout`]: 30 minutes, room to upload (archive) or fetch
+/// (unarchive) a large sandbox on a slow object store, as a snapshot has.
+pub const DEFAULT_ARCHIVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// Default [`PassConfig::template_pull_timeout`]: 30 minutes without any sign of a template's
 /// image pull (a progress event per layer), room for one large layer on a slow registry.
 pub const DEFAULT_TEMPLATE_PULL_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -158,6 +161,10 @@ pub struct PassConfig {
     /// last progress event) before it fails with `pull_timed_out`: the API process pulling it
     /// died mid-pull.
     pub template_pull_timeout: Duration,
+    /// How long a `sandbox.archive` may stay unanswered before the sandbox is `stopped` again
+    /// (with its disk, reason `timeout`), and a `sandbox.unarchive` before it is
+    /// `failed-start` (capacity released).
+    pub archive_timeout: Duration,
 }
 
 impl Default for PassConfig {
@@ -178,6 +185,7 @@ impl Default for PassConfig {
             breaker: GuestBreaker::default(),
             snapshot_timeout: DEFAULT_SNAPSHOT_TIMEOUT,
             template_pull_timeout: DEFAULT_TEMPLATE_PULL_TIMEOUT,
+            archive_timeout: DEFAULT_ARCHIVE_TIMEOUT,
         }
     }
 }
@@ -210,6 +218,8 @@ pub enum Action {
     /// Templates failed because their pull showed no sign of life for
     /// [`PassConfig::template_pull_timeout`].
     TemplatePullTimeout,
+    /// `stopped` sandboxes archived after `auto_archive_days`.
+    AutoArchive,
 }
 
 impl Action {
@@ -228,6 +238,7 @@ impl Action {
             Action::OrphanStopped => "orphan_stopped",
             Action::SnapshotTimeout => "snapshot_timeout",
             Action::TemplatePullTimeout => "template_pull_timeout",
+            Action::AutoArchive => "auto_archive",
         }
     }
 }
@@ -352,6 +363,8 @@ async fn run_actions(
     report.actions.push((Action::SnapshotTimeout, n));
     let n = time_out_template_pulls(db, config, lease).await?;
     report.actions.push((Action::TemplatePullTimeout, n));
+    let n = auto_lifecycle(db, config, lease, Request::Archive).await?;
+    report.actions.push((Action::AutoArchive, n));
     Ok(())
 }
 
@@ -467,6 +480,7 @@ async fn time_out_commands(
         create: config.create_timeout,
         start: config.start_timeout,
         stop: config.stop_timeout,
+        archive: config.archive_timeout,
     };
     let mut n = 0;
     for timed_out in sandboxes::lock_timed_out(&mut tx, timeouts, config.batch).await? {
@@ -590,8 +604,9 @@ async fn keep_asleep(conn: &mut PgConnection, row: &SandboxRow) -> Result<(), Pa
     Ok(())
 }
 
-/// Auto-stop (`Request::Stop`: running, idle for `auto_stop_minutes`) and auto-delete
-/// (`Request::Delete`: stopped or failed-start for `auto_delete_minutes`), decided by
+/// Auto-stop (`Request::Stop`: running, idle for `auto_stop_minutes`), auto-delete
+/// (`Request::Delete`: stopped or failed-start for `auto_delete_minutes`) and auto-archive
+/// (`Request::Archive`: stopped for `auto_archive_days`), decided by
 /// [`on_request`] as a user's request would be.
 async fn auto_lifecycle(
     db: &PgPool,
@@ -608,6 +623,10 @@ async fn auto_lifecycle(
         Request::Delete => (
             sandboxes::lock_due(&mut tx, Due::AutoDelete, config.batch).await?,
             Reason::AutoDelete,
+        ),
+        Request::Archive => (
+            sandboxes::lock_due(&mut tx, Due::AutoArchive, config.batch).await?,
+            Reason::AutoArchive,
         ),
         Request::Start | Request::Restore => return Ok(0),
     };

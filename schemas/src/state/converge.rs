@@ -10,12 +10,14 @@ use super::{Capacity, CommandKind, Reason, SandboxState};
 /// The commands the pass times out, each with the state its sandbox waits in while the command
 /// is open. A delete is not timed: the row is already a tombstone-to-be and its capacity goes
 /// with its `deleted` result or with the host's inventory.
-pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 5] = [
+pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 7] = [
     (CommandKind::Create, SandboxState::Provisioning),
     (CommandKind::Start, SandboxState::Starting),
     (CommandKind::Stop, SandboxState::Stopping),
     (CommandKind::Restore, SandboxState::Resuming),
     (CommandKind::Clone, SandboxState::Resuming),
+    (CommandKind::Archive, SandboxState::Archiving),
+    (CommandKind::Unarchive, SandboxState::Unarchiving),
 ];
 
 /// The states in which a sandbox lives on its host and is stranded when the host is lost.
@@ -54,10 +56,20 @@ pub struct Failure {
 /// A command of `kind` its sandbox (in `state`) still waits on was not answered in time. `None`
 /// when the sandbox no longer waits on it (a compensation queued at the current generation of a
 /// `failed-start` sandbox is such a command, and must not fail it again). A create or clone is
-/// destroyed; a start, stop or restore ends stopped on the host, keeping the disk.
+/// destroyed; a start, stop, restore or unarchive ends stopped on the host, keeping the disk.
+/// An archive that timed out leaves the sandbox `stopped` on its host (nothing is sent: the
+/// host frees the disk only after its upload is confirmed, and its late result is fenced).
 pub fn on_timeout(kind: CommandKind, state: SandboxState) -> Option<Failure> {
     if !TIMED_COMMANDS.contains(&(kind, state)) {
         return None;
+    }
+    if kind == CommandKind::Archive {
+        return Some(Failure {
+            to: SandboxState::Stopped,
+            reason: Reason::Timeout,
+            capacity: Capacity::Keep,
+            compensation: None,
+        });
     }
     Some(Failure {
         to: SandboxState::FailedStart,
@@ -158,9 +170,11 @@ mod tests {
                         | (CommandKind::Start, S::Starting)
                         | (CommandKind::Stop, S::Stopping)
                         | (CommandKind::Restore | CommandKind::Clone, S::Resuming)
+                        | (CommandKind::Archive, S::Archiving)
+                        | (CommandKind::Unarchive, S::Unarchiving)
                 );
                 assert_eq!(failure.is_some(), waits, "{kind} in {state}");
-                if let Some(f) = failure {
+                if let Some(f) = failure.filter(|_| kind != CommandKind::Archive) {
                     assert_eq!(f.to, S::FailedStart);
                     assert_eq!(f.capacity, Capacity::Release);
                     assert_eq!(f.reason, Reason::Timeout);
@@ -170,7 +184,27 @@ mod tests {
     }
 
     #[test]
+    fn a_timed_out_archive_leaves_the_sandbox_stopped_with_its_disk_and_sends_nothing() {
+        assert_eq!(
+            on_timeout(CommandKind::Archive, S::Archiving),
+            Some(Failure {
+                to: S::Stopped,
+                reason: Reason::Timeout,
+                capacity: Capacity::Keep,
+                compensation: None,
+            })
+        );
+    }
+
+    #[test]
     fn a_timed_out_create_or_clone_is_destroyed_and_a_start_stop_or_restore_is_stopped() {
+        assert_eq!(
+            on_timeout(CommandKind::Unarchive, S::Unarchiving)
+                .unwrap()
+                .compensation,
+            Some(CommandKind::Stop),
+            "an unarchive's fetched disk is kept"
+        );
         let compensation = |k, s| on_timeout(k, s).unwrap().compensation;
         assert_eq!(
             compensation(CommandKind::Clone, S::Resuming),

@@ -27,21 +27,32 @@
 //! queued. A sandbox being deleted (`deleted_at` set) answers `=` to delete and `409` to
 //! everything else.
 //!
-//! | state          | start / resume        | stop / pause         | delete               | snapshot                  | restore                |
-//! |----------------|-----------------------|----------------------|----------------------|---------------------------|------------------------|
-//! | provisioning   | =                     | 409                  | stopping + delete    | 409                       | 409                    |
-//! | starting       | =                     | 409                  | stopping + delete    | 409                       | 409                    |
-//! | running        | =                     | stopping + stop      | stopping + delete    | + snapshot (state kept)   | resuming + restore     |
-//! | stopping       | 409                   | =                    | stopping + delete    | 409                       | 409                    |
-//! | stopped        | starting + start      | =                    | stopping + delete    | 409                       | resuming + restore (R) |
-//! | resuming       | =                     | 409                  | stopping + delete    | 409                       | 409                    |
-//! | restoring      | =                     | 409                  | stopping + delete    | 409                       | 409                    |
-//! | migrating      | 409                   | 409                  | stopping + delete    | 409                       | 409                    |
-//! | archiving      | 409                   | =                    | stopping + delete    | 409                       | 409                    |
-//! | archived       | 409                   | =                    | stopping + delete    | 409                       | 409                    |
-//! | unarchiving    | =                     | 409                  | stopping + delete    | 409                       | 409                    |
-//! | failed-start   | starting + start      | =                    | stopping + delete    | 409                       | resuming + restore (R) |
-//! | deleted        | 409                   | 409                  | =                    | 409                       | 409                    |
+//! | state          | start / resume          | stop / pause    | delete                 | snapshot                | restore                | archive                |
+//! |----------------|-------------------------|-----------------|------------------------|-------------------------|------------------------|------------------------|
+//! | provisioning   | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
+//! | starting       | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
+//! | running        | =                       | stopping + stop | stopping + delete      | + snapshot (state kept) | resuming + restore     | 409                    |
+//! | stopping       | 409                     | =               | stopping + delete      | 409                     | 409                    | 409                    |
+//! | stopped        | starting + start        | =               | stopping + delete      | 409                     | resuming + restore (R) | archiving + archive    |
+//! | resuming       | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
+//! | restoring      | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
+//! | migrating      | 409                     | 409             | stopping + delete      | 409                     | 409                    | 409                    |
+//! | archiving      | 409                     | =               | stopping + delete      | 409                     | 409                    | =                      |
+//! | archived       | unarchiving + unarchive (P) | =           | deleted + delete (T)   | 409                     | 409                    | =                      |
+//! | unarchiving    | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
+//! | failed-start   | starting + start        | =               | stopping + delete      | 409                     | resuming + restore (R) | 409                    |
+//! | deleted        | 409                     | 409             | =                      | 409                     | 409                    | 409                    |
+//!
+//! `(P)`: placement picks a host (any host, not the one it was archived from) and reserves the
+//! sandbox's capacity there in the same transaction, as a create does; the unarchive fetches
+//! its stop snapshot from the object store and boots it (on gVisor from its memory). `(T)`: an
+//! archived sandbox holds nothing on a host, so its delete writes the tombstone at once (the
+//! old host's delete only buries its record). A start during `archiving` is refused (409): the
+//! upload is not cancelled; once `archived`, a start unarchives. `archiving` settles `archived`
+//! on the host's confirmation that the upload is stored and the disk freed, or back to
+//! `stopped` (with its disk, the reason in the event) when the upload failed or timed out.
+//! `unarchiving` settles `running`, or `archived` (capacity released) when the host failed
+//! it, or `failed-start` (capacity released) when it timed out.
 //!
 //! `(R)`: the transition reserves the sandbox's capacity on its host again. A restore also
 //! needs a `ready` snapshot of that same sandbox (else 409 / 404 at the API). A clone or fork
@@ -87,11 +98,13 @@ pub enum SandboxState {
     Restoring,
     /// Moving to another host (seed state; no path writes it yet).
     Migrating,
-    /// A stopped sandbox is uploading to object storage (seed state; no path writes it yet).
+    /// A stopped sandbox's stop snapshot is being made durable in object storage; its local
+    /// disk is freed once the upload is confirmed (`POST …/archive`, auto-archive).
     Archiving,
-    /// Stored only in object storage (seed state; no path writes it yet).
+    /// Stored only in object storage: no host holds its disk or its capacity.
     Archived,
-    /// Coming back from object storage to a host before it starts (seed state; not written yet).
+    /// Being fetched from object storage onto the host placement picked, then booted (a start
+    /// of an archived sandbox); it holds capacity there.
     Unarchiving,
     /// A boot failed or timed out, or its guest or host was lost; a start may be retried.
     FailedStart,
@@ -189,6 +202,9 @@ pub enum Request {
     /// `POST …/restore {snapshot_id}`: rebuild a running or stopped sandbox from one of its
     /// own ready snapshots (issue 13 item 5).
     Restore,
+    /// `POST …/archive` (or auto-archive): upload a stopped sandbox and free its local disk
+    /// (issue 14).
+    Archive,
 }
 
 impl Request {
@@ -199,6 +215,7 @@ impl Request {
             Request::Stop => "stop",
             Request::Delete => "delete",
             Request::Restore => "restore",
+            Request::Archive => "archive",
         }
     }
 }
@@ -231,6 +248,14 @@ pub enum CommandKind {
     /// [`crate::wire::Command::snapshot`] names it), from the host's cached chunks or the
     /// object store. The sandbox is `resuming`.
     Clone,
+    /// Make a stopped sandbox's stop snapshot durable (upload it unless it already is), then
+    /// free its local disk (issue 14). The sandbox is `archiving`; success is
+    /// [`crate::wire::ResultOutcome::Durable`].
+    Archive,
+    /// Fetch an archived sandbox's stop snapshot ([`crate::wire::Command::snapshot`] names it)
+    /// from the object store onto the host placement picked, then boot it (issue 14). The
+    /// sandbox is `unarchiving`.
+    Unarchive,
 }
 
 impl CommandKind {
@@ -244,13 +269,15 @@ impl CommandKind {
             CommandKind::Snapshot => "sandbox.snapshot",
             CommandKind::Restore => "sandbox.restore",
             CommandKind::Clone => "sandbox.clone",
+            CommandKind::Archive => "sandbox.archive",
+            CommandKind::Unarchive => "sandbox.unarchive",
         }
     }
 }
 
 impl CommandKind {
     /// Every kind, in wire order.
-    pub const ALL: [CommandKind; 7] = [
+    pub const ALL: [CommandKind; 9] = [
         CommandKind::Create,
         CommandKind::Start,
         CommandKind::Stop,
@@ -258,6 +285,8 @@ impl CommandKind {
         CommandKind::Snapshot,
         CommandKind::Restore,
         CommandKind::Clone,
+        CommandKind::Archive,
+        CommandKind::Unarchive,
     ];
 }
 
@@ -316,6 +345,8 @@ pub enum Reason {
     RetriedElsewhere,
     /// `expires_at` passed; the sandbox's `on_expiry` action was applied.
     Expired,
+    /// `auto_archive_days` passed while stopped.
+    AutoArchive,
 }
 
 impl Reason {
@@ -332,6 +363,7 @@ impl Reason {
             Reason::Compensation => "compensation",
             Reason::RetriedElsewhere => "retried_elsewhere",
             Reason::Expired => "expired",
+            Reason::AutoArchive => "auto_archive",
         }
     }
 }

@@ -1,4 +1,4 @@
-//! [`on_request`]: a start, stop, delete or restore against the row's state (the table in the parent
+//! [`on_request`]: a start, stop, delete, restore or archive against the row's state (the table in the parent
 //! module's docs), with the capacity change each transition needs.
 
 use super::{Capacity, CommandKind, Request, SandboxState};
@@ -50,6 +50,14 @@ pub fn on_request(
         };
     }
     match request {
+        // Nothing of an archived sandbox is left on a host but its record's tombstone: the
+        // delete is a tombstone at once (the host's delete only buries what is left), and it
+        // holds no capacity.
+        Request::Delete if state == S::Archived => Ok(Decision::Transition {
+            to: S::Deleted,
+            command: CommandKind::Delete,
+            capacity: Capacity::Keep,
+        }),
         // The capacity is released when the host reports the sandbox deleted.
         Request::Delete => Ok(Decision::Transition {
             to: S::Stopping,
@@ -63,16 +71,46 @@ pub fn on_request(
                 command: CommandKind::Start,
                 capacity: Capacity::Reserve,
             }),
+            // Placement picks a host and reserves there in the same transaction (like a
+            // create): the caller places before it writes.
+            S::Archived => Ok(Decision::Transition {
+                to: S::Unarchiving,
+                command: CommandKind::Unarchive,
+                capacity: Capacity::Reserve,
+            }),
             S::Provisioning
             | S::Starting
             | S::Running
             | S::Resuming
             | S::Restoring
             | S::Unarchiving => Ok(Decision::Unchanged),
+            // An archive in flight is not cancelled: the start is refused, and once `archived`
+            // a start unarchives it.
             S::Stopping
             | S::Migrating
             | S::Archiving
-            | S::Archived
+            | S::Pending
+            | S::FailedProvision
+            | S::Lost
+            | S::Deleted => conflict,
+        },
+        Request::Archive => match state {
+            // A stopped sandbox holds no capacity: archiving frees its disk only.
+            S::Stopped => Ok(Decision::Transition {
+                to: S::Archiving,
+                command: CommandKind::Archive,
+                capacity: Capacity::Keep,
+            }),
+            S::Archiving | S::Archived => Ok(Decision::Unchanged),
+            S::Provisioning
+            | S::Starting
+            | S::Running
+            | S::Stopping
+            | S::Resuming
+            | S::Restoring
+            | S::Migrating
+            | S::Unarchiving
+            | S::FailedStart
             | S::Pending
             | S::FailedProvision
             | S::Lost
@@ -133,10 +171,11 @@ mod tests {
     use super::*;
     use SandboxState as S;
 
-    /// The table in the module docs, spelled out: (state, start, stop, restore) with `U` for
-    /// unchanged, `C` for conflict and a state for a transition. Delete is checked separately.
+    /// The table in the module docs, spelled out: (state, start, stop, restore, archive) with
+    /// `U` for unchanged, `C` for conflict and a state for a transition. Delete is checked
+    /// separately.
     #[test]
-    fn start_stop_and_restore_follow_the_request_table_for_every_state() {
+    fn start_stop_restore_and_archive_follow_the_request_table_for_every_state() {
         #[derive(Debug, PartialEq)]
         enum E {
             U,
@@ -146,37 +185,46 @@ mod tests {
         use CommandKind as K;
         use E::*;
         let table = [
-            (S::Pending, C, C, C),
-            (S::Provisioning, U, C, C),
-            (S::Starting, U, C, C),
+            (S::Pending, C, C, C, C),
+            (S::Provisioning, U, C, C, C),
+            (S::Starting, U, C, C, C),
             (
                 S::Running,
                 U,
                 T(S::Stopping, K::Stop, Capacity::Keep),
                 T(S::Resuming, K::Restore, Capacity::Keep),
+                C,
             ),
-            (S::Stopping, C, U, C),
+            (S::Stopping, C, U, C, C),
             (
                 S::Stopped,
                 T(S::Starting, K::Start, Capacity::Reserve),
                 U,
                 T(S::Resuming, K::Restore, Capacity::Reserve),
+                T(S::Archiving, K::Archive, Capacity::Keep),
             ),
-            (S::Resuming, U, C, C),
-            (S::Restoring, U, C, C),
-            (S::Migrating, C, C, C),
-            (S::Archiving, C, U, C),
-            (S::Archived, C, U, C),
-            (S::Unarchiving, U, C, C),
+            (S::Resuming, U, C, C, C),
+            (S::Restoring, U, C, C, C),
+            (S::Migrating, C, C, C, C),
+            (S::Archiving, C, U, C, U),
+            (
+                S::Archived,
+                T(S::Unarchiving, K::Unarchive, Capacity::Reserve),
+                U,
+                C,
+                U,
+            ),
+            (S::Unarchiving, U, C, C, C),
             (
                 S::FailedStart,
                 T(S::Starting, K::Start, Capacity::Reserve),
                 U,
                 T(S::Resuming, K::Restore, Capacity::Reserve),
+                C,
             ),
-            (S::FailedProvision, C, C, C),
-            (S::Lost, C, C, C),
-            (S::Deleted, C, C, C),
+            (S::FailedProvision, C, C, C, C),
+            (S::Lost, C, C, C, C),
+            (S::Deleted, C, C, C, C),
         ];
         assert_eq!(table.len(), S::ALL.len());
         let to_e = |r: Result<Decision, Refusal>| match r {
@@ -188,7 +236,12 @@ mod tests {
             }) => T(to, command, capacity),
             Err(Refusal::Conflict { .. }) => C,
         };
-        for (state, start, stop, restore) in table {
+        for (state, start, stop, restore, archive) in table {
+            assert_eq!(
+                to_e(on_request(state, false, Request::Archive)),
+                archive,
+                "archive in {state}"
+            );
             assert_eq!(
                 to_e(on_request(state, false, Request::Start)),
                 start,
@@ -213,6 +266,16 @@ mod tests {
             let first = on_request(state, false, Request::Delete).unwrap();
             if state == S::Deleted {
                 assert_eq!(first, Decision::Unchanged);
+            } else if state == S::Archived {
+                assert_eq!(
+                    first,
+                    Decision::Transition {
+                        to: S::Deleted,
+                        command: CommandKind::Delete,
+                        capacity: Capacity::Keep,
+                    },
+                    "an archived sandbox is a tombstone at once"
+                );
             } else {
                 assert_eq!(
                     first,
@@ -231,9 +294,14 @@ mod tests {
     }
 
     #[test]
-    fn a_sandbox_being_deleted_refuses_start_stop_and_restore() {
+    fn a_sandbox_being_deleted_refuses_start_stop_restore_and_archive() {
         for state in S::ALL {
-            for request in [Request::Start, Request::Stop, Request::Restore] {
+            for request in [
+                Request::Start,
+                Request::Stop,
+                Request::Restore,
+                Request::Archive,
+            ] {
                 assert_eq!(
                     on_request(state, true, request),
                     Err(Refusal::Conflict { state, request })

@@ -64,10 +64,20 @@ pub fn on_result(
         (K::Restore | K::Clone, S::Resuming, Failed, false) => {
             apply(S::FailedStart, Capacity::Release)
         }
+        // An archive's upload was confirmed and its local disk freed; a failed one left the
+        // sandbox stopped on its host with its disk. A stopped sandbox holds no capacity.
+        (K::Archive, S::Archiving, Succeeded, false) => apply(S::Archived, Capacity::Keep),
+        (K::Archive, S::Archiving, Failed, false) => apply(S::Stopped, Capacity::Keep),
+        (K::Unarchive, S::Unarchiving, Succeeded, false) => apply(S::Running, Capacity::Keep),
+        // The stop snapshot is still whole in the object store: the sandbox stays archived,
+        // and a start unarchives it again (placement picks anew).
+        (K::Unarchive, S::Unarchiving, Failed, false) => apply(S::Archived, Capacity::Release),
         (K::Create | K::Clone, S::FailedStart, Succeeded, _) => {
             ResultDecision::Compensate(K::Delete)
         }
-        (K::Start | K::Restore, S::FailedStart, Succeeded, _) => {
+        // An unarchive that finished after its timeout: stopped there, keeping the fetched
+        // disk, so a start of the failed sandbox boots it on that host.
+        (K::Start | K::Restore | K::Unarchive, S::FailedStart, Succeeded, _) => {
             ResultDecision::Compensate(K::Stop)
         }
         _ => ResultDecision::Ignore,
@@ -174,6 +184,31 @@ mod tests {
             (S::Resuming, false, K::Restore, Failed, S::FailedStart, true),
             (S::Resuming, false, K::Clone, Succeeded, S::Running, false),
             (S::Resuming, false, K::Clone, Failed, S::FailedStart, true),
+            (
+                S::Archiving,
+                false,
+                K::Archive,
+                Succeeded,
+                S::Archived,
+                false,
+            ),
+            (S::Archiving, false, K::Archive, Failed, S::Stopped, false),
+            (
+                S::Unarchiving,
+                false,
+                K::Unarchive,
+                Succeeded,
+                S::Running,
+                false,
+            ),
+            (
+                S::Unarchiving,
+                false,
+                K::Unarchive,
+                Failed,
+                S::Archived,
+                true,
+            ),
         ];
         for (state, deleting, kind, outcome, to, releases_capacity) in cases {
             assert_eq!(
@@ -210,7 +245,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(applied, 11);
+        assert_eq!(applied, 15);
         assert_eq!(
             on_result(S::Running, false, K::Create, Outcome::Succeeded),
             ResultDecision::Ignore,
@@ -267,8 +302,13 @@ mod tests {
             "a restore that succeeded after it timed out is stopped, keeping its disk"
         );
         assert_eq!(
-            compensated, 8,
-            "four (kind, state) pairs, with or without deleted_at"
+            on_result(S::FailedStart, false, K::Unarchive, Outcome::Succeeded),
+            ResultDecision::Compensate(K::Stop),
+            "an unarchive that succeeded after it timed out is stopped, keeping its disk"
+        );
+        assert_eq!(
+            compensated, 10,
+            "five (kind, state) pairs, with or without deleted_at"
         );
     }
 }

@@ -89,14 +89,17 @@ pub enum WaitTarget {
     Stopped,
     /// `deleted`.
     Deleted,
+    /// `archived`.
+    Archived,
 }
 
 impl WaitTarget {
     /// Every target.
-    pub const ALL: [WaitTarget; 3] = [
+    pub const ALL: [WaitTarget; 4] = [
         WaitTarget::Running,
         WaitTarget::Stopped,
         WaitTarget::Deleted,
+        WaitTarget::Archived,
     ];
 
     /// The one target a wait on `request` may name (`None`: a create), the state it settles in:
@@ -107,6 +110,7 @@ impl WaitTarget {
             None | Some(super::Request::Start | super::Request::Restore) => WaitTarget::Running,
             Some(super::Request::Stop) => WaitTarget::Stopped,
             Some(super::Request::Delete) => WaitTarget::Deleted,
+            Some(super::Request::Archive) => WaitTarget::Archived,
         }
     }
 
@@ -116,6 +120,7 @@ impl WaitTarget {
             WaitTarget::Running => SandboxState::Running,
             WaitTarget::Stopped => SandboxState::Stopped,
             WaitTarget::Deleted => SandboxState::Deleted,
+            WaitTarget::Archived => SandboxState::Archived,
         }
     }
 }
@@ -186,7 +191,7 @@ impl Timers {
                         && (stops
                             || matches!(state, SandboxState::Stopped | SandboxState::FailedStart)))
             }
-            WaitTarget::Running => false,
+            WaitTarget::Running | WaitTarget::Archived => false,
         }
     }
 }

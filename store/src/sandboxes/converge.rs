@@ -30,6 +30,9 @@ pub struct CommandTimeouts {
     pub start: Duration,
     /// How long a `sandbox.stop` may stay unanswered (a delete is not timed).
     pub stop: Duration,
+    /// How long a `sandbox.archive` (upload, then free the disk) or a `sandbox.unarchive`
+    /// (fetch, then boot) may stay unanswered.
+    pub archive: Duration,
 }
 
 impl CommandTimeouts {
@@ -37,6 +40,7 @@ impl CommandTimeouts {
         match kind {
             CommandKind::Create | CommandKind::Restore | CommandKind::Clone => self.create,
             CommandKind::Start => self.start,
+            CommandKind::Archive | CommandKind::Unarchive => self.archive,
             // A snapshot is timed on its own row (`snapshots.created_at`), never here.
             CommandKind::Stop | CommandKind::Delete | CommandKind::Snapshot => self.stop,
         }
@@ -293,6 +297,8 @@ pub enum Due {
     AutoStop,
     /// `stopped` or `failed-start` for its `auto_delete_minutes`.
     AutoDelete,
+    /// `stopped` for its `auto_archive_days` (`auto_archive_seconds` overrides, for tests).
+    AutoArchive,
 }
 
 /// Locks up to `batch` sandboxes, not being deleted, that are `due` for an automatic request.
@@ -311,6 +317,13 @@ pub async fn lock_due(
             Op::SandboxAutoDelete,
             "state IN ('stopped', 'failed-start') AND auto_delete_minutes IS NOT NULL
              AND updated_at < now() - make_interval(mins => auto_delete_minutes)",
+        ),
+        Due::AutoArchive => (
+            Op::SandboxAutoArchive,
+            "state = 'stopped'
+             AND COALESCE(auto_archive_seconds, auto_archive_days * 86400) IS NOT NULL
+             AND updated_at < now() - make_interval(
+                 secs => COALESCE(auto_archive_seconds, auto_archive_days * 86400))",
         ),
     };
     let found = timed(

@@ -31,7 +31,7 @@ pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, g
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
      public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason, env, entrypoint, \
-     image_uri, image";
+     image_uri, image, durable_at, durable_snapshot, auto_archive_days";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -108,6 +108,14 @@ pub struct SandboxRow {
     pub entrypoint: Vec<String>,
     /// The image named at create through the OpenSandbox surface; `None` otherwise.
     pub image_uri: Option<String>,
+    /// When its stop snapshot was confirmed stored in the object store (issue 14): written
+    /// only after the host reported the upload confirmed, at the stop's generation; cleared
+    /// by a start. `None`: not durable (yet).
+    pub durable_at: Option<DateTime<Utc>>,
+    /// The manifest of that stop snapshot (an unarchive fetches it); set with `durable_at`.
+    pub durable_snapshot: Option<SnapshotId>,
+    /// Days a `stopped` sandbox waits before the reconciler archives it; `None`: never.
+    pub auto_archive_days: Option<i32>,
 }
 
 impl SandboxRow {
@@ -164,6 +172,9 @@ impl SandboxRow {
             env: env(row.try_get("env").map_err(get)?)?,
             entrypoint: row.try_get("entrypoint").map_err(get)?,
             image_uri: row.try_get("image_uri").map_err(get)?,
+            durable_at: row.try_get("durable_at").map_err(get)?,
+            durable_snapshot: row.try_get("durable_snapshot").map_err(get)?,
+            auto_archive_days: row.try_get("auto_archive_days").map_err(get)?,
         })
     }
 
@@ -298,6 +309,8 @@ pub struct NewSandbox {
     pub auto_stop_minutes: Option<i32>,
     /// Minutes stopped (or failed) before auto-delete; `None`: never.
     pub auto_delete_minutes: Option<i32>,
+    /// Days stopped before auto-archive; `None`: never.
+    pub auto_archive_days: Option<i32>,
     /// The size of its writable disk in MiB (validated by the API, never 0).
     pub disk_mib: u32,
     /// Its network policy, already validated.
@@ -342,9 +355,9 @@ pub async fn create(
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
                                     auto_delete_minutes, runtime, disk_mib, network,
                                     auto_resume, public_ports, expires_at, on_expiry, env,
-                                    entrypoint, image_uri, image)
+                                    entrypoint, image_uri, image, auto_archive_days)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18, $19, $20, $21, $22)
+                     $17, $18, $19, $20, $21, $22, $23)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -374,6 +387,7 @@ pub async fn create(
         .bind(&new.entrypoint)
         .bind(&new.image_uri)
         .bind(&new.image)
+        .bind(new.auto_archive_days)
         .fetch_one(&mut *conn),
     )
     .await?;
@@ -540,11 +554,13 @@ pub async fn org_usage(conn: &mut PgConnection, org: OrgId) -> Result<Usage, Sto
     })
 }
 
+mod archive;
 mod compat;
 mod converge;
 mod settings;
 mod write;
 
+pub use archive::{take_durable, unarchive, write_durable};
 pub use compat::{execd_token, find_with_execd_token, list_in_states};
 pub use converge::{
     capacity_drift, count_by_state, guest_tallies, lock_due, lock_failed_guests, lock_stranded,

@@ -29,6 +29,9 @@ pub struct SettingsChange<'a> {
     /// New `auto_delete_minutes`; any change re-arms the auto-delete clock from now
     /// (`updated_at = now()`, which auto-delete measures from).
     pub auto_delete_minutes: Option<Option<i32>>,
+    /// New `auto_archive_days`; any change re-arms the auto-archive clock from now, as
+    /// `auto_delete_minutes` does.
+    pub auto_archive_days: Option<Option<i32>>,
     /// New `expires_at`.
     pub expires_at: Option<Option<DateTime<Utc>>>,
     /// New `on_expiry`.
@@ -60,7 +63,8 @@ pub async fn update_settings(
                     auto_stop_minutes = CASE WHEN $4 THEN $5 ELSE auto_stop_minutes END,
                     last_activity_at = CASE WHEN $4 THEN now() ELSE last_activity_at END,
                     auto_delete_minutes = CASE WHEN $6 THEN $7 ELSE auto_delete_minutes END,
-                    updated_at = CASE WHEN $6 THEN now() ELSE updated_at END,
+                    auto_archive_days = CASE WHEN $13 THEN $14 ELSE auto_archive_days END,
+                    updated_at = CASE WHEN $6 OR $13 THEN now() ELSE updated_at END,
                     expires_at = CASE WHEN $8 THEN $9 ELSE expires_at END,
                     on_expiry = COALESCE($10, on_expiry),
                     auto_resume = COALESCE($11, auto_resume),
@@ -85,6 +89,8 @@ pub async fn update_settings(
                 .as_ref()
                 .map(|ports| ports.iter().map(|p| i32::from(*p)).collect::<Vec<i32>>()),
         )
+        .bind(change.auto_archive_days.is_some())
+        .bind(change.auto_archive_days.flatten())
         .fetch_optional(&mut *conn),
     )
     .await?

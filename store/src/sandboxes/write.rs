@@ -71,6 +71,10 @@ pub async fn write_transition(
                     deleted_at = CASE WHEN $7 THEN COALESCE(deleted_at, now()) ELSE deleted_at END,
                     address = CASE WHEN $3 IN ('running', 'stopping') THEN address ELSE NULL END,
                     last_activity_at = CASE WHEN $8 THEN now() ELSE last_activity_at END,
+                    durable_at = CASE WHEN $3 IN ('starting', 'resuming') THEN NULL
+                                      ELSE durable_at END,
+                    durable_snapshot = CASE WHEN $3 IN ('starting', 'resuming') THEN NULL
+                                            ELSE durable_snapshot END,
                     updated_at = now()
               WHERE id = $1 AND generation = $2
               RETURNING {COLUMNS}"
@@ -173,6 +177,9 @@ pub async fn write_result(
                     last_stop_code = CASE WHEN $6 IS NULL THEN last_stop_code ELSE $8 END,
                     last_stop_reason = CASE WHEN $6 IS NULL THEN last_stop_reason ELSE $9 END,
                     holds_capacity = $7,
+                    durable_at = CASE WHEN $3 = 'running' THEN NULL ELSE durable_at END,
+                    durable_snapshot = CASE WHEN $3 = 'running' THEN NULL
+                                            ELSE durable_snapshot END,
                     updated_at = now()
               WHERE id = $1 AND generation = $2",
         )

@@ -1,0 +1,285 @@
+//! Durable stops and archives (issue 14).
+//!
+//! - After a stop succeeds, [`durable_after_stop`] uploads the stop snapshot in the background
+//!   — the overlay upper dir, and the memory image a gVisor memory stop kept — with
+//!   `berth_storage`'s capture and upload (the manifest last), remembers it in the sandbox's
+//!   record and reports it as a second result of the stop ([`ResultOutcome::Durable`]). It runs
+//!   in the sandbox's command chain, so no later command of the sandbox touches its disk while
+//!   it is read; the next command cancels it instead of waiting ([`UploadCancels`]).
+//! - An archive ([`archive`]) makes sure the stop snapshot is durable (its manifest is in the
+//!   store, else it uploads now), and only then frees the local disk (the container's files,
+//!   network, address and dir, as a delete does), leaving a tombstone record. A failed upload
+//!   leaves the sandbox as it was, with its disk, and fails the archive with the reason
+//!   (DESIGN.md guarantee 9).
+//!
+//! An unarchive is a clone of the stop snapshot onto this host under the sandbox's own id
+//! (`resume.rs`): a new disk seeded from the store, its memory image put where a memory stop
+//! leaves one, then the bring-up (on gVisor, `runsc restore`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use berth_schemas::ids::SnapshotId;
+use berth_schemas::wire::{Command, CommandResult, ResultOutcome, StopDurable};
+use berth_schemas::{CommandKind, SandboxId};
+use berth_storage::manifest::EntryKind;
+use berth_storage::{Holds, SnapshotInfo, TreeKind, TreeSource};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::HostdError;
+use crate::host::Host;
+use crate::record::{Phase, SandboxRecord};
+use crate::runtime::sim::SIM;
+use crate::volume;
+
+/// The cancellation of each sandbox's background stop upload, so the sandbox's next command
+/// need not wait for it: a command arriving for a sandbox cancels its upload (no manifest is
+/// written, so nothing half-stored is ever reported durable).
+#[derive(Debug, Default)]
+pub struct UploadCancels(Mutex<HashMap<SandboxId, CancellationToken>>);
+
+impl UploadCancels {
+    /// A new token for `sandbox`'s upload (replacing any older one).
+    pub fn arm(&self, sandbox: SandboxId) -> CancellationToken {
+        let token = CancellationToken::new();
+        self.table().insert(sandbox, token.clone());
+        token
+    }
+
+    /// Cancels `sandbox`'s upload, if one runs.
+    pub fn cancel(&self, sandbox: SandboxId) {
+        if let Some(token) = self.table().remove(&sandbox) {
+            token.cancel();
+        }
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, CancellationToken>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// After `stop` succeeded: uploads its stop snapshot unless `cancel` fires first, records it,
+/// and returns the durability report to publish; `None` when there is nothing to report (the
+/// sandbox moved on, a sim host, a cancelled or failed upload: logged).
+pub async fn durable_after_stop(
+    host: &Arc<Host>,
+    stop: &Command,
+    cancel: CancellationToken,
+) -> Option<CommandResult> {
+    let record = host.live(stop.sandbox_id)?;
+    if record.phase != Phase::Stopped || record.applied_generation != stop.generation {
+        return None;
+    }
+    let durable = match record.durable.clone() {
+        // A redelivered stop: report what was stored again.
+        Some(durable) => durable,
+        None => {
+            let uploaded = tokio::select! {
+                uploaded = upload_stop(host, &record) => uploaded,
+                () = cancel.cancelled() => {
+                    tracing::info!("stop upload cancelled by the sandbox's next command");
+                    return None;
+                }
+            };
+            match uploaded {
+                Ok(Some(durable)) => durable,
+                Ok(None) => return None,
+                Err(error) => {
+                    tracing::warn!(error = %error.report(), "stop upload failed; the stop is not durable");
+                    return None;
+                }
+            }
+        }
+    };
+    let mut current = host.live(stop.sandbox_id)?;
+    if current.applied_generation != stop.generation || current.phase != Phase::Stopped {
+        return None;
+    }
+    if current.durable.as_ref() != Some(&durable) {
+        current.durable = Some(durable.clone());
+        if let Err(error) = host.put(&current) {
+            tracing::warn!(error = %error.report(), "durable stop not recorded");
+        }
+    }
+    Some(CommandResult {
+        command_id: stop.id,
+        sandbox_id: stop.sandbox_id,
+        host_id: host.host_id,
+        generation: stop.generation,
+        kind: CommandKind::Stop,
+        outcome: ResultOutcome::Durable(durable),
+        heartbeat_seq: host.heartbeat_seq.current(),
+        apply_ms: 0,
+    })
+}
+
+/// Captures the stopped sandbox's upper dir (and memory image) and uploads it: chunks, then
+/// the manifest. `None` on a sim host (it keeps no files).
+///
+/// Errors: [`HostdError::Storage`] (capture or upload), [`HostdError::Io`], the disk's mount.
+pub async fn upload_stop(
+    host: &Host,
+    record: &SandboxRecord,
+) -> Result<Option<StopDurable>, HostdError> {
+    let runtime = host.runtime_of(record)?;
+    if runtime.name() == SIM {
+        return Ok(None);
+    }
+    let id = record.sandbox_id;
+    let paths = host.layout.sandbox(id);
+    let storage = &host.snapshots;
+    let snapshot_id = SnapshotId::new();
+    // A full capture: the upload still skips every chunk the store holds already (an
+    // earlier stop's), so only what changed travels.
+    let parent: Option<berth_storage::Manifest> = None;
+    let info = SnapshotInfo {
+        snapshot_id,
+        sandbox_id: id,
+        template: record.spec.template.clone(),
+        runtime: record.spec.runtime,
+        vcpus: record.spec.resources.vcpus,
+        memory_mib: record.spec.resources.memory_mib,
+        disk_mib: record.spec.disk_mib,
+        parent: parent.as_ref().map(|m| m.info.snapshot_id),
+    };
+    std::fs::create_dir_all(&storage.staging)
+        .map_err(HostdError::io("create the snapshot staging dir"))?;
+    // A stopped sandbox's disk is unmounted: mount it to read its upper dir.
+    volume::ensure(&paths, record.spec.disk_mib).await?;
+    let (upper, _work) = volume::overlay_dirs(&paths, record.spec.disk_mib);
+    let mut sources = vec![TreeSource {
+        kind: TreeKind::Disk,
+        root: upper,
+    }];
+    let memory = paths.snapshot();
+    if runtime.memory_snapshot() && memory.is_dir() {
+        sources.push(TreeSource {
+            kind: TreeKind::Memory,
+            root: memory,
+        });
+    }
+    let staging = storage.staging.clone();
+    let staged = tokio::task::spawn_blocking(move || {
+        berth_storage::stage(info, &sources, parent.as_ref(), &staging)
+    })
+    .await
+    .map_err(|e| HostdError::Io {
+        context: "stop capture task".into(),
+        source: std::io::Error::other(e),
+    });
+    let released = volume::release(&paths).await;
+    let staged = staged??;
+    released?;
+    let manifest = staged.manifest.clone();
+    let report =
+        berth_storage::upload(&storage.objects, staged, Some(&storage.cache), &|_| {}).await?;
+    tracing::info!(
+        %snapshot_id,
+        bytes_uploaded = report.bytes_uploaded,
+        chunks_uploaded = report.chunks_uploaded,
+        "stop snapshot durable"
+    );
+    let mut chunks: Vec<(String, u32)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for tree in [Some(&manifest.disk), manifest.memory.as_ref()]
+        .into_iter()
+        .flatten()
+    {
+        for e in &tree.entries {
+            if let EntryKind::File { chunks: cs, .. } = &e.kind {
+                for c in cs {
+                    if seen.insert(c.sha256.clone()) {
+                        chunks.push((c.sha256.clone(), c.stored));
+                    }
+                }
+            }
+        }
+    }
+    Ok(Some(StopDurable {
+        snapshot_id,
+        memory: manifest.holds == Holds::DiskAndMemory,
+        stored_bytes: manifest.sizes.stored_bytes,
+        chunks,
+    }))
+}
+
+/// Applies a `sandbox.archive`: the stop snapshot durable first (its manifest read back from
+/// the store, or uploaded now), then the local disk freed. Returns the tombstone and
+/// [`ResultOutcome::Durable`], or the record untouched and `Failed` with why. `archived_here`:
+/// this host already archived the sandbox (an earlier archive the control plane timed out):
+/// answered from its stored copy once the manifest reads back.
+pub async fn archive(
+    host: &Arc<Host>,
+    cmd: &Command,
+    live: Option<SandboxRecord>,
+    archived_here: Option<StopDurable>,
+) -> (Option<SandboxRecord>, ResultOutcome) {
+    let Some(mut record) = live else {
+        if let Some(durable) = archived_here {
+            return match berth_storage::fetch_manifest(&host.snapshots.objects, durable.snapshot_id)
+                .await
+            {
+                Ok(_) => (None, ResultOutcome::Durable(durable)),
+                Err(error) => {
+                    let reason = format!("archived here, but its copy does not read back: {error}");
+                    (None, ResultOutcome::Failed { reason })
+                }
+            };
+        }
+        let reason = "no such sandbox on this host".to_owned();
+        return (None, ResultOutcome::Failed { reason });
+    };
+    if record.phase != Phase::Stopped {
+        let reason = format!("cannot archive a sandbox that is {:?} here", record.phase);
+        return (Some(record), ResultOutcome::Failed { reason });
+    }
+    let stored = match &record.durable {
+        Some(d) => berth_storage::fetch_manifest(&host.snapshots.objects, d.snapshot_id)
+            .await
+            .is_ok(),
+        None => false,
+    };
+    let durable = match (stored, record.durable.clone()) {
+        (true, Some(durable)) => durable,
+        _ => match upload_stop(host, &record).await {
+            Ok(Some(durable)) => durable,
+            Ok(None) => {
+                let reason = "a sim host keeps no files to archive".to_owned();
+                return (Some(record), ResultOutcome::Rejected { reason });
+            }
+            Err(error) => {
+                let reason = format!(
+                    "archive upload failed; the sandbox keeps its disk on its host: {}",
+                    error.report()
+                );
+                tracing::warn!(%reason, "archive failed");
+                return (Some(record), ResultOutcome::Failed { reason });
+            }
+        },
+    };
+    // Confirmed: the manifest (written last) reads back and checks.
+    if let Err(error) =
+        berth_storage::fetch_manifest(&host.snapshots.objects, durable.snapshot_id).await
+    {
+        let reason = format!(
+            "archive not confirmed by the object store; the sandbox keeps its disk: {error}"
+        );
+        return (Some(record), ResultOutcome::Failed { reason });
+    }
+    crate::fault::crash_point(crate::fault::Step::Captured);
+    record.durable = Some(durable.clone());
+    match super::delete::delete(host, cmd, Some(record.clone())).await {
+        Ok((tombstone, _)) => {
+            tracing::info!(snapshot_id = %durable.snapshot_id, "sandbox archived; local disk freed");
+            (tombstone, ResultOutcome::Durable(durable))
+        }
+        Err(error) => {
+            // The store holds the whole sandbox: it is archived; what is left here is
+            // garbage the next delete or sweep removes.
+            tracing::warn!(error = %error.report(), "archived, but its local files were not all removed");
+            record.phase = Phase::Deleted;
+            record.link = None;
+            (Some(record), ResultOutcome::Durable(durable))
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! A host's report that a stop snapshot is stored in the object store (issue 14,
+//! [`ResultOutcome::Durable`]): the second result of a `sandbox.stop`, sent once its background
+//! upload is confirmed, and the success of a `sandbox.archive`. `durable_at` is written only
+//! from such a report (DESIGN.md guarantee 9), and only while the sandbox is still at the
+//! generation the snapshot was taken at: a late report for a sandbox that moved on (started,
+//! deleted) changes nothing (the fence, guarantee 4 of the issue).
+
+use berth_schemas::wire::{CommandResult, StopDurable};
+use berth_schemas::SandboxState;
+use berth_store::{chunks, sandboxes, SandboxRow, StoreError};
+use sqlx::PgConnection;
+use tracing::{debug, info, warn};
+
+use crate::results::{Applied, Rejection};
+
+/// Records `durable` for the locked `row` at `generation` in the caller's transaction;
+/// whether it was written. A stop snapshot with a chunk a snapshot delete's claimed removal
+/// may have taken from under its upload is not recorded (the next archive uploads again).
+pub(crate) async fn record(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    generation: berth_schemas::Generation,
+    durable: &StopDurable,
+) -> Result<bool, StoreError> {
+    let chunks: Vec<(String, i64)> = durable
+        .chunks
+        .iter()
+        .map(|(h, n)| (h.clone(), i64::from(*n)))
+        .collect();
+    let hashes: Vec<String> = chunks.iter().map(|(h, _)| h.clone()).collect();
+    let lost = chunks::check_for_ready(conn, durable.snapshot_id, row.updated_at, &hashes).await?;
+    if !lost.is_empty() {
+        warn!(lost = lost.len(), snapshot_id = %durable.snapshot_id,
+            "a stop snapshot lost chunks to a snapshot delete; not recorded as durable");
+        return Ok(false);
+    }
+    sandboxes::write_durable(conn, row.id, generation, durable.snapshot_id, &chunks).await
+}
+
+/// Applies a stop's durability report (the command already matched what was issued).
+pub(crate) async fn apply_stop(
+    conn: &mut PgConnection,
+    result: &CommandResult,
+    durable: &StopDurable,
+) -> Result<Applied, StoreError> {
+    let Some(row) = sandboxes::lock(&mut *conn, result.sandbox_id, None).await? else {
+        return Ok(Applied::Unknown);
+    };
+    if row.host_id != Some(result.host_id) {
+        return Ok(Applied::Rejected(Rejection::NotPlacement));
+    }
+    if result.generation != row.generation || row.deleting() || row.state != SandboxState::Stopped {
+        debug!(row_generation = %row.generation, state = %row.state,
+            "a late stop durability report; the sandbox moved on");
+        return Ok(Applied::Stale);
+    }
+    if record(conn, &row, result.generation, durable).await? {
+        info!(snapshot_id = %durable.snapshot_id, stored_bytes = durable.stored_bytes,
+            "stop snapshot durable");
+        Ok(Applied::Durable)
+    } else {
+        Ok(Applied::Stale)
+    }
+}

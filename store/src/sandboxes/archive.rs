@@ -1,0 +1,190 @@
+//! The writes of durable stops and archives (issue 14): [`write_durable`] records a stop
+//! snapshot the host confirmed stored, fenced on the generation it was taken at;
+//! [`unarchive`] moves an archived sandbox to the host placement chose and queues its
+//! `sandbox.unarchive` there.
+
+use berth_schemas::ids::SnapshotId;
+use berth_schemas::wire::{Command, SnapshotOrder};
+use berth_schemas::{CommandId, CommandKind, Generation, HostId, Reason, SandboxId, SandboxState};
+use sqlx::PgConnection;
+
+use super::{SandboxRow, COLUMNS};
+use crate::events::{self, NewEvent};
+use crate::op::{timed, Op};
+use crate::{commands, StoreError};
+
+/// The states a confirmed stop snapshot may be recorded in: the sandbox is still stopped (or
+/// being archived, or archived by that very upload).
+const DURABLE_STATES: [SandboxState; 3] = [
+    SandboxState::Stopped,
+    SandboxState::Archiving,
+    SandboxState::Archived,
+];
+
+/// Records that the stop snapshot `snapshot` (referencing `chunks`: SHA-256 and compressed
+/// bytes) is stored, in the caller's transaction: `durable_at` and `durable_snapshot` of the
+/// sandbox, and its chunk references (so a snapshot delete keeps them). Fenced: only at
+/// `generation`, not being deleted, in a state that keeps the stopped disk; returns whether it
+/// was written (`false`: the sandbox moved on, and nothing changed).
+pub async fn write_durable(
+    conn: &mut PgConnection,
+    id: SandboxId,
+    generation: Generation,
+    snapshot: SnapshotId,
+    chunks: &[(String, i64)],
+) -> Result<bool, StoreError> {
+    let states: Vec<&str> = DURABLE_STATES.iter().map(|s| s.as_str()).collect();
+    let updated = timed(
+        Op::SandboxDurable,
+        sqlx::query(
+            "UPDATE sandboxes SET durable_at = now(), durable_snapshot = $3
+              WHERE id = $1 AND generation = $2 AND deleted_at IS NULL AND state = ANY($4)",
+        )
+        .bind(id)
+        .bind(generation)
+        .bind(snapshot)
+        .bind(&states)
+        .execute(&mut *conn),
+    )
+    .await?;
+    if updated.rows_affected() != 1 {
+        return Ok(false);
+    }
+    let (hashes, sizes): (Vec<String>, Vec<i64>) = chunks.iter().cloned().unzip();
+    timed(
+        Op::SandboxDurable,
+        sqlx::query("DELETE FROM durable_chunks WHERE sandbox_id = $1")
+            .bind(id)
+            .execute(&mut *conn),
+    )
+    .await?;
+    timed(
+        Op::SandboxDurable,
+        sqlx::query(
+            "INSERT INTO durable_chunks (sha256, sandbox_id, stored)
+             SELECT h, $1, s FROM unnest($2::text[], $3::int8[]) AS t(h, s)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(id)
+        .bind(&hashes)
+        .bind(&sizes)
+        .execute(&mut *conn),
+    )
+    .await?;
+    Ok(true)
+}
+
+/// Moves the locked `archived` sandbox `row` to `to`, where placement already reserved its
+/// capacity in the caller's transaction (like a create): the row becomes `unarchiving` at the
+/// next generation on `to`, holding capacity, a `sandbox.unarchive` naming its durable stop
+/// snapshot goes to `to`, and an event records it.
+///
+/// Errors: [`StoreError::Fenced`] when the row is no longer `archived` at `row.generation` or
+/// has no durable snapshot.
+pub async fn unarchive(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    to: HostId,
+    reason: Reason,
+) -> Result<(SandboxRow, CommandId), StoreError> {
+    let fenced = StoreError::Fenced {
+        sandbox: row.id,
+        expected: row.generation,
+    };
+    let Some(snapshot) = row.durable_snapshot else {
+        return Err(fenced);
+    };
+    let generation = row.generation.next();
+    let updated = timed(
+        Op::SandboxUnarchive,
+        sqlx::query(&format!(
+            "UPDATE sandboxes
+                SET host_id = $3, generation = $4, holds_capacity = true, state = $5,
+                    state_reason = NULL, address = NULL, last_activity_at = now(),
+                    updated_at = now()
+              WHERE id = $1 AND generation = $2 AND state = $6 AND deleted_at IS NULL
+              RETURNING {COLUMNS}"
+        ))
+        .bind(row.id)
+        .bind(row.generation)
+        .bind(to)
+        .bind(generation)
+        .bind(SandboxState::Unarchiving.as_str())
+        .bind(SandboxState::Archived.as_str())
+        .fetch_optional(&mut *conn),
+    )
+    .await?
+    .ok_or(fenced)?;
+    let moved = SandboxRow::from_row(&updated)?;
+    let command = Command {
+        snapshot: Some(SnapshotOrder {
+            snapshot_id: snapshot,
+            parent: None,
+        }),
+        id: CommandId::new(),
+        sandbox_id: row.id,
+        generation,
+        kind: CommandKind::Unarchive,
+        spec: Some(moved.spec()),
+    };
+    commands::insert(&mut *conn, to, &command).await?;
+    events::insert(
+        conn,
+        &NewEvent {
+            sandbox_id: row.id,
+            org_id: row.org_id,
+            from: Some(row.state),
+            to: SandboxState::Unarchiving,
+            reason,
+            generation,
+            command_id: Some(command.id),
+            message: None,
+            stop: None,
+        },
+    )
+    .await?;
+    Ok((moved, command.id))
+}
+
+/// For a sandbox being deleted: forgets its durable stop snapshot (`durable_at`,
+/// `durable_snapshot` and its chunk references) in the caller's transaction, and returns the
+/// snapshot with the chunks no snapshot and no other durable stop references any more (for the
+/// caller to queue for removal, `crate::chunks::queue`). `None` when it has none, or is not
+/// being deleted.
+pub async fn take_durable(
+    conn: &mut PgConnection,
+    id: SandboxId,
+) -> Result<Option<(SnapshotId, Vec<String>)>, StoreError> {
+    let taken: Option<SnapshotId> = timed(
+        Op::SandboxDurable,
+        sqlx::query_scalar(
+            "WITH old AS (SELECT id, durable_snapshot FROM sandboxes
+                           WHERE id = $1 AND deleted_at IS NOT NULL
+                             AND durable_snapshot IS NOT NULL
+                           FOR UPDATE)
+             UPDATE sandboxes s SET durable_at = NULL, durable_snapshot = NULL
+               FROM old WHERE s.id = old.id
+             RETURNING old.durable_snapshot",
+        )
+        .bind(id)
+        .fetch_optional(&mut *conn),
+    )
+    .await?;
+    let Some(snapshot) = taken else {
+        return Ok(None);
+    };
+    let orphans: Vec<String> = timed(
+        Op::SandboxDurable,
+        sqlx::query_scalar(
+            "WITH mine AS (DELETE FROM durable_chunks WHERE sandbox_id = $1 RETURNING sha256)
+             SELECT m.sha256 FROM mine m
+              WHERE NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = m.sha256)
+                AND NOT EXISTS (SELECT 1 FROM durable_chunks d
+                                 WHERE d.sha256 = m.sha256 AND d.sandbox_id <> $1)",
+        )
+        .bind(id)
+        .fetch_all(&mut *conn),
+    )
+    .await?;
+    Ok(Some((snapshot, orphans)))
+}

@@ -1,0 +1,472 @@
+//! Durable stops, archive and unarchive on the real stack (issue 14, first slice): a stop
+//! becomes durable in the object store in the background; an archived sandbox frees its disk
+//! and comes back with its files on the other host; auto-archive; an S3 server killed
+//! mid-archive leaves the sandbox stopped with its disk, and a later archive succeeds; a
+//! delete during `archiving` and `archived`.
+
+use std::time::Duration;
+
+use berth_reconciler::pass::PassConfig;
+use reqwest::Method;
+use serde_json::Value;
+use sqlx::PgPool;
+
+use crate::support::http::{host_of, running_sandbox};
+use crate::support::{eventually, Stack};
+
+async fn run(stack: &Stack, sandbox: &str, script: &str) -> String {
+    let (status, out) = stack.exec(sandbox, &["sh", "-c", script]).await;
+    assert_eq!(status, 200, "{out}");
+    assert_eq!(out["exit_code"], 0, "{script}: {out}");
+    out["stdout"].as_str().unwrap().to_owned()
+}
+
+async fn get(stack: &Stack, id: &str) -> Value {
+    let (status, body) = stack
+        .call(Method::GET, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// Stops `id` and waits until its stop is durable; returns the sandbox.
+async fn stop_durably(stack: &Stack, id: &str) -> Value {
+    assert_eq!(stack.request(id, "stop").await.0, 202);
+    stack.wait_state(id, "stopped").await;
+    eventually("the stop becomes durable", || async {
+        !get(stack, id).await["durable_at"].is_null()
+    })
+    .await;
+    get(stack, id).await
+}
+
+/// `(to_state, reason, message)` of each event of the sandbox, oldest first.
+async fn events(db: &PgPool, id: &str) -> Vec<(String, String, Option<String>)> {
+    sqlx::query_as(
+        "SELECT to_state, reason, message FROM events
+          WHERE sandbox_id = $1::uuid AND snapshot_id IS NULL ORDER BY id",
+    )
+    .bind(id)
+    .fetch_all(db)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archived_sandbox_frees_its_disk_and_unarchives_on_the_other_host_with_its_files(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    // The first host fits one sandbox: once it runs another, the unarchive must go elsewhere.
+    stack.add_host_with((Some(1), Some(256))).await;
+    let id = running_sandbox(&stack).await;
+    run(
+        &stack,
+        &id,
+        "echo kept > /root/f && head -c 3000000 /dev/urandom > /root/blob && md5sum /root/blob > /root/sum",
+    )
+    .await;
+    let first_host = host_of(&stack, &id).await;
+    let stopped = stop_durably(&stack, &id).await;
+    assert_eq!(stopped["state"], "stopped");
+
+    let (status, body) = stack.request(&id, "archive").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "archiving", "{body}");
+    let (status, body) = stack.request(&id, "archive").await;
+    assert!(
+        status == 200 || status == 202,
+        "archive again: {status} {body}"
+    );
+    stack.wait_state(&id, "archived").await;
+    assert!(
+        stack.leftovers(&id).is_empty(),
+        "archived frees the local disk: {:?}",
+        stack.leftovers(&id)
+    );
+    let archived = get(&stack, &id).await;
+    assert!(!archived["durable_at"].is_null(), "{archived}");
+    // Requests an archived sandbox refuses.
+    assert_eq!(stack.request(&id, "stop").await.0, 200, "already settled");
+    let (status, body) = stack
+        .call(Method::POST, &format!("/v1/sandboxes/{id}/snapshot"), None)
+        .await;
+    assert_eq!(status, 409, "{body}");
+    stack.assert_no_capacity_drift().await;
+
+    // Fill the first host, then give the unarchive a second one.
+    let filler = running_sandbox(&stack).await;
+    assert_eq!(host_of(&stack, &filler).await, first_host);
+    stack.add_host().await;
+    let (status, body) = stack.request(&id, "start").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "unarchiving", "{body}");
+    stack.wait_state(&id, "running").await;
+    assert_ne!(host_of(&stack, &id).await, first_host, "placed elsewhere");
+    let out = run(
+        &stack,
+        &id,
+        "cat /root/f && md5sum -c /root/sum >/dev/null && echo intact",
+    )
+    .await;
+    assert_eq!(out, "kept\nintact\n");
+    let running = get(&stack, &id).await;
+    assert!(
+        running["durable_at"].is_null(),
+        "a running sandbox: {running}"
+    );
+    stack.assert_no_capacity_drift().await;
+    let states: Vec<String> = events(&db, &id)
+        .await
+        .into_iter()
+        .map(|(to, _, _)| to)
+        .collect();
+    assert_eq!(
+        states,
+        [
+            "provisioning",
+            "running",
+            "stopping",
+            "stopped",
+            "archiving",
+            "archived",
+            "unarchiving",
+            "running"
+        ]
+    );
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_stopped_sandbox_is_auto_archived_after_its_interval(db: PgPool) {
+    let config = PassConfig {
+        interval: Duration::from_millis(100),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db.clone(), 1, config).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo kept > /root/f").await;
+    stop_durably(&stack, &id).await;
+    let (status, body) = stack
+        .call(
+            Method::PATCH,
+            &format!("/v1/sandboxes/{id}"),
+            Some(serde_json::json!({"auto_archive_days": 1})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["auto_archive_days"], 1, "{body}");
+    let (status, body) = stack
+        .call(
+            Method::PATCH,
+            &format!("/v1/sandboxes/{id}"),
+            Some(serde_json::json!({"auto_archive_days": 0})),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(stack.state_of(&id).await, "stopped", "a day has not passed");
+    // The tests' seconds override of `auto_archive_days`.
+    sqlx::query("UPDATE sandboxes SET auto_archive_seconds = 1 WHERE id = $1::uuid")
+        .bind(&id)
+        .execute(&stack.db)
+        .await
+        .unwrap();
+    stack.wait_state(&id, "archived").await;
+    let reasons: Vec<(String, String)> = events(&db, &id)
+        .await
+        .into_iter()
+        .map(|(to, reason, _)| (to, reason))
+        .collect();
+    assert!(
+        reasons.contains(&("archiving".to_owned(), "auto_archive".to_owned())),
+        "{reasons:?}"
+    );
+    assert!(stack.leftovers(&id).is_empty());
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_delete_is_accepted_while_archiving_and_once_archived(db: PgPool) {
+    let stack = Stack::start(db.clone(), 1).await;
+    // Archiving: the delete waits for nothing; the host's delete follows its archive.
+    let a = running_sandbox(&stack).await;
+    assert_eq!(stack.request(&a, "stop").await.0, 202);
+    stack.wait_state(&a, "stopped").await;
+    assert_eq!(stack.request(&a, "archive").await.0, 202);
+    let (status, body) = stack.delete(&a).await;
+    assert_eq!(status, 202, "{body}");
+    stack.wait_state(&a, "deleted").await;
+    eventually("the deleted sandbox left nothing", || async {
+        stack.leftovers(&a).is_empty()
+    })
+    .await;
+    // Archived: a tombstone at once.
+    let b = running_sandbox(&stack).await;
+    stop_durably(&stack, &b).await;
+    assert_eq!(stack.request(&b, "archive").await.0, 202);
+    stack.wait_state(&b, "archived").await;
+    let snapshot: uuid::Uuid =
+        sqlx::query_scalar("SELECT durable_snapshot FROM sandboxes WHERE id = $1::uuid")
+            .bind(&b)
+            .fetch_one(&stack.db)
+            .await
+            .unwrap();
+    let manifest = format!("{snapshot}.json");
+    let stored = |name: &str| {
+        walk(&stack.object_store_dir())
+            .iter()
+            .any(|p| p.file_name().is_some_and(|n| n == name))
+    };
+    assert!(stored(&manifest), "the archive is in the store");
+    let (status, body) = stack.delete(&b).await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "deleted", "{body}");
+    assert_eq!(stack.request(&b, "start").await.0, 409);
+    assert!(
+        !stored(&manifest),
+        "its stored content is collected with the sandbox"
+    );
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+/// The `.zst` chunk objects under `dir` (an S3 server's directory of a key prefix).
+fn stored_chunks(dir: &std::path::Path) -> usize {
+    walk(dir)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "zst"))
+        .count()
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_s3_server_killed_mid_archive_leaves_it_stopped_with_its_disk_and_a_later_archive_succeeds(
+    db: PgPool,
+) {
+    use crate::support::s3::S3Server;
+    use crate::support::throttle::Throttle;
+    const PREFIX: &str = "archives/berth";
+    let mut stack = Stack::start(db.clone(), 0).await;
+    let root = stack.root.join("s3");
+    let s3 = S3Server::start(&root);
+    // 1 MiB/s per connection: the 20 MB below take long enough to kill the server mid-upload.
+    let link = Throttle::start(s3.port, 1 << 20).await;
+    let env = s3.env(PREFIX, link.port);
+    stack.add_host_env((None, None), &[], None, env).await;
+    let id = running_sandbox(&stack).await;
+    run(
+        &stack,
+        &id,
+        "head -c 20000000 /dev/urandom > /root/big && md5sum /root/big > /root/sum && echo before > /root/f",
+    )
+    .await;
+    assert_eq!(stack.request(&id, "stop").await.0, 202);
+    stack.wait_state(&id, "stopped").await;
+    // The archive cancels the stop's background upload and uploads itself.
+    let (status, body) = stack.request(&id, "archive").await;
+    assert_eq!(status, 202, "{body}");
+    let chunks = s3.dir_of(PREFIX).join("chunks");
+    eventually("the upload stores a chunk", || async {
+        stored_chunks(&chunks) > 0
+    })
+    .await;
+    assert_eq!(stack.state_of(&id).await, "archiving");
+    s3.kill();
+
+    stack.wait_state(&id, "stopped").await;
+    let last = events(&db, &id).await.pop().unwrap();
+    assert_eq!(
+        (last.0.as_str(), last.1.as_str()),
+        ("stopped", "runtime_error")
+    );
+    let message = last.2.unwrap_or_default();
+    assert!(message.contains("keeps its disk"), "{message}");
+    assert!(
+        !stack.leftovers(&id).is_empty(),
+        "the disk stays on its host"
+    );
+    assert!(get(&stack, &id).await["durable_at"].is_null());
+
+    // The server back on the same directory and port: the next archive succeeds, and the
+    // sandbox comes back with its files.
+    let port = s3.port;
+    drop(s3);
+    let s3 = S3Server::start_on(&root, port);
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    assert!(stack.leftovers(&id).is_empty());
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(
+        run(&stack, &id, "cat /root/f && md5sum -c /root/sum >/dev/null").await,
+        "before\n"
+    );
+    stack.assert_no_capacity_drift().await;
+    drop(s3);
+    stack.teardown().await;
+}
+
+/// A counter in the background: its value in `/root/n` each 50 ms, its pid in `/root/pid`.
+const COUNTER: &str = "(i=0; while :; do i=$((i+1)); echo $i > /root/n; sleep 0.05; done) \
+                       </dev/null >/dev/null 2>&1 & echo $! > /root/pid";
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_gvisor_sandbox_archived_after_a_memory_stop_continues_its_processes_on_the_other_host(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    stack.add_host_with((Some(1), Some(256))).await;
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            "/v1/sandboxes",
+            Some(serde_json::json!({"template": "base-gvisor", "vcpus": 1, "memory_mib": 256})),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    let first_host = host_of(&stack, &id).await;
+    run(&stack, &id, COUNTER).await;
+    let pid = run(&stack, &id, "cat /root/pid").await;
+    let stopped = stop_durably(&stack, &id).await;
+    assert_eq!(stopped["last_stop"], "memory", "{stopped}");
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    assert!(stack.leftovers(&id).is_empty());
+
+    let filler = running_sandbox(&stack).await;
+    assert_eq!(host_of(&stack, &filler).await, first_host);
+    stack.add_host().await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_ne!(host_of(&stack, &id).await, first_host);
+    // The same process, still counting.
+    run(&stack, &id, &format!("kill -0 {}", pid.trim())).await;
+    let first = count(&stack, &id).await;
+    eventually("the unarchived counter counts on", || async {
+        count(&stack, &id).await > first
+    })
+    .await;
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+async fn count(stack: &Stack, id: &str) -> u64 {
+    run(stack, id, "cat /root/n").await.trim().parse().unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_host_never_answers_times_out_to_stopped_and_its_late_archive_loses_nothing(
+    db: PgPool,
+) {
+    let config = PassConfig {
+        interval: Duration::from_millis(100),
+        archive_timeout: Duration::from_secs(10),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db.clone(), 1, config).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo kept > /root/f").await;
+    stop_durably(&stack, &id).await;
+    stack.hosts[0].freeze();
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    let stopped = stack.wait_state(&id, "stopped").await;
+    let reason = stopped["state_reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("timeout") && reason.contains("sandbox.archive"),
+        "{stopped}"
+    );
+    stack.hosts[0].thaw();
+    // The host archives late (its result is fenced: the row stays stopped)...
+    eventually("the late archive frees the disk", || async {
+        stack.leftovers(&id).is_empty()
+    })
+    .await;
+    assert_eq!(stack.state_of(&id).await, "stopped");
+    // ...and a start still finds its files: the host unarchives it from its own copy.
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_unarchive_whose_host_never_answers_fails_start_releasing_capacity_and_a_delete_while_unarchiving_converges(
+    db: PgPool,
+) {
+    let config = PassConfig {
+        interval: Duration::from_millis(100),
+        archive_timeout: Duration::from_secs(10),
+        ..PassConfig::default()
+    };
+    let stack = Stack::start_with(db.clone(), 1, config).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo kept > /root/f").await;
+    stop_durably(&stack, &id).await;
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    stack.hosts[0].freeze();
+    let (status, body) = stack.request(&id, "start").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "unarchiving", "{body}");
+    let failed = stack.wait_state(&id, "failed-start").await;
+    let reason = failed["state_reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("timeout") && reason.contains("sandbox.unarchive"),
+        "{failed}"
+    );
+    stack.assert_no_capacity_drift().await;
+    stack.hosts[0].thaw();
+    // The late unarchive is stopped by the timeout's compensation, keeping the fetched disk:
+    // a start boots it with its files.
+    eventually("the compensating stop is applied", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM commands WHERE sandbox_id = $1::uuid
+                 AND kind = 'sandbox.stop' AND outcome = 'succeeded'
+                 AND generation = (SELECT generation FROM sandboxes WHERE id = $1::uuid))",
+        )
+        .bind(&id)
+        .fetch_one(&db)
+        .await
+        .unwrap()
+    })
+    .await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
+
+    // A delete while `unarchiving`.
+    stop_durably(&stack, &id).await;
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    let (status, body) = stack.delete(&id).await;
+    assert_eq!(status, 202, "{body}");
+    stack.wait_state(&id, "deleted").await;
+    eventually("the deleted sandbox left nothing", || async {
+        stack.leftovers(&id).is_empty()
+    })
+    .await;
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
