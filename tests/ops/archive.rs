@@ -324,9 +324,10 @@ async fn an_s3_server_killed_mid_archive_leaves_it_stopped_with_its_disk_and_a_l
     stack.teardown().await;
 }
 
-/// A counter in the background: its value in `/root/n` each 50 ms, its pid in `/root/pid`.
-const COUNTER: &str = "(i=0; while :; do i=$((i+1)); echo $i > /root/n; sleep 0.05; done) \
-                       </dev/null >/dev/null 2>&1 & echo $! > /root/pid";
+/// A counter in the background: its value in `/root/n` each 50 ms (written beside and renamed
+/// over, so a read never finds it truncated mid-write), its pid in `/root/pid`.
+const COUNTER: &str = "(i=0; while :; do i=$((i+1)); echo $i > /root/n.new; mv /root/n.new /root/n; \
+                       sleep 0.05; done) </dev/null >/dev/null 2>&1 & echo $! > /root/pid";
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_gvisor_sandbox_archived_after_a_memory_stop_continues_its_processes_on_the_other_host(
