@@ -289,6 +289,9 @@ async fn an_s3_server_killed_mid_archive_leaves_it_stopped_with_its_disk_and_a_l
     })
     .await;
     assert_eq!(stack.state_of(&id).await, "archiving");
+    // The request × state table's choice: a start while archiving is refused, not queued.
+    let (status, body) = stack.request(&id, "start").await;
+    assert_eq!(status, 409, "{body}");
     s3.kill();
 
     stack.wait_state(&id, "stopped").await;
