@@ -459,6 +459,12 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             let subjects = conn.nats.subjects()?;
             let guards = berth_api::limits::Guards::new(limits.config());
             let proxy = berth_api::preview::Preview::new(db, guards, config, Default::default());
+            // A preview that wakes a sandbox commits its start here: the API's relays hear of it.
+            tokio::spawn(berth_api::outbox::forward_wakes(
+                nats.clone(),
+                subjects.clone(),
+                shutdown.clone(),
+            ));
             tokio::spawn(berth_api::preview::routes::evict_on_events(
                 proxy.clone(),
                 nats,

@@ -66,8 +66,8 @@ pub struct AppState {
     /// The preview proxy of the path route (`/v1/sandboxes/{id}/ports/{port}/…`), sharing
     /// `guards`.
     pub preview: std::sync::Arc<preview::Preview>,
-    /// Wakes waiting requests when a sandbox's state changes (`LISTEN`, opened by the first
-    /// wait).
+    /// Wakes waiting requests when a sandbox's state changes (its events on NATS, subscribed
+    /// by the first wait).
     pub watch: watch::SandboxWatch,
     /// Pulls OCI images for templates (`POST /v1/templates`); `None`: this process cannot
     /// (the route answers 503 `not_configured`). Set with [`AppState::with_images`].
@@ -92,7 +92,7 @@ impl AppState {
                 config.overcommit,
             ),
             guards,
-            watch: watch::SandboxWatch::new(db.clone()),
+            watch: watch::SandboxWatch::new(nats.clone(), subjects.clone()),
             db,
             nats,
             subjects,

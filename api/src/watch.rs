@@ -1,38 +1,37 @@
-//! [`SandboxWatch`]: wakes requests waiting on a sandbox's state the moment it changes, from
-//! Postgres `LISTEN berth_sandbox_changed` (a trigger of migration 0014 notifies the sandbox's
-//! id when a row is made or its state or `deleted_at` changes; delivered at commit).
-//!
-//! One listener connection per API process, opened by the first wait and shared by all: each
-//! waiter registers for its sandbox before it reads the row, then sleeps until that sandbox's
-//! notification (or a reconnect) and reads it again. No polling.
+//! [`SandboxWatch`]: wakes requests waiting on a sandbox's state soon after it changes, from the
+//! sandbox's events: every state change writes an event in its transaction, and the outbox
+//! relay publishes it on `{p}.events.sandbox.<org>.<sandbox>` once committed. One core NATS
+//! subscription to `{p}.events.sandbox.>` per API process, opened by the first wait and shared
+//! by all: each waiter registers for its sandbox before it reads the row, then sleeps until an
+//! event of that sandbox (or the fallback tick) and reads it again. (Until migration 0025 a
+//! Postgres `NOTIFY` in the state change's transaction did this; it serialized every commit.)
 //!
 //! # Guarantees
-//! - No missed change: a waiter registers before reading, and a notification delivered after
-//!   the registration wakes it; a change committed between its registration and its read is
-//!   seen by the read.
-//! - A lost connection is replaced (LISTEN again) and only then every waiter is woken to read
-//!   its row again, since notifications sent while the connection was down are lost.
+//! - No missed change: a waiter registers before reading, and the subscription was active at
+//!   the server (flushed) before the first registration; an event published after that wakes
+//!   it, and a change committed before its read is seen by the read.
+//! - A lost wake (an event published while the connection was down, a relay that died between
+//!   commit and publish) costs at most [`FALLBACK_TICK`]: every waiter reads again each tick.
 //!
 //! # Errors
-//! [`SandboxWatch::subscribe`] fails when no listener connection can be opened.
+//! [`SandboxWatch::subscribe`] fails when the subscription cannot be made (the client closed).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use berth_schemas::SandboxId;
-use sqlx::postgres::PgListener;
-use sqlx::PgPool;
+use berth_schemas::{SandboxId, Subjects};
+use futures::StreamExt;
 use tokio::sync::{watch, OnceCell};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-/// The channel migration 0014's trigger notifies on.
-pub const SANDBOX_CHANGED_CHANNEL: &str = "berth_sandbox_changed";
-/// Wait after a failed (re)connection of the listener before the next attempt.
+/// How often every waiter reads its row again whatever it heard: the bound on a lost wake.
+pub const FALLBACK_TICK: Duration = Duration::from_secs(1);
+/// Wait after a failed (re)subscription before the next attempt.
 pub const RECONNECT_DELAY: Duration = Duration::from_millis(500);
 
-/// The shared listener; cheap to clone. Stops its task when the last clone is dropped or
+/// The shared subscription; cheap to clone. Stops its task when the last clone is dropped or
 /// [`SandboxWatch::stop`] is called.
 #[derive(Clone)]
 pub struct SandboxWatch {
@@ -47,14 +46,15 @@ impl std::fmt::Debug for SandboxWatch {
 }
 
 struct Shared {
-    /// One counter per sandbox someone waits on, bumped by its notification.
+    /// One counter per sandbox someone waits on, bumped by its events.
     waiters: Mutex<HashMap<SandboxId, watch::Sender<u64>>>,
-    /// Bumped after every (re)connection: everyone reads again.
+    /// Bumped every [`FALLBACK_TICK`] and after a resubscription: everyone reads again.
     epoch: watch::Sender<u64>,
 }
 
 struct Handle {
-    db: PgPool,
+    nats: async_nats::Client,
+    subjects: Subjects,
     started: OnceCell<()>,
     stop: CancellationToken,
 }
@@ -65,42 +65,51 @@ impl Drop for Handle {
     }
 }
 
+/// Why a watch could not subscribe.
+#[derive(Debug, thiserror::Error)]
+#[error("sandbox event subscription: {0}")]
+pub struct WatchError(String);
+
 impl SandboxWatch {
-    /// A watch over `db`; its listener connects on the first [`SandboxWatch::subscribe`].
-    pub fn new(db: PgPool) -> Self {
+    /// A watch of the sandbox events under `subjects` on `nats`; it subscribes on the first
+    /// [`SandboxWatch::subscribe`].
+    pub fn new(nats: async_nats::Client, subjects: Subjects) -> Self {
         Self {
             shared: Arc::new(Shared {
                 waiters: Mutex::new(HashMap::new()),
                 epoch: watch::channel(0).0,
             }),
             handle: Arc::new(Handle {
-                db,
+                nats,
+                subjects,
                 started: OnceCell::new(),
                 stop: CancellationToken::new(),
             }),
         }
     }
 
-    /// Stops the listener task (the API's shutdown).
+    /// Stops the subscription's task (the API's shutdown).
     pub fn stop(&self) {
         self.handle.stop.cancel();
     }
 
-    /// Registers for `id`'s changes; the listener is listening when this returns.
+    /// Registers for `id`'s changes; the subscription is active at the server when this
+    /// returns.
     ///
-    /// Errors: the listener's first connection or `LISTEN` failed.
-    pub async fn subscribe(&self, id: SandboxId) -> Result<Subscription, sqlx::Error> {
+    /// Errors: [`WatchError`] when the first subscription could not be made or flushed.
+    pub async fn subscribe(&self, id: SandboxId) -> Result<Subscription, WatchError> {
         self.handle
             .started
             .get_or_try_init(|| async {
-                let listener = listen(&self.handle.db).await?;
+                let events = subscribe_events(&self.handle.nats, &self.handle.subjects).await?;
                 tokio::spawn(follow(
-                    listener,
-                    self.handle.db.clone(),
+                    events,
+                    self.handle.nats.clone(),
+                    self.handle.subjects.clone(),
                     self.shared.clone(),
                     self.handle.stop.clone(),
                 ));
-                Ok::<(), sqlx::Error>(())
+                Ok::<(), WatchError>(())
             })
             .await?;
         let changes = {
@@ -129,8 +138,8 @@ pub struct Subscription {
 
 impl Subscription {
     /// Returns when the sandbox may have changed since the last call (or the registration):
-    /// its notification arrived, or the listener reconnected. Pending forever once the
-    /// listener stopped (the caller's timeout ends the wait).
+    /// an event of it arrived, or the fallback tick passed. Pending forever once the watch
+    /// stopped (the caller's timeout ends the wait).
     pub async fn changed(&mut self) {
         tokio::select! {
             Ok(()) = self.changes.changed() => {}
@@ -153,32 +162,51 @@ impl Drop for Subscription {
     }
 }
 
-async fn listen(db: &PgPool) -> Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect_with(db).await?;
-    listener.listen(SANDBOX_CHANGED_CHANNEL).await?;
-    Ok(listener)
+/// Subscribes to every sandbox event and makes sure the server has the subscription.
+async fn subscribe_events(
+    nats: &async_nats::Client,
+    subjects: &Subjects,
+) -> Result<async_nats::Subscriber, WatchError> {
+    let events = nats
+        .subscribe(subjects.sandbox_events_all())
+        .await
+        .map_err(|e| WatchError(e.to_string()))?;
+    nats.flush().await.map_err(|e| WatchError(e.to_string()))?;
+    Ok(events)
 }
 
-/// Wakes the waiters of each notified sandbox until `stop`; on a lost connection, listens
-/// again and then wakes everyone.
+/// Wakes the waiters of each sandbox an event names, and everyone each [`FALLBACK_TICK`],
+/// until `stop`; subscribes again (then wakes everyone) if the subscription ends.
 async fn follow(
-    mut listener: PgListener,
-    db: PgPool,
+    mut events: async_nats::Subscriber,
+    nats: async_nats::Client,
+    subjects: Subjects,
     shared: Arc<Shared>,
     stop: CancellationToken,
 ) {
+    let mut tick = tokio::time::interval(FALLBACK_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let received = tokio::select! {
             _ = stop.cancelled() => return,
-            r = listener.try_recv() => r,
+            _ = tick.tick() => {
+                if !shared.waiters.lock().expect("waiters lock").is_empty() {
+                    shared.epoch.send_modify(|n| *n = n.wrapping_add(1));
+                }
+                continue;
+            }
+            m = events.next() => m,
         };
         match received {
-            Ok(Some(notification)) => {
-                let Ok(id) = notification.payload().parse::<SandboxId>() else {
-                    warn!(
-                        payload = notification.payload(),
-                        "unreadable sandbox notification"
-                    );
+            Some(message) => {
+                // `{p}.events.sandbox.<org>.<sandbox>`: the sandbox is the last token.
+                let id = message
+                    .subject
+                    .rsplit('.')
+                    .next()
+                    .and_then(|t| t.parse::<SandboxId>().ok());
+                let Some(id) = id else {
+                    debug!(subject = %message.subject, "an event subject without a sandbox id");
                     continue;
                 };
                 let waiters = shared.waiters.lock().expect("waiters lock");
@@ -186,17 +214,13 @@ async fn follow(
                     tx.send_modify(|n| *n = n.wrapping_add(1));
                 }
             }
-            // `Ok(None)`: the connection closed; an error: it failed. Either way notifications
-            // may be lost: listen on a fresh connection, then let every waiter read again.
-            other => {
-                if let Err(error) = other {
-                    warn!(%error, "sandbox change listener failed; reconnecting");
-                }
-                listener = loop {
-                    match listen(&db).await {
-                        Ok(l) => break l,
+            None => {
+                warn!("sandbox event subscription ended; subscribing again");
+                events = loop {
+                    match subscribe_events(&nats, &subjects).await {
+                        Ok(e) => break e,
                         Err(error) => {
-                            warn!(%error, "sandbox change listener cannot reconnect yet");
+                            warn!(%error, "sandbox event subscription cannot be made yet");
                             tokio::select! {
                                 _ = stop.cancelled() => return,
                                 _ = tokio::time::sleep(RECONNECT_DELAY) => {}
@@ -204,7 +228,6 @@ async fn follow(
                         }
                     }
                 };
-                debug!("sandbox change listener reconnected; waking every waiter");
                 shared.epoch.send_modify(|n| *n = n.wrapping_add(1));
             }
         }

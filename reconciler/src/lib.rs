@@ -102,10 +102,15 @@ pub async fn run(
         config.subjects.clone(),
         shutdown.clone(),
     ));
+    let wake = results::OutboxWake {
+        nats: nats.clone(),
+        subject: config.subjects.outbox_wake(),
+    };
     let leader = tokio::spawn(lead(
         config.clone(),
         db.clone(),
         Uuid::now_v7(),
+        Some(wake),
         shutdown.clone(),
     ));
     let consumed = results::consume(
@@ -125,7 +130,16 @@ pub async fn run(
 
 /// The leader loop of candidate `holder`: renew (or try to take) the lease every third of its
 /// TTL, and run a pass every `pass.interval` while holding it. Gives the lease up on shutdown.
-pub async fn lead(config: ReconcilerConfig, db: PgPool, holder: Uuid, shutdown: CancellationToken) {
+///
+/// After a pass that wrote anything, `wake` (when given) wakes the API's relays to publish the
+/// commands and events it wrote; without it they find them at their next poll.
+pub async fn lead(
+    config: ReconcilerConfig,
+    db: PgPool,
+    holder: Uuid,
+    wake: Option<results::OutboxWake>,
+    shutdown: CancellationToken,
+) {
     let tick = (config.lease_ttl / 3).min(config.pass.interval);
     let mut last_pass = tokio::time::Instant::now();
     let mut held: Option<leases::Lease> = None;
@@ -159,8 +173,16 @@ pub async fn lead(config: ReconcilerConfig, db: PgPool, holder: Uuid, shutdown: 
             if last_pass.elapsed() >= config.pass.interval {
                 last_pass = tokio::time::Instant::now();
                 match pass::run_pass(&db, &config.pass, &l).await {
-                    Ok(report) if report.deposed => held = None,
-                    Ok(_) => {}
+                    Ok(report) => {
+                        if report.actions.iter().any(|(_, n)| *n > 0) {
+                            if let Some(wake) = &wake {
+                                wake.wake().await;
+                            }
+                        }
+                        if report.deposed {
+                            held = None;
+                        }
+                    }
                     Err(error) => warn!(%error, "reconcile pass failed"),
                 }
             }

@@ -80,7 +80,7 @@ pub async fn consume(
     health: HealthConfig,
     shutdown: CancellationToken,
 ) -> Result<(), ReconcilerError> {
-    let js = jetstream::new(nats);
+    let js = jetstream::new(nats.clone());
     // A JetStream cluster still electing its leaders (all of it just started, or a node was
     // lost) times requests out for a while: wait it out instead of exiting.
     let mut messages = loop {
@@ -102,6 +102,10 @@ pub async fn consume(
     for why in Rejection::ALL {
         metrics::counter!("berth_results_rejected_total", "reason" => why.label()).increment(0);
     }
+    let wake = OutboxWake {
+        nats: nats.clone(),
+        subject: subjects.outbox_wake(),
+    };
     let limit = Arc::new(tokio::sync::Semaphore::new(APPLY_CONCURRENCY));
     let mut chains: HashMap<SandboxId, tokio::task::JoinHandle<()>> = HashMap::new();
     loop {
@@ -138,7 +142,7 @@ pub async fn consume(
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
-        let (db, sandbox_id) = (db.clone(), result.sandbox_id);
+        let (db, sandbox_id, wake) = (db.clone(), result.sandbox_id, wake.clone());
         let span = apply_span(msg.headers.as_ref(), &result);
         chains.insert(
             sandbox_id,
@@ -148,7 +152,7 @@ pub async fn consume(
                         // A panicked predecessor is logged by the runtime; only order matters.
                         let _ = previous.await;
                     }
-                    handle(&db, msg, result, &health).await;
+                    handle(&db, msg, result, &health, &wake).await;
                     drop(permit);
                 }
                 .instrument(span),
@@ -192,15 +196,55 @@ pub fn trace_context(
     }
 }
 
+/// Wakes the API processes' relays after a commit wrote what they publish (core NATS
+/// `{p}.outbox.wake`; the relays poll as well, so a lost wake only delays).
+#[derive(Clone)]
+pub struct OutboxWake {
+    /// The control plane's connection.
+    pub nats: async_nats::Client,
+    /// `{p}.outbox.wake`.
+    pub subject: String,
+}
+
+impl OutboxWake {
+    /// Publishes the wake; a failure is logged (the relays' poll covers it).
+    pub async fn wake(&self) {
+        if let Err(error) = self
+            .nats
+            .publish(self.subject.clone(), Vec::new().into())
+            .await
+        {
+            debug!(%error, "outbox wake not published");
+        }
+    }
+}
+
+/// Whether applying a result of `kind` as `applied` gave the relays something: an event or a
+/// command was written, or a boot finished (a start held back for its host's cap may go).
+fn wakes_relay(kind: CommandKind, applied: Applied) -> bool {
+    let wrote = !matches!(
+        applied,
+        Applied::Stale | Applied::Duplicate | Applied::Unknown | Applied::Rejected(_)
+    );
+    wrote || matches!(kind, CommandKind::Create | CommandKind::Start)
+}
+
 /// Applies one result, then acks it (or naks it for a retry when the database failed).
 async fn handle(
     db: &PgPool,
     msg: jetstream::Message,
     result: CommandResult,
     health: &HealthConfig,
+    wake: &OutboxWake,
 ) {
     let started = Instant::now();
-    match apply_with(db, &result, health).await {
+    let applied = apply_with(db, &result, health).await;
+    if let Ok(applied) = &applied {
+        if wakes_relay(result.kind, *applied) {
+            wake.wake().await;
+        }
+    }
+    match applied {
         Ok(Applied::Rejected(why)) => {
             reject(&result, why, &msg.subject);
             let _ = msg.ack_with(AckKind::Term).await;
@@ -377,10 +421,6 @@ async fn apply_once(
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
     commands::complete(&mut tx, result.command_id, completed, result.heartbeat_seq).await?;
-    if matches!(result.kind, CommandKind::Create | CommandKind::Start) {
-        // A boot finished: the relay may publish a start it held back for this host's cap.
-        commands::notify_relay(&mut tx).await?;
-    }
     if result.kind == CommandKind::Snapshot {
         // A snapshot settles its own row; the sandbox's state and generation do not move.
         let applied = crate::snapshots::apply(&mut tx, result).await?;

@@ -126,6 +126,19 @@ impl Subjects {
         format!("{}.events.webhook.{org}.{webhook}", self.prefix)
     }
 
+    /// `{p}.events.sandbox.>`: every sandbox event of every org (core subscribers: the API's
+    /// waiting requests, woken by each event of their sandbox).
+    pub fn sandbox_events_all(&self) -> String {
+        format!("{}.events.sandbox.>", self.prefix)
+    }
+
+    /// `{p}.outbox.wake` (core NATS, empty body): a process committed outbox rows (commands or
+    /// events); every relay that hears it runs a round. Published by the control plane only
+    /// (hosts' permissions do not name it); a lost one costs a relay's poll interval.
+    pub fn outbox_wake(&self) -> String {
+        format!("{}.outbox.wake", self.prefix)
+    }
+
     /// `{p}.events.>`: the event stream's subjects.
     pub fn events_all(&self) -> String {
         format!("{}.events.>", self.prefix)

@@ -9,10 +9,6 @@ use sqlx::{PgConnection, PgExecutor};
 use crate::op::{timed, Op};
 use crate::StoreError;
 
-/// The `LISTEN`/`NOTIFY` channel an insert into `commands` (or `events`) signals, through the
-/// migration's statement trigger; the relays listen on it.
-pub const OUTBOX_CHANNEL: &str = "berth_outbox";
-
 /// How a command ended, as `commands.outcome` spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommandOutcome {
@@ -121,18 +117,6 @@ pub async fn complete(
         .bind(outcome.as_str())
         .bind(i64::try_from(host_seq).unwrap_or(i64::MAX))
         .execute(conn),
-    )
-    .await?;
-    Ok(())
-}
-
-/// Wakes the relays (a boot finished, so a start held back for a host's cap may go out).
-pub async fn notify_relay(conn: &mut PgConnection) -> Result<(), StoreError> {
-    timed(
-        Op::CommandNotify,
-        sqlx::query("SELECT pg_notify($1, '')")
-            .bind(OUTBOX_CHANNEL)
-            .execute(conn),
     )
     .await?;
     Ok(())

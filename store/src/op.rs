@@ -169,8 +169,6 @@ ops! {
     CommandIssued => "command_issued",
     /// [`crate::commands::purge_completed`]: deletes the completed commands of purged sandboxes.
     CommandPurge => "command_purge",
-    /// [`crate::commands::notify_relay`]: `NOTIFY` on [`crate::commands::OUTBOX_CHANNEL`].
-    CommandNotify => "command_notify",
     /// [`crate::commands::latency`]: seconds from a command's insert to its completion.
     CommandLatency => "command_latency",
     /// [`crate::commands::claim_publishable`]: the command relay's batch.

@@ -329,7 +329,8 @@ async fn an_s3_server_killed_mid_archive_leaves_it_stopped_with_its_disk_and_a_l
 
 /// A counter in the background: its value in `/root/n` each 50 ms (written beside and renamed
 /// over, so a read never finds it truncated mid-write), its pid in `/root/pid`.
-const COUNTER: &str = "(i=0; while :; do i=$((i+1)); echo $i > /root/n.new; mv /root/n.new /root/n; \
+const COUNTER: &str =
+    "(i=0; while :; do i=$((i+1)); echo $i > /root/n.new; mv /root/n.new /root/n; \
                        sleep 0.05; done) </dev/null >/dev/null 2>&1 & echo $! > /root/pid";
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]

@@ -27,12 +27,14 @@ async fn one_of_two_reconcilers_leads_and_the_other_takes_over_when_it_dies(db: 
         config.clone(),
         db.clone(),
         a,
+        None,
         stop.clone(),
     ));
     let task_b = tokio::spawn(berth_reconciler::lead(
         config.clone(),
         db.clone(),
         b,
+        None,
         stop.clone(),
     ));
 

@@ -6,8 +6,11 @@
 //!   the ack and the mark re-publishes it, and JetStream drops the duplicate by `Nats-Msg-Id`
 //!   (= the row's id) within its duplicate window.
 //! - Several relays may run: rows are claimed with `FOR UPDATE SKIP LOCKED`.
-//! - Woken by `LISTEN berth_outbox` (a trigger notifies on insert), with a polling fallback of
-//!   [`POLL_INTERVAL`] in case a notification is lost while the listener reconnects.
+//! - Woken after the commit that wrote the rows, never by a `NOTIFY` inside it (Postgres
+//!   serializes the commits of notifying transactions; migration 0025): in process by
+//!   [`wake`] (the API's use cases call it after committing), and over core NATS by
+//!   `{p}.outbox.wake` (the reconciler publishes it after writing events or commands). A lost
+//!   wake costs at most [`POLL_INTERVAL`].
 //!
 //! One round: claim a batch, publish it pipelined (one shared pipeline: every publish sent,
 //! then every ack awaited), mark what was acked, repeat up to [`ROUND_BATCHES`] batches;
@@ -23,9 +26,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use async_nats::HeaderMap;
 use berth_schemas::Subjects;
-use berth_store::commands::OUTBOX_CHANNEL;
 use bytes::Bytes;
-use sqlx::postgres::PgListener;
+use futures::{FutureExt, StreamExt};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument, Span};
@@ -47,6 +49,36 @@ pub struct Drained {
     pub more: bool,
 }
 
+/// This process's relays follow it; [`wake`] bumps it.
+static LOCAL_WAKE: std::sync::LazyLock<tokio::sync::watch::Sender<u64>> =
+    std::sync::LazyLock::new(|| tokio::sync::watch::channel(0).0);
+
+/// Wakes this process's relays: call after committing a transaction that wrote commands or
+/// events. Cheap; extra wakes cost an empty round.
+pub fn wake() {
+    LOCAL_WAKE.send_modify(|n| *n = n.wrapping_add(1));
+}
+
+/// For a process that commits use cases but runs no relay (`berth proxy`, whose preview wakes
+/// start sandboxes): forwards each [`wake`] of this process to every relay as
+/// `{p}.outbox.wake` until `shutdown` fires.
+pub async fn forward_wakes(
+    nats: async_nats::Client,
+    subjects: Subjects,
+    shutdown: CancellationToken,
+) {
+    let mut local = LOCAL_WAKE.subscribe();
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = local.changed() => {}
+        }
+        if let Err(error) = nats.publish(subjects.outbox_wake(), Bytes::new()).await {
+            debug!(%error, "outbox wake not forwarded");
+        }
+    }
+}
+
 /// Runs the relay until `shutdown` fires: commands, then events, each round. Errors are logged
 /// and retried; the relay only returns on shutdown.
 pub async fn run(
@@ -56,7 +88,7 @@ pub async fn run(
     max_concurrent_starts: i64,
     shutdown: CancellationToken,
 ) {
-    let js = jetstream::new(nats);
+    let js = jetstream::new(nats.clone());
     while let Err(error) = berth_schemas::streams::ensure_streams(&js, &subjects).await {
         warn!(%error, "relay: cannot ensure streams yet");
         tokio::select! {
@@ -64,18 +96,8 @@ pub async fn run(
             _ = tokio::time::sleep(RETRY_DELAY) => {}
         }
     }
-    let mut listener = loop {
-        match listen(&db).await {
-            Ok(l) => break l,
-            Err(error) => {
-                warn!(%error, "relay: cannot LISTEN yet");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(RETRY_DELAY) => {}
-                }
-            }
-        }
-    };
+    let mut local = LOCAL_WAKE.subscribe();
+    let mut remote = nats.subscribe(subjects.outbox_wake()).await.ok();
     info!("outbox relay running");
     loop {
         let commands =
@@ -88,10 +110,12 @@ pub async fn run(
         let delay = delay.min(event_relay::round(&db, &js, &subjects).await);
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            n = listener.recv() => {
-                if let Err(error) = n {
-                    warn!(%error, "relay: notification listener failed; it reconnects");
-                    tokio::time::sleep(RETRY_DELAY).await;
+            _ = local.changed() => {}
+            woken = next_wake(&mut remote) => {
+                if !woken {
+                    // The subscription ended (the client closed): subscribe again; the poll
+                    // covers the gap.
+                    remote = nats.subscribe(subjects.outbox_wake()).await.ok();
                 }
             }
             _ = tokio::time::sleep(delay) => {}
@@ -121,10 +145,17 @@ fn settle<E: std::fmt::Display>(what: &str, drained: Result<Drained, E>) -> Dura
     }
 }
 
-async fn listen(db: &PgPool) -> Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect_with(db).await?;
-    listener.listen(OUTBOX_CHANNEL).await?;
-    Ok(listener)
+/// Waits for the next `{p}.outbox.wake` and takes every other one already queued (one round
+/// answers them all). False when the subscription ended; pending forever without one.
+async fn next_wake(remote: &mut Option<async_nats::Subscriber>) -> bool {
+    let Some(sub) = remote else {
+        return std::future::pending().await;
+    };
+    if sub.next().await.is_none() {
+        return false;
+    }
+    while let Some(Some(_)) = sub.next().now_or_never() {}
+    true
 }
 
 /// One message of a batch: `key` says which row it came from.

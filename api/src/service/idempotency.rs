@@ -135,6 +135,9 @@ pub async fn commit(
         }
     }
     tx.commit().await?;
+    // The use case may have written commands or events: this process's relay publishes them
+    // now (no `NOTIFY` in the transaction, migration 0025).
+    crate::outbox::wake();
     Ok(response)
 }
 

@@ -193,6 +193,7 @@ pub async fn delete(
     let hashes: Vec<String> = orphans.iter().map(|(h, _)| h.clone()).collect();
     chunks::queue(&mut tx, &hashes).await?;
     tx.commit().await?;
+    crate::outbox::wake();
     if let Some(objects) = objects {
         let removed = async {
             objects

@@ -1,6 +1,6 @@
 //! Waiting for a sandbox's state without polling: `GET /v1/sandboxes/{id}/wait` and `?wait=`
 //! on a create or a lifecycle request. The row is read once, then again only when
-//! [`SandboxWatch`] says it changed (Postgres `NOTIFY` at commit).
+//! [`SandboxWatch`] says it changed (an event of the sandbox, or its fallback tick).
 //!
 //! # Guarantees
 //! - Answers as soon as the row is in the target state (`Ok`), or settled where it cannot get
@@ -31,7 +31,7 @@ pub const MAX_WAIT_TIMEOUT: Duration = Duration::from_secs(300);
 ///
 /// Errors: [`ServiceError::NotFound`] (also when the row is purged while waited on),
 /// [`ServiceError::WaitConflict`], [`ServiceError::WaitTimeout`] (after `timeout`, or at once
-/// when `stop` fires), [`ServiceError::Internal`] when no listener connection can be opened.
+/// when `stop` fires), [`ServiceError::Internal`] when the watch cannot subscribe.
 #[instrument(skip_all, fields(org_id = %org, sandbox_id = %id, target = %target))]
 pub async fn wait(
     db: &PgPool,
@@ -46,7 +46,7 @@ pub async fn wait(
     let mut changes = watch
         .subscribe(id)
         .await
-        .map_err(|e| ServiceError::Internal(format!("sandbox change listener: {e}")))?;
+        .map_err(|e| ServiceError::Internal(e.to_string()))?;
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let row = sandboxes::get(db, org, id)
