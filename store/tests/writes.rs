@@ -345,3 +345,41 @@ async fn a_late_durability_report_for_a_sandbox_that_moved_on_changes_nothing(db
     assert_eq!((after.durable_at, after.durable_snapshot), (None, None));
     tx.commit().await.unwrap();
 }
+
+/// No trigger on a table that every create and every result apply writes sends a `NOTIFY`
+/// (migration 0025): Postgres serializes the commits of notifying transactions, each holding one
+/// database-wide lock through its WAL flush, which capped the 1,000-host sim at one commit at a
+/// time. (`api_keys` keeps its revocation notify: rare, and needed in every process at once.)
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn no_trigger_on_the_hot_tables_notifies(db: PgPool) {
+    let hot = [
+        "commands",
+        "events",
+        "sandboxes",
+        "hosts",
+        "snapshots",
+        "orgs",
+        "idempotency_keys",
+    ];
+    let notifying: Vec<(String, String)> = sqlx::query_as(
+        "SELECT c.relname::text, t.tgname::text FROM pg_trigger t
+           JOIN pg_class c ON c.oid = t.tgrelid
+           JOIN pg_proc p ON p.oid = t.tgfoid
+          WHERE NOT t.tgisinternal AND p.prosrc ~* 'notify' AND c.relname = ANY($1)",
+    )
+    .bind(&hot[..])
+    .fetch_all(&db)
+    .await
+    .unwrap();
+    assert!(notifying.is_empty(), "notifying triggers: {notifying:?}");
+    // The check itself sees such a trigger: the revocation one on `api_keys`.
+    let revocation: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+           JOIN pg_proc p ON p.oid = t.tgfoid
+          WHERE NOT t.tgisinternal AND p.prosrc ~* 'notify' AND c.relname = 'api_keys'",
+    )
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    assert_eq!(revocation, 1);
+}
