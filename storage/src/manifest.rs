@@ -197,6 +197,23 @@ impl Manifest {
             .collect()
     }
 
+    /// Every distinct chunk the snapshot references, once each, in the order the trees list
+    /// them: `(sha256, stored bytes)` (what a host reports so the control plane knows which
+    /// chunks a snapshot or a durable stop holds on to).
+    pub fn distinct_chunks(&self) -> Vec<(String, u32)> {
+        let mut seen = std::collections::HashSet::new();
+        self.trees()
+            .flat_map(|t| t.entries.iter())
+            .filter_map(|e| match &e.kind {
+                EntryKind::File { chunks, .. } => Some(chunks.iter()),
+                _ => None,
+            })
+            .flatten()
+            .filter(|c| seen.insert(c.sha256.as_str()))
+            .map(|c| (c.sha256.clone(), c.stored))
+            .collect()
+    }
+
     fn trees(&self) -> impl Iterator<Item = &Tree> {
         std::iter::once(&self.disk).chain(self.memory.as_ref())
     }

@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex};
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::wire::{Command, CommandResult, ResultOutcome, StopDurable};
 use berth_schemas::{CommandKind, SandboxId};
-use berth_storage::manifest::EntryKind;
 use berth_storage::{Holds, SnapshotInfo, TreeKind, TreeSource};
 use tokio_util::sync::CancellationToken;
 
@@ -179,22 +178,7 @@ pub async fn upload_stop(
         chunks_uploaded = report.chunks_uploaded,
         "stop snapshot durable"
     );
-    let mut chunks: Vec<(String, u32)> = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for tree in [Some(&manifest.disk), manifest.memory.as_ref()]
-        .into_iter()
-        .flatten()
-    {
-        for e in &tree.entries {
-            if let EntryKind::File { chunks: cs, .. } = &e.kind {
-                for c in cs {
-                    if seen.insert(c.sha256.clone()) {
-                        chunks.push((c.sha256.clone(), c.stored));
-                    }
-                }
-            }
-        }
-    }
+    let chunks = manifest.distinct_chunks();
     Ok(Some(StopDurable {
         snapshot_id,
         memory: manifest.holds == Holds::DiskAndMemory,

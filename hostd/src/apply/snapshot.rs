@@ -17,7 +17,6 @@
 use std::time::{Duration, Instant};
 
 use berth_schemas::wire::{Command, ResultOutcome, SnapshotStored};
-use berth_storage::manifest::EntryKind;
 use berth_storage::{Holds, SnapshotInfo, TreeKind, TreeSource};
 
 use crate::error::HostdError;
@@ -178,22 +177,7 @@ async fn take(
         chunks_uploaded = report.chunks_uploaded,
         "snapshot durable"
     );
-    let mut chunks: Vec<(String, u32)> = Vec::new();
-    let mut seen = std::collections::HashSet::new();
-    for tree in [Some(&manifest.disk), manifest.memory.as_ref()]
-        .into_iter()
-        .flatten()
-    {
-        for e in &tree.entries {
-            if let EntryKind::File { chunks: cs, .. } = &e.kind {
-                for c in cs {
-                    if seen.insert(c.sha256.clone()) {
-                        chunks.push((c.sha256.clone(), c.stored));
-                    }
-                }
-            }
-        }
-    }
+    let chunks = manifest.distinct_chunks();
     Ok(SnapshotStored {
         memory: manifest.holds == Holds::DiskAndMemory,
         logical_bytes: manifest.sizes.logical_bytes,
