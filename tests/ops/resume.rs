@@ -159,6 +159,28 @@ async fn a_runc_restore_keeps_files_from_before_its_snapshot_and_drops_later_one
         assert_eq!(status, 202, "{body}");
     }
     stack.wait_state(&id, "running").await;
+    // An Idempotency-Key binds the sandbox the path names: the same key and body on another
+    // sandbox is a reuse (422), never the first sandbox's stored answer (an attacker's find:
+    // restore, clone and fork fingerprinted the path template, not the id).
+    let keyed = |sandbox: &str| {
+        stack
+            .http
+            .post(stack.url(&format!("/v1/sandboxes/{sandbox}/restore")))
+            .bearer_auth(&stack.key)
+            .header("Idempotency-Key", "restore-once")
+            .json(&json!({ "snapshot_id": snapshot }))
+            .send()
+    };
+    assert_eq!(keyed(&id).await.unwrap().status(), 202);
+    stack.wait_state(&id, "running").await;
+    let reused = keyed(&other).await.unwrap();
+    let status = reused.status().as_u16();
+    let body: Value = reused.json().await.unwrap();
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (422, Some("idempotency_key_reused")),
+        "{body}"
+    );
     // A snapshot still creating cannot be restored from.
     let creating = berth_schemas::ids::SnapshotId::new();
     sqlx::query(

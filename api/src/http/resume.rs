@@ -83,7 +83,12 @@ pub async fn restore(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let wait = wait_slot(&app, &caller, wait_of(query, Some(Request::Restore))?)?;
-    let idem = Idempotency::from_headers(&headers, "POST", "/v1/sandboxes/{id}/restore", &body)?;
+    let idem = Idempotency::from_headers(
+        &headers,
+        "POST",
+        &format!("/v1/sandboxes/{id}/restore"),
+        &body,
+    )?;
     let FromSnapshot { snapshot_id } = body_of(&body)?;
     let outcome = resume::restore(
         &app.db,
@@ -121,7 +126,12 @@ pub async fn clone(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let wait = wait_slot(&app, &caller, wait_of(query, None)?)?;
-    let idem = Idempotency::from_headers(&headers, "POST", "/v1/sandboxes/{id}/clone", &body)?;
+    let idem = Idempotency::from_headers(
+        &headers,
+        "POST",
+        &format!("/v1/sandboxes/{id}/clone"),
+        &body,
+    )?;
     let FromSnapshot { snapshot_id } = body_of(&body)?;
     let outcome = resume::clone(
         &app.db,
@@ -156,7 +166,8 @@ pub async fn fork(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let idem = Idempotency::from_headers(&headers, "POST", "/v1/sandboxes/{id}/fork", &body)?;
+    let idem =
+        Idempotency::from_headers(&headers, "POST", &format!("/v1/sandboxes/{id}/fork"), &body)?;
     let ForkRequest { count } = body_of(&body)?;
     let outcome = resume::fork(
         &app.db,
