@@ -292,19 +292,24 @@ pub enum Deleted {
     NotFound,
     /// Not from an image (built-in or imported): not deleted.
     NotAnImage(TemplateRow),
-    /// `sandboxes` sandboxes that are not deleted name it: not deleted.
+    /// `sandboxes` sandboxes that are not deleted, or `snapshots` snapshots that are not
+    /// failed, name it: not deleted.
     InUse {
         /// The row.
         row: TemplateRow,
-        /// How many.
+        /// How many sandboxes.
         sandboxes: i64,
+        /// How many snapshots (`creating` or `ready`: a restore or clone boots them on it).
+        snapshots: i64,
     },
 }
 
 /// Deletes image template `name` with its events, in one transaction: the row is locked
 /// `FOR UPDATE` first (a create holding it `FOR SHARE`, [`get_shared`], commits first), then
 /// refused while any sandbox not yet deleted names it (a stopped sandbox's overlay still
-/// reads its root).
+/// reads its root), or any snapshot not failed does (a restore or clone lays its files over
+/// the template's root: deleting it would let a later template of the same name, another
+/// image, take its place).
 pub async fn delete(db: &sqlx::PgPool, name: &str) -> Result<Deleted, StoreError> {
     let mut tx = db.begin().await?;
     let row: Option<TemplateRow> = timed(
@@ -322,17 +327,22 @@ pub async fn delete(db: &sqlx::PgPool, name: &str) -> Result<Deleted, StoreError
     if row.image.is_none() {
         return Ok(Deleted::NotAnImage(row));
     }
-    let sandboxes: i64 = timed(
+    let (sandboxes, snapshots): (i64, i64) = timed(
         Op::TemplateDelete,
-        sqlx::query_scalar(
-            "SELECT count(*) FROM sandboxes WHERE template = $1 AND state <> 'deleted'",
+        sqlx::query_as(
+            "SELECT (SELECT count(*) FROM sandboxes WHERE template = $1 AND state <> 'deleted'),
+                    (SELECT count(*) FROM snapshots WHERE template = $1 AND state <> 'failed')",
         )
         .bind(name)
         .fetch_one(&mut *tx),
     )
     .await?;
-    if sandboxes > 0 {
-        return Ok(Deleted::InUse { row, sandboxes });
+    if sandboxes > 0 || snapshots > 0 {
+        return Ok(Deleted::InUse {
+            row,
+            sandboxes,
+            snapshots,
+        });
     }
     timed(
         Op::TemplateDelete,

@@ -33,7 +33,8 @@ async fn settled(stack: &Stack, id: &str) -> Value {
 }
 
 /// A ready snapshot of `sandbox`; returns its id.
-async fn ready_snapshot(stack: &Stack, sandbox: &str) -> String {
+/// Takes a snapshot of `sandbox` and waits until it is `ready`; its id.
+pub(crate) async fn ready_snapshot(stack: &Stack, sandbox: &str) -> String {
     let (status, body) = stack
         .call(
             Method::POST,

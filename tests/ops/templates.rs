@@ -118,6 +118,8 @@ async fn an_image_template_is_deleted_only_by_an_operator_once_unused_and_frees_
     assert_eq!(status, 202, "{body}");
     let id = body["id"].as_str().unwrap().to_owned();
     stack.wait_state(&id, "running").await;
+    // A snapshot of it: a clone would lay its files over this template's image.
+    let snapshot = crate::resume::ready_snapshot(&stack, &id).await;
 
     let path = format!("/v1/templates/{name}");
     // An org's key may not delete a template every org shares.
@@ -156,10 +158,29 @@ async fn an_image_template_is_deleted_only_by_an_operator_once_unused_and_frees_
         .await;
     assert_eq!(status, 404);
 
-    // Once the sandbox is deleted (its tombstone still names the template): deleted, its
+    // Once the sandbox is deleted (its tombstone still names the template) its snapshot still
+    // holds the template (an attacker deleted the template under a ready snapshot and cloned
+    // it onto another image of the same name); once the snapshot is deleted too: deleted, its
     // events with it, and its unpacked root freed.
     stack.delete(&id).await;
     stack.wait_state(&id, "deleted").await;
+    let (status, body) = stack.call_as(&admin, Method::DELETE, &path, None).await;
+    assert_eq!(
+        (status, &body["error"]["code"]),
+        (409, &json!("template_in_use")),
+        "{body}"
+    );
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("1 snapshot"),
+        "{body}"
+    );
+    let (status, body) = stack
+        .call(Method::DELETE, &format!("/v1/snapshots/{snapshot}"), None)
+        .await;
+    assert_eq!(status, 204, "{body}");
     let (status, body) = stack.call_as(&admin, Method::DELETE, &path, None).await;
     assert_eq!(status, 204, "{body}");
     let (status, _) = stack.call(Method::GET, &path, None).await;

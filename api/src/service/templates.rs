@@ -238,11 +238,16 @@ pub async fn delete(
                  operator removes it"
             ),
         }),
-        Deleted::InUse { row, sandboxes } => Err(ServiceError::TemplateConflict {
+        Deleted::InUse {
+            row,
+            sandboxes,
+            snapshots,
+        } => Err(ServiceError::TemplateConflict {
             code: "template_in_use",
             state: row.state()?.as_str().to_owned(),
             message: format!(
-                "{sandboxes} sandbox(es) not yet deleted use template {name}; delete them first"
+                "{sandboxes} sandbox(es) not yet deleted and {snapshots} snapshot(s) not failed \
+                 use template {name}; delete them first"
             ),
         }),
         Deleted::Deleted {
