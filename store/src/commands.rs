@@ -34,6 +34,14 @@ impl CommandOutcome {
     }
 }
 
+/// The snapshot a restore or clone boots from (`commands.snapshot_id`, migration 0026).
+fn boots_from(command: &Command) -> Option<berth_schemas::ids::SnapshotId> {
+    match command.kind {
+        CommandKind::Restore | CommandKind::Clone => command.snapshot.map(|o| o.snapshot_id),
+        _ => None,
+    }
+}
+
 /// Inserts `command` into the outbox for `host`, in the caller's transaction.
 pub async fn insert(
     conn: &mut PgConnection,
@@ -43,8 +51,8 @@ pub async fn insert(
     timed(
         Op::CommandInsert,
         sqlx::query(
-            "INSERT INTO commands (id, sandbox_id, host_id, kind, generation, payload)
-             VALUES ($1, $2, $3, $4, $5, $6)",
+            "INSERT INTO commands (id, sandbox_id, host_id, kind, generation, payload, snapshot_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
         .bind(command.id)
         .bind(command.sandbox_id)
@@ -52,6 +60,7 @@ pub async fn insert(
         .bind(command.kind.as_str())
         .bind(command.generation)
         .bind(wire::encode(command))
+        .bind(boots_from(command))
         .execute(conn),
     )
     .await?;

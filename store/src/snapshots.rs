@@ -182,6 +182,44 @@ pub async fn get(
     row.as_ref().map(SnapshotRow::from_row).transpose()
 }
 
+/// [`get`], locked `FOR SHARE` until the caller's transaction ends: a restore or clone holds
+/// it so a delete (which locks it `FOR UPDATE`) cannot cross it; the delete then sees the
+/// boot's command ([`boots_in_progress`]).
+pub async fn get_shared(
+    conn: &mut PgConnection,
+    org: OrgId,
+    id: SnapshotId,
+) -> Result<Option<SnapshotRow>, StoreError> {
+    let row = timed(
+        Op::SnapshotGet,
+        sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM snapshots WHERE id = $1 AND org_id = $2 FOR SHARE"
+        ))
+        .bind(id)
+        .bind(org)
+        .fetch_optional(conn),
+    )
+    .await?;
+    row.as_ref().map(SnapshotRow::from_row).transpose()
+}
+
+/// How many sandboxes are still `resuming` from snapshot `id`: restores and clones whose
+/// command (`commands.snapshot_id`) is open at the sandbox's current generation. Their hosts
+/// still read its content.
+pub async fn boots_in_progress(conn: &mut PgConnection, id: SnapshotId) -> Result<i64, StoreError> {
+    timed(
+        Op::SnapshotGet,
+        sqlx::query_scalar(
+            "SELECT count(*) FROM commands c JOIN sandboxes s ON s.id = c.sandbox_id
+              WHERE c.snapshot_id = $1 AND c.completed_at IS NULL
+                AND s.state = 'resuming' AND s.generation = c.generation",
+        )
+        .bind(id)
+        .fetch_one(conn),
+    )
+    .await
+}
+
 /// One snapshot, locked `FOR UPDATE` until the caller's transaction ends (the reconciler, a
 /// delete).
 pub async fn lock(

@@ -561,6 +561,19 @@ async fn a_clone_whose_host_never_answers_fails_with_a_reason_and_is_destroyed_w
     .await;
     assert_eq!(status, 202, "{body}");
     let clone = body["id"].as_str().unwrap().to_owned();
+    // Its snapshot cannot be deleted while the clone is resuming from it (an attacker deleted
+    // one under three booting clones, and they failed on missing content).
+    let (status, body) = stack
+        .call(Method::DELETE, &format!("/v1/snapshots/{snapshot}"), None)
+        .await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("still resuming"),
+        "{body}"
+    );
     let failed = stack.wait_state(&clone, "failed-start").await;
     let reason = failed["state_reason"].as_str().unwrap_or_default();
     assert!(

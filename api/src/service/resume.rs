@@ -212,7 +212,8 @@ pub async fn fork(
     Ok(Replayable::Fresh(fork, response))
 }
 
-/// The org's snapshot `id`, `ready`; with `of`, it must be that sandbox's.
+/// The org's snapshot `id`, `ready`, locked `FOR SHARE` (a delete waits for this transaction,
+/// then sees its command); with `of`, it must be that sandbox's.
 ///
 /// Errors: [`ServiceError::NotFound`], [`ServiceError::SnapshotConflict`].
 async fn ready_snapshot(
@@ -221,7 +222,7 @@ async fn ready_snapshot(
     id: SnapshotId,
     of: Option<SandboxId>,
 ) -> Result<SnapshotRow, ServiceError> {
-    let snapshot = snapshots::get(&mut *tx, org, id)
+    let snapshot = snapshots::get_shared(&mut *tx, org, id)
         .await?
         .filter(|s| of.is_none_or(|sandbox| s.sandbox_id == sandbox))
         .ok_or_else(|| match of {

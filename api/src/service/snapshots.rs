@@ -171,7 +171,8 @@ pub async fn list(
 /// object store is given) its manifest and the chunks no other snapshot references. Content
 /// whose delete failed after the commit is only unreferenced, never lost from a live snapshot.
 ///
-/// Errors: [`ServiceError::NotFound`], [`ServiceError::SnapshotConflict`] (still `creating`).
+/// Errors: [`ServiceError::NotFound`], [`ServiceError::SnapshotConflict`] (still `creating`, or
+/// a sandbox still resuming from it).
 pub async fn delete(
     db: &PgPool,
     objects: Option<&berth_storage::Objects>,
@@ -189,6 +190,16 @@ pub async fn delete(
             message: refusal.to_string(),
         }
     })?;
+    let booting = snapshots::boots_in_progress(&mut tx, id).await?;
+    if booting > 0 {
+        return Err(ServiceError::SnapshotConflict {
+            state: row.state.as_str().to_owned(),
+            message: format!(
+                "{booting} sandbox(es) are still resuming from snapshot {id}; delete it once \
+                 they are running"
+            ),
+        });
+    }
     let orphans = snapshots::delete(&mut tx, id).await?;
     let hashes: Vec<String> = orphans.iter().map(|(h, _)| h.clone()).collect();
     chunks::queue(&mut tx, &hashes).await?;
