@@ -169,17 +169,7 @@ pub async fn get(
     org: OrgId,
     id: SnapshotId,
 ) -> Result<Option<SnapshotRow>, StoreError> {
-    let row = timed(
-        Op::SnapshotGet,
-        sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM snapshots WHERE id = $1 AND org_id = $2"
-        ))
-        .bind(id)
-        .bind(org)
-        .fetch_optional(db),
-    )
-    .await?;
-    row.as_ref().map(SnapshotRow::from_row).transpose()
+    select_of_org(db, org, id, "").await
 }
 
 /// [`get`], locked `FOR SHARE` until the caller's transaction ends: a restore or clone holds
@@ -190,14 +180,23 @@ pub async fn get_shared(
     org: OrgId,
     id: SnapshotId,
 ) -> Result<Option<SnapshotRow>, StoreError> {
+    select_of_org(conn, org, id, "FOR SHARE").await
+}
+
+async fn select_of_org(
+    db: impl PgExecutor<'_>,
+    org: OrgId,
+    id: SnapshotId,
+    lock: &str,
+) -> Result<Option<SnapshotRow>, StoreError> {
     let row = timed(
         Op::SnapshotGet,
         sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM snapshots WHERE id = $1 AND org_id = $2 FOR SHARE"
+            "SELECT {COLUMNS} FROM snapshots WHERE id = $1 AND org_id = $2 {lock}"
         ))
         .bind(id)
         .bind(org)
-        .fetch_optional(conn),
+        .fetch_optional(db),
     )
     .await?;
     row.as_ref().map(SnapshotRow::from_row).transpose()
