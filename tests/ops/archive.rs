@@ -11,15 +11,9 @@ use reqwest::Method;
 use serde_json::Value;
 use sqlx::PgPool;
 
+use crate::resume::{count, run, COUNTER};
 use crate::support::http::{host_of, running_sandbox};
 use crate::support::{eventually, Stack};
-
-async fn run(stack: &Stack, sandbox: &str, script: &str) -> String {
-    let (status, out) = stack.exec(sandbox, &["sh", "-c", script]).await;
-    assert_eq!(status, 200, "{out}");
-    assert_eq!(out["exit_code"], 0, "{script}: {out}");
-    out["stdout"].as_str().unwrap().to_owned()
-}
 
 async fn get(stack: &Stack, id: &str) -> Value {
     let (status, body) = stack
@@ -327,12 +321,6 @@ async fn an_s3_server_killed_mid_archive_leaves_it_stopped_with_its_disk_and_a_l
     stack.teardown().await;
 }
 
-/// A counter in the background: its value in `/root/n` each 50 ms (written beside and renamed
-/// over, so a read never finds it truncated mid-write), its pid in `/root/pid`.
-const COUNTER: &str =
-    "(i=0; while :; do i=$((i+1)); echo $i > /root/n.new; mv /root/n.new /root/n; \
-                       sleep 0.05; done) </dev/null >/dev/null 2>&1 & echo $! > /root/pid";
-
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_gvisor_sandbox_archived_after_a_memory_stop_continues_its_processes_on_the_other_host(
     db: PgPool,
@@ -373,10 +361,6 @@ async fn a_gvisor_sandbox_archived_after_a_memory_stop_continues_its_processes_o
     .await;
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
-}
-
-async fn count(stack: &Stack, id: &str) -> u64 {
-    run(stack, id, "cat /root/n").await.trim().parse().unwrap()
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]

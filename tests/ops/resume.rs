@@ -48,7 +48,8 @@ pub(crate) async fn ready_snapshot(stack: &Stack, sandbox: &str) -> String {
     snapshot["id"].as_str().unwrap().to_owned()
 }
 
-async fn run(stack: &Stack, sandbox: &str, script: &str) -> String {
+/// Runs `script` with `sh -c` in `sandbox`; asserts it exits 0 and returns its stdout.
+pub(crate) async fn run(stack: &Stack, sandbox: &str, script: &str) -> String {
     let (status, out) = stack.exec(sandbox, &["sh", "-c", script]).await;
     assert_eq!(status, 200, "{out}");
     assert_eq!(out["exit_code"], 0, "{script}: {out}");
@@ -83,11 +84,12 @@ async fn gvisor_sandbox(stack: &Stack) -> String {
 /// A counter in the background: its value in `/root/n` (disk) each 50 ms, its pid in
 /// `/root/pid`. Each value is written beside the file and renamed over it, so a read never
 /// finds the file truncated mid-write (an empty read failed this test under load).
-const COUNTER: &str =
+pub(crate) const COUNTER: &str =
     "(i=0; while :; do i=$((i+1)); echo $i > /root/n.new; mv /root/n.new /root/n; \
                        sleep 0.05; done) </dev/null >/dev/null 2>&1 & echo $! > /root/pid";
 
-async fn count(stack: &Stack, id: &str) -> u64 {
+/// The value [`COUNTER`] last wrote in `id`.
+pub(crate) async fn count(stack: &Stack, id: &str) -> u64 {
     run(stack, id, "cat /root/n").await.trim().parse().unwrap()
 }
 
