@@ -158,6 +158,7 @@ async fn a_boot_its_host_applied_is_not_timed_out_while_its_result_is_queued(db:
     // The host booted the first (generation 1, its create's) and says so in its inventory;
     // the result is still queued. It never saw the second.
     assert!(report(&plane.db, plane.host, 1, now_ms(), &[applied]).await);
+    inproc::relay_all(&plane.db).await;
     let eager = PassConfig {
         create_timeout: Duration::ZERO,
         ..config()
@@ -517,10 +518,12 @@ async fn a_fleet_over_its_share_holds_every_host_until_released(db: PgPool) {
         .all(|s| s == "failed-start"));
 }
 
-/// A create the relay never published times out as never delivered and leaves its host's
-/// health alone; one the host had and never answered counts against it.
+/// A create still in the outbox never times out while its host is healthy (the control plane's
+/// own backlog must not fail healthy work); once the host is not healthy (its earlier boots
+/// hang and hold its cap) it times out as never delivered, without charging the host again.
+/// One the host had and never answered counts against it.
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn a_timeout_of_a_command_never_published_does_not_charge_its_host(db: PgPool) {
+async fn a_command_still_in_the_outbox_times_out_only_behind_an_unhealthy_host(db: PgPool) {
     let plane = Plane::start(db).await;
     let lease = inproc::lease(&plane.db).await;
     let stuck = plane.create().await;
@@ -535,12 +538,9 @@ async fn a_timeout_of_a_command_never_published_does_not_charge_its_host(db: PgP
         create_timeout: Duration::ZERO,
         ..config()
     };
-    assert_eq!(
-        pass(&plane.db, &eager, &lease)
-            .await
-            .count(Action::CommandTimeout),
-        2
-    );
+    let r = pass(&plane.db, &eager, &lease).await;
+    assert_eq!(r.count(Action::CommandTimeout), 1, "{r:?}");
+    assert_eq!(inproc::row(&plane.db, stuck).await.state, "provisioning");
     let reason = |id: SandboxId| {
         let db = plane.db.clone();
         async move {
@@ -554,14 +554,27 @@ async fn a_timeout_of_a_command_never_published_does_not_charge_its_host(db: PgP
             .unwrap_or_default()
         }
     };
+    assert!(reason(delivered).await.contains("host never answered"));
+    assert_eq!(
+        health(&plane.db, plane.host).await,
+        ("healthy".to_owned(), 1)
+    );
+
+    // The host is degraded now: the create it never had times out, and charges nothing more.
+    sqlx::query("UPDATE hosts SET health = 'degraded' WHERE id = $1")
+        .bind(plane.host.0)
+        .execute(&plane.db)
+        .await
+        .unwrap();
+    let r = pass(&plane.db, &eager, &lease).await;
+    assert_eq!(r.count(Action::CommandTimeout), 1, "{r:?}");
     assert!(
         reason(stuck).await.contains("never delivered"),
         "{}",
         reason(stuck).await
     );
-    assert!(reason(delivered).await.contains("host never answered"));
     assert_eq!(
         health(&plane.db, plane.host).await,
-        ("healthy".to_owned(), 1)
+        ("degraded".to_owned(), 1)
     );
 }

@@ -177,6 +177,7 @@ async fn a_late_create_success_after_a_timeout_leaves_failed_start_and_destroys_
     let create = plane.latest(id).await;
     assert_eq!(inproc::reserved(&plane.db, plane.host).await, (1, 256));
 
+    inproc::relay_all(&plane.db).await;
     let report = pass::run_pass(&plane.db, &inproc::eager_timeouts(), &lease)
         .await
         .unwrap();
@@ -206,6 +207,7 @@ async fn a_late_create_success_after_a_timeout_leaves_failed_start_and_destroys_
     assert_eq!(deletes[0].host_id, plane.host);
 
     // Capacity was released exactly once: another pass and a redelivery change nothing.
+    inproc::relay_all(&plane.db).await;
     pass::run_pass(&plane.db, &inproc::eager_timeouts(), &lease)
         .await
         .unwrap();
@@ -260,6 +262,7 @@ async fn a_second_pass_after_a_start_timeout_changes_nothing(db: PgPool) {
     let (id, _) = run(&plane, &[Report(true), Request("stop"), Report(true)], 1).await;
     plane.request(id, "start").await;
     let config = inproc::eager_timeouts();
+    inproc::relay_all(&plane.db).await;
     let first = pass::run_pass(&plane.db, &config, &lease).await.unwrap();
     assert_eq!(first.count(pass::Action::CommandTimeout), 1);
     let after_first = (

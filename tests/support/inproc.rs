@@ -349,6 +349,15 @@ pub fn eager_timeouts() -> berth_reconciler::pass::PassConfig {
     }
 }
 
+/// What the relay would have done by now: marks every unpublished command published. This
+/// plane runs no relay, and a command still in the outbox of a healthy host never times out.
+pub async fn relay_all(db: &PgPool) {
+    sqlx::query("UPDATE commands SET published_at = now() WHERE published_at IS NULL")
+        .execute(db)
+        .await
+        .expect("mark the outbox published");
+}
+
 /// Takes the reconciler lease for the whole test.
 pub async fn lease(db: &PgPool) -> berth_store::leases::Lease {
     berth_store::leases::acquire(

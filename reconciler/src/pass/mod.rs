@@ -488,12 +488,15 @@ async fn time_out_commands(
         let Some(failure) = on_timeout(kind, row.state) else {
             continue;
         };
-        // A command the relay never published never reached its host: the control plane's
-        // own backlog, so the reason says so and the host's health is not charged.
+        // A boot the relay held back behind the cap of a host that is not healthy never
+        // reached it: the reason says so, and the host's health is not charged again.
         let message = if timed_out.published {
             format!("timeout: host never answered {kind}")
         } else {
-            format!("timeout: {kind} was never delivered to its host (control-plane backlog)")
+            format!(
+                "timeout: {kind} was never delivered: its host is not healthy and its earlier \
+                 boots hold the cap"
+            )
         };
         fail_sandbox(&mut tx, row, failure, &message).await?;
         if let (Some(host), true) = (row.host_id, timed_out.published) {

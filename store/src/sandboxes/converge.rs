@@ -54,8 +54,8 @@ pub struct TimedOut {
     pub row: SandboxRow,
     /// The command's kind.
     pub kind: CommandKind,
-    /// Whether the relay had published it: an unpublished one never reached its host (the
-    /// control plane's own backlog), so its timeout says nothing about the host.
+    /// Whether the relay had published it: an unpublished one (a boot held back behind an
+    /// unhealthy host's cap) never reached its host, so its timeout charges the host nothing.
     pub published: bool,
 }
 
@@ -71,8 +71,14 @@ pub struct TimedOut {
 /// is not its host's) to the results watermark (`results_watermark`, advanced by
 /// `berth_reconciler::watermark`), not to now: it is timed out only when every result published
 /// until its deadline has been applied and none was its own. While the result consumer has a
-/// backlog the watermark stays behind, and so do the timeouts. A command the relay never
-/// published runs from its insert to now (`published` is false: it says nothing of the host).
+/// backlog the watermark stays behind, and so do the timeouts.
+///
+/// A command the relay has not published never times out while its host is healthy: it waits
+/// in the control plane's own outbox (a backlog the relay's alert `BerthOutboxStuck` covers),
+/// and failing it would fail healthy work (the 1,000-host sim had creates 136 s in the outbox).
+/// Only a boot held back behind the boot cap of a host that is not healthy (its earlier boots
+/// hang, so the cap never frees) runs from its insert to now (`published` is false: the host
+/// never had it, so its health is not charged again).
 pub async fn lock_timed_out(
     conn: &mut PgConnection,
     timeouts: CommandTimeouts,
@@ -94,7 +100,9 @@ pub async fn lock_timed_out(
               WHERE c.completed_at IS NULL
                 AND c.generation = s.generation AND s.deleted_at IS NULL
                 AND CASE WHEN c.published_at IS NULL
-                         THEN c.created_at < now() - make_interval(secs => t.secs)
+                         THEN c.kind IN {boots}
+                              AND (SELECT health FROM hosts WHERE id = c.host_id) <> 'healthy'
+                              AND c.created_at < now() - make_interval(secs => t.secs)
                          ELSE c.published_at < COALESCE((SELECT applied_through
                                                            FROM results_watermark), now())
                                                - make_interval(secs => t.secs) END
@@ -106,7 +114,8 @@ pub async fn lock_timed_out(
               ORDER BY c.created_at
               LIMIT $4
               FOR UPDATE OF s SKIP LOCKED",
-            cols = columns_of("s")
+            cols = columns_of("s"),
+            boots = crate::commands::BOOTS_SQL,
         ))
         .bind(&kinds)
         .bind(&states)
