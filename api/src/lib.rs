@@ -148,8 +148,9 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), ApiRunError> {
     info!(addr = ?listener.local_addr().ok(), "api listening");
+    let relay_db = outbox::own_pool(&state.db);
     let relay = tokio::spawn(outbox::run(
-        state.db.clone(),
+        relay_db.clone(),
         state.nats.clone(),
         state.subjects.clone(),
         state.config.max_concurrent_starts,
@@ -198,6 +199,7 @@ pub async fn serve(
     shutdown.cancel();
     watch.stop();
     let _ = relay.await;
+    relay_db.close().await;
     let _ = webhooks.await;
     let _ = preview_routes.await;
     let _ = revocations.await;

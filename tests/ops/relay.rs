@@ -395,3 +395,56 @@ async fn a_backlog_of_events_never_holds_a_command_back_past_one_round(db: PgPoo
     })
     .await;
 }
+
+/// The relay has connections of its own: while requests hold every connection of the API's
+/// pool (here its only one), a committed command is still published. On the API's pool the
+/// relay waited behind the requests, and in the 1,000-host sim the outbox grew without bound.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn the_relay_publishes_while_requests_hold_every_connection_of_the_apis_pool(db: PgPool) {
+    with_outbox(db.clone(), |outbox| async move {
+        outbox.ensure_streams().await;
+        let api_pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with((*db.connect_options()).clone())
+            .await
+            .unwrap();
+        let held = api_pool.acquire().await.unwrap();
+        let config =
+            berth_api::ApiConfig::new("127.0.0.1:0".parse().unwrap(), outbox.subjects.clone());
+        let state = berth_api::AppState::new(
+            api_pool.clone(),
+            outbox.nats.clone(),
+            outbox.subjects.clone(),
+            config,
+            berth_api::metrics::handle(),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let server = tokio::spawn(berth_api::serve(listener, state, shutdown.clone()));
+
+        let ids = outbox.insert(3, CommandKind::Stop).await;
+        berth_api::outbox::wake();
+        // The relay polls every second besides; a relay without a connection never publishes.
+        let deadline = tokio::time::Instant::now() + WATCH_TIMEOUT;
+        loop {
+            let mut published = 0;
+            for id in &ids {
+                published += publish_state(&db, *id).await.0 as usize;
+            }
+            if published == ids.len() {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the relay published {published} of {} commands while the API's pool was held",
+                ids.len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(held);
+        shutdown.cancel();
+        server.await.unwrap().unwrap();
+        api_pool.close().await;
+    })
+    .await;
+}
