@@ -47,7 +47,8 @@ pub enum ApiError {
         /// Its value.
         value: usize,
     },
-    /// 413 `payload_too_large`: a file over the API's size limit.
+    /// 413 `payload_too_large`: a file over the API's size limit. (A request body over
+    /// [`crate::http::body::MAX_BODY_BYTES`] gets the same answer from [`json_errors`].)
     #[error("the file is larger than the {limit}-byte limit")]
     PayloadTooLarge {
         /// The limit, in bytes.
@@ -329,7 +330,8 @@ impl IntoResponse for ApiError {
 }
 
 /// Gives every error response the JSON error shape: axum's own rejections (405 method not
-/// allowed, 413 body too large, a query that does not parse) answer plain text or nothing.
+/// allowed, 413 body too large, a query that does not parse) answer plain text or nothing. A
+/// 413 gets the `limit` in bytes, as [`ApiError::PayloadTooLarge`] has it.
 pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let response = next.run(req).await;
     // A preview's answer is the sandbox's own (or a page for a browser): left alone.
@@ -344,11 +346,12 @@ pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Ne
         Ok(plain) => plain,
         Err(passed) => return passed,
     };
-    let mut fixed = (
-        status,
-        Json(json!({ "error": { "code": code, "message": message } })),
-    )
-        .into_response();
+    let mut body = json!({ "code": code, "message": message });
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        // The router's one body limit (a streamed upload answers its own 413 in JSON).
+        body["limit"] = json!(crate::http::body::MAX_BODY_BYTES);
+    }
+    let mut fixed = (status, Json(json!({ "error": body }))).into_response();
     for (name, value) in parts.headers.iter() {
         if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
             fixed.headers_mut().insert(name.clone(), value.clone());
@@ -394,6 +397,11 @@ pub(crate) async fn plain_error(
         .await
         .unwrap_or_default();
     let message = match String::from_utf8_lossy(&text).trim() {
+        // axum's "Failed to buffer the request body: length limit exceeded", in words.
+        _ if status == StatusCode::PAYLOAD_TOO_LARGE => format!(
+            "the request body is larger than the {}-byte limit",
+            crate::http::body::MAX_BODY_BYTES
+        ),
         "" => status.canonical_reason().unwrap_or("error").to_lowercase(),
         t => t.to_owned(),
     };

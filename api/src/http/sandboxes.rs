@@ -11,7 +11,6 @@ use berth_schemas::state::{Request, WaitTarget};
 use berth_schemas::{HostId, SandboxId, SandboxState};
 
 use super::events::StreamShutdown;
-use super::extract::json_error;
 use super::extract::parse_path_id;
 use super::idempotency::{render_replayable, stored, Idempotency};
 use super::settings::{answer_when, stop_token, wait_slot, WaitFor, WaitQuery};
@@ -41,10 +40,7 @@ pub(crate) fn wait_of(
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
     request: Option<Request>,
 ) -> Result<Option<WaitFor>, ApiError> {
-    let Query(q) = query.map_err(|e| ApiError::InvalidRequest {
-        field: None,
-        message: e.body_text(),
-    })?;
+    let Query(q) = query.map_err(super::extract::query_error)?;
     let wait = q.parse()?;
     let settles_in = WaitTarget::of_request(request);
     match wait {
@@ -95,7 +91,7 @@ pub async fn create(
         )
         .await;
     }
-    let Json(create) = Json::<CreateSandbox>::from_bytes(body).map_err(json_error)?;
+    let create: CreateSandbox = super::body::json(body)?;
     let req = create.validate(app.config.disk)?;
     req.network
         .check_tenant(app.config.sandbox_egress_private)
@@ -236,10 +232,7 @@ pub async fn list(
     caller: Caller,
     query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<SandboxList>, ApiError> {
-    let Query(pairs) = query.map_err(|e| ApiError::InvalidRequest {
-        field: None,
-        message: e.body_text(),
-    })?;
+    let Query(pairs) = query.map_err(super::extract::query_error)?;
     let q = ListQuery::from_pairs(pairs)?;
     let state = q
         .state
