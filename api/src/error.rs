@@ -79,6 +79,10 @@ pub enum ApiError {
         /// What conflicted.
         message: String,
     },
+    /// 409 `last_key`: a revocation of the org's last working key (see
+    /// [`crate::service::keys::revoke_key`]).
+    #[error("{0}")]
+    LastKey(String),
     /// 422 `idempotency_key_reused`: the key was used for a different request.
     #[error("Idempotency-Key {0:?} was used for a different request")]
     IdempotencyKeyReused(String),
@@ -179,6 +183,7 @@ impl ApiError {
             ApiError::IdempotencyKeyReused(_) => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
+            ApiError::LastKey(_) => (StatusCode::CONFLICT, "last_key"),
             ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
             ApiError::Unavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::Conflict { .. }
@@ -220,6 +225,7 @@ impl From<ServiceError> for ApiError {
                 message,
             },
             ServiceError::IdempotencyKeyReused(key) => ApiError::IdempotencyKeyReused(key),
+            e @ ServiceError::LastKey(_) => ApiError::LastKey(e.to_string()),
             ServiceError::NoCapacity { vcpus, memory_mib } => {
                 ApiError::NoCapacity { vcpus, memory_mib }
             }

@@ -3,11 +3,12 @@
 //! `POST /v1/keys` read no body (20 MB of garbage got 201), `Idempotency-Key` was ignored on
 //! `POST /v1/templates` and `POST /v1/keys` and taken twice on one request, snapshot, restore,
 //! clone and fork bodies passed unknown fields or JSON arrays, 400s carried serde's raw text
-//! without a `field` and 413s no `limit`.
+//! without a `field` and 413s no `limit`, and an org could revoke its last key.
 
 use axum::body::Body;
 use axum::http::{header, Method, Request};
 use berth_api::http::body::MAX_BODY_BYTES;
+use berth_api::service::keys::MAX_ACTIVE_KEYS;
 use berth_api::service::templates::{ImagePuller, PullFailure, PulledImage};
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -310,4 +311,73 @@ async fn post_templates_honours_idempotency_key_in_the_operators_scope(db: PgPoo
     assert_eq!(key.status, 201, "{}", key.body);
     let garbage = post_raw(&api, &operator, "/v1/templates", &[], "[\"node\"]").await;
     assert_worded_400(&garbage, "an array");
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_org_keeps_its_last_key_and_has_at_most_max_active_keys(db: PgPool) {
+    let org = inproc::org(&db).await;
+    let api = api(&db).await;
+    let own: String = sqlx::query_scalar("SELECT id::text FROM api_keys WHERE org_id = $1")
+        .bind(org.id)
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    let revoke = |key: String, id: String| {
+        let api = api.clone();
+        async move {
+            api.call(&key, Method::DELETE, &format!("/v1/keys/{id}"), None, None)
+                .await
+        }
+    };
+    let last = revoke(org.key.clone(), own.clone()).await;
+    assert_eq!((last.status, last.code()), (409, "last_key"), "{}", last.body);
+    assert!(
+        last.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("last"),
+        "{}",
+        last.body
+    );
+    // With a second key either may go, but two revocations at once leave one.
+    let made = post_raw(&api, &org.key, "/v1/keys", &[], "").await;
+    let (second_id, second) = (
+        made.body["id"].as_str().unwrap().to_owned(),
+        made.body["key"].as_str().unwrap().to_owned(),
+    );
+    let (a, b) = tokio::join!(
+        revoke(org.key.clone(), second_id.clone()),
+        revoke(second.clone(), own.clone())
+    );
+    let mut statuses = [a.status, b.status];
+    statuses.sort();
+    assert_eq!(statuses, [200, 409], "{} {}", a.body, b.body);
+    let working: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM api_keys WHERE org_id = $1 AND revoked_at IS NULL",
+    )
+    .bind(org.id)
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    assert_eq!(working, 1);
+    let survivor = if a.status == 200 { org.key.clone() } else { second };
+    // A revoked key revoked again is still 200 (not "the last").
+    let revoked_id = if a.status == 200 { &second_id } else { &own };
+    let again = revoke(survivor.clone(), revoked_id.clone()).await;
+    assert_eq!(again.status, 200, "{}", again.body);
+
+    // The cap: MAX_ACTIVE_KEYS working keys, one more is 429 and writes nothing.
+    for _ in 1..MAX_ACTIVE_KEYS {
+        let made = post_raw(&api, &survivor, "/v1/keys", &[], "").await;
+        assert_eq!(made.status, 201, "{}", made.body);
+    }
+    let over = post_raw(&api, &survivor, "/v1/keys", &[], "").await;
+    assert_eq!(
+        (over.status, over.code()),
+        (429, "quota_exceeded"),
+        "{}",
+        over.body
+    );
+    assert_eq!(over.body["error"]["limit"], "max_keys");
+    assert_eq!(over.body["error"]["value"], MAX_ACTIVE_KEYS);
 }

@@ -143,17 +143,36 @@ pub async fn list_keys(db: &PgPool, org: OrgId) -> Result<Vec<KeyRow>, StoreErro
 
 /// Revokes the org's key `id` (again: a no-op that keeps the first revocation's time). Every
 /// API and proxy process forgets its cached keys at commit ([`crate::revocations`]), so the key
-/// is refused at once everywhere.
+/// is refused at once everywhere. The org's last working key is kept: revoking it would lock
+/// the org out of its own API for good (only the operator makes keys for an org that has
+/// none). The org's row is locked for the count, so two revocations of an org's last two keys
+/// cannot both pass. The operator's `berth admin revoke-key` and `delete-org` are not bound by
+/// this.
 ///
-/// Errors: [`ServiceError::NotFound`] when `org` has no such key (another org's looks the same).
+/// Errors: [`ServiceError::NotFound`] when `org` has no such key (another org's looks the same);
+/// [`ServiceError::LastKey`] for the org's last working key.
+///
+/// [`ServiceError::NotFound`]: super::ServiceError::NotFound
+/// [`ServiceError::LastKey`]: super::ServiceError::LastKey
 pub async fn revoke_key(
     db: &PgPool,
     org: OrgId,
     id: ApiKeyId,
 ) -> Result<KeyRow, super::ServiceError> {
-    api_keys::revoke(db, Some(org), id)
+    let not_found = || super::ServiceError::NotFound(format!("key {id}"));
+    let mut tx = db.begin().await?;
+    let active = api_keys::lock_active_count(&mut tx, org).await?;
+    let key = api_keys::get(&mut *tx, org, id)
         .await?
-        .ok_or_else(|| super::ServiceError::NotFound(format!("key {id}")))
+        .ok_or_else(not_found)?;
+    if key.revoked_at.is_none() && active <= 1 {
+        return Err(super::ServiceError::LastKey(id));
+    }
+    let revoked = api_keys::revoke(&mut *tx, Some(org), id)
+        .await?
+        .ok_or_else(not_found)?;
+    tx.commit().await?;
+    Ok(revoked)
 }
 
 /// Generates a key for `org` (`None`: an operator key), stores its hash, and returns it.
