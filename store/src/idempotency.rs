@@ -54,8 +54,8 @@ pub async fn lock(
                  hashtextextended(COALESCE($1::text, 'operator') || ':' || $2, 0))",
         )
         .bind(org.into())
-            .bind(key)
-            .execute(db),
+        .bind(key)
+        .execute(db),
     )
     .await?;
     Ok(())

@@ -92,7 +92,11 @@ async fn post_keys_parses_its_body_and_every_json_route_answers_413_with_the_lim
         "{}",
         reply.body
     );
-    assert_eq!(reply.body["error"]["limit"], MAX_BODY_BYTES, "{}", reply.body);
+    assert_eq!(
+        reply.body["error"]["limit"], MAX_BODY_BYTES,
+        "{}",
+        reply.body
+    );
     assert_eq!(org_keys(&db, org.id).await, 1, "a refused body made a key");
     // No body and `{}` are what the route takes.
     for fine in ["", "{}", " { } "] {
@@ -101,7 +105,10 @@ async fn post_keys_parses_its_body_and_every_json_route_answers_413_with_the_lim
         assert!(reply.body["key"].as_str().unwrap().starts_with("berth_"));
     }
     // Every JSON route has the same limit and says it.
-    let over = format!(r#"{{"metadata": {{"k": "{}"}}}}"#, "x".repeat(MAX_BODY_BYTES));
+    let over = format!(
+        r#"{{"metadata": {{"k": "{}"}}}}"#,
+        "x".repeat(MAX_BODY_BYTES)
+    );
     for path in [
         "/v1/sandboxes".to_owned(),
         format!("/v1/sandboxes/{NOBODY}/snapshot"),
@@ -144,7 +151,11 @@ async fn snapshot_restore_clone_and_fork_refuse_unknown_fields_and_bodies_that_a
             Some("vcpus"),
         ),
         (&clone, format!("[{id}]"), None),
-        (&fork, r#"{"count": 2, "template": "base"}"#.to_owned(), Some("template")),
+        (
+            &fork,
+            r#"{"count": 2, "template": "base"}"#.to_owned(),
+            Some("template"),
+        ),
         (&fork, "[2]".to_owned(), None),
         (&fork, "2".to_owned(), None),
         (&fork, r#"{"count": "two"}"#.to_owned(), Some("count")),
@@ -179,11 +190,26 @@ async fn json_errors_name_their_field_in_words(db: PgPool) {
     let cases = [
         ("/v1/sandboxes", r#"{"vcpus": "x"}"#, Some("vcpus"), "vcpus"),
         ("/v1/sandboxes", r#"{"vcpus": -1}"#, Some("vcpus"), "-1"),
-        ("/v1/sandboxes", r#"{"colour": "blue"}"#, Some("colour"), "colour"),
-        ("/v1/sandboxes", r#"{"vcpus": 1,}"#, None, "line 1, column 13"),
+        (
+            "/v1/sandboxes",
+            r#"{"colour": "blue"}"#,
+            Some("colour"),
+            "colour",
+        ),
+        (
+            "/v1/sandboxes",
+            r#"{"vcpus": 1,}"#,
+            None,
+            "line 1, column 13",
+        ),
         ("/v1/sandboxes", "[]", None, "JSON object"),
         ("/v1/webhooks", r#"{"url": 5}"#, Some("url"), "a string"),
-        ("/v1/webhooks", r#"{"secret": "s"}"#, Some("url"), "url is required"),
+        (
+            "/v1/webhooks",
+            r#"{"secret": "s"}"#,
+            Some("url"),
+            "url is required",
+        ),
         (
             "/v1/sandboxes/x/exec",
             r#"{"cmd": "ls"}"#,
@@ -226,7 +252,10 @@ async fn post_keys_honours_idempotency_key_without_storing_the_secret(db: PgPool
     let secret = first.body["key"].as_str().unwrap().to_owned();
     let again = post_raw(&api, &org.key, "/v1/keys", &["k1"], "").await;
     assert_eq!(again.status, 201, "{}", again.body);
-    assert_eq!(again.body["id"], first.body["id"], "a retry made a second key");
+    assert_eq!(
+        again.body["id"], first.body["id"],
+        "a retry made a second key"
+    );
     assert_eq!(again.body["prefix"], first.body["prefix"]);
     assert!(again.body["key"].is_null(), "{}", again.body);
     assert_eq!(org_keys(&db, org.id).await, 2);
@@ -245,11 +274,19 @@ async fn post_keys_honours_idempotency_key_without_storing_the_secret(db: PgPool
     );
     let twice = post_raw(&api, &org.key, "/v1/keys", &["k2", "k3"], "").await;
     assert_eq!((twice.status, twice.code()), (400, "invalid_request"));
-    assert_eq!(twice.body["error"]["field"], "Idempotency-Key", "{}", twice.body);
+    assert_eq!(
+        twice.body["error"]["field"], "Idempotency-Key",
+        "{}",
+        twice.body
+    );
     let twice = post_raw(&api, &org.key, "/v1/sandboxes", &["k4", "k4"], "{}").await;
     assert_eq!(twice.status, 400, "{}", twice.body);
     assert_eq!(twice.body["error"]["field"], "Idempotency-Key");
-    assert_eq!(org_keys(&db, org.id).await, 2, "a refused request made a key");
+    assert_eq!(
+        org_keys(&db, org.id).await,
+        2,
+        "a refused request made a key"
+    );
 }
 
 /// A puller whose pull never ends: the template stays `pulling`.
@@ -330,7 +367,12 @@ async fn an_org_keeps_its_last_key_and_has_at_most_max_active_keys(db: PgPool) {
         }
     };
     let last = revoke(org.key.clone(), own.clone()).await;
-    assert_eq!((last.status, last.code()), (409, "last_key"), "{}", last.body);
+    assert_eq!(
+        (last.status, last.code()),
+        (409, "last_key"),
+        "{}",
+        last.body
+    );
     assert!(
         last.body["error"]["message"]
             .as_str()
@@ -360,7 +402,11 @@ async fn an_org_keeps_its_last_key_and_has_at_most_max_active_keys(db: PgPool) {
     .await
     .unwrap();
     assert_eq!(working, 1);
-    let survivor = if a.status == 200 { org.key.clone() } else { second };
+    let survivor = if a.status == 200 {
+        org.key.clone()
+    } else {
+        second
+    };
     // A revoked key revoked again is still 200 (not "the last").
     let revoked_id = if a.status == 200 { &second_id } else { &own };
     let again = revoke(survivor.clone(), revoked_id.clone()).await;

@@ -143,7 +143,13 @@ pub(crate) fn data_error(whole: &str, path: Option<String>, raw: &str) -> (Optio
         .into_iter()
         .find_map(|p| raw.strip_prefix(p))
         .and_then(|r| r.rsplit_once(", expected "))
-        .map(|(got, expected)| format!("expected {}, got {}", expected_words(expected), got_words(got)))
+        .map(|(got, expected)| {
+            format!(
+                "expected {}, got {}",
+                expected_words(expected),
+                got_words(got)
+            )
+        })
         .unwrap_or_else(|| raw.replace('`', "\""));
     let message = match &path {
         Some(p) => format!("{p}: {said}"),
@@ -173,10 +179,7 @@ fn expected_words(expected: &str) -> String {
 
 /// serde's "invalid type" side (what the body held) in JSON's words.
 fn got_words(got: &str) -> String {
-    let quoted = |p: &str| {
-        got.strip_prefix(p)
-            .map(|v| v.trim_matches('`').to_owned())
-    };
+    let quoted = |p: &str| got.strip_prefix(p).map(|v| v.trim_matches('`').to_owned());
     if let Some(v) = ["integer ", "floating point ", "boolean "]
         .into_iter()
         .find_map(quoted)
@@ -278,7 +281,11 @@ mod tests {
                 "inner.egres",
                 "unknown field \"inner.egres\": the fields are egress",
             ),
-            (r#"{"count": 1, "inner": {}}"#, "inner.egress", "inner.egress is required"),
+            (
+                r#"{"count": 1, "inner": {}}"#,
+                "inner.egress",
+                "inner.egress is required",
+            ),
             (
                 r#"{"count": 1, "inner": "x"}"#,
                 "inner",
