@@ -308,7 +308,9 @@ macro_rules! lifecycle_route {
         #[doc = concat!("`POST ", $path, "`: ", $what)]
         #[utoipa::path(post, path = $path, params(("id" = String, Path), WaitQuery),
             description = $what,
+            request_body(content = Option<super::body::NoFields>, description = "`{}` or no body"),
             responses(
+                (status = 400, description = "`invalid_request`: a body other than `{}` or none, or a `wait` the request does not settle in"),
                 (status = 202, description = "Accepted; the transition is in flight", body = Sandbox),
                 (status = 200, description = "Already at or heading to the target; nothing changed. With `?wait=`: the sandbox in that state", body = Sandbox),
                 (status = 404, description = "`not_found`"),
@@ -323,7 +325,10 @@ macro_rules! lifecycle_route {
             headers: HeaderMap,
             shutdown: Option<Extension<StreamShutdown>>,
             query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+            body: Bytes,
         ) -> Result<Response, ApiError> {
+            // No fields: `{}` or nothing; anything else is refused rather than ignored.
+            let super::body::NoFields {} = super::body::json_or_empty(&body)?;
             let wait = wait_slot(&app, &caller, wait_of(query, Some($request))?)?;
             let idem = Idempotency::from_headers(&headers, "POST", $path, id.as_bytes())?;
             let stop = stop_token(shutdown);
