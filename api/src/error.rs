@@ -47,7 +47,8 @@ pub enum ApiError {
         /// Its value.
         value: usize,
     },
-    /// 413 `payload_too_large`: a file over the API's size limit.
+    /// 413 `payload_too_large`: a file over the API's size limit. (A request body over
+    /// [`crate::http::body::MAX_BODY_BYTES`] gets the same answer from [`json_errors`].)
     #[error("the file is larger than the {limit}-byte limit")]
     PayloadTooLarge {
         /// The limit, in bytes.
@@ -78,6 +79,10 @@ pub enum ApiError {
         /// What conflicted.
         message: String,
     },
+    /// 409 `last_key`: a revocation of the org's last working key (see
+    /// [`crate::service::keys::revoke_key`]).
+    #[error("{0}")]
+    LastKey(String),
     /// 422 `idempotency_key_reused`: the key was used for a different request.
     #[error("Idempotency-Key {0:?} was used for a different request")]
     IdempotencyKeyReused(String),
@@ -178,6 +183,7 @@ impl ApiError {
             ApiError::IdempotencyKeyReused(_) => {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
+            ApiError::LastKey(_) => (StatusCode::CONFLICT, "last_key"),
             ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
             ApiError::Unavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::Conflict { .. }
@@ -219,6 +225,7 @@ impl From<ServiceError> for ApiError {
                 message,
             },
             ServiceError::IdempotencyKeyReused(key) => ApiError::IdempotencyKeyReused(key),
+            e @ ServiceError::LastKey(_) => ApiError::LastKey(e.to_string()),
             ServiceError::NoCapacity { vcpus, memory_mib } => {
                 ApiError::NoCapacity { vcpus, memory_mib }
             }
@@ -329,7 +336,8 @@ impl IntoResponse for ApiError {
 }
 
 /// Gives every error response the JSON error shape: axum's own rejections (405 method not
-/// allowed, 413 body too large, a query that does not parse) answer plain text or nothing.
+/// allowed, 413 body too large, a query that does not parse) answer plain text or nothing. A
+/// 413 gets the `limit` in bytes, as [`ApiError::PayloadTooLarge`] has it.
 pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let response = next.run(req).await;
     // A preview's answer is the sandbox's own (or a page for a browser): left alone.
@@ -344,11 +352,12 @@ pub async fn json_errors(req: axum::extract::Request, next: axum::middleware::Ne
         Ok(plain) => plain,
         Err(passed) => return passed,
     };
-    let mut fixed = (
-        status,
-        Json(json!({ "error": { "code": code, "message": message } })),
-    )
-        .into_response();
+    let mut body = json!({ "code": code, "message": message });
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        // The router's one body limit (a streamed upload answers its own 413 in JSON).
+        body["limit"] = json!(crate::http::body::MAX_BODY_BYTES);
+    }
+    let mut fixed = (status, Json(json!({ "error": body }))).into_response();
     for (name, value) in parts.headers.iter() {
         if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
             fixed.headers_mut().insert(name.clone(), value.clone());
@@ -394,6 +403,11 @@ pub(crate) async fn plain_error(
         .await
         .unwrap_or_default();
     let message = match String::from_utf8_lossy(&text).trim() {
+        // axum's "Failed to buffer the request body: length limit exceeded", in words.
+        _ if status == StatusCode::PAYLOAD_TOO_LARGE => format!(
+            "the request body is larger than the {}-byte limit",
+            crate::http::body::MAX_BODY_BYTES
+        ),
         "" => status.canonical_reason().unwrap_or("error").to_lowercase(),
         t => t.to_owned(),
     };

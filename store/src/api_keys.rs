@@ -85,6 +85,25 @@ pub async fn list(db: impl PgExecutor<'_>, org: OrgId) -> Result<Vec<KeyRow>, St
     .await
 }
 
+/// The org's key `id`, revoked or not; `None` when `org` has no such key.
+pub async fn get(
+    db: impl PgExecutor<'_>,
+    org: OrgId,
+    id: ApiKeyId,
+) -> Result<Option<KeyRow>, StoreError> {
+    timed(
+        Op::ApiKeyList,
+        sqlx::query_as(
+            "SELECT id, prefix, created_at, revoked_at FROM api_keys
+              WHERE org_id = $1 AND id = $2",
+        )
+        .bind(org)
+        .bind(id)
+        .fetch_optional(db),
+    )
+    .await
+}
+
 /// Revokes key `id` when it belongs to `org` (`None`: any key, the operator's own command);
 /// the key as it is now, revoked (at its first revocation's time when it already was), or
 /// `None` when no such key (of that org) exists. Every process forgets its cached keys at

@@ -1,4 +1,5 @@
-//! The `idempotency_keys` table: the response stored for each `(org, Idempotency-Key)`
+//! The `idempotency_keys` table: the response stored for each `(org, Idempotency-Key)` (the
+//! org `None`: the operator's keys, which have no org; migration 0029)
 //! ([`find`], [`insert`], written by the API in the transaction of the request it answers), and
 //! its retention ([`purge`], by the reconciler's pass).
 
@@ -40,31 +41,44 @@ pub struct StoredKey {
 /// first commits or rolls back, then finds its stored response, instead of racing it (and
 /// failing placement against the first one's reservation, say). Outside a transaction the
 /// lock is released at once.
-pub async fn lock(db: impl PgExecutor<'_>, org: OrgId, key: &str) -> Result<(), StoreError> {
+pub async fn lock(
+    db: impl PgExecutor<'_>,
+    org: impl Into<Option<OrgId>>,
+    key: &str,
+) -> Result<(), StoreError> {
     timed(
         Op::IdempotencyLock,
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || ':' || $2, 0))")
-            .bind(org)
-            .bind(key)
-            .execute(db),
+        // A NULL org (the operator) would make the hash NULL, and the lock a no-op.
+        sqlx::query(
+            "SELECT pg_advisory_xact_lock(
+                 hashtextextended(COALESCE($1::text, 'operator') || ':' || $2, 0))",
+        )
+        .bind(org.into())
+        .bind(key)
+        .execute(db),
     )
     .await?;
     Ok(())
 }
 
-/// The response stored under the org's `key`, if any.
+/// The scope of an org's keys in SQL: the operator's (`NULL`) as the nil uuid, as the unique
+/// index of migration 0029 reads it.
+const SCOPE: &str = "COALESCE(org_id, '00000000-0000-0000-0000-000000000000'::uuid)";
+
+/// The response stored under the org's `key` (`None`: the operator's), if any.
 pub async fn find(
     db: impl PgExecutor<'_>,
-    org: OrgId,
+    org: impl Into<Option<OrgId>>,
     key: &str,
 ) -> Result<Option<StoredKey>, StoreError> {
     let row = timed(
         Op::IdempotencyFind,
-        sqlx::query(
+        sqlx::query(&format!(
             "SELECT fingerprint, status, response FROM idempotency_keys
-              WHERE org_id = $1 AND key = $2",
-        )
-        .bind(org)
+              WHERE {SCOPE} = COALESCE($1, '00000000-0000-0000-0000-000000000000'::uuid)
+                AND key = $2"
+        ))
+        .bind(org.into())
         .bind(key)
         .fetch_optional(db),
     )
@@ -80,22 +94,22 @@ pub async fn find(
     .transpose()
 }
 
-/// Stores `stored` under the org's `key`; `false` when another request with the same key
-/// stored first (the caller rolls back and replays that one).
+/// Stores `stored` under the org's `key` (`None`: the operator's); `false` when another
+/// request with the same key stored first (the caller rolls back and replays that one).
 pub async fn insert(
     db: impl PgExecutor<'_>,
-    org: OrgId,
+    org: impl Into<Option<OrgId>>,
     key: &str,
     stored: &StoredKey,
 ) -> Result<bool, StoreError> {
     let inserted = timed(
         Op::IdempotencyInsert,
-        sqlx::query(
+        sqlx::query(&format!(
             "INSERT INTO idempotency_keys (org_id, key, fingerprint, status, response)
              VALUES ($1, $2, $3, $4, $5)
-             ON CONFLICT (org_id, key) DO NOTHING",
-        )
-        .bind(org)
+             ON CONFLICT (({SCOPE}), key) DO NOTHING"
+        ))
+        .bind(org.into())
         .bind(key)
         .bind(&stored.fingerprint)
         .bind(stored.status)

@@ -230,7 +230,7 @@ ops! {
     ApiKeyInsert => "api_key_insert",
     /// [`crate::api_keys::find_active`]: the key a request presents.
     ApiKeyFind => "api_key_find",
-    /// [`crate::api_keys::list`]: an org's keys, without their hashes.
+    /// [`crate::api_keys::list`] and `get`: an org's keys, without their hashes.
     ApiKeyList => "api_key_list",
     /// [`crate::api_keys::lock_active_count`]: an org's working keys, its row locked.
     ApiKeyCount => "api_key_count",

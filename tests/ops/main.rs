@@ -23,6 +23,7 @@ mod preview_kit;
 mod preview_origin;
 mod proxy_limits;
 mod relay;
+mod requests;
 mod resume;
 mod settings;
 mod snapshots;

@@ -96,6 +96,18 @@ impl Api {
         subjects: Subjects,
         adjust: impl FnOnce(&mut berth_api::ApiConfig),
     ) -> Self {
+        Self::with_state(db, nats, subjects, adjust, |state| state)
+    }
+
+    /// [`Api::configured`], with `state` applied to the router's state last (an image puller,
+    /// say).
+    pub fn with_state(
+        db: PgPool,
+        nats: async_nats::Client,
+        subjects: Subjects,
+        adjust: impl FnOnce(&mut berth_api::ApiConfig),
+        state: impl FnOnce(berth_api::AppState) -> berth_api::AppState,
+    ) -> Self {
         let addr = "127.0.0.1:0".parse().expect("a socket address");
         let mut config = berth_api::ApiConfig::new(addr, subjects.clone());
         config.heartbeat_freshness = TEST_HEARTBEAT_FRESHNESS;
@@ -106,10 +118,10 @@ impl Api {
         // The tests' egress targets are private networks they make.
         config.sandbox_egress_private = true;
         adjust(&mut config);
-        let state =
+        let built =
             berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle());
         Self {
-            router: berth_api::router(state),
+            router: berth_api::router(state(built)),
         }
     }
 
@@ -136,6 +148,11 @@ impl Api {
             None => req.body(Body::empty()),
         }
         .expect("a well-formed request");
+        self.send(req).await
+    }
+
+    /// Sends `req` as it is (headers the caller set, any body).
+    pub async fn send(&self, req: Request<Body>) -> Reply {
         let resp = self
             .router
             .clone()

@@ -16,7 +16,6 @@ use tracing::instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::http::extract::json_error;
 use crate::http::idempotency::Idempotency;
 use crate::limits::Concurrent;
 use crate::model::{ExecBody, ExecOutput, Sandbox};
@@ -63,7 +62,7 @@ pub async fn exec(
             return Ok(stored);
         }
     }
-    let Json(body) = Json::<ExecBody>::from_bytes(&raw).map_err(json_error)?;
+    let body: ExecBody = super::body::json(&raw)?;
     let spec = exec_spec(body)?;
     let timeout_ms = spec.timeout_ms;
     let _permit = app.guards.concurrency(caller.org_id, Concurrent::Execs)?;

@@ -36,7 +36,6 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest};
 use futures::StreamExt;
 use serde_json::json;
@@ -69,8 +68,7 @@ pub async fn exec_stream(
     Path(id): Path<String>,
     raw: Bytes,
 ) -> Result<Response, ApiError> {
-    let Json(body) =
-        Json::<ExecBody>::from_bytes(&raw).map_err(crate::http::extract::json_error)?;
+    let body: ExecBody = crate::http::body::json(&raw)?;
     let spec = exec_spec(body)?;
     let permit = app.guards.concurrency(caller.org_id, Concurrent::Streams)?;
     let (sandbox, host) = running_host(&app, &caller, &id).await?;

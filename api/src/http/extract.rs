@@ -1,28 +1,29 @@
-//! Parsing shared by the routes: JSON bodies whose errors name the field, and ids in paths.
-
-use axum::extract::rejection::JsonRejection;
+//! Parsing shared by the routes: ids in paths and strict queries (JSON bodies are
+//! [`super::body`]).
 
 use crate::error::ApiError;
-
-/// Maps axum's JSON rejection to a 400 that names the field serde complained about.
-pub(crate) fn json_error(rejection: JsonRejection) -> ApiError {
-    let text = rejection.body_text();
-    // axum reports "...: <path>: <serde message>" for data errors; the path is the field.
-    let field = text
-        .split_once("target type: ")
-        .and_then(|(_, rest)| rest.split_once(": "))
-        .map(|(path, _)| path.to_owned())
-        .filter(|p| !p.contains(' '));
-    ApiError::InvalidRequest {
-        field,
-        message: text,
-    }
-}
 
 /// Parses an id from a path; one that does not parse names nothing, so it is "not found".
 pub(crate) fn parse_path_id<T: std::str::FromStr>(raw: &str, what: &str) -> Result<T, ApiError> {
     raw.parse()
         .map_err(|_| ApiError::NotFound(format!("{what} {raw}")))
+}
+
+/// The 400 for a query string that did not parse: the parameter named in `field` when serde
+/// says which, the message in words (not axum's "Failed to deserialize query string: …").
+pub(crate) fn query_error(rejection: axum::extract::rejection::QueryRejection) -> ApiError {
+    let text = rejection.body_text();
+    let detail = text
+        .strip_prefix("Failed to deserialize query string: ")
+        .unwrap_or(&text);
+    let (path, raw) = match detail.split_once(": ") {
+        Some((path, raw)) if !path.is_empty() && !path.contains(' ') && path != "." => {
+            (Some(path.to_owned()), raw)
+        }
+        _ => (None, detail),
+    };
+    let (field, message) = super::body::data_error("the query", path, raw);
+    ApiError::InvalidRequest { field, message }
 }
 
 /// The query parameters a query struct accepts, by name.
@@ -59,11 +60,8 @@ where
         _state: &S,
     ) -> Result<Self, ApiError> {
         check_params(&parts.uri, T::NAMES)?;
-        let axum::extract::Query(query) = axum::extract::Query::<T>::try_from_uri(&parts.uri)
-            .map_err(|e| ApiError::InvalidRequest {
-                field: None,
-                message: e.body_text(),
-            })?;
+        let axum::extract::Query(query) =
+            axum::extract::Query::<T>::try_from_uri(&parts.uri).map_err(query_error)?;
         Ok(StrictQuery(query))
     }
 }
@@ -73,12 +71,7 @@ where
 /// Errors: 400 `invalid_request` naming the parameter (`field`) and what the route takes.
 pub fn check_params(uri: &axum::http::Uri, known: &[&str]) -> Result<(), ApiError> {
     let axum::extract::Query(pairs) =
-        axum::extract::Query::<Vec<(String, String)>>::try_from_uri(uri).map_err(|e| {
-            ApiError::InvalidRequest {
-                field: None,
-                message: e.body_text(),
-            }
-        })?;
+        axum::extract::Query::<Vec<(String, String)>>::try_from_uri(uri).map_err(query_error)?;
     match pairs
         .iter()
         .find(|(name, _)| !known.contains(&name.as_str()))

@@ -37,14 +37,18 @@ macro_rules! host_action {
     ($name:ident, $path:literal, $action:expr, $what:literal) => {
         #[doc = concat!("`POST ", $path, "`: ", $what)]
         #[utoipa::path(post, path = $path, params(("id" = String, Path)), description = $what,
+            request_body(content = Option<super::body::NoFields>, description = "`{}` or no body"),
             responses((status = 200, body = Host), (status = 404, description = "`not_found`"),
+                (status = 400, description = "`invalid_request`: a body other than `{}` or none"),
                 (status = 409, description = "`conflict`: the host is `lost`")),
             security(("bearer" = [])))]
         pub async fn $name(
             State(app): State<AppState>,
             _admin: Admin,
             Path(id): Path<String>,
+            body: axum::body::Bytes,
         ) -> Result<Json<Host>, ApiError> {
+            let super::body::NoFields {} = super::body::json_or_empty(&body)?;
             set_state(&app, &id, $action).await
         }
     };

@@ -20,17 +20,24 @@ pub const MAX_KEY_LEN: usize = 255;
 impl Idempotency {
     /// Reads the header of a request `method path` with `body`; `None` when absent.
     ///
-    /// Errors: 400 `invalid_request` (field `Idempotency-Key`) when empty, longer than
-    /// [`MAX_KEY_LEN`] or not visible ASCII.
+    /// Errors: 400 `invalid_request` (field `Idempotency-Key`) when given twice (which one
+    /// would the retry match?), empty, longer than [`MAX_KEY_LEN`] or not visible ASCII.
     pub fn from_headers(
         headers: &HeaderMap,
         method: &str,
         path: &str,
         body: &[u8],
     ) -> Result<Option<Self>, ApiError> {
-        let Some(raw) = headers.get(HEADER) else {
+        let mut all = headers.get_all(HEADER).iter();
+        let Some(raw) = all.next() else {
             return Ok(None);
         };
+        if all.next().is_some() {
+            return Err(ApiError::invalid(
+                "Idempotency-Key",
+                "Idempotency-Key is given more than once: send one",
+            ));
+        }
         let key = raw
             .to_str()
             .ok()

@@ -9,15 +9,23 @@
 //!   commits ([`crate::revocations`]); this process forgets its cache before answering.
 //! - An org has at most [`keys::MAX_ACTIVE_KEYS`] working keys; one more is `429`
 //!   `quota_exceeded` (`limit: max_keys`) and writes nothing.
-//! - A key may revoke itself (the answer is its last); revoking a revoked key again is `200`
-//!   with its first revocation's time.
+//! - A key may revoke itself (the answer is its last), unless it is the org's last working key:
+//!   that is `409` `last_key` (the org would be locked out of its own API); revoking a revoked
+//!   key again is `200` with its first revocation's time.
+//! - `POST /v1/keys` takes no fields: an empty body or `{}`; anything else is `400`, a body
+//!   over [`MAX_BODY_BYTES`] `413`.
+//! - `POST /v1/keys` honours `Idempotency-Key` as every POST does (the same request again makes
+//!   no second key; another body under the key is `422`), but the secret is never stored, in
+//!   the idempotency records or anywhere: a replay answers the same `201` and key row with
+//!   `key: null`. A client that lost the first answer revokes that `id` and asks again with a
+//!   new `Idempotency-Key`.
 //!
-//! `POST /v1/keys` does not honour `Idempotency-Key`: a replay would have to store the new key
-//! in clear beside the org's idempotency records. A client that lost the answer lists its keys
-//! and revokes the one it does not know.
+//! [`MAX_BODY_BYTES`]: super::body::MAX_BODY_BYTES
 
+use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_schemas::ApiKeyId;
 use berth_store::api_keys::KeyRow;
@@ -25,9 +33,12 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use super::body::{json_or_empty, NoFields};
 use super::extract::{parse_path_id, NoParams, StrictQuery};
+use super::idempotency::{render, stored, Idempotency};
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::service::idempotency::Replayable;
 use crate::service::keys;
 use crate::AppState;
 
@@ -62,8 +73,9 @@ pub struct CreatedKey {
     /// The key's row.
     #[serde(flatten)]
     pub key_info: ApiKey,
-    /// The key (`berth_…`): send it as `Authorization: Bearer`. Only its hash is kept.
-    pub key: String,
+    /// The key (`berth_…`): send it as `Authorization: Bearer`. Only its hash is kept, so a
+    /// replay of the request (`Idempotency-Key`) answers `null` here.
+    pub key: Option<String>,
 }
 
 /// `GET /v1/keys`: the caller's org's keys, revoked ones included, oldest first.
@@ -80,32 +92,56 @@ pub async fn list(
     Ok(Json(rows.into_iter().map(ApiKey::from).collect()))
 }
 
-/// `POST /v1/keys`: another key of the caller's org.
+/// `POST /v1/keys`: another key of the caller's org. Takes `{}` or no body.
 #[utoipa::path(post, path = "/v1/keys", tag = "keys",
-    responses((status = 201, description = "Created; the key is in this answer only", body = CreatedKey),
+    request_body(content = Option<NoFields>, description = "`{}` or no body"),
+    responses((status = 201, description = "Created; the key is in this answer only (a replay of an `Idempotency-Key` answers the same key's row with `key: null`)", body = CreatedKey),
+        (status = 400, description = "`invalid_request`: a body other than `{}` or none, or a repeated `Idempotency-Key`"),
+        (status = 413, description = "`payload_too_large`: a body over `limit` bytes"),
+        (status = 422, description = "`idempotency_key_reused`: the Idempotency-Key was used for a different request"),
         (status = 429, description = "`quota_exceeded` (`limit: max_keys`): the org has 100 working keys"),
         (status = 401, description = "`unauthorized`")),
     security(("bearer" = [])))]
 pub async fn create(
     State(app): State<AppState>,
     caller: Caller,
+    headers: HeaderMap,
     _query: StrictQuery<NoParams>,
-) -> Result<(StatusCode, Json<CreatedKey>), ApiError> {
-    let (row, key) = keys::issue_key(&app.db, caller.org_id).await?;
-    tracing::info!(org_id = %caller.org_id, key_id = %row.id, "api key created");
-    Ok((
-        StatusCode::CREATED,
-        Json(CreatedKey {
-            key_info: row.into(),
-            key,
-        }),
-    ))
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let NoFields {} = json_or_empty(&body)?;
+    let idem = Idempotency::from_headers(&headers, "POST", "/v1/keys", &body)?;
+    // What a replay answers: the row, never the secret.
+    let without_secret = |row: &KeyRow| {
+        stored(
+            StatusCode::CREATED,
+            &CreatedKey {
+                key_info: row.clone().into(),
+                key: None,
+            },
+        )
+    };
+    match keys::issue_key(&app.db, caller.org_id, idem.as_ref(), without_secret).await? {
+        Replayable::Fresh((row, key), _) => {
+            tracing::info!(org_id = %caller.org_id, key_id = %row.id, "api key created");
+            Ok((
+                StatusCode::CREATED,
+                Json(CreatedKey {
+                    key_info: row.into(),
+                    key: Some(key),
+                }),
+            )
+                .into_response())
+        }
+        Replayable::Replayed(stored) => Ok(render(stored)),
+    }
 }
 
 /// `DELETE /v1/keys/{id}`: revokes a key of the caller's org; refused everywhere at once.
 #[utoipa::path(delete, path = "/v1/keys/{id}", tag = "keys", params(("id" = String, Path)),
     responses((status = 200, description = "Revoked (or already revoked)", body = ApiKey),
         (status = 404, description = "`not_found`: no such key in the caller's org"),
+        (status = 409, description = "`last_key`: the org's last working key (the org would be locked out)"),
         (status = 401, description = "`unauthorized`")),
     security(("bearer" = [])))]
 pub async fn revoke(

@@ -3,6 +3,7 @@
 //! [`crate::service`] use case, and renders the answer; [`crate::error::ApiError`] maps every
 //! refusal to its status. No SQL here.
 
+pub mod body;
 pub mod events;
 pub mod exec;
 pub mod exec_stream;
@@ -122,6 +123,7 @@ pub fn router(state: AppState) -> Router {
         .route("/openapi.json", get(openapi_json))
         .nest(crate::compat::MOUNT, crate::compat::router(state.clone()))
         .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(body::MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn_with_state(
             state.guards.clone(),
             crate::limits::per_ip,

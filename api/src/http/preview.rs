@@ -11,7 +11,6 @@ use berth_schemas::preview::PreviewToken;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::extract::json_error;
 use super::sandboxes::{fetch, parse_id};
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -72,13 +71,7 @@ pub async fn token(
         .ok()
         .filter(|p| *p != 0)
         .ok_or_else(|| ApiError::invalid("port", "port must be 1 to 65535"))?;
-    let req: TokenRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        TokenRequest::default()
-    } else {
-        Json::<TokenRequest>::from_bytes(&body)
-            .map_err(json_error)?
-            .0
-    };
+    let req: TokenRequest = super::body::json_or_empty(&body)?;
     let config = app.preview.config();
     let ttl = match req.ttl_seconds {
         None => config.token_ttl,

@@ -6,12 +6,11 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use axum::{Extension, Json};
+use axum::Extension;
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::state::Request;
 
 use super::events::StreamShutdown;
-use super::extract::json_error;
 use super::idempotency::{render_replayable, stored, Idempotency};
 use super::sandboxes::{parse_id, wait_of};
 use super::settings::{answer_when, stop_token, wait_slot, WaitFor, WaitQuery};
@@ -36,7 +35,7 @@ fn policy(app: &AppState) -> PlacementPolicy {
 }
 
 fn body_of<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    Ok(Json::<T>::from_bytes(body).map_err(json_error)?.0)
+    super::body::json(body)
 }
 
 /// Answers `outcome`, or with a wait, the sandbox once it is `running`.

@@ -11,7 +11,6 @@ use berth_schemas::state::{Request, WaitTarget};
 use berth_schemas::{HostId, SandboxId, SandboxState};
 
 use super::events::StreamShutdown;
-use super::extract::json_error;
 use super::extract::parse_path_id;
 use super::idempotency::{render_replayable, stored, Idempotency};
 use super::settings::{answer_when, stop_token, wait_slot, WaitFor, WaitQuery};
@@ -41,10 +40,7 @@ pub(crate) fn wait_of(
     query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
     request: Option<Request>,
 ) -> Result<Option<WaitFor>, ApiError> {
-    let Query(q) = query.map_err(|e| ApiError::InvalidRequest {
-        field: None,
-        message: e.body_text(),
-    })?;
+    let Query(q) = query.map_err(super::extract::query_error)?;
     let wait = q.parse()?;
     let settles_in = WaitTarget::of_request(request);
     match wait {
@@ -95,7 +91,7 @@ pub async fn create(
         )
         .await;
     }
-    let Json(create) = Json::<CreateSandbox>::from_bytes(body).map_err(json_error)?;
+    let create: CreateSandbox = super::body::json(body)?;
     let req = create.validate(app.config.disk)?;
     req.network
         .check_tenant(app.config.sandbox_egress_private)
@@ -236,10 +232,7 @@ pub async fn list(
     caller: Caller,
     query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<SandboxList>, ApiError> {
-    let Query(pairs) = query.map_err(|e| ApiError::InvalidRequest {
-        field: None,
-        message: e.body_text(),
-    })?;
+    let Query(pairs) = query.map_err(super::extract::query_error)?;
     let q = ListQuery::from_pairs(pairs)?;
     let state = q
         .state
@@ -315,7 +308,9 @@ macro_rules! lifecycle_route {
         #[doc = concat!("`POST ", $path, "`: ", $what)]
         #[utoipa::path(post, path = $path, params(("id" = String, Path), WaitQuery),
             description = $what,
+            request_body(content = Option<super::body::NoFields>, description = "`{}` or no body"),
             responses(
+                (status = 400, description = "`invalid_request`: a body other than `{}` or none, or a `wait` the request does not settle in"),
                 (status = 202, description = "Accepted; the transition is in flight", body = Sandbox),
                 (status = 200, description = "Already at or heading to the target; nothing changed. With `?wait=`: the sandbox in that state", body = Sandbox),
                 (status = 404, description = "`not_found`"),
@@ -330,7 +325,10 @@ macro_rules! lifecycle_route {
             headers: HeaderMap,
             shutdown: Option<Extension<StreamShutdown>>,
             query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+            body: Bytes,
         ) -> Result<Response, ApiError> {
+            // No fields: `{}` or nothing; anything else is refused rather than ignored.
+            let super::body::NoFields {} = super::body::json_or_empty(&body)?;
             let wait = wait_slot(&app, &caller, wait_of(query, Some($request))?)?;
             let idem = Idempotency::from_headers(&headers, "POST", $path, id.as_bytes())?;
             let stop = stop_token(shutdown);

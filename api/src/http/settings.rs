@@ -16,7 +16,6 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use super::events::StreamShutdown;
-use super::extract::json_error;
 use super::idempotency::{render_replayable, stored, Idempotency};
 use super::sandboxes::parse_id;
 use crate::auth::Caller;
@@ -48,7 +47,7 @@ pub async fn patch(
 ) -> Result<Response, ApiError> {
     let idem = Idempotency::from_headers(&headers, "PATCH", &format!("/v1/sandboxes/{id}"), &body)?;
     let id = parse_id(&id)?;
-    let Json(patch) = Json::<PatchSandbox>::from_bytes(&body).map_err(json_error)?;
+    let patch: PatchSandbox = super::body::json(&body)?;
     let patch = patch.validate(Utc::now())?;
     let outcome = settings::patch(&app.db, caller.org_id, id, patch, idem.as_ref(), |s| {
         stored(StatusCode::OK, s)
@@ -77,7 +76,7 @@ pub async fn renew(
     let path = format!("/v1/sandboxes/{id}/renew");
     let idem = Idempotency::from_headers(&headers, "POST", &path, &body)?;
     let id = parse_id(&id)?;
-    let Json(renew) = Json::<RenewSandbox>::from_bytes(&body).map_err(json_error)?;
+    let renew: RenewSandbox = super::body::json(&body)?;
     let renewal = renew.validate(Utc::now())?;
     let outcome = settings::renew(&app.db, caller.org_id, id, renewal, idem.as_ref(), |s| {
         stored(StatusCode::OK, s)
@@ -234,10 +233,7 @@ pub async fn wait_for(
     query: Result<Query<WaitStateQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
     let id = parse_id(&id)?;
-    let Query(q) = query.map_err(|e| ApiError::InvalidRequest {
-        field: None,
-        message: e.body_text(),
-    })?;
+    let Query(q) = query.map_err(super::extract::query_error)?;
     let wait = WaitFor {
         target: parse_target("state", &q.state)?,
         timeout: parse_timeout(q.timeout.as_deref())?,

@@ -183,7 +183,7 @@ pub async fn shell(
     query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
-    let Query(pairs) = query.map_err(|e| ApiError::invalid("query", e.body_text()))?;
+    let Query(pairs) = query.map_err(super::extract::query_error)?;
     let request = ShellRequest::from_pairs(pairs)?;
     let upgrade = upgrade.map_err(|e| {
         ApiError::invalid(

@@ -1,5 +1,6 @@
 //! Snapshot routes (issue 13 item 3): take one, list a sandbox's, read and delete one.
 
+use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
@@ -21,9 +22,11 @@ fn parse_snapshot_id(raw: &str) -> Result<SnapshotId, ApiError> {
 
 /// `POST /v1/sandboxes/{id}/snapshot`
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(("id" = String, Path)),
+    request_body(content = Option<super::body::NoFields>, description = "`{}` or no body"),
     description = "Snapshot a running sandbox: its disk, and on gVisor its memory, stored in the object store. The sandbox is frozen briefly (`paused_ms`) and keeps running; the snapshot is `creating` until durable (`ready`) or `failed` (the sandbox is untouched either way).",
     responses(
         (status = 202, description = "Accepted; the snapshot is `creating`", body = Snapshot),
+        (status = 400, description = "`invalid_request`: a body other than `{}` or none (the route takes no fields; an unknown one is named)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not `running`, or is being deleted; `state` is its state"),
         (status = 429, description = "`quota_exceeded`: `limit` names `max_snapshots` or `max_snapshot_bytes`"),
@@ -33,7 +36,10 @@ pub async fn create(
     caller: Caller,
     Path(id): Path<String>,
     headers: HeaderMap,
+    body: Bytes,
 ) -> Result<Response, ApiError> {
+    // No fields yet: `{}` or nothing; anything else is refused rather than ignored.
+    let super::body::NoFields {} = super::body::json_or_empty(&body)?;
     let idem = Idempotency::from_headers(
         &headers,
         "POST",

@@ -1,12 +1,13 @@
 //! `GET /v1/templates` (the templates a create may name; any key, an org's or an operator's), `POST /v1/templates` (a template
 //! pulled from an OCI image) and `GET /v1/templates/{name}` (one, with its pull's events).
 
-use axum::extract::rejection::JsonRejection;
+use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
 use axum::Json;
 
-use super::extract::json_error;
+use super::idempotency::{render_replayable, stored, Idempotency};
 use crate::auth::{Admin, Authenticated};
 use crate::error::ApiError;
 use crate::model::{CreateTemplate, Template};
@@ -48,19 +49,28 @@ pub async fn get(
 /// (an attack run found any tenant could: pull from any registry the API's machine reaches,
 /// fill its template cache, and plant a template under a name other tenants create from).
 ///
-/// Errors: 403 `forbidden` for an org key; 400 `invalid_request` (name, image or runtime); 409
-/// `template_exists` (the name is taken by another template); 503 `not_configured` (this API
-/// process cannot pull).
+/// With an `Idempotency-Key` (the operator's keys share one scope: they have no org), the
+/// answer is stored and the same request again replays it; the key with another body is 422.
+///
+/// Errors: 403 `forbidden` for an org key; 400 `invalid_request` (name, image or runtime, a
+/// body that is not a JSON object, a repeated `Idempotency-Key`); 409 `template_exists` (the
+/// name is taken by another template); 413 `payload_too_large`; 422 `idempotency_key_reused`;
+/// 503 `not_configured` (this API process cannot pull).
 #[utoipa::path(post, path = "/v1/templates", tag = "sandboxes", request_body = CreateTemplate,
     responses((status = 202, body = Template), (status = 409, description = "template_exists"),
-        (status = 403, description = "`forbidden`: an org key (templates are the operator's)")),
+        (status = 400, description = "`invalid_request`: the field is named"),
+        (status = 403, description = "`forbidden`: an org key (templates are the operator's)"),
+        (status = 413, description = "`payload_too_large`: a body over `limit` bytes"),
+        (status = 422, description = "`idempotency_key_reused`: the Idempotency-Key was used for a different request")),
     security(("bearer" = [])))]
 pub async fn create(
     State(app): State<AppState>,
     _operator: Admin,
-    body: Result<Json<CreateTemplate>, JsonRejection>,
-) -> Result<(StatusCode, Json<Template>), ApiError> {
-    let Json(req) = body.map_err(json_error)?;
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: CreateTemplate = super::body::json(&body)?;
+    let idem = Idempotency::from_headers(&headers, "POST", "/v1/templates", &body)?;
     if req.credentials.is_some() {
         return Err(ApiError::invalid(
             "credentials",
@@ -72,16 +82,23 @@ pub async fn create(
     let puller = app.images.clone().ok_or_else(|| {
         ApiError::NotConfigured("this API process has no image cache to pull templates into".into())
     })?;
-    let template = service::templates::create_from_image(
+    let create = service::templates::create_from_image(
         &app.db,
         &puller,
         &req.name,
         &req.image,
         req.runtime.as_deref().unwrap_or(DEFAULT_IMAGE_RUNTIME),
         req.description.as_deref(),
+    );
+    let outcome = service::idempotency::around(
+        &app.db,
+        service::idempotency::OPERATOR,
+        idem.as_ref(),
+        create,
+        |t| stored(StatusCode::ACCEPTED, t),
     )
     .await?;
-    Ok((StatusCode::ACCEPTED, Json(template)))
+    Ok(render_replayable(outcome))
 }
 
 /// `DELETE /v1/templates/{name}` (operator key: templates are shared by every org): deletes

@@ -10,7 +10,7 @@ use axum::Json;
 use berth_schemas::WebhookId;
 use serde::Deserialize;
 
-use super::extract::{json_error, parse_path_id, KnownParams, NoParams, StrictQuery};
+use super::extract::{parse_path_id, KnownParams, NoParams, StrictQuery};
 use super::idempotency::{render_replayable, stored, Idempotency};
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -38,7 +38,7 @@ pub async fn create(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let idem = Idempotency::from_headers(&headers, "POST", "/v1/webhooks", &body)?;
-    let Json(create) = Json::<CreateWebhook>::from_bytes(&body).map_err(json_error)?;
+    let create: CreateWebhook = super::body::json(&body)?;
     let valid = create.validate()?;
     if !app.config.webhooks.allow_private_targets {
         let url = reqwest::Url::parse(&valid.url).expect("validate re-serialized a parsed URL");

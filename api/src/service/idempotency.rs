@@ -2,7 +2,8 @@
 //! response; the same key with a different request is refused. (Parsing the header and rendering
 //! the stored response are [`crate::http::idempotency`].)
 //!
-//! Keys are scoped by org. A state-changing use case stores its response in the same
+//! Keys are scoped by org; the operator's keys (which have no org) share one scope,
+//! [`OPERATOR`]. A state-changing use case stores its response in the same
 //! transaction as the change, so a retry after a crash either finds the stored response or
 //! finds that nothing happened — never a second sandbox. Only 2xx responses are stored: an
 //! error changed nothing, so a retry decides again. Source: Stripe's idempotent requests and
@@ -14,6 +15,9 @@ use sha2::{Digest, Sha256};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 
 use super::ServiceError;
+
+/// The scope of the operator's keys (`POST /v1/templates`): an operator key has no org.
+pub const OPERATOR: Option<OrgId> = None;
 
 /// A request's key and the fingerprint of what it asked (method, path, body bytes).
 #[derive(Debug, Clone)]
@@ -54,9 +58,10 @@ pub struct StoredResponse {
 /// Errors: [`ServiceError::IdempotencyKeyReused`] when the key was used for another request.
 pub async fn replay(
     conn: &mut PgConnection,
-    org: OrgId,
+    org: impl Into<Option<OrgId>>,
     key: &IdempotencyKey,
 ) -> Result<Option<StoredResponse>, ServiceError> {
+    let org = org.into();
     idempotency::lock(&mut *conn, org, &key.key).await?;
     let Some(stored) = idempotency::find(conn, org, &key.key).await? else {
         return Ok(None);
@@ -73,7 +78,7 @@ pub async fn replay(
 /// [`replay`] on a connection of the pool.
 pub async fn replay_on(
     db: &PgPool,
-    org: OrgId,
+    org: impl Into<Option<OrgId>>,
     key: &IdempotencyKey,
 ) -> Result<Option<StoredResponse>, ServiceError> {
     let mut conn = db.acquire().await?;
@@ -84,7 +89,7 @@ pub async fn replay_on(
 /// the same key committed first (the caller rolls back and replays that one).
 pub async fn store(
     conn: &mut PgConnection,
-    org: OrgId,
+    org: impl Into<Option<OrgId>>,
     key: &IdempotencyKey,
     response: &StoredResponse,
 ) -> Result<bool, ServiceError> {
@@ -105,7 +110,7 @@ pub async fn store(
 /// after it ran; a lost race stores nothing).
 pub async fn store_on(
     db: &PgPool,
-    org: OrgId,
+    org: impl Into<Option<OrgId>>,
     key: &IdempotencyKey,
     response: &StoredResponse,
 ) -> Result<bool, ServiceError> {
@@ -121,10 +126,11 @@ pub async fn store_on(
 pub async fn commit(
     mut tx: Transaction<'_, Postgres>,
     db: &PgPool,
-    org: OrgId,
+    org: impl Into<Option<OrgId>>,
     key: Option<&IdempotencyKey>,
     response: StoredResponse,
 ) -> Result<StoredResponse, ServiceError> {
+    let org = org.into();
     if let Some(key) = key {
         if !store(&mut tx, org, key, &response).await? {
             tx.rollback().await?;
@@ -139,6 +145,41 @@ pub async fn commit(
     // now (no `NOTIFY` in the transaction, migration 0025).
     crate::outbox::wake();
     Ok(response)
+}
+
+/// Runs `act`, a use case that is not one transaction of its own (a template's registration and
+/// the start of its pull), under `key`: the key is locked in a transaction held open while
+/// `act` runs on other connections, so a concurrent request with the key waits and then
+/// replays; the response `render` makes of the outcome is stored at the end. Without a key,
+/// `act` just runs. `act` must be idempotent by itself for a crash between its end and the
+/// store: the retry runs it again.
+///
+/// Errors: those of `act` and `render` (nothing is stored: a retry decides again);
+/// [`ServiceError::IdempotencyKeyReused`]; database errors.
+pub async fn around<T>(
+    db: &PgPool,
+    org: impl Into<Option<OrgId>>,
+    key: Option<&IdempotencyKey>,
+    act: impl std::future::Future<Output = Result<T, ServiceError>>,
+    render: impl FnOnce(&T) -> Result<StoredResponse, ServiceError>,
+) -> Result<Replayable<T>, ServiceError> {
+    let Some(key) = key else {
+        let outcome = act.await?;
+        let response = render(&outcome)?;
+        return Ok(Replayable::Fresh(outcome, response));
+    };
+    let org = org.into();
+    let mut tx = db.begin().await?;
+    if let Some(stored) = replay(&mut tx, org, key).await? {
+        return Ok(Replayable::Replayed(stored));
+    }
+    let outcome = act.await?;
+    let fresh = render(&outcome)?;
+    let answered = commit(tx, db, org, Some(key), fresh.clone()).await?;
+    if answered != fresh {
+        return Ok(Replayable::Replayed(answered));
+    }
+    Ok(Replayable::Fresh(outcome, answered))
 }
 
 /// What a replayable use case answers: its typed outcome, freshly decided, or the response a

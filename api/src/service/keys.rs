@@ -13,6 +13,8 @@ use rand::RngCore;
 use sha2::{Digest, Sha256};
 use sqlx::{PgExecutor, PgPool};
 
+use super::idempotency::{self, IdempotencyKey, Replayable, StoredResponse};
+
 /// Every key starts with this.
 pub const KEY_PREFIX: &str = "berth_";
 /// How many characters of a key are kept in clear, to tell keys apart.
@@ -93,12 +95,28 @@ pub const MAX_ACTIVE_KEYS: i64 = 100;
 
 /// Creates another key for `org`; returns its row (no secret) and the key, shown only now.
 ///
+/// With an `Idempotency-Key` (`idem`), the response `render` makes of the row is stored with
+/// the key's row in one transaction, and the same request again replays it instead of making
+/// a second key. `render` gets the row only: the secret is never stored (only its hash is
+/// kept), so a replay names the key made (its `id` and `prefix`) without it.
+///
 /// Errors: [`ServiceError::QuotaExceeded`] (`max_keys`) with [`MAX_ACTIVE_KEYS`] working;
-/// Postgres errors.
+/// [`ServiceError::IdempotencyKeyReused`]; Postgres errors.
 ///
 /// [`ServiceError::QuotaExceeded`]: super::ServiceError::QuotaExceeded
-pub async fn issue_key(db: &PgPool, org: OrgId) -> Result<(KeyRow, String), super::ServiceError> {
+/// [`ServiceError::IdempotencyKeyReused`]: super::ServiceError::IdempotencyKeyReused
+pub async fn issue_key(
+    db: &PgPool,
+    org: OrgId,
+    idem: Option<&IdempotencyKey>,
+    render: impl FnOnce(&KeyRow) -> Result<StoredResponse, super::ServiceError>,
+) -> Result<Replayable<(KeyRow, String)>, super::ServiceError> {
     let mut tx = db.begin().await?;
+    if let Some(key) = idem {
+        if let Some(stored) = idempotency::replay(&mut tx, org, key).await? {
+            return Ok(Replayable::Replayed(stored));
+        }
+    }
     if api_keys::lock_active_count(&mut tx, org).await? >= MAX_ACTIVE_KEYS {
         return Err(super::ServiceError::QuotaExceeded {
             limit: "max_keys",
@@ -107,8 +125,15 @@ pub async fn issue_key(db: &PgPool, org: OrgId) -> Result<(KeyRow, String), supe
     }
     let key = generate_key();
     let row = insert_key(&mut *tx, Some(org), &key).await?;
-    tx.commit().await?;
-    Ok((row, key))
+    let fresh = render(&row)?;
+    let answered = idempotency::commit(tx, db, org, idem, fresh.clone()).await?;
+    if answered != fresh {
+        // Another request with the key committed first and this key was rolled back: its
+        // secret must not be handed out. (The key's lock, taken by the replay above, makes
+        // this unreachable; it is checked all the same.)
+        return Ok(Replayable::Replayed(answered));
+    }
+    Ok(Replayable::Fresh((row, key), answered))
 }
 
 /// The org's keys, revoked ones included, oldest first; never a secret or a hash.
@@ -118,17 +143,36 @@ pub async fn list_keys(db: &PgPool, org: OrgId) -> Result<Vec<KeyRow>, StoreErro
 
 /// Revokes the org's key `id` (again: a no-op that keeps the first revocation's time). Every
 /// API and proxy process forgets its cached keys at commit ([`crate::revocations`]), so the key
-/// is refused at once everywhere.
+/// is refused at once everywhere. The org's last working key is kept: revoking it would lock
+/// the org out of its own API for good (only the operator makes keys for an org that has
+/// none). The org's row is locked for the count, so two revocations of an org's last two keys
+/// cannot both pass. The operator's `berth admin revoke-key` and `delete-org` are not bound by
+/// this.
 ///
-/// Errors: [`ServiceError::NotFound`] when `org` has no such key (another org's looks the same).
+/// Errors: [`ServiceError::NotFound`] when `org` has no such key (another org's looks the same);
+/// [`ServiceError::LastKey`] for the org's last working key.
+///
+/// [`ServiceError::NotFound`]: super::ServiceError::NotFound
+/// [`ServiceError::LastKey`]: super::ServiceError::LastKey
 pub async fn revoke_key(
     db: &PgPool,
     org: OrgId,
     id: ApiKeyId,
 ) -> Result<KeyRow, super::ServiceError> {
-    api_keys::revoke(db, Some(org), id)
+    let not_found = || super::ServiceError::NotFound(format!("key {id}"));
+    let mut tx = db.begin().await?;
+    let active = api_keys::lock_active_count(&mut tx, org).await?;
+    let key = api_keys::get(&mut *tx, org, id)
         .await?
-        .ok_or_else(|| super::ServiceError::NotFound(format!("key {id}")))
+        .ok_or_else(not_found)?;
+    if key.revoked_at.is_none() && active <= 1 {
+        return Err(super::ServiceError::LastKey(id));
+    }
+    let revoked = api_keys::revoke(&mut *tx, Some(org), id)
+        .await?
+        .ok_or_else(not_found)?;
+    tx.commit().await?;
+    Ok(revoked)
 }
 
 /// Generates a key for `org` (`None`: an operator key), stores its hash, and returns it.

@@ -88,6 +88,11 @@ pub enum ServiceError {
         /// What conflicted, for the operator.
         message: String,
     },
+    /// `DELETE /v1/keys/{id}` of the org's last working key: the org would be locked out.
+    #[error(
+        "key {0} is the org's last working key: create another (POST /v1/keys) before revoking it"
+    )]
+    LastKey(berth_schemas::ApiKeyId),
     /// The org already has its maximum number of webhooks.
     #[error("an org has at most {max} webhooks; delete one first")]
     TooManyWebhooks {
