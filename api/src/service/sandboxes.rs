@@ -296,7 +296,7 @@ pub async fn lifecycle(
         sandboxes::write_transition(&mut tx, &row, &transition).await?
     };
     let command_id = written.command_id;
-    let generation = written.row.generation;
+    let (generation, to) = (written.row.generation, written.row.state);
     let outcome = LifecycleOutcome::Accepted(Sandbox::from(written.row));
     let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
     info!(command_id = ?command_id, generation = %generation, to = %to, "lifecycle request accepted");
