@@ -1,5 +1,5 @@
 //! Start elsewhere on the real stack (issue 14, `migrating`): a durable stopped sandbox whose
-//! host is cordoned, or killed for good, starts on the other host with its files (on gVisor
+//! host is cordoned, full or killed for good starts on the other host with its files (on gVisor
 //! its processes continue), and the old host's stale copy is deleted (when the killed host
 //! comes back, too); a stop that is not durable is refused on a dead host (503) and starts at
 //! home on a cordoned one; a delete while `migrating`; a migration that fails or times out
@@ -393,6 +393,48 @@ async fn a_migration_that_fails_or_times_out_goes_back_stopped_to_its_old_host(d
     stack.wait_state(&id, "running").await;
     assert_eq!(host_of(&stack, &id).await, first);
     assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_durable_stopped_sandbox_whose_host_filled_up_starts_elsewhere_and_the_start_can_wait_for_running(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    // The first host fits one sandbox: once another runs there, it is full.
+    stack.add_host_with((Some(1), Some(256))).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, FILES).await;
+    let first = host_of(&stack, &id).await;
+    stop_durably(&stack, &id).await;
+    let filler = running_sandbox(&stack).await;
+    assert_eq!(host_of(&stack, &filler).await, first);
+    stack.add_host().await;
+    let (status, body) = stack
+        .call(
+            Method::POST,
+            &format!("/v1/sandboxes/{id}/start?wait=running&timeout=60s"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["state"], "running", "{body}");
+    assert_ne!(host_of(&stack, &id).await, first, "placed elsewhere");
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    let history = events(&db, &id).await;
+    let migrating = history
+        .iter()
+        .find(|(to, _, _)| to == "migrating")
+        .expect("a migrating event");
+    assert!(
+        migrating.2.as_deref().unwrap_or_default().contains("full"),
+        "{migrating:?}"
+    );
+    eventually("the full host's stale copy is deleted", || async {
+        !copy_on(&stack, 0, &id)
+    })
+    .await;
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }
