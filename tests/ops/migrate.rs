@@ -438,3 +438,41 @@ async fn a_durable_stopped_sandbox_whose_host_filled_up_starts_elsewhere_and_the
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn hostd_killed_mid_migrate_converges_on_the_new_host_from_its_own_record(db: PgPool) {
+    use berth_hostd::fault::{crash_at, Step, CRASH_AT_ENV};
+    use berth_schemas::CommandKind;
+    let mut stack = Stack::start(db.clone(), 1).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, FILES).await;
+    let first = host_of(&stack, &id).await;
+    stop_durably(&stack, &id).await;
+    // The new host dies once the migrate's record (with its address) is written: the
+    // redelivered migrate keeps that record, its own, and finishes the bring-up.
+    let crash = vec![(
+        CRASH_AT_ENV.to_owned(),
+        crash_at(CommandKind::Migrate, Step::Address),
+    )];
+    let crashing = stack.add_host_env((None, None), &[], None, crash).await;
+    cordon(&stack, 0).await;
+    let (status, body) = stack.request(&id, "start").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "migrating", "{body}");
+    crate::resume::restart_after_crash(&mut stack, crashing, "migrate:address").await;
+    stack.wait_state(&id, "running").await;
+    assert_ne!(host_of(&stack, &id).await, first);
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    eventually("the old host's stale copy is deleted", || async {
+        !copy_on(&stack, 0, &id)
+    })
+    .await;
+    assert_eq!(stack.delete(&id).await.0, 202);
+    stack.wait_state(&id, "deleted").await;
+    eventually("nothing of the sandbox is left", || async {
+        stack.leftovers(&id).is_empty()
+    })
+    .await;
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
