@@ -26,12 +26,12 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
 | starting       | =              | 409          | stopping |
 | running        | =              | stopping     | stopping |
 | stopping       | 409            | =            | stopping |
-| stopped        | starting       | =            | stopping |
+| stopped        | starting, or migrating (its host gone, lost, silent, draining, cordoned or full, and its stop durable) | = | stopping |
 | resuming       | =              | 409          | stopping |
 | restoring      | =              | 409          | stopping |
-| migrating      | 409            | 409          | stopping |
+| migrating      | =              | 409          | stopping |
 | archiving      | 409            | =            | stopping |
-| archived       | 409            | =            | stopping |
+| archived       | unarchiving    | =            | deleted  |
 | unarchiving    | =              | 409          | stopping |
 | failed-start   | starting       | =            | stopping |
 | deleted        | 409            | 409          | =        |

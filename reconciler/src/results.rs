@@ -496,6 +496,12 @@ async fn apply_once(
     }
     let applied = match decision {
         ResultDecision::Apply { to, capacity } => {
+            if to == SandboxState::Running {
+                // A migration landed: the old host's copy is stale from now on (issue 14).
+                if let Some(cleanup) = sandboxes::leave_old_host(&mut tx, &row).await? {
+                    info!(cleanup_id = %cleanup, "migrated; the old host's copy is deleted");
+                }
+            }
             let reason = match outcome {
                 Outcome::Failed => Reason::RuntimeError,
                 Outcome::Succeeded => Reason::HostReport,

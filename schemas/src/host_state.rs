@@ -27,9 +27,11 @@ pub use health::{HealthChange, HealthEvent, HealthPolicy, HostCondition, HostHea
 pub enum HostState {
     /// In service: takes new sandboxes (the state a heartbeat restores after `lost`).
     Ready,
-    /// Set by an operator (`drain`): takes no new sandboxes; its own still start there.
+    /// Set by an operator (`drain`): takes no new sandboxes, and a start of one of its own
+    /// stopped sandboxes moves it to another host (`crate::state::away_from_home`); a
+    /// restore or a failed-start's start still runs there.
     Draining,
-    /// Set by an operator (`cordon`): as `draining` today (takes no new sandboxes).
+    /// Set by an operator (`cordon`): as `draining` today.
     Cordoned,
     /// Silent past the reconciler's lost threshold (5 minutes by default): takes nothing.
     Lost,

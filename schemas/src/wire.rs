@@ -16,7 +16,9 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 14 (this one): two command kinds, [`CommandKind::Archive`] and
+/// Version 15 (this one): a command kind, [`CommandKind::Migrate`] (whose
+/// [`Command::snapshot`] names the durable stop snapshot to fetch onto another host).
+/// Version 14: two command kinds, [`CommandKind::Archive`] and
 /// [`CommandKind::Unarchive`] (whose [`Command::snapshot`] names the stop snapshot to fetch),
 /// and [`ResultOutcome::Durable`]: a stop snapshot stored in the object store (a second
 /// result of a stop, sent once its upload is confirmed, and the success of an archive).
@@ -37,7 +39,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 14;
+pub const WIRE_VERSION: u16 = 15;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -75,6 +75,9 @@ ops! {
     SandboxDurable => "sandbox_durable",
     /// [`crate::sandboxes::unarchive`]: an archived sandbox placed and sent its unarchive.
     SandboxUnarchive => "sandbox_unarchive",
+    /// [`crate::sandboxes::migrate`]: a stopped sandbox placed on another host and sent its
+    /// migrate; [`crate::sandboxes::leave_old_host`]: the old host's stale copy deleted.
+    SandboxMigrate => "sandbox_migrate",
     /// [`crate::sandboxes::update_settings`]: a fenced write of a sandbox's settings (PATCH,
     /// renew).
     SandboxUpdateSettings => "sandbox_update_settings",

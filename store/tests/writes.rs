@@ -383,3 +383,162 @@ async fn no_trigger_on_the_hot_tables_notifies(db: PgPool) {
     .unwrap();
     assert_eq!(revocation, 1);
 }
+
+/// The commands queued for sandbox `id`: (host, kind, generation), oldest first.
+async fn commands_of(db: &PgPool, id: berth_schemas::SandboxId) -> Vec<(HostId, String, i64)> {
+    sqlx::query_as(
+        "SELECT host_id, kind, generation FROM commands WHERE sandbox_id = $1 ORDER BY created_at",
+    )
+    .bind(id)
+    .fetch_all(db)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_migration_goes_back_to_its_old_host_releasing_on_the_new_one_and_a_landed_one_deletes_the_old_copy(
+    db: PgPool,
+) {
+    use berth_schemas::ids::SnapshotId;
+    use berth_store::sandboxes::ResultWrite;
+    let (old, new) = (host(&db).await, host(&db).await);
+    let row = placed(&db, old).await;
+    let mut tx = db.begin().await.unwrap();
+    let stopped = sandboxes::write_transition(
+        &mut tx,
+        &row,
+        &transition(SandboxState::Stopped, CommandKind::Stop, Capacity::Release),
+    )
+    .await
+    .unwrap()
+    .row;
+    let snapshot = SnapshotId::new();
+    assert!(
+        sandboxes::write_durable(&mut tx, row.id, stopped.generation, snapshot, &[])
+            .await
+            .unwrap()
+    );
+    tx.commit().await.unwrap();
+    let lock = |db: PgPool| async move {
+        let mut tx = db.begin().await.unwrap();
+        let row = sandboxes::lock(&mut tx, row.id, None)
+            .await
+            .unwrap()
+            .unwrap();
+        (tx, row)
+    };
+    let migrate = |db: PgPool| async move {
+        let (mut tx, row) = lock(db).await;
+        assert!(
+            hosts::reserve(&mut tx, new, SIZE, Overcommit::default(), Admit::NewSandbox)
+                .await
+                .unwrap()
+        );
+        let (moved, _) = sandboxes::migrate(&mut tx, &row, new, Reason::UserRequest, "why")
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        moved
+    };
+    let result = |to, capacity| ResultWrite {
+        to,
+        capacity,
+        reason: Reason::HostReport,
+        command_id: berth_schemas::CommandId::new(),
+        address: None,
+        last_stop: None,
+        stop_fallback: None,
+        message: Some("failed"),
+    };
+
+    // Failed on the new host: back stopped on the old one, released on the new one.
+    let moved = migrate(db.clone()).await;
+    assert_eq!(
+        (moved.state, moved.host_id, moved.migrated_from),
+        (SandboxState::Migrating, Some(new), Some(old))
+    );
+    assert_eq!(
+        (reserved(&db, new).await, reserved(&db, old).await),
+        (SIZE, Resources::default())
+    );
+    let (mut tx, locked) = lock(db.clone()).await;
+    sandboxes::write_result(
+        &mut tx,
+        &locked,
+        &result(SandboxState::Stopped, Capacity::Release),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let (_, back) = lock(db.clone()).await;
+    assert_eq!(
+        (
+            back.state,
+            back.host_id,
+            back.migrated_from,
+            back.holds_capacity
+        ),
+        (SandboxState::Stopped, Some(old), None, false)
+    );
+    assert_eq!(back.durable_snapshot, Some(snapshot), "still durable");
+    assert_eq!(reserved(&db, new).await, Resources::default());
+
+    // Timed out: back on the old host too; the new one gets a delete at the next generation.
+    let moved = migrate(db.clone()).await;
+    let (mut tx, locked) = lock(db.clone()).await;
+    let written = sandboxes::write_transition(
+        &mut tx,
+        &locked,
+        &Transition {
+            reason: Reason::Timeout,
+            ..transition(
+                SandboxState::Stopped,
+                CommandKind::Delete,
+                Capacity::Release,
+            )
+        },
+    )
+    .await
+    .unwrap()
+    .row;
+    tx.commit().await.unwrap();
+    assert_eq!((written.host_id, written.migrated_from), (Some(old), None));
+    assert_eq!(reserved(&db, new).await, Resources::default());
+    let last = commands_of(&db, row.id).await.pop().unwrap();
+    assert_eq!(
+        last,
+        (new, "sandbox.delete".to_owned(), moved.generation.0 + 1)
+    );
+
+    // Landed: the old host gets a delete of its stale copy.
+    let moved = migrate(db.clone()).await;
+    let (mut tx, locked) = lock(db.clone()).await;
+    assert!(sandboxes::leave_old_host(&mut tx, &locked)
+        .await
+        .unwrap()
+        .is_some());
+    sandboxes::write_result(
+        &mut tx,
+        &locked,
+        &result(SandboxState::Running, Capacity::Keep),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let (_, running) = lock(db.clone()).await;
+    assert_eq!(
+        (
+            running.state,
+            running.host_id,
+            running.migrated_from,
+            running.holds_capacity
+        ),
+        (SandboxState::Running, Some(new), None, true)
+    );
+    let last = commands_of(&db, row.id).await.pop().unwrap();
+    assert_eq!(last, (old, "sandbox.delete".to_owned(), moved.generation.0));
+    assert_eq!(
+        (reserved(&db, new).await, reserved(&db, old).await),
+        (SIZE, Resources::default())
+    );
+}

@@ -17,6 +17,7 @@ mod harness;
 mod images;
 mod io;
 mod kept;
+mod migrate;
 mod network;
 mod runc;
 mod spoofing;

@@ -15,7 +15,7 @@ use crate::resume::{count, run, COUNTER};
 use crate::support::http::{host_of, running_sandbox};
 use crate::support::{eventually, Stack};
 
-async fn get(stack: &Stack, id: &str) -> Value {
+pub(crate) async fn get(stack: &Stack, id: &str) -> Value {
     let (status, body) = stack
         .call(Method::GET, &format!("/v1/sandboxes/{id}"), None)
         .await;
@@ -24,7 +24,7 @@ async fn get(stack: &Stack, id: &str) -> Value {
 }
 
 /// Stops `id` and waits until its stop is durable; returns the sandbox.
-async fn stop_durably(stack: &Stack, id: &str) -> Value {
+pub(crate) async fn stop_durably(stack: &Stack, id: &str) -> Value {
     assert_eq!(stack.request(id, "stop").await.0, 202);
     stack.wait_state(id, "stopped").await;
     eventually("the stop becomes durable", || async {
@@ -35,7 +35,7 @@ async fn stop_durably(stack: &Stack, id: &str) -> Value {
 }
 
 /// `(to_state, reason, message)` of each event of the sandbox, oldest first.
-async fn events(db: &PgPool, id: &str) -> Vec<(String, String, Option<String>)> {
+pub(crate) async fn events(db: &PgPool, id: &str) -> Vec<(String, String, Option<String>)> {
     sqlx::query_as(
         "SELECT to_state, reason, message FROM events
           WHERE sandbox_id = $1::uuid AND snapshot_id IS NULL ORDER BY id",
@@ -236,7 +236,7 @@ fn stored_chunks(dir: &std::path::Path) -> usize {
         .count()
 }
 
-fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+pub(crate) fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {

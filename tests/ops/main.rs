@@ -15,6 +15,7 @@ mod host_health;
 mod hostile;
 mod keys;
 mod limits;
+mod migrate;
 mod nats_auth;
 mod observability;
 mod preview;

@@ -379,7 +379,7 @@ async fn a_clone_on_another_host_fetches_its_snapshot_from_the_object_store(db: 
 }
 
 /// Waits until host `index` killed itself at its crash point, then starts it again without it.
-async fn restart_after_crash(stack: &mut Stack, index: usize, what: &str) {
+pub(crate) async fn restart_after_crash(stack: &mut Stack, index: usize, what: &str) {
     let child = stack.hosts[index].child.as_mut().unwrap();
     let exited = tokio::time::timeout(SETTLE_TIMEOUT, child.wait()).await;
     assert!(exited.is_ok(), "hostd never crashed at {what}");

@@ -316,7 +316,7 @@ macro_rules! lifecycle_route {
                 (status = 404, description = "`not_found`"),
                 (status = 408, description = "With `?wait=`: `timeout`; the request was accepted, the sandbox is in `state`"),
                 (status = 409, description = "`conflict`: a conflicting transition is in flight; `state` is the current state (with `?wait=`: also a sandbox that settled where it cannot reach the waited state)"),
-                (status = 503, description = "`no_capacity` (start): the sandbox's host has no headroom"),
+                (status = 503, description = "`no_capacity` (start): the sandbox's host has no headroom and no other host can take it; `unavailable` (start, with `Retry-After`): its host is gone, lost or silent and its stop is not durable yet"),
             ), security(("bearer" = [])))]
         pub async fn $name(
             State(app): State<AppState>,
@@ -353,7 +353,7 @@ lifecycle_route!(
     start,
     "/v1/sandboxes/{id}/start",
     Request::Start,
-    "Start a `stopped` or `failed-start` sandbox on its host; settles as `running`."
+    "Start a `stopped` or `failed-start` sandbox on its host; settles as `running`. A `stopped` sandbox whose host is gone, lost, silent, draining, cordoned or full starts elsewhere from its durable stop (`migrating`); 503 when it cannot (not durable yet: `unavailable` with `Retry-After`; no room: `no_capacity`), except that a draining or cordoned host still starts its own."
 );
 lifecycle_route!(
     resume,

@@ -64,6 +64,7 @@ pub async fn until_running(preview: &Preview, route: &Route) -> Result<Route, Pa
             | SandboxState::Starting
             | SandboxState::Resuming
             | SandboxState::Restoring
+            | SandboxState::Migrating
             | SandboxState::Unarchiving => {}
             other => {
                 return Err(Page::conflict(other, "a preview request cannot wake it"));

@@ -10,6 +10,7 @@ pub mod events;
 pub mod hosts;
 pub mod idempotency;
 pub mod keys;
+pub mod migrate;
 pub mod orgs;
 pub mod quota;
 pub mod resume;

@@ -100,12 +100,22 @@ pub(crate) async fn place_new(
     policy: PlacementPolicy,
     resources: berth_schemas::wire::Resources,
 ) -> Result<berth_schemas::HostId, ServiceError> {
+    place_avoiding(tx, policy, resources, None).await
+}
+
+/// [`place_new`], never on `avoid` (the host a migrating sandbox leaves).
+pub(crate) async fn place_avoiding(
+    tx: &mut sqlx::PgConnection,
+    policy: PlacementPolicy,
+    resources: berth_schemas::wire::Resources,
+    avoid: Option<berth_schemas::HostId>,
+) -> Result<berth_schemas::HostId, ServiceError> {
     let host = match placement::place(
         tx,
         resources,
         policy.heartbeat_freshness,
         policy.overcommit,
-        None,
+        avoid,
     )
     .await?
     {
@@ -207,8 +217,12 @@ pub enum LifecycleOutcome {
 /// next generation), a reservation when a start needs capacity again, the command and the
 /// event, in one transaction with the idempotency record (`render` gives the stored response).
 ///
+/// A start of a `stopped` sandbox whose own host cannot take it back moves it to another host
+/// from its durable stop (`migrating`, see `service::migrate`).
+///
 /// Errors: [`ServiceError::NotFound`], [`ServiceError::Conflict`] (the request conflicts with
-/// the state), [`ServiceError::QuotaExceeded`] and [`ServiceError::NoCapacity`] (a start).
+/// the state), [`ServiceError::QuotaExceeded`], [`ServiceError::NoCapacity`] and
+/// [`ServiceError::Unavailable`] (a start).
 #[instrument(skip_all, fields(org_id = %org, sandbox_id = %id, request = %request))]
 pub async fn lifecycle(
     db: &PgPool,
@@ -264,24 +278,25 @@ pub async fn lifecycle(
         info!(command_id = %command_id, generation = %generation, host_id = %host, "unarchive placed");
         return Ok(Replayable::Fresh(outcome, response));
     }
-    let written = sandboxes::write_transition(
-        &mut tx,
-        &row,
-        &Transition {
-            to,
-            command: Some(command),
-            capacity,
-            reason: Reason::UserRequest,
-            delete: request == Request::Delete,
-            message: None,
-            activity: true,
-            overcommit,
-            snapshot: None,
-        },
-    )
-    .await?;
+    let transition = Transition {
+        to,
+        command: Some(command),
+        capacity,
+        reason: Reason::UserRequest,
+        delete: request == Request::Delete,
+        message: None,
+        activity: true,
+        overcommit,
+        snapshot: None,
+    };
+    let written = if to == SandboxState::Starting && row.state == SandboxState::Stopped {
+        // At home when its host can take it back, else elsewhere from its durable stop.
+        super::migrate::start_stopped(&mut tx, overcommit, &row, &transition).await?
+    } else {
+        sandboxes::write_transition(&mut tx, &row, &transition).await?
+    };
     let command_id = written.command_id;
-    let generation = written.row.generation;
+    let (generation, to) = (written.row.generation, written.row.state);
     let outcome = LifecycleOutcome::Accepted(Sandbox::from(written.row));
     let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
     info!(command_id = ?command_id, generation = %generation, to = %to, "lifecycle request accepted");

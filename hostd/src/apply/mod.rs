@@ -1,7 +1,9 @@
 //! Applying commands, one use case per file: the fence, then the command's work, then the
 //! record. [`up`] makes a sandbox run (create and start), [`stop`] stops it, [`delete`]
 //! removes it, [`snapshot`] stores it in the object store while it runs, [`resume`] rebuilds
-//! it (restore) or builds a new one (clone) from a stored snapshot; what a real host and a sim host do differently is the host's
+//! it (restore) or builds a new one (clone) from a stored snapshot, [`archive`] stores a stopped
+//! one and frees its disk, [`migrate`] takes in a sandbox moved from another host (after
+//! dropping a stale copy of its own); what a real host and a sim host do differently is the host's
 //! [`Backend`](crate::host::Backend).
 //!
 //! # Guarantees
@@ -19,6 +21,7 @@
 
 pub mod archive;
 pub mod delete;
+pub mod migrate;
 pub mod resume;
 pub mod snapshot;
 pub mod stop;
@@ -191,6 +194,14 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         CommandKind::Restore | CommandKind::Clone | CommandKind::Unarchive => {
             resume::resume(host, cmd, live).await
         }
+        // So is a migration, and never from a copy this host kept of an earlier stay.
+        CommandKind::Migrate => match migrate::forget_stale_copy(host, cmd, live).await {
+            Ok(live) => resume::resume(host, cmd, live).await,
+            Err(error) => {
+                tracing::warn!(error = %error.report(), "stale copy not removed; will retry");
+                return Applied::Retry { error };
+            }
+        },
         CommandKind::Archive => archive::archive(host, cmd, live, archived_here).await,
         CommandKind::Delete => match delete::delete(host, cmd, record).await {
             Ok(done) => done,
@@ -273,6 +284,7 @@ fn operation(kind: CommandKind) -> &'static str {
         CommandKind::Clone => "clone",
         CommandKind::Archive => "archive",
         CommandKind::Unarchive => "unarchive",
+        CommandKind::Migrate => "migrate",
     }
 }
 
@@ -286,6 +298,7 @@ fn changes_the_disk(kind: CommandKind) -> bool {
             | CommandKind::Restore
             | CommandKind::Clone
             | CommandKind::Unarchive
+            | CommandKind::Migrate
             | CommandKind::Delete
     )
 }

@@ -132,9 +132,9 @@ async fn clone(
             }
         },
     };
-    // A fork's clone waits for its snapshot's manifest; an unarchive's stop snapshot was
-    // confirmed stored before the sandbox was archived, so a missing one fails at once.
-    let wait = if cmd.kind == CommandKind::Unarchive {
+    // A fork's clone waits for its snapshot's manifest; an unarchive's (or a migration's) stop
+    // snapshot was confirmed stored before it was sent, so a missing one fails at once.
+    let wait = if matches!(cmd.kind, CommandKind::Unarchive | CommandKind::Migrate) {
         Duration::ZERO
     } else {
         SNAPSHOT_WAIT

@@ -162,8 +162,9 @@ pub struct PassConfig {
     /// died mid-pull.
     pub template_pull_timeout: Duration,
     /// How long a `sandbox.archive` may stay unanswered before the sandbox is `stopped` again
-    /// (with its disk, reason `timeout`), and a `sandbox.unarchive` before it is
-    /// `failed-start` (capacity released).
+    /// (with its disk, reason `timeout`), a `sandbox.unarchive` before it is
+    /// `failed-start` (capacity released), and a `sandbox.migrate` before it is `stopped`
+    /// again on the host it came from (capacity released on the new one, which gets a delete).
     pub archive_timeout: Duration,
 }
 
@@ -502,7 +503,7 @@ async fn time_out_commands(
         if let (Some(host), true) = (row.host_id, timed_out.published) {
             crate::health::record_timeout(&mut tx, host, kind, &config.health.policy).await?;
         }
-        info!(sandbox_id = %row.id, %kind, "command timed out; sandbox failed-start");
+        info!(sandbox_id = %row.id, %kind, to = %failure.to, "command timed out");
         n += 1;
     }
     commit(tx).await?;

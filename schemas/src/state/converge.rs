@@ -10,7 +10,7 @@ use super::{Capacity, CommandKind, Reason, SandboxState};
 /// The commands the pass times out, each with the state its sandbox waits in while the command
 /// is open. A delete is not timed: the row is already a tombstone-to-be and its capacity goes
 /// with its `deleted` result or with the host's inventory.
-pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 7] = [
+pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 8] = [
     (CommandKind::Create, SandboxState::Provisioning),
     (CommandKind::Start, SandboxState::Starting),
     (CommandKind::Stop, SandboxState::Stopping),
@@ -18,17 +18,20 @@ pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 7] = [
     (CommandKind::Clone, SandboxState::Resuming),
     (CommandKind::Archive, SandboxState::Archiving),
     (CommandKind::Unarchive, SandboxState::Unarchiving),
+    (CommandKind::Migrate, SandboxState::Migrating),
 ];
 
-/// The states in which a sandbox lives on its host and is stranded when the host is lost.
-pub const STRANDED_ON_LOST_HOST: [SandboxState; 7] = [
+/// The states in which a sandbox lives on its host and is stranded when the host is lost. Not
+/// `unarchiving` or `migrating`: their stop snapshot is whole in the object store, and their
+/// timeout settles them (`archived`/`failed-start`, or `stopped` on the host a migration
+/// came from).
+pub const STRANDED_ON_LOST_HOST: [SandboxState; 6] = [
     SandboxState::Provisioning,
     SandboxState::Starting,
     SandboxState::Running,
     SandboxState::Stopping,
     SandboxState::Resuming,
     SandboxState::Restoring,
-    SandboxState::Migrating,
 ];
 
 /// The states in which a row does not want a running container on its own host.
@@ -59,9 +62,20 @@ pub struct Failure {
 /// destroyed; a start, stop, restore or unarchive ends stopped on the host, keeping the disk.
 /// An archive that timed out leaves the sandbox `stopped` on its host (nothing is sent: the
 /// host frees the disk only after its upload is confirmed, and its late result is fenced).
+/// A migration that timed out goes back `stopped` to the host it came from (the store moves
+/// the row back), releasing its capacity on the new host, which gets a delete (its fence then
+/// refuses the migrate if it has not run it; if it has, what it booted is destroyed).
 pub fn on_timeout(kind: CommandKind, state: SandboxState) -> Option<Failure> {
     if !TIMED_COMMANDS.contains(&(kind, state)) {
         return None;
+    }
+    if kind == CommandKind::Migrate {
+        return Some(Failure {
+            to: SandboxState::Stopped,
+            reason: Reason::Timeout,
+            capacity: Capacity::Release,
+            compensation: Some(CommandKind::Delete),
+        });
     }
     if kind == CommandKind::Archive {
         return Some(Failure {
@@ -172,9 +186,11 @@ mod tests {
                         | (CommandKind::Restore | CommandKind::Clone, S::Resuming)
                         | (CommandKind::Archive, S::Archiving)
                         | (CommandKind::Unarchive, S::Unarchiving)
+                        | (CommandKind::Migrate, S::Migrating)
                 );
                 assert_eq!(failure.is_some(), waits, "{kind} in {state}");
-                if let Some(f) = failure.filter(|_| kind != CommandKind::Archive) {
+                let settles_stopped = matches!(kind, CommandKind::Archive | CommandKind::Migrate);
+                if let Some(f) = failure.filter(|_| !settles_stopped) {
                     assert_eq!(f.to, S::FailedStart);
                     assert_eq!(f.capacity, Capacity::Release);
                     assert_eq!(f.reason, Reason::Timeout);
@@ -193,6 +209,23 @@ mod tests {
                 capacity: Capacity::Keep,
                 compensation: None,
             })
+        );
+    }
+
+    #[test]
+    fn a_timed_out_migration_goes_back_stopped_releasing_and_deleting_on_the_new_host() {
+        assert_eq!(
+            on_timeout(CommandKind::Migrate, S::Migrating),
+            Some(Failure {
+                to: S::Stopped,
+                reason: Reason::Timeout,
+                capacity: Capacity::Release,
+                compensation: Some(CommandKind::Delete),
+            })
+        );
+        assert!(
+            !STRANDED_ON_LOST_HOST.contains(&S::Migrating),
+            "a migration on a lost host is settled by its timeout, back on its old host"
         );
     }
 

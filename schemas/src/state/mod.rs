@@ -33,10 +33,10 @@
 //! | starting       | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
 //! | running        | =                       | stopping + stop | stopping + delete      | + snapshot (state kept) | resuming + restore     | 409                    |
 //! | stopping       | 409                     | =               | stopping + delete      | 409                     | 409                    | 409                    |
-//! | stopped        | starting + start        | =               | stopping + delete      | 409                     | resuming + restore (R) | archiving + archive    |
+//! | stopped        | starting + start, or migrating + migrate (M) | = | stopping + delete | 409                | resuming + restore (R) | archiving + archive    |
 //! | resuming       | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
 //! | restoring      | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
-//! | migrating      | 409                     | 409             | stopping + delete      | 409                     | 409                    | 409                    |
+//! | migrating      | =                       | 409             | stopping + delete (O)  | 409                     | 409                    | 409                    |
 //! | archiving      | 409                     | =               | stopping + delete      | 409                     | 409                    | =                      |
 //! | archived       | unarchiving + unarchive (P) | =           | deleted + delete (T)   | 409                     | 409                    | =                      |
 //! | unarchiving    | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
@@ -53,6 +53,22 @@
 //! `stopped` (with its disk, the reason in the event) when the upload failed or timed out.
 //! `unarchiving` settles `running`, or `archived` (capacity released) when the host failed
 //! it, or `failed-start` (capacity released) when it timed out.
+//!
+//! `(M)`: start elsewhere ([`on_start_elsewhere`], `migrate.rs`). The caller first asks
+//! whether the sandbox's own host can take it back ([`away_from_home`]: not when it is gone,
+//! `lost`, silent past the heartbeat freshness, `draining`, `cordoned`, or full for the
+//! sandbox's resources). When it can, the start is `starting` there as before. When it cannot
+//! and the stop is durable (`durable_at`), placement picks another host and reserves there in
+//! the same transaction, the row moves to it `migrating` (remembering the host it came from)
+//! and a `sandbox.migrate` names the durable stop snapshot. When the stop is not durable, the
+//! start is refused (503: `no_capacity` when the home host is only full, `unavailable` with
+//! `Retry-After` otherwise) and nothing changes. `migrating` settles `running` (and the old
+//! host gets a `sandbox.delete` that frees its stale disk; its result is off the placement),
+//! or back `stopped` on the host it came from (capacity released on the new one, the reason in
+//! the event) when the new host failed it or the reconciler timed it out (the new host then
+//! gets a `sandbox.delete` at the next generation). `(O)`: a delete while `migrating` also
+//! sends the old host a `sandbox.delete`, and collects the stored stop snapshot as for an
+//! archived sandbox.
 //!
 //! `(R)`: the transition reserves the sandbox's capacity on its host again. A restore also
 //! needs a `ready` snapshot of that same sandbox (else 409 / 404 at the API). A clone or fork
@@ -96,7 +112,9 @@ pub enum SandboxState {
     Resuming,
     /// Being rebuilt from a backup on another host (seed state; no path writes it yet).
     Restoring,
-    /// Moving to another host (seed state; no path writes it yet).
+    /// A stopped sandbox whose own host cannot take it back (gone, lost, draining, cordoned or
+    /// full) is being fetched from its durable stop snapshot onto the host placement picked,
+    /// then booted (a start, issue 14); it holds capacity there.
     Migrating,
     /// A stopped sandbox's stop snapshot is being made durable in object storage; its local
     /// disk is freed once the upload is confirmed (`POST …/archive`, auto-archive).
@@ -256,6 +274,11 @@ pub enum CommandKind {
     /// from the object store onto the host placement picked, then boot it (issue 14). The
     /// sandbox is `unarchiving`.
     Unarchive,
+    /// Fetch a stopped sandbox's durable stop snapshot ([`crate::wire::Command::snapshot`]
+    /// names it) from the object store onto another host, because its own host cannot take
+    /// it back (gone, lost, draining, cordoned or full), then boot it there (issue 14: start
+    /// elsewhere). The sandbox is `migrating`; on gVisor a memory stop's processes continue.
+    Migrate,
 }
 
 impl CommandKind {
@@ -271,13 +294,14 @@ impl CommandKind {
             CommandKind::Clone => "sandbox.clone",
             CommandKind::Archive => "sandbox.archive",
             CommandKind::Unarchive => "sandbox.unarchive",
+            CommandKind::Migrate => "sandbox.migrate",
         }
     }
 }
 
 impl CommandKind {
     /// Every kind, in wire order.
-    pub const ALL: [CommandKind; 9] = [
+    pub const ALL: [CommandKind; 10] = [
         CommandKind::Create,
         CommandKind::Start,
         CommandKind::Stop,
@@ -287,6 +311,7 @@ impl CommandKind {
         CommandKind::Clone,
         CommandKind::Archive,
         CommandKind::Unarchive,
+        CommandKind::Migrate,
     ];
 }
 
@@ -370,6 +395,7 @@ impl Reason {
 
 pub mod breaker;
 mod converge;
+mod migrate;
 mod request;
 mod result;
 mod settle;
@@ -380,6 +406,7 @@ pub use converge::{
     InventoryVerdict, HOST_LOST_MESSAGE, STRANDED_ON_LOST_HOST, TIMED_COMMANDS,
     UNWANTED_RUNNING_ON_ITS_HOST,
 };
+pub use migrate::{away_from_home, on_start_elsewhere, Away};
 pub use request::{on_request, Decision, Refusal};
 pub use result::{on_result, retries_elsewhere, Fault, Outcome, ResultDecision, MAX_CREATE_HOSTS};
 pub use settle::{on_expiry, wait_verdict, Expiry, ExpiryAction, Timers, WaitTarget, WaitVerdict};

@@ -1,5 +1,6 @@
-//! [`on_request`]: a start, stop, delete, restore or archive against the row's state (the table in the parent
-//! module's docs), with the capacity change each transition needs.
+//! [`on_request`]: a start, stop, delete, restore or archive against the row's state (the table
+//! in the parent module's docs), with the capacity change each transition needs. A start of a
+//! `stopped` sandbox whose own host cannot take it back is decided by `migrate.rs` instead.
 
 use super::{Capacity, CommandKind, Request, SandboxState};
 
@@ -83,16 +84,13 @@ pub fn on_request(
             | S::Running
             | S::Resuming
             | S::Restoring
+            | S::Migrating
             | S::Unarchiving => Ok(Decision::Unchanged),
             // An archive in flight is not cancelled: the start is refused, and once `archived`
             // a start unarchives it.
-            S::Stopping
-            | S::Migrating
-            | S::Archiving
-            | S::Pending
-            | S::FailedProvision
-            | S::Lost
-            | S::Deleted => conflict,
+            S::Stopping | S::Archiving | S::Pending | S::FailedProvision | S::Lost | S::Deleted => {
+                conflict
+            }
         },
         Request::Archive => match state {
             // A stopped sandbox holds no capacity: archiving frees its disk only.
@@ -205,7 +203,7 @@ mod tests {
             ),
             (S::Resuming, U, C, C, C),
             (S::Restoring, U, C, C, C),
-            (S::Migrating, C, C, C, C),
+            (S::Migrating, U, C, C, C),
             (S::Archiving, C, U, C, U),
             (
                 S::Archived,

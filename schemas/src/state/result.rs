@@ -72,6 +72,11 @@ pub fn on_result(
         // The stop snapshot is still whole in the object store: the sandbox stays archived,
         // and a start unarchives it again (placement picks anew).
         (K::Unarchive, S::Unarchiving, Failed, false) => apply(S::Archived, Capacity::Release),
+        // A start elsewhere booted on its new host (the store sends the old host a delete of
+        // its stale disk), or could not: back to `stopped` on the host it came from, whose
+        // disk is the last stop's (the store moves the row back after releasing here).
+        (K::Migrate, S::Migrating, Succeeded, false) => apply(S::Running, Capacity::Keep),
+        (K::Migrate, S::Migrating, Failed, false) => apply(S::Stopped, Capacity::Release),
         (K::Create | K::Clone, S::FailedStart, Succeeded, _) => {
             ResultDecision::Compensate(K::Delete)
         }
@@ -209,6 +214,15 @@ mod tests {
                 S::Archived,
                 true,
             ),
+            (
+                S::Migrating,
+                false,
+                K::Migrate,
+                Succeeded,
+                S::Running,
+                false,
+            ),
+            (S::Migrating, false, K::Migrate, Failed, S::Stopped, true),
         ];
         for (state, deleting, kind, outcome, to, releases_capacity) in cases {
             assert_eq!(
@@ -245,7 +259,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(applied, 15);
+        assert_eq!(applied, 17);
         assert_eq!(
             on_result(S::Running, false, K::Create, Outcome::Succeeded),
             ResultDecision::Ignore,

@@ -30,8 +30,8 @@ pub struct CommandTimeouts {
     pub start: Duration,
     /// How long a `sandbox.stop` may stay unanswered (a delete is not timed).
     pub stop: Duration,
-    /// How long a `sandbox.archive` (upload, then free the disk) or a `sandbox.unarchive`
-    /// (fetch, then boot) may stay unanswered.
+    /// How long a `sandbox.archive` (upload, then free the disk), a `sandbox.unarchive` or a
+    /// `sandbox.migrate` (fetch, then boot) may stay unanswered.
     pub archive: Duration,
 }
 
@@ -40,7 +40,7 @@ impl CommandTimeouts {
         match kind {
             CommandKind::Create | CommandKind::Restore | CommandKind::Clone => self.create,
             CommandKind::Start => self.start,
-            CommandKind::Archive | CommandKind::Unarchive => self.archive,
+            CommandKind::Archive | CommandKind::Unarchive | CommandKind::Migrate => self.archive,
             // A snapshot is timed on its own row (`snapshots.created_at`), never here.
             CommandKind::Stop | CommandKind::Delete | CommandKind::Snapshot => self.stop,
         }

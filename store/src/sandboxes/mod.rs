@@ -31,7 +31,7 @@ pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, g
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
      public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason, env, entrypoint, \
-     image_uri, image, durable_at, durable_snapshot, auto_archive_days";
+     image_uri, image, durable_at, durable_snapshot, auto_archive_days, migrated_from";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -116,6 +116,9 @@ pub struct SandboxRow {
     pub durable_snapshot: Option<SnapshotId>,
     /// Days a `stopped` sandbox waits before the reconciler archives it; `None`: never.
     pub auto_archive_days: Option<i32>,
+    /// While `migrating`: the host it came from, which still holds its last stop's disk
+    /// (issue 14, start elsewhere). `None` in every other state.
+    pub migrated_from: Option<HostId>,
 }
 
 impl SandboxRow {
@@ -175,6 +178,7 @@ impl SandboxRow {
             durable_at: row.try_get("durable_at").map_err(get)?,
             durable_snapshot: row.try_get("durable_snapshot").map_err(get)?,
             auto_archive_days: row.try_get("auto_archive_days").map_err(get)?,
+            migrated_from: row.try_get("migrated_from").map_err(get)?,
         })
     }
 
@@ -557,6 +561,7 @@ pub async fn org_usage(conn: &mut PgConnection, org: OrgId) -> Result<Usage, Sto
 mod archive;
 mod compat;
 mod converge;
+mod migrate;
 mod settings;
 mod write;
 
@@ -566,6 +571,7 @@ pub use converge::{
     capacity_drift, count_by_state, guest_tallies, lock_due, lock_failed_guests, lock_stranded,
     lock_timed_out, purge_tombstones, CommandTimeouts, Due, GuestTally, Judging, TimedOut,
 };
+pub use migrate::{leave_old_host, migrate};
 pub use settings::{clear_expiry, lock_expired, update_settings, SettingsChange};
 pub use write::{move_create, write_result, write_transition, ResultWrite, Transition, Written};
 

@@ -1,7 +1,9 @@
 //! The two fenced writes of a sandbox's state: [`write_transition`] (a transition the control
 //! plane starts, at the next generation) and [`write_result`] (a host's result, at the current
 //! one). Both apply the decision's [`Capacity`] change in the same transaction — the only place
-//! a sandbox's hold on its host's capacity changes (guarantee 4).
+//! a sandbox's hold on its host's capacity changes (guarantee 4). A `migrating` sandbox that
+//! either writes `stopped` goes back to the host it came from (`migrated_from`), after its
+//! capacity was released on the new one.
 
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::wire::{Command, SnapshotOrder, StopFallback, StopMode};
@@ -75,6 +77,9 @@ pub async fn write_transition(
                                       ELSE durable_at END,
                     durable_snapshot = CASE WHEN $3 IN ('starting', 'resuming') THEN NULL
                                             ELSE durable_snapshot END,
+                    host_id = CASE WHEN state = 'migrating' AND $3 = 'stopped'
+                                   THEN COALESCE(migrated_from, host_id) ELSE host_id END,
+                    migrated_from = NULL,
                     updated_at = now()
               WHERE id = $1 AND generation = $2
               RETURNING {COLUMNS}"
@@ -109,6 +114,10 @@ pub async fn write_transition(
         };
         commands::insert(&mut *conn, host, &command).await?;
         command_id = Some(command.id);
+    }
+    if transition.delete {
+        // A delete while `migrating`: the host it came from still holds its last stop's disk.
+        super::migrate::delete_stale_copy(&mut *conn, row, generation).await?;
     }
     events::insert(
         conn,
@@ -180,6 +189,9 @@ pub async fn write_result(
                     durable_at = CASE WHEN $3 = 'running' THEN NULL ELSE durable_at END,
                     durable_snapshot = CASE WHEN $3 = 'running' THEN NULL
                                             ELSE durable_snapshot END,
+                    host_id = CASE WHEN state = 'migrating' AND $3 = 'stopped'
+                                   THEN COALESCE(migrated_from, host_id) ELSE host_id END,
+                    migrated_from = NULL,
                     updated_at = now()
               WHERE id = $1 AND generation = $2",
         )
