@@ -270,18 +270,18 @@ pub async fn results_watermark_lag(db: impl PgExecutor<'_>) -> Result<Option<f64
 }
 
 /// The kinds that boot a sandbox (`sandbox.create`, `.start`, `.restore`, `.clone`,
-/// `.unarchive`; the relay holds them back beyond a host's cap of in-flight boots), as the SQL
-/// list the partial indexes of migration 0027 name, word for word (the planner uses a partial
+/// `.unarchive`, `.migrate`; the relay holds them back beyond a host's cap of in-flight boots), as the SQL
+/// list the partial indexes of migration 0031 name, word for word (the planner uses a partial
 /// index only when the query repeats its predicate).
-pub(crate) const BOOTS_SQL: &str =
-    "('sandbox.create', 'sandbox.start', 'sandbox.restore', 'sandbox.clone', 'sandbox.unarchive')";
+pub(crate) const BOOTS_SQL: &str = "('sandbox.create', 'sandbox.start', 'sandbox.restore', \
+     'sandbox.clone', 'sandbox.unarchive', 'sandbox.migrate')";
 
 /// The claim's other kinds, never held back: the oldest `$1` (a CTE of both claim queries).
 const OTHERS: &str = "others AS (
     SELECT id, created_at FROM commands
      WHERE published_at IS NULL
        AND kind NOT IN ('sandbox.create', 'sandbox.start', 'sandbox.restore', 'sandbox.clone',
-                        'sandbox.unarchive')
+                        'sandbox.unarchive', 'sandbox.migrate')
      ORDER BY created_at
      LIMIT $1)";
 
@@ -308,7 +308,7 @@ const CLAIM_WINDOW_BATCHES: i64 = 4;
 /// in the outbox (queued, not refused); other kinds pass — the generation fence keeps a stop or
 /// delete that overtakes a queued start correct (the host refuses the older start).
 ///
-/// Cost, never the whole backlog (migration 0027; it ranked every unpublished command before,
+/// Cost, never the whole backlog (migrations 0027 and 0031; it ranked every unpublished command before,
 /// 117 ms per batch at 11,000 in the 1,000-host sim):
 /// - first the oldest `batch` × [`CLAIM_WINDOW_BATCHES`] queued boots, ranked per host against
 ///   the in-flight boots of just those hosts: about 3 ms whatever the backlog;
@@ -451,15 +451,16 @@ mod tests {
     use super::*;
 
     /// The kinds that boot a sandbox.
-    const BOOT_KINDS: [CommandKind; 5] = [
+    const BOOT_KINDS: [CommandKind; 6] = [
         CommandKind::Create,
         CommandKind::Start,
         CommandKind::Restore,
         CommandKind::Clone,
         CommandKind::Unarchive,
+        CommandKind::Migrate,
     ];
 
-    /// The claim's kind list is [`BOOT_KINDS`], and it is the text of migration 0027's partial
+    /// The claim's kind list is [`BOOT_KINDS`], and it is the text of migration 0031's partial
     /// indexes (otherwise the planner would ignore them and the claim would scan the backlog).
     #[test]
     fn the_claims_boot_list_is_the_boot_kinds_and_the_indexes_predicate() {
@@ -468,7 +469,7 @@ mod tests {
             .map(|k| format!("'{}'", k.as_str()))
             .collect();
         assert_eq!(BOOTS_SQL, format!("({})", listed.join(", ")));
-        let migration = include_str!("../migrations/0027_outbox_claim.sql");
+        let migration = include_str!("../migrations/0031_outbox_claim_migrate.sql");
         assert_eq!(migration.matches(BOOTS_SQL).count(), 3, "{migration}");
         let others: String = OTHERS.split_whitespace().collect::<Vec<_>>().join(" ");
         assert!(
