@@ -355,7 +355,7 @@ lifecycle_route!(
     start,
     "/v1/sandboxes/{id}/start",
     Request::Start,
-    "Start a `stopped` or `failed-start` sandbox on its host; settles as `running`."
+    "Start a `stopped` or `failed-start` sandbox on its host; settles as `running`. A `failed-start` clone that never ran boots from its snapshot again (`resuming`); 409 `snapshot_unavailable` once that snapshot is not `ready`."
 );
 lifecycle_route!(
     resume,

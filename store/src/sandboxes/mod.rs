@@ -31,7 +31,7 @@ pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, g
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
      public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason, env, entrypoint, \
-     image_uri, image, durable_at, durable_snapshot, auto_archive_days";
+     image_uri, image, durable_at, durable_snapshot, auto_archive_days, seed_snapshot";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -116,6 +116,11 @@ pub struct SandboxRow {
     pub durable_snapshot: Option<SnapshotId>,
     /// Days a `stopped` sandbox waits before the reconciler archives it; `None`: never.
     pub auto_archive_days: Option<i32>,
+    /// The snapshot a clone boots from, until it first runs (`sandboxes.seed_snapshot`): a
+    /// start of a clone whose boot failed boots from it again
+    /// ([`berth_schemas::state::on_request_unseeded`]). `None` once it ran, and for a sandbox
+    /// made from a template.
+    pub seed_snapshot: Option<SnapshotId>,
 }
 
 impl SandboxRow {
@@ -175,6 +180,7 @@ impl SandboxRow {
             durable_at: row.try_get("durable_at").map_err(get)?,
             durable_snapshot: row.try_get("durable_snapshot").map_err(get)?,
             auto_archive_days: row.try_get("auto_archive_days").map_err(get)?,
+            seed_snapshot: row.try_get("seed_snapshot").map_err(get)?,
         })
     }
 
@@ -355,9 +361,10 @@ pub async fn create(
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
                                     auto_delete_minutes, runtime, disk_mib, network,
                                     auto_resume, public_ports, expires_at, on_expiry, env,
-                                    entrypoint, image_uri, image, auto_archive_days)
+                                    entrypoint, image_uri, image, auto_archive_days,
+                                    seed_snapshot)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18, $19, $20, $21, $22, $23)
+                     $17, $18, $19, $20, $21, $22, $23, $24)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -388,6 +395,7 @@ pub async fn create(
         .bind(&new.image_uri)
         .bind(&new.image)
         .bind(new.auto_archive_days)
+        .bind(new.from_snapshot)
         .fetch_one(&mut *conn),
     )
     .await?;

@@ -156,7 +156,7 @@ pub struct ResultWrite<'a> {
 
 /// Writes a host result onto the locked sandbox `row`: state, capacity, address, stop mode
 /// (with why a memory stop kept the disk only, or cleared) and the event, in the caller's
-/// transaction.
+/// transaction. A sandbox that runs has a disk of its own: its `seed_snapshot` is cleared.
 ///
 /// Errors: [`StoreError::Fenced`] when the row is no longer at `row.generation`.
 pub async fn write_result(
@@ -180,6 +180,7 @@ pub async fn write_result(
                     durable_at = CASE WHEN $3 = 'running' THEN NULL ELSE durable_at END,
                     durable_snapshot = CASE WHEN $3 = 'running' THEN NULL
                                             ELSE durable_snapshot END,
+                    seed_snapshot = CASE WHEN $3 = 'running' THEN NULL ELSE seed_snapshot END,
                     updated_at = now()
               WHERE id = $1 AND generation = $2",
         )
