@@ -389,7 +389,10 @@ async fn hard_links_within_the_tree_come_back_as_one_inode(b: Backend) {
     fs::write(upper.join("alone"), b"alone\n").unwrap();
 
     let (m, _) = snapshot(&b, disk(upper.clone()), None, None).await.unwrap();
-    assert_eq!(m.format, MANIFEST_FORMAT, "a tree with links needs format 2");
+    assert_eq!(
+        m.format, MANIFEST_FORMAT,
+        "a tree with links needs format 2"
+    );
     let links: Vec<_> = m
         .disk
         .entries

@@ -22,7 +22,13 @@ async fn running(plane: &Plane) -> SandboxId {
 
 /// A ready snapshot of running sandbox `id` (its host's report delivered); its id.
 async fn ready_snapshot(plane: &Plane, id: SandboxId) -> String {
-    let reply = call(plane, Method::POST, &format!("/v1/sandboxes/{id}/snapshot"), None).await;
+    let reply = call(
+        plane,
+        Method::POST,
+        &format!("/v1/sandboxes/{id}/snapshot"),
+        None,
+    )
+    .await;
     assert_eq!(reply.status, 202, "{}", reply.body);
     let command = plane.latest(id).await;
     assert_eq!(command.kind, CommandKind::Snapshot);
@@ -40,13 +46,22 @@ async fn ready_snapshot(plane: &Plane, id: SandboxId) -> String {
         )
         .await;
     let snapshot = reply.body["id"].as_str().unwrap().to_owned();
-    let got = call(plane, Method::GET, &format!("/v1/snapshots/{snapshot}"), None).await;
+    let got = call(
+        plane,
+        Method::GET,
+        &format!("/v1/snapshots/{snapshot}"),
+        None,
+    )
+    .await;
     assert_eq!(got.body["state"], "ready", "{}", got.body);
     snapshot
 }
 
 async fn call(plane: &Plane, method: Method, path: &str, body: Option<&str>) -> inproc::Reply {
-    plane.api.call(&plane.org.key, method, path, None, body).await
+    plane
+        .api
+        .call(&plane.org.key, method, path, None, body)
+        .await
 }
 
 /// `POST /v1/sandboxes/{source}/clone` of `snapshot`.
@@ -98,7 +113,13 @@ async fn a_failed_clones_start_boots_from_its_snapshot_again_and_is_refused_once
     // and nothing is written.
     plane.deliver(&again, inproc::failed()).await;
     assert_eq!(inproc::row(&plane.db, cloned).await.state, "failed-start");
-    let deleted = call(&plane, Method::DELETE, &format!("/v1/snapshots/{snapshot}"), None).await;
+    let deleted = call(
+        &plane,
+        Method::DELETE,
+        &format!("/v1/snapshots/{snapshot}"),
+        None,
+    )
+    .await;
     assert_eq!(deleted.status, 204, "{}", deleted.body);
     let refused = plane.api.lifecycle(&plane.org.key, cloned, "start").await;
     assert_eq!(refused.status, 409, "{}", refused.body);
@@ -112,8 +133,19 @@ async fn a_failed_clones_start_boots_from_its_snapshot_again_and_is_refused_once
         "{}",
         refused.body
     );
-    assert_eq!(plane.latest(cloned).await.id, again.id, "no command written");
-    assert_eq!(plane.api.lifecycle(&plane.org.key, cloned, "delete").await.status, 202);
+    assert_eq!(
+        plane.latest(cloned).await.id,
+        again.id,
+        "no command written"
+    );
+    assert_eq!(
+        plane
+            .api
+            .lifecycle(&plane.org.key, cloned, "delete")
+            .await
+            .status,
+        202
+    );
 
     // A clone that ran once has a disk of its own: its start after a failure is a start.
     let snapshot = ready_snapshot(&plane, source).await;

@@ -494,6 +494,10 @@ async fn a_failed_snapshots_reason_names_no_host_path(db: PgPool) {
             "the reason leaks {host_path}: {failed}"
         );
     }
-    assert_eq!(stack.state_of(&id).await, "running", "the sandbox is untouched");
+    assert_eq!(
+        stack.state_of(&id).await,
+        "running",
+        "the sandbox is untouched"
+    );
     stack.teardown().await;
 }

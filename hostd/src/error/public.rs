@@ -99,7 +99,11 @@ mod tests {
             },
         ];
         for e in &errors {
-            assert!(e.report().contains(HOST_DIR), "the log keeps it: {}", e.report());
+            assert!(
+                e.report().contains(HOST_DIR),
+                "the log keeps it: {}",
+                e.report()
+            );
             let public = e.public_reason();
             assert!(!public.contains("/var"), "{public}");
             assert!(!public.contains(HOST_DIR), "{public}");
