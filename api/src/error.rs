@@ -104,6 +104,24 @@ pub enum ApiError {
         /// Whole seconds until a retry may succeed.
         retry_after_secs: u64,
     },
+    /// 503 `no_capacity` for a fork whose clones do not all fit; the response carries
+    /// `Retry-After` (seconds) and the message counts the fork's sandboxes.
+    #[error("{message}")]
+    ForkNoCapacity {
+        /// What did not fit, for the client.
+        message: String,
+        /// Whole seconds until a retry may find the room.
+        retry_after_secs: u64,
+    },
+    /// 409 `snapshot_unavailable`: a start of a clone that never ran boots from its snapshot
+    /// again, and that snapshot is no longer `ready`; carries the sandbox's state.
+    #[error("{message}")]
+    SnapshotUnavailable {
+        /// The sandbox's state now.
+        state: SandboxState,
+        /// What is missing.
+        message: String,
+    },
     /// 409 `conflict`: a conflicting transition is in flight; carries the current state.
     #[error("{message}")]
     Conflict {
@@ -184,7 +202,10 @@ impl ApiError {
                 (StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused")
             }
             ApiError::LastKey(_) => (StatusCode::CONFLICT, "last_key"),
-            ApiError::NoCapacity { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_capacity"),
+            ApiError::NoCapacity { .. } | ApiError::ForkNoCapacity { .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, "no_capacity")
+            }
+            ApiError::SnapshotUnavailable { .. } => (StatusCode::CONFLICT, "snapshot_unavailable"),
             ApiError::Unavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::Conflict { .. }
             | ApiError::HostConflict { .. }
@@ -236,6 +257,13 @@ impl From<ServiceError> for ApiError {
                 message,
                 retry_after_secs: retry_after.as_secs_f64().ceil().max(1.0) as u64,
             },
+            e @ ServiceError::ForkNoCapacity { retry_after, .. } => ApiError::ForkNoCapacity {
+                message: e.to_string(),
+                retry_after_secs: retry_after.as_secs_f64().ceil().max(1.0) as u64,
+            },
+            ServiceError::SnapshotUnavailable { state, message } => {
+                ApiError::SnapshotUnavailable { state, message }
+            }
             ServiceError::Conflict { state, message } => ApiError::Conflict { state, message },
             ServiceError::HostConflict { state, message }
             | ServiceError::SnapshotConflict { state, message } => {
@@ -294,7 +322,9 @@ impl IntoResponse for ApiError {
             ApiError::InvalidRequest {
                 field: Some(field), ..
             } => body["field"] = json!(field),
-            ApiError::Conflict { state, .. } => body["state"] = json!(state),
+            ApiError::Conflict { state, .. } | ApiError::SnapshotUnavailable { state, .. } => {
+                body["state"] = json!(state)
+            }
             ApiError::WaitConflict {
                 state, sandbox_id, ..
             }
@@ -323,6 +353,9 @@ impl IntoResponse for ApiError {
             retry_after_secs, ..
         }
         | ApiError::Unavailable {
+            retry_after_secs, ..
+        }
+        | ApiError::ForkNoCapacity {
             retry_after_secs, ..
         } = &self
         {

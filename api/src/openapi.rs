@@ -34,7 +34,12 @@ answers `=` to delete and `409` to everything else. `pause` is an alias of `stop
 | archived       | unarchiving    | =            | deleted  |
 | unarchiving    | =              | 409          | stopping |
 | failed-start   | starting       | =            | stopping |
+| failed-start (S) | resuming     | =            | stopping |
 | deleted        | 409            | 409          | =        |
+
+`(S)`: a clone (or fork child, or `POST /v1/sandboxes {snapshot_id}`) whose boot failed before
+it ever ran has no disk of its own; its start boots from its snapshot again (`resuming`), or is
+409 `snapshot_unavailable` once that snapshot is no longer `ready`.
 
 `PATCH /v1/sandboxes/{id}` and `POST …/renew` are accepted in every state but a sandbox being
 deleted or deleted (409); they change settings, not the state, and emit `sandbox.updated`.

@@ -3,7 +3,11 @@
 //! Messages are lowercase and short; context travels in fields, and the underlying cause is the
 //! `#[source]`. [`HostdError::report`] renders the whole chain on one line, which is what a
 //! `ResultOutcome::Failed { reason }` carries back to the control plane (or `Rejected`, when
-//! [`HostdError::is_the_requests_fault`]).
+//! [`HostdError::is_the_requests_fault`]) — except a snapshot's, a clone's and a restore's,
+//! which reach users through the API and carry [`HostdError::public_reason`] (no host paths;
+//! `public.rs`), the report going to hostd's log.
+
+mod public;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;

@@ -7,7 +7,10 @@
 //!
 //! Sockets are skipped (nothing can be restored into them); devices other than overlay
 //! whiteouts and names that are not UTF-8 fail the capture ([`StorageError::Unsupported`]).
-//! Hard links are captured as separate files (their content is stored once, by hash).
+//! Hard links within a tree are kept: the first name of an inode (in walk order) is its `file`
+//! entry, every other name a `hard_link` entry naming it, and a restore links them again
+//! (manifest format 2, written only when a tree holds one). A link to a file outside the tree
+//! is captured as a file of its own.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -21,7 +24,7 @@ use crate::chunk;
 use crate::error::{Result, StorageError};
 use crate::manifest::{
     ChunkRef, Entry, EntryKind, Holds, Manifest, Sizes, SnapshotInfo, Tree, TreeKind, CHUNK_BYTES,
-    MANIFEST_FORMAT,
+    MANIFEST_FORMAT_V1,
 };
 
 /// The overlayfs xattr that marks a directory opaque.
@@ -82,7 +85,7 @@ pub fn stage(
     fs::create_dir_all(&dir).map_err(StorageError::io("create", &dir))?;
     let mut staged = Staged {
         manifest: Manifest {
-            format: MANIFEST_FORMAT,
+            format: MANIFEST_FORMAT_V1,
             info,
             holds: Holds::Disk,
             chunk_bytes: CHUNK_BYTES as u32,
@@ -115,11 +118,13 @@ pub fn stage(
         known: &mut known,
         previous: &previous,
         kind: TreeKind::Disk,
+        links: HashMap::new(),
     };
     let mut disk = None;
     let mut memory = None;
     for source in sources {
         walker.kind = source.kind;
+        walker.links.clear();
         let mut entries = Vec::new();
         walker.walk(&source.root, "", &mut entries)?;
         match source.kind {
@@ -154,6 +159,7 @@ pub fn stage(
         }
     }
     m.sizes = sizes;
+    m.format = m.needed_format();
     Ok(staged)
 }
 
@@ -162,6 +168,9 @@ struct Walker<'a, 'p> {
     known: &'a mut HashMap<String, u32>,
     previous: &'a HashMap<(TreeKind, &'p str), &'p Entry>,
     kind: TreeKind,
+    /// The first path seen in this tree of each inode with more than one name, by
+    /// `(device, inode)`.
+    links: HashMap<(u64, u64), String>,
 }
 
 impl Walker<'_, '_> {
@@ -188,6 +197,16 @@ impl Walker<'_, '_> {
             let kind = if ft.is_dir() {
                 let opaque = matches!(xattr::get(&path, OPAQUE_XATTR), Ok(Some(v)) if v == b"y");
                 EntryKind::Dir { opaque }
+            } else if ft.is_file() && meta.nlink() > 1 {
+                match self.links.get(&(meta.dev(), meta.ino())) {
+                    Some(first) => EntryKind::HardLink {
+                        target: first.clone(),
+                    },
+                    None => {
+                        self.links.insert((meta.dev(), meta.ino()), rel.clone());
+                        self.file(&path, &rel, &meta)?
+                    }
+                }
             } else if ft.is_file() {
                 self.file(&path, &rel, &meta)?
             } else if ft.is_symlink() {

@@ -12,8 +12,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StorageError};
 
-/// The manifest format this code writes and reads; a manifest with another is refused.
-pub const MANIFEST_FORMAT: u32 = 1;
+/// The newest manifest format this code writes and reads: format 1 plus
+/// [`EntryKind::HardLink`]. A manifest is written in the oldest format that describes it
+/// ([`Manifest::needed_format`]), so a snapshot without hard links stays readable by a host of
+/// an older build; a manifest of a format outside [`MANIFEST_FORMATS`] is refused.
+pub const MANIFEST_FORMAT: u32 = 2;
+/// The first format: every entry kind but [`EntryKind::HardLink`].
+pub const MANIFEST_FORMAT_V1: u32 = 1;
+/// The formats this code reads.
+pub const MANIFEST_FORMATS: std::ops::RangeInclusive<u32> = MANIFEST_FORMAT_V1..=MANIFEST_FORMAT;
 /// Files are cut into chunks of this many bytes (the last one shorter). Fixed-size chunks keep
 /// an in-place write to a large file (a disk image, a memory checkpoint) to the chunks it
 /// touched.
@@ -114,6 +121,12 @@ pub enum EntryKind {
     Whiteout,
     /// A named pipe (recreated empty).
     Fifo,
+    /// Another name of a regular file listed earlier in the same tree (a hard link: both
+    /// names are one inode, restored as one). Format 2 on.
+    HardLink {
+        /// The `path` of that earlier `file` entry.
+        target: String,
+    },
 }
 
 /// One file, directory, link or whiteout in a tree. (Its fields and its kind's share one JSON
@@ -160,7 +173,7 @@ pub struct Sizes {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
-    /// [`MANIFEST_FORMAT`].
+    /// The format it is written in: [`Manifest::needed_format`], one of [`MANIFEST_FORMATS`].
     pub format: u32,
     /// Who and what.
     pub info: SnapshotInfo,
@@ -214,6 +227,20 @@ impl Manifest {
             .collect()
     }
 
+    /// The oldest format that describes this manifest: [`MANIFEST_FORMAT`] when a tree holds a
+    /// hard link, else [`MANIFEST_FORMAT_V1`].
+    pub fn needed_format(&self) -> u32 {
+        let linked = self
+            .trees()
+            .flat_map(|t| t.entries.iter())
+            .any(|e| matches!(e.kind, EntryKind::HardLink { .. }));
+        if linked {
+            MANIFEST_FORMAT
+        } else {
+            MANIFEST_FORMAT_V1
+        }
+    }
+
     fn trees(&self) -> impl Iterator<Item = &Tree> {
         std::iter::once(&self.disk).chain(self.memory.as_ref())
     }
@@ -223,10 +250,11 @@ impl Manifest {
         serde_json::to_vec(self).expect("a manifest always serializes")
     }
 
-    /// Parses and checks a stored manifest: the format version, that it is the snapshot asked
-    /// for, that `holds` matches its trees, that every path is relative with only normal
-    /// components and every entry's parent is a directory listed before it, and that every
-    /// chunk hash is 64 hex digits no longer than the chunk size.
+    /// Parses and checks a stored manifest: the format version (format 1 holds no hard link),
+    /// that it is the snapshot asked for, that `holds` matches its trees, that every path is
+    /// relative with only normal components and every entry's parent is a directory listed
+    /// before it, that every hard link names a file listed before it in its tree, and that
+    /// every chunk hash is 64 hex digits no longer than the chunk size.
     ///
     /// Errors: [`StorageError::BadManifest`].
     pub fn from_json(expected: SnapshotId, body: &[u8]) -> Result<Manifest> {
@@ -235,9 +263,9 @@ impl Manifest {
             reason,
         };
         let m: Manifest = serde_json::from_slice(body).map_err(|e| bad(e.to_string()))?;
-        if m.format != MANIFEST_FORMAT {
+        if !MANIFEST_FORMATS.contains(&m.format) {
             return Err(bad(format!(
-                "format {} (this build reads {MANIFEST_FORMAT})",
+                "format {} (this build reads {MANIFEST_FORMAT_V1} to {MANIFEST_FORMAT})",
                 m.format
             )));
         }
@@ -252,6 +280,7 @@ impl Manifest {
         }
         for tree in m.trees() {
             let mut dirs: BTreeSet<&str> = BTreeSet::new();
+            let mut files: BTreeSet<&str> = BTreeSet::new();
             for e in &tree.entries {
                 check_path(&e.path).map_err(|r| bad(format!("{:?}: {r}", e.path)))?;
                 let parent = e.path.rsplit_once('/').map_or("", |(p, _)| p);
@@ -279,6 +308,21 @@ impl Manifest {
                         {
                             return Err(bad(format!(
                                 "{:?}: chunks do not add up to the file",
+                                e.path
+                            )));
+                        }
+                        files.insert(&e.path);
+                    }
+                    EntryKind::HardLink { target } => {
+                        if m.format < MANIFEST_FORMAT {
+                            return Err(bad(format!(
+                                "{:?}: a hard link in a format {} manifest",
+                                e.path, m.format
+                            )));
+                        }
+                        if !files.contains(target.as_str()) {
+                            return Err(bad(format!(
+                                "{:?}: a hard link to {target:?}, which is not a file before it",
                                 e.path
                             )));
                         }
@@ -375,5 +419,72 @@ mod tests {
             },
         )]);
         assert!(Manifest::from_json(lying.info.snapshot_id, &lying.to_json()).is_err());
+    }
+
+    fn file(path: &str) -> Entry {
+        entry(
+            path,
+            EntryKind::File {
+                size: 0,
+                sha256: "0".repeat(64),
+                chunks: vec![],
+                change_key: (0, 0, 0),
+            },
+        )
+    }
+
+    fn link(path: &str, target: &str) -> Entry {
+        entry(
+            path,
+            EntryKind::HardLink {
+                target: target.into(),
+            },
+        )
+    }
+
+    #[test]
+    fn a_format_1_manifest_written_before_hard_links_still_reads() {
+        let mut old = manifest(vec![entry("etc", EntryKind::Dir { opaque: false })]);
+        old.format = MANIFEST_FORMAT_V1;
+        let id = old.info.snapshot_id;
+        // As an older build wrote it: no `hard_link` kind anywhere.
+        let json = String::from_utf8(old.to_json()).unwrap();
+        assert!(json.contains("\"format\":1"), "{json}");
+        assert_eq!(Manifest::from_json(id, json.as_bytes()).unwrap(), old);
+        assert_eq!(old.needed_format(), MANIFEST_FORMAT_V1, "no link: format 1");
+        let mut future = old.clone();
+        future.format = MANIFEST_FORMAT + 1;
+        assert!(Manifest::from_json(id, &future.to_json()).is_err());
+    }
+
+    #[test]
+    fn a_hard_link_needs_format_2_and_a_file_before_it_in_its_tree() {
+        let m = manifest(vec![
+            entry("d", EntryKind::Dir { opaque: false }),
+            file("d/a"),
+            link("d/b", "d/a"),
+        ]);
+        let id = m.info.snapshot_id;
+        assert_eq!(m.needed_format(), MANIFEST_FORMAT);
+        assert_eq!(Manifest::from_json(id, &m.to_json()).unwrap(), m);
+        let mut as_v1 = m.clone();
+        as_v1.format = MANIFEST_FORMAT_V1;
+        assert!(
+            Manifest::from_json(id, &as_v1.to_json()).is_err(),
+            "format 1 has no hard links"
+        );
+        for entries in [
+            vec![link("b", "a"), file("a")],
+            vec![entry("a", EntryKind::Dir { opaque: false }), link("b", "a")],
+            vec![file("a"), link("b", "nowhere")],
+            vec![file("a"), link("b", "../a")],
+        ] {
+            let bad = manifest(entries);
+            assert!(
+                Manifest::from_json(bad.info.snapshot_id, &bad.to_json()).is_err(),
+                "{:?}",
+                bad.disk.entries
+            );
+        }
     }
 }

@@ -5,8 +5,8 @@
 //! Guarantees: every file is checked against its chunks' hashes and its whole-file hash; the
 //! tree is written below `dest` only (paths are plain relative ones, every parent is a
 //! directory this restore made, files are created new with `O_NOFOLLOW`, so a symlink in the
-//! snapshot is never followed); owners, modes, mtimes, whiteouts and opaque directories are
-//! restored as captured.
+//! snapshot is never followed, and a hard link only joins a file this restore wrote); owners,
+//! modes, mtimes, whiteouts, opaque directories and hard links are restored as captured.
 
 use std::collections::HashSet;
 use std::fs::{self, File};
@@ -95,6 +95,7 @@ pub async fn materialize(
         }
         let mut report = FetchReport::default();
         let mut dirs: HashSet<&str> = HashSet::new();
+        let mut files: HashSet<&str> = HashSet::new();
         for e in &tree.entries {
             crate::manifest::check_path(&e.path).map_err(|r| StorageError::BadManifest {
                 snapshot,
@@ -162,6 +163,17 @@ pub async fn materialize(
                             reason: format!("{} of {size} bytes", e.path),
                         });
                     }
+                    files.insert(&e.path);
+                }
+                EntryKind::HardLink { target } => {
+                    if !files.contains(target.as_str()) {
+                        return Err(StorageError::BadManifest {
+                            snapshot,
+                            reason: format!("{:?} links to {target:?}, no file before it", e.path),
+                        });
+                    }
+                    fs::hard_link(dest.join(target), &path)
+                        .map_err(StorageError::io("link", &path))?;
                 }
                 EntryKind::Symlink { target } => {
                     std::os::unix::fs::symlink(target, &path)

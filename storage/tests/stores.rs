@@ -9,7 +9,7 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::sync::Arc;
 
-use berth_storage::manifest::{EntryKind, CHUNK_BYTES};
+use berth_storage::manifest::{EntryKind, CHUNK_BYTES, MANIFEST_FORMAT, MANIFEST_FORMAT_V1};
 use berth_storage::{
     delete_snapshot, fetch_manifest, is_durable, materialize, stage, upload, ChunkCache, Holds,
     Manifest, Objects, RetrySettings, StorageError, StoreOp, TreeKind, TreeSource, UploadReport,
@@ -374,6 +374,80 @@ async fn a_damaged_chunk_or_manifest_in_the_store_is_refused(b: Backend) {
     assert!(matches!(err, StorageError::BadManifest { .. }), "{err}");
 }
 
+/// Hard links within the tree come back as one inode (also from an incremental snapshot); a
+/// link to a file outside the tree comes back as a file of its own.
+async fn hard_links_within_the_tree_come_back_as_one_inode(b: Backend) {
+    use std::os::unix::fs::MetadataExt;
+    let upper = b.path("upper");
+    fs::create_dir_all(upper.join("a")).unwrap();
+    fs::create_dir_all(upper.join("b")).unwrap();
+    fs::write(upper.join("a/data"), b"shared\n").unwrap();
+    fs::hard_link(upper.join("a/data"), upper.join("b/again")).unwrap();
+    fs::hard_link(upper.join("a/data"), upper.join("third")).unwrap();
+    fs::write(b.path("outside"), b"outside\n").unwrap();
+    fs::hard_link(b.path("outside"), upper.join("from-outside")).unwrap();
+    fs::write(upper.join("alone"), b"alone\n").unwrap();
+
+    let (m, _) = snapshot(&b, disk(upper.clone()), None, None).await.unwrap();
+    assert_eq!(
+        m.format, MANIFEST_FORMAT,
+        "a tree with links needs format 2"
+    );
+    let links: Vec<_> = m
+        .disk
+        .entries
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EntryKind::HardLink { target } => Some((e.path.as_str(), target.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(links, [("b/again", "a/data"), ("third", "a/data")]);
+    assert_eq!(
+        m.chunk_hashes().len(),
+        3,
+        "the linked content is one file: shared, outside, alone"
+    );
+    let cache = Arc::new(ChunkCache::open(&b.path("cache"), CACHE_BYTES).unwrap());
+    let check = |root: &std::path::Path| {
+        let ino = |p: &str| fs::metadata(root.join(p)).unwrap().ino();
+        assert_eq!(ino("a/data"), ino("b/again"), "{}", root.display());
+        assert_eq!(ino("a/data"), ino("third"));
+        assert_eq!(fs::metadata(root.join("a/data")).unwrap().nlink(), 3);
+        assert_eq!(fs::metadata(root.join("from-outside")).unwrap().nlink(), 1);
+        assert_eq!(fs::read(root.join("from-outside")).unwrap(), b"outside\n");
+        // One file: a write through one name is read through the others.
+        fs::write(root.join("b/again"), b"changed\n").unwrap();
+        assert_eq!(fs::read(root.join("a/data")).unwrap(), b"changed\n");
+        assert_eq!(fs::read(root.join("third")).unwrap(), b"changed\n");
+    };
+    let fetched = fetch_manifest(&b.objects, m.info.snapshot_id)
+        .await
+        .unwrap();
+    assert_eq!(fetched, m);
+    materialize(&b.objects, &cache, &fetched, TreeKind::Disk, &b.path("r1"))
+        .await
+        .unwrap();
+    check(&b.path("r1"));
+
+    // Incremental: the parent's entries are reused, the links are kept.
+    let (second, _) = snapshot(&b, disk(upper.clone()), Some(&m), None)
+        .await
+        .unwrap();
+    assert_eq!(second.sizes.new_bytes, 0, "nothing changed");
+    materialize(&b.objects, &cache, &second, TreeKind::Disk, &b.path("r2"))
+        .await
+        .unwrap();
+    check(&b.path("r2"));
+
+    // Without links the manifest stays in format 1, which older hosts read.
+    fs::remove_file(upper.join("b/again")).unwrap();
+    fs::remove_file(upper.join("third")).unwrap();
+    fs::remove_file(upper.join("from-outside")).unwrap();
+    let (plain, _) = snapshot(&b, disk(upper), None, None).await.unwrap();
+    assert_eq!(plain.format, MANIFEST_FORMAT_V1);
+}
+
 macro_rules! on_both_stores {
     ($($name:ident),* $(,)?) => {
         mod local {
@@ -397,6 +471,7 @@ on_both_stores!(
     a_clone_on_another_host_fetches_only_what_its_cache_lacks,
     deleting_a_snapshot_removes_only_content_no_other_snapshot_references,
     a_damaged_chunk_or_manifest_in_the_store_is_refused,
+    hard_links_within_the_tree_come_back_as_one_inode,
 );
 
 /// Retries small enough that a dead server fails the upload soon, as a test can wait for.

@@ -8,6 +8,7 @@
 mod support;
 
 mod archive;
+mod clone_requests;
 mod compat;
 mod events;
 mod fleet;

@@ -543,7 +543,7 @@ async fn hostd_killed_mid_restore_converges_to_the_snapshot_without_orphans(db: 
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn a_clone_whose_host_never_answers_fails_with_a_reason_and_is_destroyed_when_it_does(
+async fn a_clone_whose_host_never_answers_fails_with_a_reason_is_destroyed_and_starts_from_its_snapshot(
     db: sqlx::PgPool,
 ) {
     let config = berth_reconciler::pass::PassConfig {
@@ -553,6 +553,7 @@ async fn a_clone_whose_host_never_answers_fails_with_a_reason_and_is_destroyed_w
     };
     let stack = Stack::start_with(db.clone(), 1, config).await;
     let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo seeded > /root/seed").await;
     let snapshot = ready_snapshot(&stack, &id).await;
     stack.hosts[0].freeze();
     let (status, body) = post(
@@ -597,6 +598,15 @@ async fn a_clone_whose_host_never_answers_fails_with_a_reason_and_is_destroyed_w
     .await;
     assert!(!stack.container_exists(&clone), "destroyed");
     assert_eq!(stack.state_of(&clone).await, "failed-start");
+    stack.assert_no_capacity_drift().await;
+
+    // It never ran, so it has no disk of its own: a start boots it from its snapshot again,
+    // with the snapshot's files (it booted the bare template without them).
+    let (status, body) = stack.request(&clone, "start").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "resuming", "{body}");
+    stack.wait_state(&clone, "running").await;
+    assert_eq!(run(&stack, &clone, "cat /root/seed").await, "seeded\n");
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }

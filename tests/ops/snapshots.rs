@@ -465,3 +465,39 @@ async fn an_s3_server_killed_mid_upload_fails_the_snapshot_and_once_back_takes_t
     drop(s3);
     stack.teardown().await;
 }
+
+/// A snapshot that fails on its host says why in words the user can act on, never with the
+/// host's file-system paths (they stay in hostd's log): here the local object store cannot
+/// take the upload (its `chunks` directory is a file).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_failed_snapshots_reason_names_no_host_path(db: PgPool) {
+    let stack = Stack::start(db.clone(), 1).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo data > /root/f").await;
+    let objects = stack.object_store_dir();
+    let chunks = objects.join("chunks");
+    std::fs::create_dir_all(&objects).unwrap();
+    let _ = std::fs::remove_dir_all(&chunks);
+    std::fs::write(&chunks, b"not a directory").unwrap();
+
+    let (status, body) = snapshot(&stack, &id).await;
+    assert_eq!(status, 202, "{body}");
+    let failed = settled(&stack, body["id"].as_str().unwrap()).await;
+    std::fs::remove_file(&chunks).unwrap();
+    assert_eq!(failed["state"], "failed", "{failed}");
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("object store"), "{failed}");
+    let root = std::env::var("BERTH_TEST_ROOT").unwrap_or_else(|_| "/var/tmp".into());
+    for host_path in [objects.display().to_string(), root, "/var/".into()] {
+        assert!(
+            !reason.contains(&host_path),
+            "the reason leaks {host_path}: {failed}"
+        );
+    }
+    assert_eq!(
+        stack.state_of(&id).await,
+        "running",
+        "the sandbox is untouched"
+    );
+    stack.teardown().await;
+}

@@ -134,6 +134,36 @@ impl Api {
         idempotency_key: Option<&str>,
         body: Option<&str>,
     ) -> Reply {
+        self.call_full(key, method, path, idempotency_key, body)
+            .await
+            .0
+    }
+
+    /// [`Api::call`] with a JSON `body` and no `Idempotency-Key`; also the answer's
+    /// `Retry-After` header, if any.
+    pub async fn call_with_retry_after(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        body: &str,
+    ) -> (Reply, Option<String>) {
+        let (reply, headers) = self.call_full(key, method, path, None, Some(body)).await;
+        let retry_after = headers
+            .get(header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        (reply, retry_after)
+    }
+
+    async fn call_full(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        idempotency_key: Option<&str>,
+        body: Option<&str>,
+    ) -> (Reply, axum::http::HeaderMap) {
         let mut req = Request::builder()
             .method(method)
             .uri(path)
@@ -160,6 +190,7 @@ impl Api {
             .await
             .expect("the router is infallible");
         let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
         let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
             .await
             .expect("read the response body");
@@ -169,7 +200,7 @@ impl Api {
             serde_json::from_slice(&bytes)
                 .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
         };
-        Reply { status, body }
+        (Reply { status, body }, headers)
     }
 
     /// `POST /v1/sandboxes` with `body`; panics unless it is accepted. Returns the sandbox id.

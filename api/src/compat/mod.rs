@@ -118,6 +118,9 @@ impl From<ApiError> for CompatError {
             }
             | ApiError::Unavailable {
                 retry_after_secs, ..
+            }
+            | ApiError::ForkNoCapacity {
+                retry_after_secs, ..
             } => Some(*retry_after_secs),
             _ => None,
         };

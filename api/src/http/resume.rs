@@ -110,8 +110,8 @@ pub async fn restore(
         (status = 202, description = "Accepted; the new sandbox is `resuming`", body = Sandbox),
         (status = 200, description = "With `?wait=running`: the new sandbox running", body = Sandbox),
         (status = 400, description = "`invalid_request`: malformed body"),
-        (status = 404, description = "`not_found`: the sandbox, or a snapshot of it"),
-        (status = 409, description = "`conflict`: the snapshot is not `ready`"),
+        (status = 404, description = "`not_found`: the sandbox (also once deleted), or a snapshot of it"),
+        (status = 409, description = "`conflict`: the sandbox is not settled (`running`, `stopped`, `failed-start`, `archived`) or is being deleted (`state`), or the snapshot is not `ready`"),
         (status = 429, description = "`quota_exceeded`"),
         (status = 503, description = "`no_capacity` or `unavailable`, as a create"),
     ), security(("bearer" = [])))]
@@ -149,14 +149,14 @@ pub async fn clone(
 /// `POST /v1/sandboxes/{id}/fork`
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", request_body = ForkRequest,
     params(("id" = String, Path)),
-    description = "A snapshot of this running sandbox and `count` (1 to 16) new sandboxes booted from it, in one call. The clones are `resuming` until the snapshot is durable and they run; on gVisor each continues this sandbox's processes, with its own id and address.",
+    description = "A snapshot of this running sandbox and `count` (1 to 16) new sandboxes booted from it, in one call, with this sandbox's settings and its `expires_at`. The clones are `resuming` until the snapshot is durable and they run; on gVisor each continues this sandbox's processes, with its own id and address.",
     responses(
         (status = 202, description = "Accepted: the snapshot (`creating`) and the new sandboxes (`resuming`)", body = Fork),
         (status = 400, description = "`invalid_request`: `count` out of range, malformed body"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not `running`, or is being deleted"),
         (status = 429, description = "`quota_exceeded`: snapshots or sandboxes; nothing was written"),
-        (status = 503, description = "`no_capacity` or `unavailable` for one of the clones; nothing was written"),
+        (status = 503, description = "`no_capacity` (with `Retry-After`, counting the fork's sandboxes) or `unavailable` for one of the clones; nothing was written"),
     ), security(("bearer" = [])))]
 pub async fn fork(
     State(app): State<AppState>,

@@ -353,7 +353,7 @@ lifecycle_route!(
     start,
     "/v1/sandboxes/{id}/start",
     Request::Start,
-    "Start a `stopped` or `failed-start` sandbox on its host; settles as `running`. A `stopped` sandbox whose host is gone, lost, silent, draining, cordoned or full starts elsewhere from its durable stop (`migrating`); 503 when it cannot (not durable yet: `unavailable` with `Retry-After`; no room: `no_capacity`), except that a draining or cordoned host still starts its own."
+    "Start a `stopped` or `failed-start` sandbox on its host; settles as `running`. A `stopped` sandbox whose host is gone, lost, silent, draining, cordoned or full starts elsewhere from its durable stop (`migrating`); 503 when it cannot (not durable yet: `unavailable` with `Retry-After`; no room: `no_capacity`), except that a draining or cordoned host still starts its own. A `failed-start` clone that never ran boots from its snapshot again (`resuming`); 409 `snapshot_unavailable` once that snapshot is not `ready`."
 );
 lifecycle_route!(
     resume,

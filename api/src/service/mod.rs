@@ -139,6 +139,35 @@ pub enum ServiceError {
         /// What conflicted.
         message: String,
     },
+    /// A start of a clone that never ran (it boots from its snapshot again) whose snapshot is
+    /// no longer `ready` (HTTP 409 `snapshot_unavailable` with the sandbox's state).
+    #[error("{message}")]
+    SnapshotUnavailable {
+        /// The sandbox's state (`failed-start`).
+        state: SandboxState,
+        /// What is missing, for the client.
+        message: String,
+    },
+    /// A fork's clones do not all fit: every host is full for the `placed + 1`-th of `count`
+    /// (nothing was written). HTTP 503 `no_capacity` with `Retry-After`.
+    #[error(
+        "no host has capacity for all {count} sandboxes of this fork ({vcpus} vCPUs and \
+         {memory_mib} MiB each; the fleet has room for {placed}); nothing was written: retry \
+         after {} s, or fork fewer",
+        .retry_after.as_secs()
+    )]
+    ForkNoCapacity {
+        /// How many clones the fork asked for.
+        count: u32,
+        /// How many fitted before one did not.
+        placed: u32,
+        /// Each clone's vCPUs.
+        vcpus: u32,
+        /// Each clone's memory, in MiB.
+        memory_mib: u32,
+        /// When a retry may find the room (sandboxes stop and are deleted).
+        retry_after: std::time::Duration,
+    },
     /// A broken invariant; logged, never shown.
     #[error("{0}")]
     Internal(String),

@@ -11,7 +11,7 @@
 //!   build; a snapshot that fails leaves them to fail (`failed-start` with the reason).
 
 use berth_schemas::ids::SnapshotId;
-use berth_schemas::state::snapshot::SnapshotState;
+use berth_schemas::state::snapshot::{on_clone_request, CloneRefusal, SnapshotState};
 use berth_schemas::state::{on_request, Decision, Reason, Refusal, Request};
 use berth_schemas::wire::Resources;
 use berth_schemas::{Capacity, OrgId, SandboxId};
@@ -29,6 +29,10 @@ use crate::model::{Sandbox, ValidCreate};
 
 /// The most clones one fork makes.
 pub const MAX_FORK_COUNT: u32 = 16;
+
+/// `Retry-After` of a fork whose clones do not all fit: room comes back as sandboxes stop or
+/// are deleted, and a fork asks for several at once.
+pub const FORK_NO_CAPACITY_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Rebuilds sandbox `id` from its own ready snapshot `snapshot_id`: `resuming` at the next
 /// generation, a `sandbox.restore` to its host and the event, in one transaction. A stopped (or
@@ -106,9 +110,11 @@ pub async fn restore(
 /// the `resuming` row with its `sandbox.clone`, in one transaction. With `source`, the
 /// snapshot must be one of that sandbox's (`POST /v1/sandboxes/{id}/clone`).
 ///
-/// Errors: [`ServiceError::NotFound`], [`ServiceError::SnapshotConflict`] (not `ready`),
-/// [`ServiceError::UnknownTemplate`] (its template was removed), the quota and placement
-/// errors of a create, [`ServiceError::IdempotencyKeyReused`].
+/// Errors: [`ServiceError::NotFound`] (also a deleted `source`), [`ServiceError::Conflict`]
+/// (`source` in a transition or being deleted: `on_clone_request`),
+/// [`ServiceError::SnapshotConflict`] (not `ready`), [`ServiceError::UnknownTemplate`] (its
+/// template was removed), the quota and placement errors of a create,
+/// [`ServiceError::IdempotencyKeyReused`].
 #[instrument(skip_all, fields(org_id = %org, snapshot_id = %snapshot_id))]
 // A create's arguments (pool, policy, org, settings, key, render) plus the snapshot and its
 // source: bundling two of them into a one-use struct would read worse than the list.
@@ -131,9 +137,18 @@ pub async fn clone(
     }
     let settings = match (source, settings) {
         (Some(id), CloneSettings::FromSource) => {
-            let row = sandboxes::get(&mut *tx, org, id)
+            let row = sandboxes::lock(&mut tx, id, Some(org))
                 .await?
                 .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
+            on_clone_request(row.state, row.deleting()).map_err(|refusal| match refusal {
+                CloneRefusal::Deleted => ServiceError::NotFound(format!("sandbox {id}")),
+                CloneRefusal::Deleting { state } | CloneRefusal::SandboxState { state } => {
+                    ServiceError::Conflict {
+                        state,
+                        message: refusal.to_string(),
+                    }
+                }
+            })?;
             settings_of(&row)
         }
         (None, CloneSettings::FromSource) => {
@@ -169,8 +184,9 @@ pub enum CloneSettings {
 ///
 /// Errors: [`ServiceError::InvalidRequest`] (`count`), [`ServiceError::NotFound`],
 /// [`ServiceError::Conflict`] (the sandbox is not `running`), the snapshot's and the clones'
-/// quota errors, [`ServiceError::NoCapacity`], [`ServiceError::Unavailable`],
-/// [`ServiceError::IdempotencyKeyReused`].
+/// quota errors, [`ServiceError::ForkNoCapacity`] (with [`FORK_NO_CAPACITY_RETRY_AFTER`]),
+/// [`ServiceError::Unavailable`], [`ServiceError::IdempotencyKeyReused`]. The clones take the
+/// sandbox's settings and its `expires_at` (they never outlive its deadline).
 #[instrument(skip_all, fields(org_id = %org, sandbox_id = %id, count))]
 pub async fn fork(
     db: &PgPool,
@@ -197,9 +213,25 @@ pub async fn fork(
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
     let snapshot = super::snapshots::request_locked(&mut tx, org, &row).await?;
+    // A fork's children live within the parent's deadline: they take its expiry.
+    let settings = ValidCreate {
+        expires_at: row.expires_at,
+        ..settings_of(&row)
+    };
     let mut clones = Vec::new();
-    for _ in 0..count {
-        let clone = clone_locked(&mut tx, policy, org, &snapshot, settings_of(&row)).await?;
+    for placed in 0..count {
+        let clone = clone_locked(&mut tx, policy, org, &snapshot, settings.clone())
+            .await
+            .map_err(|e| match e {
+                ServiceError::NoCapacity { vcpus, memory_mib } => ServiceError::ForkNoCapacity {
+                    count,
+                    placed,
+                    vcpus,
+                    memory_mib,
+                    retry_after: FORK_NO_CAPACITY_RETRY_AFTER,
+                },
+                other => other,
+            })?;
         clones.push(Sandbox::from(clone));
     }
     let fork = Fork {
@@ -210,6 +242,38 @@ pub async fn fork(
     metrics::counter!("berth_sandboxes_created_total").increment(u64::from(count));
     info!(snapshot_id = %fork.snapshot.id, "fork placed");
     Ok(Replayable::Fresh(fork, response))
+}
+
+/// The snapshot a clone that never ran boots from again at its start (the locked `row`'s
+/// `seed_snapshot`), locked `FOR SHARE` like a clone's.
+///
+/// Errors: [`ServiceError::SnapshotUnavailable`] when it is no longer `ready` (deleted,
+/// say): the sandbox has no disk of its own to start, only a delete is left.
+pub(crate) async fn seed_for_start(
+    tx: &mut PgConnection,
+    org: OrgId,
+    row: &SandboxRow,
+) -> Result<SnapshotId, ServiceError> {
+    let Some(seed) = row.seed_snapshot else {
+        return Err(ServiceError::Internal(format!(
+            "sandbox {} boots from no snapshot",
+            row.id
+        )));
+    };
+    match ready_snapshot(tx, org, seed, None).await {
+        Ok(snapshot) => Ok(snapshot.id),
+        Err(ServiceError::NotFound(_) | ServiceError::SnapshotConflict { .. }) => {
+            Err(ServiceError::SnapshotUnavailable {
+                state: row.state,
+                message: format!(
+                    "sandbox {} never ran: a start boots it from snapshot {seed}, which is \
+                     no longer ready; delete it",
+                    row.id
+                ),
+            })
+        }
+        Err(other) => Err(other),
+    }
 }
 
 /// The org's snapshot `id`, `ready`, locked `FOR SHARE` (a delete waits for this transaction,
@@ -241,8 +305,8 @@ async fn ready_snapshot(
     Ok(snapshot)
 }
 
-/// The settings a clone takes from its source sandbox (never its expiry: a clone's clock
-/// starts at its own birth, so it has none).
+/// The settings a clone takes from its source sandbox (not its expiry: a clone's clock
+/// starts at its own birth, so it has none; a fork's children take it, see [`fork`]).
 fn settings_of(row: &SandboxRow) -> ValidCreate {
     ValidCreate {
         template: row.template.clone(),

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use berth_scheduler::placement;
-use berth_schemas::state::{on_request, Decision, Reason, Refusal, Request};
-use berth_schemas::{Capacity, OrgId, SandboxId, SandboxState};
+use berth_schemas::state::{on_request, on_request_unseeded, Decision, Reason, Refusal, Request};
+use berth_schemas::{Capacity, CommandKind, OrgId, SandboxId, SandboxState};
 use berth_store::sandboxes::{self, NewSandbox, Transition};
 use berth_store::templates;
 use sqlx::PgPool;
@@ -218,11 +218,14 @@ pub enum LifecycleOutcome {
 /// event, in one transaction with the idempotency record (`render` gives the stored response).
 ///
 /// A start of a `stopped` sandbox whose own host cannot take it back moves it to another host
-/// from its durable stop (`migrating`, see `service::migrate`).
+/// from its durable stop (`migrating`, see `service::migrate`). A start of a clone that never
+/// ran (`seed_snapshot` set) in `failed-start` boots from its snapshot again (`resuming` +
+/// `sandbox.clone`, [`on_request_unseeded`]).
 ///
 /// Errors: [`ServiceError::NotFound`], [`ServiceError::Conflict`] (the request conflicts with
 /// the state), [`ServiceError::QuotaExceeded`], [`ServiceError::NoCapacity`] and
-/// [`ServiceError::Unavailable`] (a start).
+/// [`ServiceError::Unavailable`] (a start), [`ServiceError::SnapshotUnavailable`] (a failed
+/// clone whose snapshot is no longer ready).
 #[instrument(skip_all, fields(org_id = %org, sandbox_id = %id, request = %request))]
 pub async fn lifecycle(
     db: &PgPool,
@@ -242,13 +245,17 @@ pub async fn lifecycle(
     let row = sandboxes::lock(&mut tx, id, Some(org))
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
-    let decision =
-        on_request(row.state, row.deleting(), request).map_err(|refusal| match refusal {
-            Refusal::Conflict { state, .. } => ServiceError::Conflict {
-                state,
-                message: refusal.to_string(),
-            },
-        })?;
+    // A clone that never ran has no disk of its own: its start boots from its snapshot again.
+    let decide = match row.seed_snapshot {
+        Some(_) => on_request_unseeded,
+        None => on_request,
+    };
+    let decision = decide(row.state, row.deleting(), request).map_err(|refusal| match refusal {
+        Refusal::Conflict { state, .. } => ServiceError::Conflict {
+            state,
+            message: refusal.to_string(),
+        },
+    })?;
     let Decision::Transition {
         to,
         command,
@@ -258,6 +265,10 @@ pub async fn lifecycle(
         let outcome = LifecycleOutcome::Unchanged(Sandbox::from(row));
         let response = idempotency::commit(tx, db, org, key, render(&outcome)?).await?;
         return Ok(Replayable::Fresh(outcome, response));
+    };
+    let snapshot = match command {
+        CommandKind::Clone => Some(super::resume::seed_for_start(&mut tx, org, &row).await?),
+        _ => None,
     };
     if capacity == Capacity::Reserve && !row.holds_capacity {
         super::quota::check(&mut tx, org, row.resources).await?;
@@ -287,7 +298,7 @@ pub async fn lifecycle(
         message: None,
         activity: true,
         overcommit,
-        snapshot: None,
+        snapshot,
     };
     let written = if to == SandboxState::Starting && row.state == SandboxState::Stopped {
         // At home when its host can take it back, else elsewhere from its durable stop.

@@ -79,9 +79,9 @@ async fn restore(
         let reason = format!(
             "restore from snapshot {}: {}",
             order.snapshot_id,
-            error.report()
+            error.public_reason()
         );
-        tracing::warn!(%reason, "restore failed");
+        tracing::warn!(error = %error.report(), snapshot_id = %order.snapshot_id, "restore failed");
         record.phase = Phase::Stopped;
         return (Some(record), ResultOutcome::Failed { reason });
     }
@@ -144,9 +144,9 @@ async fn clone(
             let reason = format!(
                 "clone of snapshot {}: {}",
                 order.snapshot_id,
-                error.report()
+                error.public_reason()
             );
-            tracing::warn!(%reason, "clone failed");
+            tracing::warn!(error = %error.report(), snapshot_id = %order.snapshot_id, "clone failed");
             let paths = host.layout.sandbox(record.sandbox_id);
             let cleaned = async {
                 volume::release(&paths).await?;

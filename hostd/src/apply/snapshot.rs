@@ -54,8 +54,10 @@ pub async fn snapshot(
     let outcome = match take(host, &record, order).await {
         Ok(stored) => ResultOutcome::Snapshotted(stored),
         Err(error) => {
-            let reason = error.report();
-            tracing::warn!(%reason, snapshot_id = %order.snapshot_id, "snapshot failed; the sandbox is untouched");
+            // The reason reaches the user (the snapshot's `reason`): no host paths in it; the
+            // whole chain goes to the log.
+            let reason = format!("snapshot failed: {}", error.public_reason());
+            tracing::warn!(error = %error.report(), snapshot_id = %order.snapshot_id, "snapshot failed; the sandbox is untouched");
             ResultOutcome::Failed { reason }
         }
     };

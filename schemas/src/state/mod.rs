@@ -41,6 +41,7 @@
 //! | archived       | unarchiving + unarchive (P) | =           | deleted + delete (T)   | 409                     | 409                    | =                      |
 //! | unarchiving    | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
 //! | failed-start   | starting + start        | =               | stopping + delete      | 409                     | resuming + restore (R) | 409                    |
+//! | failed-start (S) | resuming + clone (R)  | =               | stopping + delete      | 409                     | (none of its own: 404) | 409                    |
 //! | deleted        | 409                     | 409             | =                      | 409                     | 409                    | 409                    |
 //!
 //! `(P)`: placement picks a host (any host, not the one it was archived from) and reserves the
@@ -78,6 +79,14 @@
 //! `running` on the host's success, `failed-start` on its failure or after the reconciler's
 //! timeout; a delete during `resuming` is accepted like in every state, and the clone's late
 //! success is then fenced (its generation is older) and destroyed by the delete.
+//!
+//! `(S)`: a clone that never ran (`sandboxes.seed_snapshot` set: written from a snapshot, its
+//! boot failed or timed out) has no disk of its own on its host — a failed clone removes what it
+//! seeded — so a start boots it from its snapshot again (a `sandbox.clone` at the next
+//! generation, [`on_request_unseeded`]), never the bare template; the API refuses that start
+//! with 409 `snapshot_unavailable` once the snapshot is no longer `ready` (deleted, say): such a
+//! sandbox can only be deleted. A restore needs a snapshot of the sandbox's own, which a clone
+//! that never ran cannot have. `seed_snapshot` is cleared when the sandbox first runs.
 //!
 //! `snapshot` (`POST …/snapshot`, [`snapshot::on_snapshot_request`]) neither moves the sandbox
 //! nor bumps its generation: it writes a `creating` snapshot row and queues
@@ -407,7 +416,7 @@ pub use converge::{
     UNWANTED_RUNNING_ON_ITS_HOST,
 };
 pub use migrate::{away_from_home, on_start_elsewhere, Away};
-pub use request::{on_request, Decision, Refusal};
+pub use request::{on_request, on_request_unseeded, Decision, Refusal};
 pub use result::{on_result, retries_elsewhere, Fault, Outcome, ResultDecision, MAX_CREATE_HOSTS};
 pub use settle::{on_expiry, wait_verdict, Expiry, ExpiryAction, Timers, WaitTarget, WaitVerdict};
 

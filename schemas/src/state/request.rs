@@ -1,6 +1,7 @@
 //! [`on_request`]: a start, stop, delete, restore or archive against the row's state (the table
 //! in the parent module's docs), with the capacity change each transition needs. A start of a
 //! `stopped` sandbox whose own host cannot take it back is decided by `migrate.rs` instead.
+//! [`on_request_unseeded`]: the same for a clone that never ran (the table's `(S)`).
 
 use super::{Capacity, CommandKind, Request, SandboxState};
 
@@ -164,6 +165,34 @@ pub fn on_request(
     }
 }
 
+/// [`on_request`] for a clone that has not run yet: a sandbox written from a snapshot (`POST
+/// …/clone`, a fork's child, `POST /v1/sandboxes {snapshot_id}`) whose boot never succeeded
+/// (`sandboxes.seed_snapshot` is set). Its host holds no disk of it (a failed clone removes
+/// what it seeded), so a start of it in `failed-start` boots from the snapshot again:
+/// `resuming` + `sandbox.clone`, reserving its capacity, where [`on_request`] would queue a
+/// `sandbox.start` that boots the bare template. Every other request decides as
+/// [`on_request`] does.
+///
+/// Errors: [`Refusal::Conflict`] per the table in the module docs.
+pub fn on_request_unseeded(
+    state: SandboxState,
+    deleting: bool,
+    request: Request,
+) -> Result<Decision, Refusal> {
+    match on_request(state, deleting, request)? {
+        Decision::Transition {
+            to: SandboxState::Starting,
+            command: CommandKind::Start,
+            capacity,
+        } if state == SandboxState::FailedStart => Ok(Decision::Transition {
+            to: SandboxState::Resuming,
+            command: CommandKind::Clone,
+            capacity,
+        }),
+        other => Ok(other),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,6 +317,41 @@ mod tests {
                 on_request(state, true, Request::Delete).unwrap(),
                 Decision::Unchanged
             );
+        }
+    }
+
+    /// The `(S)` row of the table: only a start of a failed clone differs, and it boots from
+    /// the snapshot again (the defect: it booted the bare template with none of its files).
+    #[test]
+    fn a_start_of_a_clone_that_never_ran_boots_from_its_snapshot_again() {
+        for deleting in [false, true] {
+            for state in S::ALL {
+                for request in [
+                    Request::Start,
+                    Request::Stop,
+                    Request::Delete,
+                    Request::Restore,
+                    Request::Archive,
+                ] {
+                    let unseeded = on_request_unseeded(state, deleting, request);
+                    if !deleting && state == S::FailedStart && request == Request::Start {
+                        assert_eq!(
+                            unseeded,
+                            Ok(Decision::Transition {
+                                to: S::Resuming,
+                                command: CommandKind::Clone,
+                                capacity: Capacity::Reserve,
+                            })
+                        );
+                    } else {
+                        assert_eq!(
+                            unseeded,
+                            on_request(state, deleting, request),
+                            "{request} in {state}, deleting {deleting}"
+                        );
+                    }
+                }
+            }
         }
     }
 

@@ -167,6 +167,61 @@ pub fn on_snapshot_timeout(state: SnapshotState) -> Option<SnapshotState> {
     (state == SnapshotState::Creating).then_some(SnapshotState::Failed)
 }
 
+/// Why `POST /v1/sandboxes/{id}/clone` was refused because of its source sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CloneRefusal {
+    /// The source is a tombstone: 404 `not_found`, as the sandbox's other routes answer (its
+    /// snapshots still clone through `POST /v1/sandboxes {snapshot_id}`).
+    #[error("sandbox is deleted")]
+    Deleted,
+    /// The source is being deleted: 409 `conflict`.
+    #[error("cannot clone a sandbox that is {state} (being deleted)")]
+    Deleting {
+        /// The source's state.
+        state: SandboxState,
+    },
+    /// The source is in a transition (or a state) a clone does not take its settings from:
+    /// 409 `conflict` with the state.
+    #[error("cannot clone a sandbox that is {state}")]
+    SandboxState {
+        /// The source's state.
+        state: SandboxState,
+    },
+}
+
+/// Decides a clone of one of sandbox's snapshots against the source sandbox (the clone takes
+/// its settings): accepted while it is settled — `running`, `stopped`, `failed-start`,
+/// `archived` — and refused while a transition is in flight (`stopping`, `resuming`, …),
+/// while it is being deleted, and once it is deleted ([`CloneRefusal`]).
+///
+/// | source state                                    | clone                        |
+/// |-------------------------------------------------|------------------------------|
+/// | running, stopped, failed-start, archived        | accepted                     |
+/// | being deleted (any state)                       | 409                          |
+/// | deleted                                         | 404                          |
+/// | any other state                                 | 409 with the state           |
+///
+/// Errors: [`CloneRefusal`].
+pub fn on_clone_request(source: SandboxState, deleting: bool) -> Result<(), CloneRefusal> {
+    use SandboxState as S;
+    match source {
+        S::Deleted => Err(CloneRefusal::Deleted),
+        state if deleting => Err(CloneRefusal::Deleting { state }),
+        S::Running | S::Stopped | S::FailedStart | S::Archived => Ok(()),
+        S::Pending
+        | S::Provisioning
+        | S::Starting
+        | S::Stopping
+        | S::Resuming
+        | S::Restoring
+        | S::Migrating
+        | S::Archiving
+        | S::Unarchiving
+        | S::FailedProvision
+        | S::Lost => Err(CloneRefusal::SandboxState { state: source }),
+    }
+}
+
 /// Decides `DELETE /v1/snapshots/{id}`: a ready or failed snapshot goes (its row and the stored
 /// content no other snapshot references); a creating one is refused.
 ///
@@ -198,6 +253,29 @@ mod tests {
                 "{state} deleting"
             );
         }
+    }
+
+    #[test]
+    fn a_clone_takes_a_settled_source_only_and_a_deleted_one_is_not_found() {
+        for state in Sb::ALL {
+            let expected = match state {
+                Sb::Deleted => Err(CloneRefusal::Deleted),
+                Sb::Running | Sb::Stopped | Sb::FailedStart | Sb::Archived => Ok(()),
+                _ => Err(CloneRefusal::SandboxState { state }),
+            };
+            assert_eq!(on_clone_request(state, false), expected, "{state}");
+            let deleting = match state {
+                Sb::Deleted => Err(CloneRefusal::Deleted),
+                _ => Err(CloneRefusal::Deleting { state }),
+            };
+            assert_eq!(on_clone_request(state, true), deleting, "{state} deleting");
+        }
+        assert_eq!(
+            on_clone_request(Sb::Stopping, false)
+                .unwrap_err()
+                .to_string(),
+            "cannot clone a sandbox that is stopping"
+        );
     }
 
     #[test]

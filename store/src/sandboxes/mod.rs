@@ -31,7 +31,8 @@ pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, g
      holds_capacity, vcpus, memory_mib, runtime, metadata, address, last_stop, created_at, updated_at, \
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
      public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason, env, entrypoint, \
-     image_uri, image, durable_at, durable_snapshot, auto_archive_days, migrated_from";
+     image_uri, image, durable_at, durable_snapshot, auto_archive_days, migrated_from, \
+     seed_snapshot";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -119,6 +120,11 @@ pub struct SandboxRow {
     /// While `migrating`: the host it came from, which still holds its last stop's disk
     /// (issue 14, start elsewhere). `None` in every other state.
     pub migrated_from: Option<HostId>,
+    /// The snapshot a clone boots from, until it first runs (`sandboxes.seed_snapshot`): a
+    /// start of a clone whose boot failed boots from it again
+    /// ([`berth_schemas::state::on_request_unseeded`]). `None` once it ran, and for a sandbox
+    /// made from a template.
+    pub seed_snapshot: Option<SnapshotId>,
 }
 
 impl SandboxRow {
@@ -179,6 +185,7 @@ impl SandboxRow {
             durable_snapshot: row.try_get("durable_snapshot").map_err(get)?,
             auto_archive_days: row.try_get("auto_archive_days").map_err(get)?,
             migrated_from: row.try_get("migrated_from").map_err(get)?,
+            seed_snapshot: row.try_get("seed_snapshot").map_err(get)?,
         })
     }
 
@@ -359,9 +366,10 @@ pub async fn create(
                                     memory_mib, holds_capacity, metadata, auto_stop_minutes,
                                     auto_delete_minutes, runtime, disk_mib, network,
                                     auto_resume, public_ports, expires_at, on_expiry, env,
-                                    entrypoint, image_uri, image, auto_archive_days)
+                                    entrypoint, image_uri, image, auto_archive_days,
+                                    seed_snapshot)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18, $19, $20, $21, $22, $23)
+                     $17, $18, $19, $20, $21, $22, $23, $24)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -392,6 +400,7 @@ pub async fn create(
         .bind(&new.image_uri)
         .bind(&new.image)
         .bind(new.auto_archive_days)
+        .bind(new.from_snapshot)
         .fetch_one(&mut *conn),
     )
     .await?;

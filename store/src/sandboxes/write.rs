@@ -165,7 +165,7 @@ pub struct ResultWrite<'a> {
 
 /// Writes a host result onto the locked sandbox `row`: state, capacity, address, stop mode
 /// (with why a memory stop kept the disk only, or cleared) and the event, in the caller's
-/// transaction.
+/// transaction. A sandbox that runs has a disk of its own: its `seed_snapshot` is cleared.
 ///
 /// Errors: [`StoreError::Fenced`] when the row is no longer at `row.generation`.
 pub async fn write_result(
@@ -192,6 +192,7 @@ pub async fn write_result(
                     host_id = CASE WHEN state = 'migrating' AND $3 = 'stopped'
                                    THEN COALESCE(migrated_from, host_id) ELSE host_id END,
                     migrated_from = NULL,
+                    seed_snapshot = CASE WHEN $3 = 'running' THEN NULL ELSE seed_snapshot END,
                     updated_at = now()
               WHERE id = $1 AND generation = $2",
         )
