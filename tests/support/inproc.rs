@@ -178,11 +178,16 @@ impl Api {
             None => req.body(Body::empty()),
         }
         .expect("a well-formed request");
-        self.send(req).await
+        self.send_full(req).await
     }
 
     /// Sends `req` as it is (headers the caller set, any body).
     pub async fn send(&self, req: Request<Body>) -> Reply {
+        self.send_full(req).await.0
+    }
+
+    /// [`Api::send`], with the answer's headers.
+    async fn send_full(&self, req: Request<Body>) -> (Reply, axum::http::HeaderMap) {
         let resp = self
             .router
             .clone()
