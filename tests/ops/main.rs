@@ -8,6 +8,7 @@
 mod support;
 
 mod archive;
+mod collect;
 mod compat;
 mod events;
 mod fleet;
