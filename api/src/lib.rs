@@ -13,6 +13,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod collector;
 pub mod compat;
 pub mod config;
 pub mod error;
@@ -173,6 +174,21 @@ pub async fn serve(
         state.guards.clone(),
         shutdown.clone(),
     ));
+    // Issue 14: the durable stops of sandboxes deleted by anything but a user's request.
+    let collector = match &state.config.object_store {
+        Some(settings) => match berth_storage::Objects::open(settings) {
+            Ok(objects) => Some(tokio::spawn(collector::run(
+                state.db.clone(),
+                objects,
+                shutdown.clone(),
+            ))),
+            Err(error) => {
+                tracing::warn!(%error, "object store not opened; deleted sandboxes' durable stops kept");
+                None
+            }
+        },
+        None => None,
+    };
     let (limits, state_guards) = (state.config.limits.clone(), state.guards.clone());
     let watch = state.watch.clone();
     // Long-lived responses (the SSE stream) end on shutdown, or graceful shutdown would wait
@@ -203,5 +219,8 @@ pub async fn serve(
     let _ = webhooks.await;
     let _ = preview_routes.await;
     let _ = revocations.await;
+    if let Some(collector) = collector {
+        let _ = collector.await;
+    }
     served
 }

@@ -73,8 +73,11 @@ enum SandboxCmd {
     Cp(cp::CpArgs),
     /// Stop sandboxes (gVisor keeps memory, runc the disk) and wait until stopped.
     Stop(sandbox::LifecycleArgs),
-    /// Start stopped sandboxes and wait until they run.
+    /// Start stopped (or archived) sandboxes and wait until they run.
     Start(sandbox::LifecycleArgs),
+    /// Archive stopped sandboxes (their stop snapshot stored in the object store, their disk
+    /// freed on the host) and wait until archived; `start` brings them back.
+    Archive(sandbox::LifecycleArgs),
     /// Delete sandboxes and wait until deleted.
     #[command(alias = "delete")]
     Rm(sandbox::LifecycleArgs),
@@ -160,6 +163,9 @@ async fn dispatch(command: UserCmd) -> Result<i32, CliError> {
                 }
                 SandboxCmd::Start(args) => {
                     sandbox::lifecycle(&client, &api, sandbox::Action::Start, args).await
+                }
+                SandboxCmd::Archive(args) => {
+                    sandbox::lifecycle(&client, &api, sandbox::Action::Archive, args).await
                 }
                 SandboxCmd::Rm(args) => {
                     sandbox::lifecycle(&client, &api, sandbox::Action::Delete, args).await

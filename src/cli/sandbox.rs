@@ -1,4 +1,4 @@
-//! `berth sandbox create|ls|get|stop|start|rm|events|preview` and `berth template ls`: one
+//! `berth sandbox create|ls|get|stop|start|archive|rm|events|preview` and `berth template ls`: one
 //! request each (a list follows its pages), waits done by the API (`?wait=`) under a spinner.
 
 use std::io::Write;
@@ -58,7 +58,7 @@ pub struct ListArgs {
     metadata: Vec<(String, String)>,
 }
 
-/// `berth sandbox stop|start|rm`
+/// `berth sandbox stop|start|archive|rm`
 #[derive(Args, Debug)]
 pub struct LifecycleArgs {
     /// The sandboxes' ids.
@@ -203,18 +203,20 @@ pub async fn get(client: &Client, api: &ApiArgs, id: &str) -> Result<i32, CliErr
     Ok(0)
 }
 
-/// A lifecycle request of `berth sandbox stop|start|rm`.
+/// A lifecycle request of `berth sandbox stop|start|archive|rm`.
 #[derive(Debug, Clone, Copy)]
 pub enum Action {
     /// `POST …/stop?wait=stopped`
     Stop,
     /// `POST …/start?wait=running`
     Start,
+    /// `POST …/archive?wait=archived`
+    Archive,
     /// `DELETE …?wait=deleted`
     Delete,
 }
 
-/// `berth sandbox stop|start|rm`: one request per sandbox, in order; stops at the first error.
+/// `berth sandbox stop|start|archive|rm`: one request per sandbox, in order; stops at the first error.
 /// Prints `<id> <state>` per sandbox (the sandboxes with `--json`).
 pub async fn lifecycle(
     client: &Client,
@@ -225,6 +227,7 @@ pub async fn lifecycle(
     let (method, suffix, target, verb) = match action {
         Action::Stop => (Method::POST, "/stop", "stopped", "stopping"),
         Action::Start => (Method::POST, "/start", "running", "starting"),
+        Action::Archive => (Method::POST, "/archive", "archived", "archiving"),
         Action::Delete => (Method::DELETE, "", "deleted", "deleting"),
     };
     let mut done = Vec::new();

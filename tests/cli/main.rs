@@ -2,11 +2,12 @@
 //! driven as the built binary against the end-to-end stack: real Postgres, NATS, `berth hostd`
 //! and runc/runsc sandboxes. `commands.rs` covers each subcommand, `errors.rs` the messages and
 //! exit codes of what goes wrong, `shell.rs` the interactive terminal through a pty the test
-//! opens.
+//! opens, `snapshots.rs` and `archive.rs` snapshot, fork, restore and archive.
 
 #[path = "../support/mod.rs"]
 mod support;
 
+mod archive;
 mod commands;
 mod errors;
 mod kit;

@@ -229,7 +229,7 @@ async fn a_delete_is_accepted_while_archiving_and_once_archived(db: PgPool) {
 }
 
 /// The `.zst` chunk objects under `dir` (an S3 server's directory of a key prefix).
-fn stored_chunks(dir: &std::path::Path) -> usize {
+pub(crate) fn stored_chunks(dir: &std::path::Path) -> usize {
     walk(dir)
         .into_iter()
         .filter(|p| p.extension().is_some_and(|e| e == "zst"))

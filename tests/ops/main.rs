@@ -9,6 +9,7 @@ mod support;
 
 mod archive;
 mod clone_requests;
+mod collect;
 mod compat;
 mod events;
 mod fleet;

@@ -252,6 +252,8 @@ pub async fn kill(
     Path(id): Path<String>,
 ) -> Result<StatusCode, CompatError> {
     lifecycle(&app, &caller, &id, Request::Delete).await?;
+    // As Berth's own delete: the durable stop's stored content goes with the sandbox.
+    crate::http::sandboxes::collect_now(&app, parse_id(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

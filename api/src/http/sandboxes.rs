@@ -388,12 +388,22 @@ pub async fn delete(
     let stop = stop_token(shutdown);
     let id = parse_id(&id)?;
     let response = lifecycle(&app, &caller, id, Request::Delete, None, wait, &stop).await?;
-    // Issue 14: what a durable stop or an archive stored goes with the sandbox.
+    collect_now(&app, id).await?;
+    Ok(response)
+}
+
+/// After a delete was accepted (`DELETE /v1/sandboxes/{id}`, the compat kill): what the
+/// sandbox's durable stop or archive stored goes with it at once (issue 14). A store that
+/// cannot be opened leaves it to the collector (`crate::collector`).
+pub(crate) async fn collect_now(
+    app: &AppState,
+    id: berth_schemas::SandboxId,
+) -> Result<(), crate::service::ServiceError> {
     if let Some(settings) = &app.config.object_store {
         match berth_storage::Objects::open(settings) {
             Ok(objects) => sandboxes::collect_durable(&app.db, &objects, id).await?,
             Err(error) => tracing::warn!(%error, "object store not opened; durable content kept"),
         }
     }
-    Ok(response)
+    Ok(())
 }

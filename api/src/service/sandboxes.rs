@@ -348,6 +348,24 @@ pub async fn collect_durable(
     Ok(())
 }
 
+/// Collects the durable stop content of up to `batch` deleted sandboxes that still name some
+/// ([`collect_durable`] for each), whoever deleted them: the reconciler's auto-delete and
+/// expiry, an org's delete, a user delete whose collection failed. How many were found.
+pub async fn collect_deleted(
+    db: &PgPool,
+    objects: &berth_storage::Objects,
+    batch: i64,
+) -> Result<usize, ServiceError> {
+    let ids = {
+        let mut conn = db.acquire().await?;
+        sandboxes::deleted_with_durable(&mut conn, batch).await?
+    };
+    for &id in &ids {
+        collect_durable(db, objects, id).await?;
+    }
+    Ok(ids.len())
+}
+
 /// Marks a sandbox active now (an exec counts as activity for auto-stop).
 pub async fn mark_active(db: &PgPool, id: SandboxId) -> Result<(), ServiceError> {
     Ok(sandboxes::touch(db, id).await?)

@@ -146,6 +146,26 @@ pub async fn unarchive(
     Ok((moved, command.id))
 }
 
+/// Up to `limit` sandboxes being deleted (or deleted) that still name a durable stop snapshot,
+/// oldest delete first: the content every delete collects ([`take_durable`]), whoever deleted
+/// them (a user, the reconciler's auto-delete or expiry, an org's delete).
+pub async fn deleted_with_durable(
+    conn: &mut PgConnection,
+    limit: i64,
+) -> Result<Vec<SandboxId>, StoreError> {
+    timed(
+        Op::SandboxDurable,
+        sqlx::query_scalar(
+            "SELECT id FROM sandboxes
+              WHERE deleted_at IS NOT NULL AND durable_snapshot IS NOT NULL
+              ORDER BY deleted_at LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(conn),
+    )
+    .await
+}
+
 /// For a sandbox being deleted: forgets its durable stop snapshot (`durable_at`,
 /// `durable_snapshot` and its chunk references) in the caller's transaction, and returns the
 /// snapshot with the chunks no snapshot and no other durable stop references any more (for the

@@ -574,7 +574,7 @@ mod migrate;
 mod settings;
 mod write;
 
-pub use archive::{take_durable, unarchive, write_durable};
+pub use archive::{deleted_with_durable, take_durable, unarchive, write_durable};
 pub use compat::{execd_token, find_with_execd_token, list_in_states};
 pub use converge::{
     capacity_drift, count_by_state, guest_tallies, lock_due, lock_failed_guests, lock_stranded,
