@@ -116,34 +116,73 @@ pub async fn unarchive(
     .await?
     .ok_or(fenced)?;
     let moved = SandboxRow::from_row(&updated)?;
+    let command_id = boot_from_durable(
+        conn,
+        row,
+        &moved,
+        DurableBoot {
+            to,
+            kind: CommandKind::Unarchive,
+            snapshot,
+            reason,
+            message: None,
+        },
+    )
+    .await?;
+    Ok((moved, command_id))
+}
+
+/// What [`boot_from_durable`] queues.
+pub(super) struct DurableBoot<'a> {
+    /// The host placement chose (the command's subject).
+    pub to: HostId,
+    /// `sandbox.unarchive` or `sandbox.migrate`.
+    pub kind: CommandKind,
+    /// The durable stop snapshot the new host fetches.
+    pub snapshot: SnapshotId,
+    /// The event's reason.
+    pub reason: Reason,
+    /// The event's message.
+    pub message: Option<&'a str>,
+}
+
+/// Queues, for a sandbox `row` just moved (`moved`: its row on the host placement chose, at the
+/// next generation), the command that boots it there from its durable stop, and the event of
+/// the move; returns the command's id.
+pub(super) async fn boot_from_durable(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    moved: &SandboxRow,
+    boot: DurableBoot<'_>,
+) -> Result<CommandId, StoreError> {
     let command = Command {
         snapshot: Some(SnapshotOrder {
-            snapshot_id: snapshot,
+            snapshot_id: boot.snapshot,
             parent: None,
         }),
         id: CommandId::new(),
         sandbox_id: row.id,
-        generation,
-        kind: CommandKind::Unarchive,
+        generation: moved.generation,
+        kind: boot.kind,
         spec: Some(moved.spec()),
     };
-    commands::insert(&mut *conn, to, &command).await?;
+    commands::insert(&mut *conn, boot.to, &command).await?;
     events::insert(
         conn,
         &NewEvent {
             sandbox_id: row.id,
             org_id: row.org_id,
             from: Some(row.state),
-            to: SandboxState::Unarchiving,
-            reason,
-            generation,
+            to: moved.state,
+            reason: boot.reason,
+            generation: moved.generation,
             command_id: Some(command.id),
-            message: None,
+            message: boot.message,
             stop: None,
         },
     )
     .await?;
-    Ok((moved, command.id))
+    Ok(command.id)
 }
 
 /// Up to `limit` sandboxes being deleted (or deleted) that still name a durable stop snapshot,

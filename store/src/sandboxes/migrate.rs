@@ -4,12 +4,12 @@
 //! stale copy once that copy is no longer the sandbox's. Going back `stopped` to the old host
 //! (a failed or timed-out migration) is part of `write_result` and `write_transition`.
 
-use berth_schemas::wire::{Command, SnapshotOrder};
+use berth_schemas::wire::Command;
 use berth_schemas::{CommandId, CommandKind, HostId, Reason, SandboxState};
 use sqlx::PgConnection;
 
+use super::archive::{boot_from_durable, DurableBoot};
 use super::{SandboxRow, COLUMNS};
-use crate::events::{self, NewEvent};
 use crate::op::{timed, Op};
 use crate::{commands, StoreError};
 
@@ -60,34 +60,20 @@ pub async fn migrate(
     .await?
     .ok_or(fenced)?;
     let moved = SandboxRow::from_row(&updated)?;
-    let command = Command {
-        snapshot: Some(SnapshotOrder {
-            snapshot_id: snapshot,
-            parent: None,
-        }),
-        id: CommandId::new(),
-        sandbox_id: row.id,
-        generation,
-        kind: CommandKind::Migrate,
-        spec: Some(moved.spec()),
-    };
-    commands::insert(&mut *conn, to, &command).await?;
-    events::insert(
+    let command_id = boot_from_durable(
         conn,
-        &NewEvent {
-            sandbox_id: row.id,
-            org_id: row.org_id,
-            from: Some(row.state),
-            to: SandboxState::Migrating,
+        row,
+        &moved,
+        DurableBoot {
+            to,
+            kind: CommandKind::Migrate,
+            snapshot,
             reason,
-            generation,
-            command_id: Some(command.id),
             message: Some(message),
-            stop: None,
         },
     )
     .await?;
-    Ok((moved, command.id))
+    Ok((moved, command_id))
 }
 
 /// For the locked sandbox `row` whose migration is over for its old host (it runs on the new
