@@ -52,6 +52,14 @@ async fn not_durable(stack: &Stack, id: &str) {
     .unwrap();
 }
 
+/// Asks `id` to start; the answer is 202 with the sandbox `state` (`starting` at home,
+/// `migrating` elsewhere).
+async fn start_as(stack: &Stack, id: &str, state: &str) {
+    let (status, body) = stack.request(id, "start").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], state, "{body}");
+}
+
 async fn generation(stack: &Stack, id: &str) -> i64 {
     sqlx::query_scalar("SELECT generation FROM sandboxes WHERE id = $1::uuid")
         .bind(id)
@@ -82,9 +90,7 @@ async fn a_durable_stopped_sandbox_on_a_cordoned_host_starts_on_the_other_host_a
     cordon(&stack, 0).await;
 
     let started = std::time::Instant::now();
-    let (status, body) = stack.request(&id, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "migrating", "{body}");
+    start_as(&stack, &id, "migrating").await;
     stack.wait_state(&id, "running").await;
     eprintln!(
         "runc migration of a 3 MB sandbox: start → running in {:?}",
@@ -114,9 +120,7 @@ async fn a_durable_stopped_sandbox_on_a_cordoned_host_starts_on_the_other_host_a
 
     // The documented answer for a stop that is not durable on a cordoned host: a cordoned
     // host still runs its own sandboxes, so it starts at home.
-    let (status, body) = stack.request(&home, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "starting", "{body}");
+    start_as(&stack, &home, "starting").await;
     stack.wait_state(&home, "running").await;
     assert_eq!(host_of(&stack, &home).await, first);
     assert_eq!(run(&stack, &home, "cat /root/f").await, "home\n");
@@ -167,9 +171,7 @@ async fn a_host_killed_for_good_refuses_a_non_durable_start_and_moves_a_durable_
     assert_eq!(stack.state_of(&stuck).await, "stopped", "nothing changed");
     assert_eq!(generation(&stack, &stuck).await, before);
 
-    let (status, body) = stack.request(&id, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "migrating", "{body}");
+    start_as(&stack, &id, "migrating").await;
     stack.wait_state(&id, "running").await;
     assert_ne!(host_of(&stack, &id).await, first);
     assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
@@ -215,9 +217,7 @@ async fn a_gvisor_sandbox_stopped_with_its_memory_continues_its_processes_on_the
     stack.add_host().await;
     cordon(&stack, 0).await;
     let started = std::time::Instant::now();
-    let (status, body) = stack.request(&id, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "migrating", "{body}");
+    start_as(&stack, &id, "migrating").await;
     stack.wait_state(&id, "running").await;
     eprintln!(
         "gVisor memory migration: start → running in {:?}",
@@ -263,9 +263,7 @@ async fn a_delete_while_migrating_converges_on_both_hosts_and_collects_the_store
     cordon(&stack, 0).await;
     // The new host does nothing until the delete is in.
     stack.hosts[1].freeze();
-    let (status, body) = stack.request(&id, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "migrating", "{body}");
+    start_as(&stack, &id, "migrating").await;
     let (status, body) = stack.request(&id, "start").await;
     assert_eq!(
         (status, &body["state"]),
@@ -319,9 +317,7 @@ async fn a_migration_that_fails_or_times_out_goes_back_stopped_to_its_old_host(d
         .expect("the manifest");
     let aside = manifest.with_extension("aside");
     std::fs::rename(&manifest, &aside).unwrap();
-    let (status, body) = stack.request(&id, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "migrating", "{body}");
+    start_as(&stack, &id, "migrating").await;
     let back = stack.wait_state(&id, "stopped").await;
     assert_eq!(host_of(&stack, &id).await, first, "back on its old host");
     let last = events(&db, &id).await.pop().unwrap();
@@ -342,9 +338,7 @@ async fn a_migration_that_fails_or_times_out_goes_back_stopped_to_its_old_host(d
 
     // Timed out: the new host is frozen.
     stack.hosts[1].freeze();
-    let (status, body) = stack.request(&id, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "migrating", "{body}");
+    start_as(&stack, &id, "migrating").await;
     let back = stack.wait_state(&id, "stopped").await;
     let reason = back["state_reason"].as_str().unwrap_or_default();
     assert!(
@@ -387,9 +381,7 @@ async fn a_migration_that_fails_or_times_out_goes_back_stopped_to_its_old_host(d
         )
         .await;
     assert_eq!(status, 200, "{body}");
-    let (status, body) = stack.request(&id, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "starting", "{body}");
+    start_as(&stack, &id, "starting").await;
     stack.wait_state(&id, "running").await;
     assert_eq!(host_of(&stack, &id).await, first);
     assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
@@ -456,9 +448,7 @@ async fn hostd_killed_mid_migrate_converges_on_the_new_host_from_its_own_record(
     )];
     let crashing = stack.add_host_env((None, None), &[], None, crash).await;
     cordon(&stack, 0).await;
-    let (status, body) = stack.request(&id, "start").await;
-    assert_eq!(status, 202, "{body}");
-    assert_eq!(body["state"], "migrating", "{body}");
+    start_as(&stack, &id, "migrating").await;
     crate::resume::restart_after_crash(&mut stack, crashing, "migrate:address").await;
     stack.wait_state(&id, "running").await;
     assert_ne!(host_of(&stack, &id).await, first);
