@@ -343,9 +343,19 @@ impl Guards {
         })
     }
 
+    /// Forgets the cached lookup of the key whose SHA-256 is `hash` (revoked anywhere): its next
+    /// request asks Postgres again. Every other key stays cached, so one org's revocations
+    /// never cost another's requests a lookup.
+    pub fn forget_key(&self, hash: &[u8; 32]) {
+        self.keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(hash);
+    }
+
     /// Forgets every cached key lookup: the next request of each key asks Postgres again (one
-    /// token of its address's lookup budget, as after the cache's TTL). Called when a key is
-    /// revoked anywhere; revocations are rare, so clearing all is cheaper than naming one.
+    /// token of its address's lookup budget, as after the cache's TTL). For when revocations
+    /// may have been missed (a lost listener connection) or one did not name its key.
     pub fn forget_keys(&self) {
         self.keys.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }

@@ -1,7 +1,9 @@
 //! Revoked keys stop working at once in every process: each API and proxy process listens on
 //! Postgres `LISTEN berth_keys_revoked` (migration 0022's trigger notifies at the commit of
-//! every change of `api_keys.revoked_at` and every deleted key row) and forgets its cached key
-//! lookups ([`Guards::forget_keys`]) on each notification.
+//! every change of `api_keys.revoked_at` and every deleted key row, naming the key by the hex
+//! SHA-256 it is stored under: migration 0033) and forgets that key's cached lookup
+//! ([`Guards::forget_key`]) on each notification; every other key stays cached, so one org's
+//! revocations never cost another org's requests a lookup (or a 429 `key_lookups_per_ip`).
 //!
 //! # Guarantees
 //! - A key revoked by any process (`DELETE /v1/keys/{id}`, `berth admin revoke-key`,
@@ -55,10 +57,14 @@ pub async fn forget_revoked_keys(db: PgPool, guards: Arc<Guards>, shutdown: Canc
                 received = listener.try_recv() => received,
             };
             match received {
-                Ok(Some(_)) => {
-                    debug!("a key was revoked; cached keys forgotten");
-                    guards.forget_keys();
-                }
+                Ok(Some(notification)) => match revoked_hash(notification.payload()) {
+                    Some(hash) => {
+                        debug!("a key was revoked; its cached lookup forgotten");
+                        guards.forget_key(&hash);
+                    }
+                    // A notification that names no key (an older trigger): forget them all.
+                    None => guards.forget_keys(),
+                },
                 // The connection was lost (sqlx reconnects on the next call): notifications
                 // may have been missed.
                 Ok(None) => guards.forget_keys(),
@@ -68,5 +74,26 @@ pub async fn forget_revoked_keys(db: PgPool, guards: Arc<Guards>, shutdown: Canc
                 }
             }
         }
+    }
+}
+
+/// The key hash a notification names (64 hex digits), if it names one.
+fn revoked_hash(payload: &str) -> Option<[u8; 32]> {
+    let mut hash = [0u8; 32];
+    hex::decode_to_slice(payload, &mut hash).ok()?;
+    Some(hash)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::revoked_hash;
+
+    #[test]
+    fn a_notification_names_a_key_by_its_hex_hash_or_names_none() {
+        let hex = "ab".repeat(32);
+        assert_eq!(revoked_hash(&hex), Some([0xab; 32]));
+        assert_eq!(revoked_hash(""), None);
+        assert_eq!(revoked_hash("ab"), None);
+        assert_eq!(revoked_hash(&"zz".repeat(32)), None);
     }
 }

@@ -296,6 +296,12 @@ async fn an_s3_server_killed_mid_archive_leaves_it_stopped_with_its_disk_and_a_l
     );
     let message = last.2.unwrap_or_default();
     assert!(message.contains("keeps its disk"), "{message}");
+    // The user reads what failed, never the store's endpoint or a host path.
+    assert!(message.contains("the object store failed"), "{message}");
+    assert!(
+        !message.contains('/') && !message.contains("127.0.0.1"),
+        "{message}"
+    );
     assert!(
         !stack.leftovers(&id).is_empty(),
         "the disk stays on its host"

@@ -294,3 +294,42 @@ async fn deleting_an_org_deletes_its_sandboxes_through_their_lifecycle_and_refus
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }
+
+/// A revocation forgets only the revoked key's cached lookup: an org revoking its own keys in a
+/// loop never makes another org's cached key look itself up again (an attack run got 22 of 100
+/// of another org's requests refused 429 `key_lookups_per_ip` that way, every process clearing
+/// its whole cache on every revocation).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn one_orgs_revocations_never_cost_another_orgs_cached_key_a_lookup(db: PgPool) {
+    let stack = Stack::start_configured(db, 0, Default::default(), |c| {
+        c.limits.key_cache_ttl = KEY_CACHE_TTL;
+        // Both orgs call from 127.0.0.1: two lookups, then one a second.
+        c.limits.key_lookups_per_ip = berth_api::limits::Rate {
+            per_second: 1,
+            burst: 2,
+        };
+    })
+    .await;
+    let attacker = berth_api::auth::create_org(&stack.db, "keys-churn-org")
+        .await
+        .unwrap()
+        .1;
+    // Both keys looked up once, and cached.
+    assert_eq!(status_of(&stack, &stack.key).await, 200);
+    assert_eq!(status_of(&stack, &attacker).await, 200);
+    for round in 0..5 {
+        let (id, _) = new_key(&stack, &attacker).await;
+        let (status, body) = stack
+            .call_as(&attacker, Method::DELETE, &format!("/v1/keys/{id}"), None)
+            .await;
+        assert_eq!(status, 200, "{body}");
+        // Time for the revocation's notification to reach the API process.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            status_of(&stack, &stack.key).await,
+            200,
+            "round {round}: the other org's cached key was looked up again"
+        );
+    }
+    stack.teardown().await;
+}

@@ -403,6 +403,31 @@ async fn a_durable_stopped_sandbox_whose_host_filled_up_starts_elsewhere_and_the
     let filler = running_sandbox(&stack).await;
     assert_eq!(host_of(&stack, &filler).await, first);
     stack.add_host().await;
+    // Not durable (as if its upload had failed), its full host cannot take it back and it
+    // cannot move: a passing condition, so 503 `unavailable`, never `no_capacity` (the other
+    // host has room), and nothing changes.
+    let durable: (Option<chrono::DateTime<chrono::Utc>>, Option<uuid::Uuid>) =
+        sqlx::query_as("SELECT durable_at, durable_snapshot FROM sandboxes WHERE id = $1::uuid")
+            .bind(&id)
+            .fetch_one(&stack.db)
+            .await
+            .unwrap();
+    not_durable(&stack, &id).await;
+    let before = generation(&stack, &id).await;
+    let (status, body) = stack.request(&id, "start").await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("unavailable")),
+        "{body}"
+    );
+    assert_eq!(generation(&stack, &id).await, before);
+    sqlx::query("UPDATE sandboxes SET durable_at = $2, durable_snapshot = $3 WHERE id = $1::uuid")
+        .bind(&id)
+        .bind(durable.0)
+        .bind(durable.1)
+        .execute(&stack.db)
+        .await
+        .unwrap();
     let (status, body) = stack
         .call(
             Method::POST,

@@ -28,10 +28,9 @@ pub const NOT_DURABLE_RETRY_AFTER: Duration = Duration::from_secs(5);
 /// elsewhere) still starts it itself ([`Away::home_still_runs`]).
 ///
 /// Errors, when its host cannot run it (gone, lost, silent, full): [`ServiceError::NoCapacity`]
-/// (its host is full and the stop is not durable, or no other host has room),
-/// [`ServiceError::Unavailable`] with [`NOT_DURABLE_RETRY_AFTER`] (the stop is not durable
-/// yet), or placement's `Unavailable` (the hosts with room are stale or degraded). Nothing is
-/// written then.
+/// (no other host has room), [`ServiceError::Unavailable`] with [`NOT_DURABLE_RETRY_AFTER`]
+/// (the stop is not durable yet), or placement's `Unavailable` (the hosts with room are stale
+/// or degraded). Nothing is written then.
 pub(crate) async fn start_stopped(
     tx: &mut PgConnection,
     overcommit: placement::Overcommit,
@@ -65,20 +64,16 @@ pub(crate) async fn start_stopped(
             };
             place_avoiding(&mut *tx, policy, row.resources, row.host_id).await
         }
-        None => Err(match away {
-            Away::Full => ServiceError::NoCapacity {
-                vcpus: row.resources.vcpus,
-                memory_mib: row.resources.memory_mib,
-            },
-            _ => ServiceError::Unavailable {
-                message: format!(
-                    "the sandbox's host {old} is {away} and its stop is not durable yet (its \
-                     stop snapshot is still uploading, or the upload failed), so it cannot \
-                     start elsewhere; retry after {} s, or archive it",
-                    NOT_DURABLE_RETRY_AFTER.as_secs()
-                ),
-                retry_after: NOT_DURABLE_RETRY_AFTER,
-            },
+        // Its host being full says nothing of the fleet (an attack run got `no_capacity`
+        // while another host had room): a stop not durable yet is a passing condition.
+        None => Err(ServiceError::Unavailable {
+            message: format!(
+                "the sandbox's host {old} is {away} and its stop is not durable yet (its \
+                 stop snapshot is still uploading, or the upload failed), so it cannot start \
+                 elsewhere; retry after {} s, or archive it",
+                NOT_DURABLE_RETRY_AFTER.as_secs()
+            ),
+            retry_after: NOT_DURABLE_RETRY_AFTER,
         }),
     };
     let to = match placed {

@@ -232,11 +232,13 @@ pub async fn archive(
                 return (Some(record), ResultOutcome::Rejected { reason });
             }
             Err(error) => {
+                // The user reads the reason: what failed, never the host's paths or the
+                // store's raw error (those go to this log).
                 let reason = format!(
                     "archive upload failed; the sandbox keeps its disk on its host: {}",
-                    error.report()
+                    error.public_reason()
                 );
-                tracing::warn!(%reason, "archive failed");
+                tracing::warn!(error = %error.report(), "archive failed");
                 return (Some(record), ResultOutcome::Failed { reason });
             }
         },
@@ -245,9 +247,10 @@ pub async fn archive(
     if let Err(error) =
         berth_storage::fetch_manifest(&host.snapshots.objects, durable.snapshot_id).await
     {
-        let reason = format!(
-            "archive not confirmed by the object store; the sandbox keeps its disk: {error}"
-        );
+        tracing::warn!(%error, snapshot_id = %durable.snapshot_id, "archive not confirmed");
+        let reason = "archive not confirmed: its manifest did not read back from the object \
+                      store; the sandbox keeps its disk"
+            .to_owned();
         return (Some(record), ResultOutcome::Failed { reason });
     }
     crate::fault::crash_point(crate::fault::Step::Captured);
