@@ -39,9 +39,10 @@ pub async fn run(db: &PgPool, command: OrgAdminCmd) -> anyhow::Result<String> {
     let mut out = String::new();
     match command {
         OrgAdminCmd::RevokeKey { key_id } => {
-            let Some(row) = berth_store::api_keys::revoke(db, None, key_id).await? else {
+            let Some(revoked) = berth_store::api_keys::revoke(db, None, key_id).await? else {
                 bail!("no key {key_id}");
             };
+            let row = revoked.row;
             let at = row.revoked_at.map(|t| t.to_rfc3339()).unwrap_or_default();
             writeln!(out, "key {key_id} ({}…) revoked at {at}", row.prefix)?;
         }

@@ -71,6 +71,17 @@ pub struct KeyRow {
     pub revoked_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
+/// A revoked key: its row, and the SHA-256 it is stored under (what a key cache is keyed by,
+/// never shown to anyone).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct RevokedKey {
+    /// The key as its org sees it.
+    #[sqlx(flatten)]
+    pub row: KeyRow,
+    /// `api_keys.key_hash`.
+    pub key_hash: Vec<u8>,
+}
+
 /// The org's keys, revoked ones included, oldest first.
 pub async fn list(db: impl PgExecutor<'_>, org: OrgId) -> Result<Vec<KeyRow>, StoreError> {
     timed(
@@ -112,13 +123,13 @@ pub async fn revoke(
     db: impl PgExecutor<'_>,
     org: Option<OrgId>,
     id: ApiKeyId,
-) -> Result<Option<KeyRow>, StoreError> {
+) -> Result<Option<RevokedKey>, StoreError> {
     timed(
         Op::ApiKeyRevoke,
         sqlx::query_as(
             "UPDATE api_keys SET revoked_at = COALESCE(revoked_at, now())
               WHERE id = $1 AND ($2::uuid IS NULL OR org_id = $2)
-              RETURNING id, prefix, created_at, revoked_at",
+              RETURNING id, prefix, created_at, revoked_at, key_hash",
         )
         .bind(id)
         .bind(org)

@@ -151,9 +151,13 @@ pub async fn revoke(
     _query: StrictQuery<NoParams>,
 ) -> Result<Json<ApiKey>, ApiError> {
     let id: ApiKeyId = parse_path_id(&id, "key")?;
-    let row = keys::revoke_key(&app.db, caller.org_id, id).await?;
-    // This process refuses it before answering; the others on the commit's notification.
-    app.guards.forget_keys();
+    let revoked = keys::revoke_key(&app.db, caller.org_id, id).await?;
+    // This process refuses it before answering; the others on the commit's notification. Only
+    // this key: another org's cached keys are none of this revocation's business.
+    match <[u8; 32]>::try_from(revoked.key_hash.as_slice()) {
+        Ok(hash) => app.guards.forget_key(&hash),
+        Err(_) => app.guards.forget_keys(),
+    }
     tracing::info!(org_id = %caller.org_id, key_id = %id, "api key revoked");
-    Ok(Json(row.into()))
+    Ok(Json(revoked.row.into()))
 }

@@ -142,7 +142,7 @@ pub async fn list_keys(db: &PgPool, org: OrgId) -> Result<Vec<KeyRow>, StoreErro
 }
 
 /// Revokes the org's key `id` (again: a no-op that keeps the first revocation's time). Every
-/// API and proxy process forgets its cached keys at commit ([`crate::revocations`]), so the key
+/// API and proxy process forgets this key's cached lookup at commit ([`crate::revocations`]), so it
 /// is refused at once everywhere. The org's last working key is kept: revoking it would lock
 /// the org out of its own API for good (only the operator makes keys for an org that has
 /// none). The org's row is locked for the count, so two revocations of an org's last two keys
@@ -158,7 +158,7 @@ pub async fn revoke_key(
     db: &PgPool,
     org: OrgId,
     id: ApiKeyId,
-) -> Result<KeyRow, super::ServiceError> {
+) -> Result<api_keys::RevokedKey, super::ServiceError> {
     let not_found = || super::ServiceError::NotFound(format!("key {id}"));
     let mut tx = db.begin().await?;
     let active = api_keys::lock_active_count(&mut tx, org).await?;
