@@ -19,7 +19,7 @@ use crate::StoreError;
 const COLUMNS: &str =
     "id, org_id, sandbox_id, host_id, parent_id, state, reason, holds, template, runtime, \
      vcpus, memory_mib, disk_mib, logical_bytes, stored_bytes, new_bytes, paused_ms, command_id, \
-     created_at, ready_at, expires_at";
+     created_at, ready_at, expires_at, kind";
 
 /// One snapshot row.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,6 +66,9 @@ pub struct SnapshotRow {
     pub ready_at: Option<DateTime<Utc>>,
     /// When it is deleted unless deleted earlier.
     pub expires_at: Option<DateTime<Utc>>,
+    /// `snapshot` (taken by `POST …/snapshot`, a fork) or `backup` (disk only, taken by
+    /// `POST …/backup` or the reconciler's backup pass; issue 14).
+    pub kind: String,
 }
 
 impl SnapshotRow {
@@ -103,6 +106,7 @@ impl SnapshotRow {
             created_at: row.try_get("created_at").map_err(g)?,
             ready_at: row.try_get("ready_at").map_err(g)?,
             expires_at: row.try_get("expires_at").map_err(g)?,
+            kind: row.try_get("kind").map_err(g)?,
         })
     }
 }
@@ -134,7 +138,14 @@ pub struct NewSnapshot<'a> {
     pub command_id: CommandId,
     /// When it expires; `None` for never.
     pub expires_at: Option<DateTime<Utc>>,
+    /// [`KIND_SNAPSHOT`] or [`KIND_BACKUP`].
+    pub kind: &'a str,
 }
+
+/// The kind of a snapshot taken by `POST /v1/sandboxes/{id}/snapshot` or a fork.
+pub const KIND_SNAPSHOT: &str = "snapshot";
+/// The kind of a backup: the disk only, named by its sandbox's `last_backup_id` once ready.
+pub const KIND_BACKUP: &str = "backup";
 
 /// Inserts a `creating` snapshot in the caller's transaction.
 pub async fn create(conn: &mut PgConnection, s: &NewSnapshot<'_>) -> Result<(), StoreError> {
@@ -142,8 +153,8 @@ pub async fn create(conn: &mut PgConnection, s: &NewSnapshot<'_>) -> Result<(), 
         Op::SnapshotInsert,
         sqlx::query(
             "INSERT INTO snapshots (id, org_id, sandbox_id, host_id, parent_id, state, template, runtime,
-                                    vcpus, memory_mib, disk_mib, command_id, expires_at)
-             VALUES ($1, $2, $3, $4, $5, 'creating', $6, $7, $8, $9, $10, $11, $12)",
+                                    vcpus, memory_mib, disk_mib, command_id, expires_at, kind)
+             VALUES ($1, $2, $3, $4, $5, 'creating', $6, $7, $8, $9, $10, $11, $12, $13)",
         )
         .bind(s.id)
         .bind(s.org_id)
@@ -157,6 +168,7 @@ pub async fn create(conn: &mut PgConnection, s: &NewSnapshot<'_>) -> Result<(), 
         .bind(s.disk_mib)
         .bind(s.command_id)
         .bind(s.expires_at)
+        .bind(s.kind)
         .execute(conn),
     )
     .await?;
@@ -331,10 +343,59 @@ pub async fn write_ready(
         .bind(id)
         .bind(&hashes)
         .bind(&sizes)
+        .execute(&mut *conn),
+    )
+    .await?;
+    refresh_last_backup(conn, id, None).await?;
+    Ok(true)
+}
+
+/// Points the sandbox of backup `id` at its newest `ready` backup other than `excluding`
+/// (`last_backup_id`, `last_backup_at`; both `NULL` when it has none); nothing when `id` is not
+/// a backup. In the caller's transaction: when a backup settles ready, and before one is deleted
+/// (then only when the sandbox names it).
+async fn refresh_last_backup(
+    conn: &mut PgConnection,
+    id: SnapshotId,
+    excluding: Option<SnapshotId>,
+) -> Result<(), StoreError> {
+    timed(
+        Op::SnapshotSettle,
+        sqlx::query(
+            "UPDATE sandboxes s SET (last_backup_id, last_backup_at) =
+                    (SELECT b.id, b.ready_at FROM snapshots b
+                      WHERE b.sandbox_id = s.id AND b.kind = 'backup' AND b.state = 'ready'
+                        AND b.id IS DISTINCT FROM $2
+                      ORDER BY b.ready_at DESC, b.id DESC LIMIT 1)
+              FROM snapshots me
+             WHERE me.id = $1 AND me.kind = 'backup' AND s.id = me.sandbox_id
+               AND ($2::uuid IS NULL OR s.last_backup_id = $2)",
+        )
+        .bind(id)
+        .bind(excluding)
         .execute(conn),
     )
     .await?;
-    Ok(true)
+    Ok(())
+}
+
+/// The newest `ready` backup of `sandbox` (what a restore-from-backup, or a host-loss failover,
+/// boots): its id and when it became ready.
+pub async fn newest_ready_backup(
+    db: impl PgExecutor<'_>,
+    sandbox: SandboxId,
+) -> Result<Option<(SnapshotId, DateTime<Utc>)>, StoreError> {
+    timed(
+        Op::SnapshotGet,
+        sqlx::query_as(
+            "SELECT id, ready_at FROM snapshots
+              WHERE sandbox_id = $1 AND kind = 'backup' AND state = 'ready'
+              ORDER BY ready_at DESC, id DESC LIMIT 1",
+        )
+        .bind(sandbox)
+        .fetch_optional(db),
+    )
+    .await
 }
 
 /// Writes `failed` with `reason`, only if the row is still `creating`; whether it was.
@@ -379,6 +440,7 @@ pub async fn delete(
     conn: &mut PgConnection,
     id: SnapshotId,
 ) -> Result<Vec<(String, i64)>, StoreError> {
+    refresh_last_backup(&mut *conn, id, Some(id)).await?;
     let orphans: Vec<(String, i64)> = timed(
         Op::SnapshotDelete,
         sqlx::query_as(

@@ -506,6 +506,17 @@ pub struct Sandbox {
     /// Days stopped before the reconciler archives it; `None`: never.
     #[serde(default)]
     pub auto_archive_days: Option<i32>,
+    /// Its newest `ready` backup (a disk snapshot in the object store, see "Backups"); `None`
+    /// while it has none.
+    #[serde(default)]
+    #[schema(value_type = Option<String>, format = Uuid)]
+    pub last_backup_id: Option<berth_schemas::ids::SnapshotId>,
+    /// When that backup became ready (its upload confirmed).
+    #[serde(default)]
+    pub last_backup_at: Option<DateTime<Utc>>,
+    /// Minutes between automatic backups while it runs; `None`: none.
+    #[serde(default)]
+    pub backup_interval_min: Option<i32>,
 }
 
 fn yes() -> bool {
@@ -545,6 +556,9 @@ impl From<SandboxRow> for Sandbox {
             entrypoint: row.entrypoint,
             durable_at: row.durable_at,
             auto_archive_days: row.auto_archive_days,
+            last_backup_id: row.last_backup_id,
+            last_backup_at: row.last_backup_at,
+            backup_interval_min: row.backup_interval_min,
         }
     }
 }

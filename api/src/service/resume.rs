@@ -212,7 +212,8 @@ pub async fn fork(
     let row = sandboxes::lock(&mut tx, id, Some(org))
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
-    let snapshot = super::snapshots::request_locked(&mut tx, org, &row).await?;
+    let snapshot =
+        super::snapshots::request_locked(&mut tx, org, &row, snapshots::KIND_SNAPSHOT).await?;
     // A fork's children live within the parent's deadline: they take its expiry.
     let settings = ValidCreate {
         expires_at: row.expires_at,

@@ -30,6 +30,7 @@ pub async fn create(
     db: &PgPool,
     org: OrgId,
     id: SandboxId,
+    kind: &'static str,
     key: Option<&IdempotencyKey>,
     render: impl FnOnce(&Snapshot) -> Result<StoredResponse, ServiceError>,
 ) -> Result<Replayable<Snapshot>, ServiceError> {
@@ -42,7 +43,7 @@ pub async fn create(
     let row = sandboxes::lock(&mut tx, id, Some(org))
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
-    let created = request_locked(&mut tx, org, &row).await?;
+    let created = request_locked(&mut tx, org, &row, kind).await?;
     let snapshot_id = created.id;
     let snapshot = Snapshot::from(created);
     let response = idempotency::commit(tx, db, org, key, render(&snapshot)?).await?;
@@ -59,6 +60,7 @@ pub(crate) async fn request_locked(
     tx: &mut sqlx::PgConnection,
     org: OrgId,
     row: &sandboxes::SandboxRow,
+    kind: &'static str,
 ) -> Result<snapshots::SnapshotRow, ServiceError> {
     let id = row.id;
     on_snapshot_request(row.state, row.deleting()).map_err(|refusal| ServiceError::Conflict {
@@ -97,6 +99,7 @@ pub(crate) async fn request_locked(
         snapshot: Some(SnapshotOrder {
             snapshot_id,
             parent,
+            disk_only: kind == snapshots::KIND_BACKUP,
         }),
     };
     commands::insert(&mut *tx, host, &command).await?;
@@ -115,6 +118,7 @@ pub(crate) async fn request_locked(
             disk_mib: i32::try_from(row.disk_mib).unwrap_or(i32::MAX),
             command_id: command.id,
             expires_at: None,
+            kind,
         },
     )
     .await?;
