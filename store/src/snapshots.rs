@@ -8,13 +8,16 @@
 
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::state::snapshot::SnapshotState;
-use berth_schemas::{CommandId, HostId, OrgId, SandboxId};
+use berth_schemas::wire::{Command, SnapshotOrder};
+use berth_schemas::{CommandId, CommandKind, HostId, OrgId, Reason, SandboxId};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, PgExecutor, Row};
 
+use crate::events::{self, NewEvent};
 use crate::op::{timed, Op};
-use crate::StoreError;
+use crate::sandboxes::SandboxRow;
+use crate::{commands, orgs, StoreError};
 
 const COLUMNS: &str =
     "id, org_id, sandbox_id, host_id, parent_id, state, reason, holds, template, runtime, \
@@ -519,4 +522,131 @@ pub async fn lock_by_command(
     )
     .await?;
     row.as_ref().map(SnapshotRow::from_row).transpose()
+}
+
+/// The org's snapshot quota a new snapshot (or backup) would exceed: `(limit, value)`, the
+/// quota's name and its value; `None` when it fits. Locks the org's quota row until the
+/// caller's transaction ends, so two requests cannot both take the last place.
+pub async fn quota_refusal(
+    conn: &mut PgConnection,
+    org: OrgId,
+) -> Result<Option<(&'static str, i64)>, StoreError> {
+    let quota = orgs::lock_snapshot_quota(&mut *conn, org).await?;
+    let (count, bytes) = org_usage(&mut *conn, org).await?;
+    if let Some(max) = quota.max_snapshots {
+        if count + 1 > i64::from(max) {
+            return Ok(Some(("max_snapshots", i64::from(max))));
+        }
+    }
+    if let Some(max) = quota.max_snapshot_bytes {
+        if bytes >= max {
+            return Ok(Some(("max_snapshot_bytes", max)));
+        }
+    }
+    Ok(None)
+}
+
+/// Requests a snapshot of `kind` of the locked, running sandbox `row` on `host`, in the
+/// caller's transaction: the `creating` row, its `sandbox.snapshot` command (incremental
+/// against the sandbox's newest ready snapshot on that host; a backup's order is disk only)
+/// and its `snapshot.created` event (with `reason`). The caller checked the state and the quota
+/// ([`quota_refusal`]): the API for a user's snapshot or backup, the reconciler for a periodic
+/// backup.
+pub async fn request(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    host: HostId,
+    kind: &'static str,
+    reason: Reason,
+) -> Result<SnapshotRow, StoreError> {
+    let id = row.id;
+    let snapshot_id = SnapshotId::new();
+    let parent = latest_ready_on(&mut *conn, id, host).await?;
+    let command = Command {
+        id: CommandId::new(),
+        sandbox_id: id,
+        generation: row.generation,
+        kind: CommandKind::Snapshot,
+        spec: Some(row.spec()),
+        snapshot: Some(SnapshotOrder {
+            snapshot_id,
+            parent,
+            disk_only: kind == KIND_BACKUP,
+        }),
+    };
+    commands::insert(&mut *conn, host, &command).await?;
+    create(
+        &mut *conn,
+        &NewSnapshot {
+            id: snapshot_id,
+            org_id: row.org_id,
+            sandbox_id: id,
+            host_id: host,
+            parent_id: parent,
+            template: &row.template,
+            runtime: row.runtime.as_str(),
+            vcpus: i32::try_from(row.resources.vcpus).unwrap_or(i32::MAX),
+            memory_mib: i32::try_from(row.resources.memory_mib).unwrap_or(i32::MAX),
+            disk_mib: i32::try_from(row.disk_mib).unwrap_or(i32::MAX),
+            command_id: command.id,
+            expires_at: None,
+            kind,
+        },
+    )
+    .await?;
+    events::insert_snapshot_event(
+        &mut *conn,
+        &NewEvent {
+            sandbox_id: id,
+            org_id: row.org_id,
+            from: Some(row.state),
+            to: row.state,
+            reason,
+            generation: row.generation,
+            command_id: Some(command.id),
+            message: None,
+            stop: None,
+        },
+        "snapshot.created",
+        snapshot_id,
+    )
+    .await?;
+    lock(&mut *conn, snapshot_id)
+        .await?
+        .ok_or(StoreError::Corrupt {
+            column: "snapshots.id",
+            message: format!("the snapshot {snapshot_id} just written is gone"),
+        })
+}
+
+/// Running sandboxes whose periodic backup is due, at most `batch`, locked (skipping rows
+/// another pass holds): `backup_interval_min` set, not being deleted, and no backup of it
+/// `creating` or requested within its interval (a failed one counts, so a failing store is
+/// retried once per interval, not every pass). `unit_secs` is the length of one of its minutes
+/// (60; tests shorten it).
+pub async fn lock_backups_due(
+    conn: &mut PgConnection,
+    unit_secs: f64,
+    batch: i64,
+) -> Result<Vec<SandboxRow>, StoreError> {
+    let rows = timed(
+        Op::SandboxAutoBackup,
+        sqlx::query(&format!(
+            "SELECT {} FROM sandboxes s
+              WHERE s.state = 'running' AND s.deleted_at IS NULL AND s.backup_interval_min IS NOT NULL
+                AND s.host_id IS NOT NULL
+                AND NOT EXISTS (SELECT 1 FROM snapshots b
+                                 WHERE b.sandbox_id = s.id AND b.kind = 'backup'
+                                   AND (b.state = 'creating'
+                                        OR b.created_at > now() - make_interval(secs => s.backup_interval_min * $1)))
+              ORDER BY s.last_backup_at NULLS FIRST
+              LIMIT $2 FOR UPDATE OF s SKIP LOCKED",
+            crate::sandboxes::columns_of("s")
+        ))
+        .bind(unit_secs)
+        .bind(batch)
+        .fetch_all(conn),
+    )
+    .await?;
+    rows.iter().map(SandboxRow::from_row).collect()
 }

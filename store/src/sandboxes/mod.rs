@@ -333,6 +333,8 @@ pub struct NewSandbox {
     pub auto_delete_minutes: Option<i32>,
     /// Days stopped before auto-archive; `None`: never.
     pub auto_archive_days: Option<i32>,
+    /// Minutes between the reconciler's backups while running; `None`: none.
+    pub backup_interval_min: Option<i32>,
     /// The size of its writable disk in MiB (validated by the API, never 0).
     pub disk_mib: u32,
     /// Its network policy, already validated.
@@ -378,9 +380,9 @@ pub async fn create(
                                     auto_delete_minutes, runtime, disk_mib, network,
                                     auto_resume, public_ports, expires_at, on_expiry, env,
                                     entrypoint, image_uri, image, auto_archive_days,
-                                    seed_snapshot)
+                                    seed_snapshot, backup_interval_min)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18, $19, $20, $21, $22, $23, $24)
+                     $17, $18, $19, $20, $21, $22, $23, $24, $25)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -412,6 +414,7 @@ pub async fn create(
         .bind(&new.image)
         .bind(new.auto_archive_days)
         .bind(new.from_snapshot)
+        .bind(new.backup_interval_min)
         .fetch_one(&mut *conn),
     )
     .await?;
