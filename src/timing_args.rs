@@ -123,6 +123,7 @@ impl ReconcilerTimingArgs {
             health: self.health(),
             snapshot_timeout: pass::DEFAULT_SNAPSHOT_TIMEOUT,
             archive_timeout: pass::DEFAULT_ARCHIVE_TIMEOUT,
+            backup_unit: pass::DEFAULT_BACKUP_UNIT,
             template_pull_timeout: self.template_pull_timeout.into(),
         }
     }

@@ -83,6 +83,7 @@ passes first.
         hosts::uncordon,
         crate::http::preview::token,
         crate::http::snapshots::create,
+        crate::http::snapshots::backup,
         crate::http::snapshots::list,
         crate::http::snapshots::get,
         crate::http::snapshots::delete,

@@ -16,7 +16,8 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 15 (this one): a command kind, [`CommandKind::Migrate`] (whose
+/// Version 16 (this one): a [`SnapshotOrder`] ends with `disk_only` (a backup, issue 14).
+/// Version 15: a command kind, [`CommandKind::Migrate`] (whose
 /// [`Command::snapshot`] names the durable stop snapshot to fetch onto another host).
 /// Version 14: two command kinds, [`CommandKind::Archive`] and
 /// [`CommandKind::Unarchive`] (whose [`Command::snapshot`] names the stop snapshot to fetch),
@@ -39,7 +40,7 @@ use crate::state::CommandKind;
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 15;
+pub const WIRE_VERSION: u16 = 16;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -203,6 +204,9 @@ pub struct SnapshotOrder {
     /// The sandbox's newest ready snapshot taken on this host: the new one stores only what
     /// changed since it. `None`: a full snapshot.
     pub parent: Option<SnapshotId>,
+    /// Capture the disk only, even where the runtime could keep the memory (a backup, issue
+    /// 14): no checkpoint, only the brief freeze of the disk capture.
+    pub disk_only: bool,
 }
 
 /// What a host stored for a snapshot, reported once its manifest is in the object store.

@@ -71,6 +71,8 @@ ops! {
     /// [`crate::sandboxes::lock_due`] with `Due::AutoArchive`: `stopped` rows past
     /// `auto_archive_days`.
     SandboxAutoArchive => "sandbox_auto_archive",
+    /// [`crate::snapshots::lock_backups_due`]: running sandboxes whose periodic backup is due.
+    SandboxAutoBackup => "sandbox_auto_backup",
     /// [`crate::sandboxes::write_durable`]: a stop snapshot confirmed durable (fenced).
     SandboxDurable => "sandbox_durable",
     /// [`crate::sandboxes::unarchive`]: an archived sandbox placed and sent its unarchive.

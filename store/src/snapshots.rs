@@ -8,18 +8,21 @@
 
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::state::snapshot::SnapshotState;
-use berth_schemas::{CommandId, HostId, OrgId, SandboxId};
+use berth_schemas::wire::{Command, SnapshotOrder};
+use berth_schemas::{CommandId, CommandKind, HostId, OrgId, Reason, SandboxId};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, PgExecutor, Row};
 
+use crate::events::{self, NewEvent};
 use crate::op::{timed, Op};
-use crate::StoreError;
+use crate::sandboxes::SandboxRow;
+use crate::{commands, orgs, StoreError};
 
 const COLUMNS: &str =
     "id, org_id, sandbox_id, host_id, parent_id, state, reason, holds, template, runtime, \
      vcpus, memory_mib, disk_mib, logical_bytes, stored_bytes, new_bytes, paused_ms, command_id, \
-     created_at, ready_at, expires_at";
+     created_at, ready_at, expires_at, kind";
 
 /// One snapshot row.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,6 +69,9 @@ pub struct SnapshotRow {
     pub ready_at: Option<DateTime<Utc>>,
     /// When it is deleted unless deleted earlier.
     pub expires_at: Option<DateTime<Utc>>,
+    /// `snapshot` (taken by `POST …/snapshot`, a fork) or `backup` (disk only, taken by
+    /// `POST …/backup` or the reconciler's backup pass; issue 14).
+    pub kind: String,
 }
 
 impl SnapshotRow {
@@ -103,6 +109,7 @@ impl SnapshotRow {
             created_at: row.try_get("created_at").map_err(g)?,
             ready_at: row.try_get("ready_at").map_err(g)?,
             expires_at: row.try_get("expires_at").map_err(g)?,
+            kind: row.try_get("kind").map_err(g)?,
         })
     }
 }
@@ -134,7 +141,14 @@ pub struct NewSnapshot<'a> {
     pub command_id: CommandId,
     /// When it expires; `None` for never.
     pub expires_at: Option<DateTime<Utc>>,
+    /// [`KIND_SNAPSHOT`] or [`KIND_BACKUP`].
+    pub kind: &'a str,
 }
+
+/// The kind of a snapshot taken by `POST /v1/sandboxes/{id}/snapshot` or a fork.
+pub const KIND_SNAPSHOT: &str = "snapshot";
+/// The kind of a backup: the disk only, named by its sandbox's `last_backup_id` once ready.
+pub const KIND_BACKUP: &str = "backup";
 
 /// Inserts a `creating` snapshot in the caller's transaction.
 pub async fn create(conn: &mut PgConnection, s: &NewSnapshot<'_>) -> Result<(), StoreError> {
@@ -142,8 +156,8 @@ pub async fn create(conn: &mut PgConnection, s: &NewSnapshot<'_>) -> Result<(), 
         Op::SnapshotInsert,
         sqlx::query(
             "INSERT INTO snapshots (id, org_id, sandbox_id, host_id, parent_id, state, template, runtime,
-                                    vcpus, memory_mib, disk_mib, command_id, expires_at)
-             VALUES ($1, $2, $3, $4, $5, 'creating', $6, $7, $8, $9, $10, $11, $12)",
+                                    vcpus, memory_mib, disk_mib, command_id, expires_at, kind)
+             VALUES ($1, $2, $3, $4, $5, 'creating', $6, $7, $8, $9, $10, $11, $12, $13)",
         )
         .bind(s.id)
         .bind(s.org_id)
@@ -157,6 +171,7 @@ pub async fn create(conn: &mut PgConnection, s: &NewSnapshot<'_>) -> Result<(), 
         .bind(s.disk_mib)
         .bind(s.command_id)
         .bind(s.expires_at)
+        .bind(s.kind)
         .execute(conn),
     )
     .await?;
@@ -331,10 +346,59 @@ pub async fn write_ready(
         .bind(id)
         .bind(&hashes)
         .bind(&sizes)
+        .execute(&mut *conn),
+    )
+    .await?;
+    refresh_last_backup(conn, id, None).await?;
+    Ok(true)
+}
+
+/// Points the sandbox of backup `id` at its newest `ready` backup other than `excluding`
+/// (`last_backup_id`, `last_backup_at`; both `NULL` when it has none); nothing when `id` is not
+/// a backup. In the caller's transaction: when a backup settles ready, and before one is deleted
+/// (then only when the sandbox names it).
+async fn refresh_last_backup(
+    conn: &mut PgConnection,
+    id: SnapshotId,
+    excluding: Option<SnapshotId>,
+) -> Result<(), StoreError> {
+    timed(
+        Op::SnapshotSettle,
+        sqlx::query(
+            "UPDATE sandboxes s SET (last_backup_id, last_backup_at) =
+                    (SELECT b.id, b.ready_at FROM snapshots b
+                      WHERE b.sandbox_id = s.id AND b.kind = 'backup' AND b.state = 'ready'
+                        AND b.id IS DISTINCT FROM $2
+                      ORDER BY b.ready_at DESC, b.id DESC LIMIT 1)
+              FROM snapshots me
+             WHERE me.id = $1 AND me.kind = 'backup' AND s.id = me.sandbox_id
+               AND ($2::uuid IS NULL OR s.last_backup_id = $2)",
+        )
+        .bind(id)
+        .bind(excluding)
         .execute(conn),
     )
     .await?;
-    Ok(true)
+    Ok(())
+}
+
+/// The newest `ready` backup of `sandbox` (what a restore-from-backup, or a host-loss failover,
+/// boots): its id and when it became ready.
+pub async fn newest_ready_backup(
+    db: impl PgExecutor<'_>,
+    sandbox: SandboxId,
+) -> Result<Option<(SnapshotId, DateTime<Utc>)>, StoreError> {
+    timed(
+        Op::SnapshotGet,
+        sqlx::query_as(
+            "SELECT id, ready_at FROM snapshots
+              WHERE sandbox_id = $1 AND kind = 'backup' AND state = 'ready'
+              ORDER BY ready_at DESC, id DESC LIMIT 1",
+        )
+        .bind(sandbox)
+        .fetch_optional(db),
+    )
+    .await
 }
 
 /// Writes `failed` with `reason`, only if the row is still `creating`; whether it was.
@@ -379,6 +443,7 @@ pub async fn delete(
     conn: &mut PgConnection,
     id: SnapshotId,
 ) -> Result<Vec<(String, i64)>, StoreError> {
+    refresh_last_backup(&mut *conn, id, Some(id)).await?;
     let orphans: Vec<(String, i64)> = timed(
         Op::SnapshotDelete,
         sqlx::query_as(
@@ -457,4 +522,131 @@ pub async fn lock_by_command(
     )
     .await?;
     row.as_ref().map(SnapshotRow::from_row).transpose()
+}
+
+/// The org's snapshot quota a new snapshot (or backup) would exceed: `(limit, value)`, the
+/// quota's name and its value; `None` when it fits. Locks the org's quota row until the
+/// caller's transaction ends, so two requests cannot both take the last place.
+pub async fn quota_refusal(
+    conn: &mut PgConnection,
+    org: OrgId,
+) -> Result<Option<(&'static str, i64)>, StoreError> {
+    let quota = orgs::lock_snapshot_quota(&mut *conn, org).await?;
+    let (count, bytes) = org_usage(&mut *conn, org).await?;
+    if let Some(max) = quota.max_snapshots {
+        if count + 1 > i64::from(max) {
+            return Ok(Some(("max_snapshots", i64::from(max))));
+        }
+    }
+    if let Some(max) = quota.max_snapshot_bytes {
+        if bytes >= max {
+            return Ok(Some(("max_snapshot_bytes", max)));
+        }
+    }
+    Ok(None)
+}
+
+/// Requests a snapshot of `kind` of the locked, running sandbox `row` on `host`, in the
+/// caller's transaction: the `creating` row, its `sandbox.snapshot` command (incremental
+/// against the sandbox's newest ready snapshot on that host; a backup's order is disk only)
+/// and its `snapshot.created` event (with `reason`). The caller checked the state and the quota
+/// ([`quota_refusal`]): the API for a user's snapshot or backup, the reconciler for a periodic
+/// backup.
+pub async fn request(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    host: HostId,
+    kind: &'static str,
+    reason: Reason,
+) -> Result<SnapshotRow, StoreError> {
+    let id = row.id;
+    let snapshot_id = SnapshotId::new();
+    let parent = latest_ready_on(&mut *conn, id, host).await?;
+    let command = Command {
+        id: CommandId::new(),
+        sandbox_id: id,
+        generation: row.generation,
+        kind: CommandKind::Snapshot,
+        spec: Some(row.spec()),
+        snapshot: Some(SnapshotOrder {
+            snapshot_id,
+            parent,
+            disk_only: kind == KIND_BACKUP,
+        }),
+    };
+    commands::insert(&mut *conn, host, &command).await?;
+    create(
+        &mut *conn,
+        &NewSnapshot {
+            id: snapshot_id,
+            org_id: row.org_id,
+            sandbox_id: id,
+            host_id: host,
+            parent_id: parent,
+            template: &row.template,
+            runtime: row.runtime.as_str(),
+            vcpus: i32::try_from(row.resources.vcpus).unwrap_or(i32::MAX),
+            memory_mib: i32::try_from(row.resources.memory_mib).unwrap_or(i32::MAX),
+            disk_mib: i32::try_from(row.disk_mib).unwrap_or(i32::MAX),
+            command_id: command.id,
+            expires_at: None,
+            kind,
+        },
+    )
+    .await?;
+    events::insert_snapshot_event(
+        &mut *conn,
+        &NewEvent {
+            sandbox_id: id,
+            org_id: row.org_id,
+            from: Some(row.state),
+            to: row.state,
+            reason,
+            generation: row.generation,
+            command_id: Some(command.id),
+            message: None,
+            stop: None,
+        },
+        "snapshot.created",
+        snapshot_id,
+    )
+    .await?;
+    lock(&mut *conn, snapshot_id)
+        .await?
+        .ok_or(StoreError::Corrupt {
+            column: "snapshots.id",
+            message: format!("the snapshot {snapshot_id} just written is gone"),
+        })
+}
+
+/// Running sandboxes whose periodic backup is due, at most `batch`, locked (skipping rows
+/// another pass holds): `backup_interval_min` set, not being deleted, and no backup of it
+/// `creating` or requested within its interval (a failed one counts, so a failing store is
+/// retried once per interval, not every pass). `unit_secs` is the length of one of its minutes
+/// (60; tests shorten it).
+pub async fn lock_backups_due(
+    conn: &mut PgConnection,
+    unit_secs: f64,
+    batch: i64,
+) -> Result<Vec<SandboxRow>, StoreError> {
+    let rows = timed(
+        Op::SandboxAutoBackup,
+        sqlx::query(&format!(
+            "SELECT {} FROM sandboxes s
+              WHERE s.state = 'running' AND s.deleted_at IS NULL AND s.backup_interval_min IS NOT NULL
+                AND s.host_id IS NOT NULL
+                AND NOT EXISTS (SELECT 1 FROM snapshots b
+                                 WHERE b.sandbox_id = s.id AND b.kind = 'backup'
+                                   AND (b.state = 'creating'
+                                        OR b.created_at > now() - make_interval(secs => s.backup_interval_min * $1)))
+              ORDER BY s.last_backup_at NULLS FIRST
+              LIMIT $2 FOR UPDATE OF s SKIP LOCKED",
+            crate::sandboxes::columns_of("s")
+        ))
+        .bind(unit_secs)
+        .bind(batch)
+        .fetch_all(conn),
+    )
+    .await?;
+    rows.iter().map(SandboxRow::from_row).collect()
 }

@@ -27,6 +27,7 @@ async fn creating(db: &PgPool, org: OrgId) -> (SnapshotId, chrono::DateTime<chro
             disk_mib: 1024,
             command_id: CommandId::new(),
             expires_at: None,
+            kind: snapshots::KIND_SNAPSHOT,
         },
     )
     .await

@@ -39,6 +39,7 @@ async fn creating(
             disk_mib: 1024,
             command_id: CommandId::new(),
             expires_at: None,
+            kind: snapshots::KIND_SNAPSHOT,
         },
     )
     .await

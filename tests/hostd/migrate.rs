@@ -43,6 +43,7 @@ async fn stale_copy(h: &mut Harness) -> anyhow::Result<()> {
     migrate.snapshot = Some(SnapshotOrder {
         snapshot_id: stored.snapshot_id,
         parent: None,
+        disk_only: false,
     });
     succeeded_address(&h.send(&migrate).await?)?;
     let f = sh(h, sandbox, "cat /root/f").await?;

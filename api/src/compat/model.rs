@@ -175,6 +175,7 @@ impl CreateBody {
                 auto_stop_minutes: None,
                 auto_delete_minutes: None,
                 auto_archive_days: None,
+                backup_interval_min: None,
                 disk_mib: disk.default_mib(),
                 network: Default::default(),
                 auto_resume: true,

@@ -50,6 +50,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/sandboxes/{id}/renew", post(settings::renew))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshots::create))
+        .route("/v1/sandboxes/{id}/backup", post(snapshots::backup))
         .route("/v1/sandboxes/{id}/snapshots", get(snapshots::list))
         .route("/v1/sandboxes/{id}/restore", post(resume::restore))
         .route("/v1/sandboxes/{id}/clone", post(resume::clone))

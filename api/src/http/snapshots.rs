@@ -46,9 +46,47 @@ pub async fn create(
         "/v1/sandboxes/{id}/snapshot",
         id.as_bytes(),
     )?;
-    let outcome = snapshots::create(&app.db, caller.org_id, parse_id(&id)?, idem.as_ref(), |s| {
-        stored(StatusCode::ACCEPTED, s)
-    })
+    let outcome = snapshots::create(
+        &app.db,
+        caller.org_id,
+        parse_id(&id)?,
+        berth_store::snapshots::KIND_SNAPSHOT,
+        idem.as_ref(),
+        |s| stored(StatusCode::ACCEPTED, s),
+    )
+    .await?;
+    Ok(render_replayable(outcome))
+}
+
+/// `POST /v1/sandboxes/{id}/backup`
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/backup", params(("id" = String, Path)),
+    request_body(content = Option<super::body::NoFields>, description = "`{}` or no body"),
+    description = "Back up a running sandbox: its disk (never its memory) stored in the object store, as a snapshot of kind `backup`. The sandbox is frozen briefly for the capture and keeps running; the backup is `creating` until its upload is confirmed (`ready`, and then the sandbox's `last_backup_id` and `last_backup_at` name it) or `failed`. `POST …/restore-from-backup` boots the newest ready one.",
+    responses(
+        (status = 202, description = "Accepted; the backup is `creating`", body = Snapshot),
+        (status = 400, description = "`invalid_request`: a body other than `{}` or none"),
+        (status = 404, description = "`not_found`"),
+        (status = 409, description = "`conflict`: the sandbox is not `running`, or is being deleted; `state` is its state"),
+        (status = 429, description = "`quota_exceeded`: `limit` names `max_snapshots` or `max_snapshot_bytes` (backups count as snapshots)"),
+    ), security(("bearer" = [])))]
+pub async fn backup(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let super::body::NoFields {} = super::body::json_or_empty(&body)?;
+    let idem =
+        Idempotency::from_headers(&headers, "POST", "/v1/sandboxes/{id}/backup", id.as_bytes())?;
+    let outcome = snapshots::create(
+        &app.db,
+        caller.org_id,
+        parse_id(&id)?,
+        berth_store::snapshots::KIND_BACKUP,
+        idem.as_ref(),
+        |s| stored(StatusCode::ACCEPTED, s),
+    )
     .await?;
     Ok(render_replayable(outcome))
 }

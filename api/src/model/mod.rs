@@ -61,6 +61,9 @@ pub struct CreateSandbox {
     /// Archive (upload to object storage and free the host's disk) after this many days
     /// stopped; 1 to 3650.
     pub auto_archive_days: Option<u32>,
+    /// Back up its disk to the object store every this many minutes while it runs (1 to
+    /// 525600); absent: no periodic backups (see "Backups").
+    pub backup_interval_min: Option<u32>,
     /// The size of the sandbox's writable disk in MiB: what it may write beyond its template
     /// (an exec that writes more gets `ENOSPC`). 64 to the operator's maximum (default 65536);
     /// default 2048 unless the operator set another. Kept across stops.
@@ -246,6 +249,8 @@ pub struct ValidCreate {
     pub auto_delete_minutes: Option<i32>,
     /// Days stopped before an auto-archive; `None`: never.
     pub auto_archive_days: Option<i32>,
+    /// Minutes between periodic backups while running; `None`: none.
+    pub backup_interval_min: Option<i32>,
     /// The writable disk in MiB, within the operator's [`DiskLimits`], default applied.
     pub disk_mib: u32,
     /// The network policy; public egress when the request named none.
@@ -272,6 +277,8 @@ pub const MAX_AUTO_STOP_MINUTES: u32 = 7 * 24 * 60;
 pub const MAX_AUTO_DELETE_MINUTES: u32 = 365 * 24 * 60;
 /// The longest `auto_archive_days` (ten years).
 pub const MAX_AUTO_ARCHIVE_DAYS: u32 = 3650;
+/// The longest `backup_interval_min` (a year).
+pub const MAX_BACKUP_INTERVAL_MIN: u32 = 365 * 24 * 60;
 
 /// The 400 of a metadata object over [`MAX_METADATA_KEYS`].
 pub(crate) fn too_many_keys() -> ApiError {
@@ -426,6 +433,11 @@ impl CreateSandbox {
                 self.auto_archive_days,
                 MAX_AUTO_ARCHIVE_DAYS,
             )?,
+            backup_interval_min: minutes(
+                "backup_interval_min",
+                self.backup_interval_min,
+                MAX_BACKUP_INTERVAL_MIN,
+            )?,
             disk_mib,
         })
     }
@@ -506,6 +518,17 @@ pub struct Sandbox {
     /// Days stopped before the reconciler archives it; `None`: never.
     #[serde(default)]
     pub auto_archive_days: Option<i32>,
+    /// Its newest `ready` backup (a disk snapshot in the object store, see "Backups"); `None`
+    /// while it has none.
+    #[serde(default)]
+    #[schema(value_type = Option<String>, format = Uuid)]
+    pub last_backup_id: Option<berth_schemas::ids::SnapshotId>,
+    /// When that backup became ready (its upload confirmed).
+    #[serde(default)]
+    pub last_backup_at: Option<DateTime<Utc>>,
+    /// Minutes between automatic backups while it runs; `None`: none.
+    #[serde(default)]
+    pub backup_interval_min: Option<i32>,
 }
 
 fn yes() -> bool {
@@ -545,6 +568,9 @@ impl From<SandboxRow> for Sandbox {
             entrypoint: row.entrypoint,
             durable_at: row.durable_at,
             auto_archive_days: row.auto_archive_days,
+            last_backup_id: row.last_backup_id,
+            last_backup_at: row.last_backup_at,
+            backup_interval_min: row.backup_interval_min,
         }
     }
 }

@@ -56,6 +56,11 @@ pub struct PatchSandbox {
     #[serde(default, deserialize_with = "present")]
     #[schema(value_type = Option<i64>, nullable)]
     pub auto_archive_days: Option<Option<i64>>,
+    /// Back up every this many minutes while running (1 to 525600); `null` turns periodic
+    /// backups off.
+    #[serde(default, deserialize_with = "present")]
+    #[schema(value_type = Option<i64>, nullable)]
+    pub backup_interval_min: Option<Option<i64>>,
     /// When the reconciler applies `on_expiry` (RFC 3339, in the future, at most a year
     /// ahead); `null` removes the expiry.
     #[serde(default, deserialize_with = "present")]
@@ -100,6 +105,8 @@ pub struct ValidPatch {
     pub auto_delete_minutes: Option<Option<i32>>,
     /// New `auto_archive_days`.
     pub auto_archive_days: Option<Option<i32>>,
+    /// New `backup_interval_min`.
+    pub backup_interval_min: Option<Option<i32>>,
     /// New `expires_at`.
     pub expires_at: Option<Option<DateTime<Utc>>>,
     /// New `on_expiry`.
@@ -119,6 +126,7 @@ impl ValidPatch {
             ("auto_stop_minutes", self.auto_stop_minutes.is_some()),
             ("auto_delete_minutes", self.auto_delete_minutes.is_some()),
             ("auto_archive_days", self.auto_archive_days.is_some()),
+            ("backup_interval_min", self.backup_interval_min.is_some()),
             ("expires_at", self.expires_at.is_some()),
             ("on_expiry", self.on_expiry.is_some()),
             ("auto_resume", self.auto_resume.is_some()),
@@ -225,6 +233,11 @@ impl PatchSandbox {
                 "auto_archive_days",
                 self.auto_archive_days,
                 MAX_AUTO_ARCHIVE_DAYS,
+            )?,
+            backup_interval_min: patch_minutes(
+                "backup_interval_min",
+                self.backup_interval_min,
+                super::MAX_BACKUP_INTERVAL_MIN,
             )?,
             expires_at: match self.expires_at {
                 None => None,

@@ -19,6 +19,9 @@ pub struct Snapshot {
     /// The sandbox it was taken of (which may since be deleted: a snapshot outlives it).
     #[schema(value_type = String, format = Uuid)]
     pub sandbox_id: SandboxId,
+    /// `snapshot` (`POST …/snapshot`, a fork) or `backup` (the disk only: `POST …/backup` or
+    /// the periodic backups of `backup_interval_min`).
+    pub kind: String,
     /// `creating`, `ready` or `failed`.
     pub state: SnapshotState,
     /// Why it failed; absent otherwise.
@@ -63,6 +66,7 @@ impl From<SnapshotRow> for Snapshot {
         Snapshot {
             id: r.id,
             sandbox_id: r.sandbox_id,
+            kind: r.kind,
             state: r.state,
             reason: r.reason,
             holds: r.holds,

@@ -212,7 +212,8 @@ pub async fn fork(
     let row = sandboxes::lock(&mut tx, id, Some(org))
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
-    let snapshot = super::snapshots::request_locked(&mut tx, org, &row).await?;
+    let snapshot =
+        super::snapshots::request_locked(&mut tx, org, &row, snapshots::KIND_SNAPSHOT).await?;
     // A fork's children live within the parent's deadline: they take its expiry.
     let settings = ValidCreate {
         expires_at: row.expires_at,
@@ -315,6 +316,7 @@ fn settings_of(row: &SandboxRow) -> ValidCreate {
         auto_stop_minutes: row.auto_stop_minutes,
         auto_delete_minutes: row.auto_delete_minutes,
         auto_archive_days: row.auto_archive_days,
+        backup_interval_min: row.backup_interval_min,
         disk_mib: row.disk_mib,
         network: row.network.clone(),
         auto_resume: row.auto_resume,
@@ -362,6 +364,7 @@ async fn clone_locked(
             auto_stop_minutes: settings.auto_stop_minutes,
             auto_delete_minutes: settings.auto_delete_minutes,
             auto_archive_days: settings.auto_archive_days,
+            backup_interval_min: settings.backup_interval_min,
             disk_mib: u32::try_from(snapshot.disk_mib).unwrap_or(0),
             network: settings.network,
             auto_resume: settings.auto_resume,

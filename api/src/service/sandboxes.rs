@@ -68,6 +68,7 @@ pub async fn create(
             auto_stop_minutes: req.auto_stop_minutes,
             auto_delete_minutes: req.auto_delete_minutes,
             auto_archive_days: req.auto_archive_days,
+            backup_interval_min: req.backup_interval_min,
             disk_mib: req.disk_mib,
             network: req.network,
             auto_resume: req.auto_resume,

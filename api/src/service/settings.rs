@@ -83,6 +83,7 @@ pub async fn patch(
         auto_stop_minutes: patch.auto_stop_minutes,
         auto_delete_minutes: patch.auto_delete_minutes,
         auto_archive_days: patch.auto_archive_days,
+        backup_interval_min: patch.backup_interval_min,
         expires_at: patch.expires_at,
         on_expiry: patch.on_expiry,
         auto_resume: patch.auto_resume,

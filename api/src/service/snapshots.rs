@@ -6,11 +6,9 @@
 
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::state::snapshot::{on_snapshot_delete, on_snapshot_request, SnapshotRefusal};
-use berth_schemas::wire::{Command, SnapshotOrder};
-use berth_schemas::{CommandId, CommandKind, OrgId, Reason, SandboxId};
-use berth_store::events::{self, NewEvent};
-use berth_store::snapshots::{self, NewSnapshot};
-use berth_store::{chunks, commands, orgs, sandboxes};
+use berth_schemas::{OrgId, Reason, SandboxId};
+use berth_store::snapshots;
+use berth_store::{chunks, sandboxes};
 use sqlx::PgPool;
 use tracing::{info, instrument, warn};
 
@@ -30,6 +28,7 @@ pub async fn create(
     db: &PgPool,
     org: OrgId,
     id: SandboxId,
+    kind: &'static str,
     key: Option<&IdempotencyKey>,
     render: impl FnOnce(&Snapshot) -> Result<StoredResponse, ServiceError>,
 ) -> Result<Replayable<Snapshot>, ServiceError> {
@@ -42,7 +41,7 @@ pub async fn create(
     let row = sandboxes::lock(&mut tx, id, Some(org))
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;
-    let created = request_locked(&mut tx, org, &row).await?;
+    let created = request_locked(&mut tx, org, &row, kind).await?;
     let snapshot_id = created.id;
     let snapshot = Snapshot::from(created);
     let response = idempotency::commit(tx, db, org, key, render(&snapshot)?).await?;
@@ -59,6 +58,7 @@ pub(crate) async fn request_locked(
     tx: &mut sqlx::PgConnection,
     org: OrgId,
     row: &sandboxes::SandboxRow,
+    kind: &'static str,
 ) -> Result<snapshots::SnapshotRow, ServiceError> {
     let id = row.id;
     on_snapshot_request(row.state, row.deleting()).map_err(|refusal| ServiceError::Conflict {
@@ -68,76 +68,10 @@ pub(crate) async fn request_locked(
     let host = row
         .host_id
         .ok_or_else(|| ServiceError::Internal(format!("running sandbox {id} has no host")))?;
-    let quota = orgs::lock_snapshot_quota(&mut *tx, org).await?;
-    let (count, bytes) = snapshots::org_usage(&mut *tx, org).await?;
-    if let Some(max) = quota.max_snapshots {
-        if count + 1 > i64::from(max) {
-            return Err(ServiceError::QuotaExceeded {
-                limit: "max_snapshots",
-                value: i64::from(max),
-            });
-        }
+    if let Some((limit, value)) = snapshots::quota_refusal(&mut *tx, org).await? {
+        return Err(ServiceError::QuotaExceeded { limit, value });
     }
-    if let Some(max) = quota.max_snapshot_bytes {
-        if bytes >= max {
-            return Err(ServiceError::QuotaExceeded {
-                limit: "max_snapshot_bytes",
-                value: max,
-            });
-        }
-    }
-    let snapshot_id = SnapshotId::new();
-    let parent = snapshots::latest_ready_on(&mut *tx, id, host).await?;
-    let command = Command {
-        id: CommandId::new(),
-        sandbox_id: id,
-        generation: row.generation,
-        kind: CommandKind::Snapshot,
-        spec: Some(row.spec()),
-        snapshot: Some(SnapshotOrder {
-            snapshot_id,
-            parent,
-        }),
-    };
-    commands::insert(&mut *tx, host, &command).await?;
-    snapshots::create(
-        &mut *tx,
-        &NewSnapshot {
-            id: snapshot_id,
-            org_id: org,
-            sandbox_id: id,
-            host_id: host,
-            parent_id: parent,
-            template: &row.template,
-            runtime: row.runtime.as_str(),
-            vcpus: i32::try_from(row.resources.vcpus).unwrap_or(i32::MAX),
-            memory_mib: i32::try_from(row.resources.memory_mib).unwrap_or(i32::MAX),
-            disk_mib: i32::try_from(row.disk_mib).unwrap_or(i32::MAX),
-            command_id: command.id,
-            expires_at: None,
-        },
-    )
-    .await?;
-    events::insert_snapshot_event(
-        &mut *tx,
-        &NewEvent {
-            sandbox_id: id,
-            org_id: org,
-            from: Some(row.state),
-            to: row.state,
-            reason: Reason::UserRequest,
-            generation: row.generation,
-            command_id: Some(command.id),
-            message: None,
-            stop: None,
-        },
-        "snapshot.created",
-        snapshot_id,
-    )
-    .await?;
-    snapshots::get(&mut *tx, org, snapshot_id)
-        .await?
-        .ok_or_else(|| ServiceError::Internal("the snapshot just written is gone".into()))
+    Ok(snapshots::request(&mut *tx, row, host, kind, Reason::UserRequest).await?)
 }
 
 /// One snapshot of `org`; another org's is "not found".

@@ -181,6 +181,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
                 snapshot: Some(berth_schemas::wire::SnapshotOrder {
                     snapshot_id: durable.snapshot_id,
                     parent: None,
+                    disk_only: false,
                 }),
                 kind: CommandKind::Unarchive,
                 ..cmd.clone()

@@ -10,6 +10,9 @@
 //! - Then, with the sandbox running again, upload: chunks first, the manifest last. The
 //!   result reports the snapshot only once its manifest is stored (DESIGN.md guarantee 9).
 //!
+//! A backup (issue 14, [`berth_schemas::wire::SnapshotOrder::disk_only`]) skips the gVisor
+//! checkpoint: the disk is captured under the same brief freeze on every runtime.
+//!
 //! A failure at any step fails the snapshot ([`ResultOutcome::Failed`]), never the sandbox: a
 //! frozen container is always thawed, and the sandbox's record and state are not touched.
 //! The staging dir of a failed capture is removed.
@@ -108,7 +111,9 @@ async fn take(
         root: upper,
     }];
     let started = Instant::now();
-    if runtime.memory_snapshot() {
+    // A backup keeps the disk only: no checkpoint, only the freeze of the disk capture.
+    let with_memory = runtime.memory_snapshot() && !order.disk_only;
+    if with_memory {
         if !host.gates.close_and_drain(id, SNAPSHOT_DRAIN_TIMEOUT).await {
             tracing::warn!(waited = ?SNAPSHOT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
         }
@@ -155,7 +160,7 @@ async fn take(
     });
     // Thaw whatever the capture did: a snapshot never leaves its sandbox frozen.
     let thawed = runtime.thaw(&names.container_id).await;
-    let paused = if runtime.memory_snapshot() {
+    let paused = if with_memory {
         started.elapsed()
     } else {
         freeze_started.elapsed()

@@ -38,6 +38,7 @@ use berth_store::{commands, idempotency, SandboxRow, StoreError};
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tracing::{info, warn};
 
+mod backups;
 pub mod guests;
 
 /// Default [`PassConfig::interval`]: a pass every 10 seconds.
@@ -58,6 +59,8 @@ pub const DEFAULT_SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// Default [`PassConfig::archive_timeout`]: 30 minutes, room to upload (archive) or fetch
 /// (unarchive) a large sandbox on a slow object store, as a snapshot has.
 pub const DEFAULT_ARCHIVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// One minute of `backup_interval_min`.
+pub const DEFAULT_BACKUP_UNIT: Duration = Duration::from_secs(60);
 /// Default [`PassConfig::template_pull_timeout`]: 30 minutes without any sign of a template's
 /// image pull (a progress event per layer), room for one large layer on a slow registry.
 pub const DEFAULT_TEMPLATE_PULL_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -166,6 +169,9 @@ pub struct PassConfig {
     /// `failed-start` (capacity released), and a `sandbox.migrate` before it is `stopped`
     /// again on the host it came from (capacity released on the new one, which gets a delete).
     pub archive_timeout: Duration,
+    /// The length of one of `backup_interval_min`'s minutes ([`DEFAULT_BACKUP_UNIT`]; tests
+    /// shorten it).
+    pub backup_unit: Duration,
 }
 
 impl Default for PassConfig {
@@ -187,6 +193,7 @@ impl Default for PassConfig {
             snapshot_timeout: DEFAULT_SNAPSHOT_TIMEOUT,
             template_pull_timeout: DEFAULT_TEMPLATE_PULL_TIMEOUT,
             archive_timeout: DEFAULT_ARCHIVE_TIMEOUT,
+            backup_unit: DEFAULT_BACKUP_UNIT,
         }
     }
 }
@@ -221,6 +228,8 @@ pub enum Action {
     TemplatePullTimeout,
     /// `stopped` sandboxes archived after `auto_archive_days`.
     AutoArchive,
+    /// `running` sandboxes backed up after `backup_interval_min`.
+    AutoBackup,
 }
 
 impl Action {
@@ -240,6 +249,7 @@ impl Action {
             Action::SnapshotTimeout => "snapshot_timeout",
             Action::TemplatePullTimeout => "template_pull_timeout",
             Action::AutoArchive => "auto_archive",
+            Action::AutoBackup => "auto_backup",
         }
     }
 }
@@ -366,6 +376,8 @@ async fn run_actions(
     report.actions.push((Action::TemplatePullTimeout, n));
     let n = auto_lifecycle(db, config, lease, Request::Archive).await?;
     report.actions.push((Action::AutoArchive, n));
+    let n = backups::auto_backup(db, config, lease).await?;
+    report.actions.push((Action::AutoBackup, n));
     Ok(())
 }
 

@@ -381,6 +381,8 @@ pub enum Reason {
     Expired,
     /// `auto_archive_days` passed while stopped.
     AutoArchive,
+    /// `backup_interval_min` passed since the last backup of a running sandbox.
+    AutoBackup,
 }
 
 impl Reason {
@@ -398,6 +400,7 @@ impl Reason {
             Reason::RetriedElsewhere => "retried_elsewhere",
             Reason::Expired => "expired",
             Reason::AutoArchive => "auto_archive",
+            Reason::AutoBackup => "auto_backup",
         }
     }
 }

@@ -159,6 +159,7 @@ pub(super) async fn boot_from_durable(
         snapshot: Some(SnapshotOrder {
             snapshot_id: boot.snapshot,
             parent: None,
+            disk_only: false,
         }),
         id: CommandId::new(),
         sandbox_id: row.id,

@@ -32,7 +32,7 @@ pub const COLUMNS: &str = "id, org_id, template, host_id, state, state_reason, g
      deleted_at, auto_stop_minutes, auto_delete_minutes, disk_mib, network, auto_resume, \
      public_ports, expires_at, on_expiry, last_stop_code, last_stop_reason, env, entrypoint, \
      image_uri, image, durable_at, durable_snapshot, auto_archive_days, migrated_from, \
-     seed_snapshot";
+     seed_snapshot, last_backup_id, last_backup_at, backup_interval_min";
 
 /// [`COLUMNS`] qualified with a table alias (`s.id, s.org_id, …`), for joins.
 pub fn columns_of(alias: &str) -> String {
@@ -125,6 +125,14 @@ pub struct SandboxRow {
     /// ([`berth_schemas::state::on_request_unseeded`]). `None` once it ran, and for a sandbox
     /// made from a template.
     pub seed_snapshot: Option<SnapshotId>,
+    /// Its newest `ready` backup (issue 14), written when that backup settled ready, never
+    /// before its upload was confirmed; `None` while it has none.
+    pub last_backup_id: Option<SnapshotId>,
+    /// When [`Self::last_backup_id`] became ready.
+    pub last_backup_at: Option<DateTime<Utc>>,
+    /// Minutes between the reconciler's backups of it while running; `None`: no periodic
+    /// backups.
+    pub backup_interval_min: Option<i32>,
 }
 
 impl SandboxRow {
@@ -186,6 +194,9 @@ impl SandboxRow {
             auto_archive_days: row.try_get("auto_archive_days").map_err(get)?,
             migrated_from: row.try_get("migrated_from").map_err(get)?,
             seed_snapshot: row.try_get("seed_snapshot").map_err(get)?,
+            last_backup_id: row.try_get("last_backup_id").map_err(get)?,
+            last_backup_at: row.try_get("last_backup_at").map_err(get)?,
+            backup_interval_min: row.try_get("backup_interval_min").map_err(get)?,
         })
     }
 
@@ -322,6 +333,8 @@ pub struct NewSandbox {
     pub auto_delete_minutes: Option<i32>,
     /// Days stopped before auto-archive; `None`: never.
     pub auto_archive_days: Option<i32>,
+    /// Minutes between the reconciler's backups while running; `None`: none.
+    pub backup_interval_min: Option<i32>,
     /// The size of its writable disk in MiB (validated by the API, never 0).
     pub disk_mib: u32,
     /// Its network policy, already validated.
@@ -367,9 +380,9 @@ pub async fn create(
                                     auto_delete_minutes, runtime, disk_mib, network,
                                     auto_resume, public_ports, expires_at, on_expiry, env,
                                     entrypoint, image_uri, image, auto_archive_days,
-                                    seed_snapshot)
+                                    seed_snapshot, backup_interval_min)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18, $19, $20, $21, $22, $23, $24)
+                     $17, $18, $19, $20, $21, $22, $23, $24, $25)
              RETURNING {COLUMNS}"
         ))
         .bind(id)
@@ -401,6 +414,7 @@ pub async fn create(
         .bind(&new.image)
         .bind(new.auto_archive_days)
         .bind(new.from_snapshot)
+        .bind(new.backup_interval_min)
         .fetch_one(&mut *conn),
     )
     .await?;
@@ -409,6 +423,7 @@ pub async fn create(
         snapshot: new.from_snapshot.map(|snapshot_id| SnapshotOrder {
             snapshot_id,
             parent: None,
+            disk_only: false,
         }),
         id: CommandId::new(),
         sandbox_id: id,

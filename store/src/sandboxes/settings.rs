@@ -32,6 +32,8 @@ pub struct SettingsChange<'a> {
     /// New `auto_archive_days`; any change re-arms the auto-archive clock from now, as
     /// `auto_delete_minutes` does.
     pub auto_archive_days: Option<Option<i32>>,
+    /// New `backup_interval_min` (the next backup is due once the newest is that old).
+    pub backup_interval_min: Option<Option<i32>>,
     /// New `expires_at`.
     pub expires_at: Option<Option<DateTime<Utc>>>,
     /// New `on_expiry`.
@@ -68,7 +70,8 @@ pub async fn update_settings(
                     expires_at = CASE WHEN $8 THEN $9 ELSE expires_at END,
                     on_expiry = COALESCE($10, on_expiry),
                     auto_resume = COALESCE($11, auto_resume),
-                    public_ports = COALESCE($12, public_ports)
+                    public_ports = COALESCE($12, public_ports),
+                    backup_interval_min = CASE WHEN $15 THEN $16 ELSE backup_interval_min END
               WHERE id = $1 AND generation = $2 AND deleted_at IS NULL
               RETURNING {COLUMNS}"
         ))
@@ -91,6 +94,8 @@ pub async fn update_settings(
         )
         .bind(change.auto_archive_days.is_some())
         .bind(change.auto_archive_days.flatten())
+        .bind(change.backup_interval_min.is_some())
+        .bind(change.backup_interval_min.flatten())
         .fetch_optional(&mut *conn),
     )
     .await?

@@ -105,6 +105,7 @@ pub async fn write_transition(
             snapshot: transition.snapshot.map(|snapshot_id| SnapshotOrder {
                 snapshot_id,
                 parent: None,
+                disk_only: false,
             }),
             id: CommandId::new(),
             sandbox_id: row.id,
