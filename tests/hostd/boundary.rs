@@ -389,7 +389,11 @@ async fn runc_boundary(h: &mut Harness) -> anyhow::Result<()> {
     // A disk written before sandboxes had a user namespace (owned by host root) is shifted
     // once at the next start, and stays usable.
     // (Stopped, the disk is unmounted: the test mounts its image aside to make it so.)
-    h.send(&h.command(sandbox, 4, CommandKind::Stop)).await?;
+    let stop = h.command(sandbox, 4, CommandKind::Stop);
+    h.send(&stop).await?;
+    // The stop snapshot's upload mounts the disk again for a moment in the background: mount
+    // it aside only once that is over (two mounts of one ext4 image corrupt it).
+    h.durable(stop.id).await?;
     let image = h.sandbox_dir(sandbox).join("disk.img");
     let aside = h.state_dir.join("legacy-disk");
     std::fs::create_dir_all(&aside)?;

@@ -190,6 +190,10 @@ async fn run_chain(h: &mut Harness, runtime: Runtime, chain: Chain) -> anyhow::R
         "stop: {stopped:?}"
     );
     h.heartbeat_with(sandbox, GuestStatus::Stopped).await?;
+    // The stop snapshot's upload mounts the disk again for a moment in the background.
+    h.durable(stop.id)
+        .await
+        .context("the stop's durability report")?;
     assert_one_sandbox(h, sandbox, false)
         .await
         .context("after the stop")?;

@@ -292,6 +292,18 @@ impl Harness {
     }
 
     /// The next result of `command`, acking every result read on the way.
+    /// Waits for the durability report of the stop `command` (its second result: the stop
+    /// snapshot stored, and the disk the upload mounted to read released again), skipping any
+    /// repeat of its first. A test that looks at a stopped sandbox's mounts or disk image waits
+    /// for this first: the upload runs in the background after the stop's answer.
+    pub(crate) async fn durable(&mut self, command: CommandId) -> anyhow::Result<()> {
+        loop {
+            if let ResultOutcome::Durable(_) = self.result_of(command).await?.outcome {
+                return Ok(());
+            }
+        }
+    }
+
     pub(crate) async fn result_of(&mut self, command: CommandId) -> anyhow::Result<CommandResult> {
         if let Some(pos) = self.unclaimed.iter().position(|r| r.command_id == command) {
             return Ok(self.unclaimed.remove(pos).expect("position is valid"));
