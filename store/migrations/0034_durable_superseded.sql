@@ -6,6 +6,9 @@
 CREATE TABLE durable_superseded (
     snapshot_id   uuid PRIMARY KEY,
     sandbox_id    uuid NOT NULL,
+    -- Superseded by a delete while a migrate or unarchive may still be fetching it: kept until
+    -- the sandbox is `deleted` (its new host answered the delete, so that boot is over).
+    until_deleted boolean NOT NULL DEFAULT false,
     superseded_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX durable_superseded_sandbox ON durable_superseded (sandbox_id);

@@ -210,11 +210,16 @@ async fn each_superseded_stop_is_collected_once_nothing_needs_it_with_only_its_o
     assert_eq!(lock(&db, &row).await.durable_snapshot, Some(c));
     assert_eq!(take(&db, &stopped).await, Some((b, vec![y.clone()])));
 
-    // A delete supersedes C; held while the delete is in flight (a migrate or unarchive may
-    // still be fetching it), collected once the sandbox is deleted.
+    // A delete during a migration supersedes C; held while the delete is in flight (the new
+    // host may still be fetching it), collected once the sandbox is deleted.
+    sqlx::query("UPDATE sandboxes SET state = 'migrating' WHERE id = $1")
+        .bind(row.id)
+        .execute(&db)
+        .await
+        .unwrap();
     let deleting = go(&db, &stopped, SandboxState::Stopping, true).await;
     assert_eq!(deleting.durable_snapshot, None);
-    assert_eq!(take(&db, &deleting).await, None, "held while stopping");
+    assert_eq!(take(&db, &deleting).await, None, "held while the delete is in flight");
     sqlx::query("UPDATE sandboxes SET state = 'deleted' WHERE id = $1")
         .bind(row.id)
         .execute(&db)
@@ -237,7 +242,7 @@ async fn a_chunk_another_sandbox_or_a_snapshot_references_is_never_an_orphan(db:
     durable(&db, &two, SnapshotId::new(), std::slice::from_ref(&shared)).await;
     // Deleted elsewhere (an org's delete writes the row itself): the collector's look moves
     // its durable stop to the superseded ones.
-    sqlx::query("UPDATE sandboxes SET state = 'deleted', deleted_at = now() WHERE id = $1")
+    sqlx::query("UPDATE sandboxes SET state = 'stopping', deleted_at = now() WHERE id = $1")
         .bind(one.id)
         .execute(&db)
         .await
@@ -250,5 +255,16 @@ async fn a_chunk_another_sandbox_or_a_snapshot_references_is_never_an_orphan(db:
     assert_eq!(sandboxes::take_durable(&mut conn, one.id).await.unwrap(), Some(a));
     assert_eq!(sandboxes::take_durable(&mut conn, two.id).await.unwrap(), None, "not deleted");
     drop(conn);
+    assert_eq!(take(&db, &one).await, None, "a boot may fetch it until the delete is answered");
+    sqlx::query("UPDATE sandboxes SET state = 'deleted' WHERE id = $1")
+        .bind(one.id)
+        .execute(&db)
+        .await
+        .unwrap();
     assert_eq!(take(&db, &one).await, Some((a, vec![own])));
+    // A user's delete of a stopped sandbox (no boot, and its stop never becomes durable now):
+    // collected at once, with the chunk nothing references any more.
+    let two = lock(&db, &two).await;
+    let deleting = go(&db, &two, SandboxState::Stopping, true).await;
+    assert_eq!(take(&db, &deleting).await.map(|t| t.1), Some(vec![shared]));
 }

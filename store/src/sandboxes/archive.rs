@@ -56,7 +56,7 @@ pub async fn write_durable(
     };
     if let Some(old) = replaced.filter(|old| *old != snapshot) {
         // A newer durable stop replaces it: collected once nothing needs it.
-        super::superseded::record(conn, id, old).await?;
+        super::superseded::record(conn, id, old, false).await?;
     }
     let (hashes, sizes): (Vec<String>, Vec<i64>) = chunks.iter().cloned().unzip();
     timed(
@@ -221,17 +221,20 @@ pub async fn take_durable(
     conn: &mut PgConnection,
     id: SandboxId,
 ) -> Result<Option<SnapshotId>, StoreError> {
-    let deleting: Option<bool> = timed(
+    let state: Option<String> = timed(
         Op::SandboxDurable,
         sqlx::query_scalar(
-            "SELECT deleted_at IS NOT NULL FROM sandboxes WHERE id = $1 FOR UPDATE",
+            "SELECT state FROM sandboxes WHERE id = $1 AND deleted_at IS NOT NULL FOR UPDATE",
         )
         .bind(id)
         .fetch_optional(&mut *conn),
     )
     .await?;
-    if deleting != Some(true) {
+    let Some(state) = state else {
         return Ok(None);
-    }
-    super::superseded::supersede(conn, id, None, None).await
+    };
+    // Deleted elsewhere, from a state this cannot tell: a boot may still fetch it until the
+    // delete is answered.
+    let until_deleted = state != SandboxState::Deleted.as_str();
+    super::superseded::supersede(conn, id, None, None, until_deleted).await
 }

@@ -8,8 +8,9 @@
 //!
 //! Why the hold: a stop's upload is a full capture that skips every chunk the store holds
 //! already, mostly the previous stop's. While the sandbox is `stopping`, or `stopped` (or
-//! `archiving`) and not durable yet, that upload may be counting on them; a delete in flight
-//! (`stopping` with `deleted_at`) may still have a migrate or unarchive fetching. The claim of
+//! `archiving`) and not durable yet, that upload may be counting on them (a deleted sandbox's
+//! never becomes durable). A delete during `migrating` or `unarchiving` may still have the new
+//! host fetching the stop: that one waits until the sandbox is `deleted`. The claim of
 //! `chunk_removals` and `crate::chunks::check_for_ready` (at the durable write) cover the rest.
 
 use berth_schemas::ids::SnapshotId;
@@ -22,12 +23,15 @@ use crate::StoreError;
 /// Moves sandbox `id`'s durable stop snapshot (if it names one other than `keep`) to the
 /// superseded ones awaiting collection, with its chunk references, and clears `durable_at` and
 /// `durable_snapshot`, in the caller's transaction; the snapshot moved. Fenced on `generation`
-/// when given (nothing moves at another generation). Lock the row first.
+/// when given (nothing moves at another generation). `until_deleted`: a boot may still be
+/// fetching it (a delete during `migrating` or `unarchiving`), so it waits until the sandbox is
+/// `deleted`. Lock the row first.
 pub async fn supersede(
     conn: &mut PgConnection,
     id: SandboxId,
     generation: Option<Generation>,
     keep: Option<SnapshotId>,
+    until_deleted: bool,
 ) -> Result<Option<SnapshotId>, StoreError> {
     let cleared: Option<SnapshotId> = timed(
         Op::SandboxDurable,
@@ -50,7 +54,7 @@ pub async fn supersede(
     let Some(snapshot) = cleared else {
         return Ok(None);
     };
-    record(conn, id, snapshot).await?;
+    record(conn, id, snapshot, until_deleted).await?;
     Ok(Some(snapshot))
 }
 
@@ -60,15 +64,17 @@ pub(super) async fn record(
     conn: &mut PgConnection,
     id: SandboxId,
     snapshot: SnapshotId,
+    until_deleted: bool,
 ) -> Result<(), StoreError> {
     timed(
         Op::SandboxDurable,
         sqlx::query(
-            "INSERT INTO durable_superseded (snapshot_id, sandbox_id) VALUES ($1, $2)
-             ON CONFLICT (snapshot_id) DO NOTHING",
+            "INSERT INTO durable_superseded (snapshot_id, sandbox_id, until_deleted)
+             VALUES ($1, $2, $3) ON CONFLICT (snapshot_id) DO NOTHING",
         )
         .bind(snapshot)
         .bind(id)
+        .bind(until_deleted)
         .execute(&mut *conn),
     )
     .await?;
@@ -99,9 +105,10 @@ pub struct Superseded {
 }
 
 /// Takes, in the caller's transaction, the oldest superseded stop snapshot (of `sandbox` when
-/// given) that may be collected now: its sandbox (if its row is still there) is neither
-/// `stopping` nor `stopped`/`archiving` without a durable stop; rows another collector holds
-/// are skipped. Forgets it and its chunk references; commit only once its manifest is removed
+/// given) that may be collected now: its sandbox (if its row is still there) is being deleted
+/// (and, when a boot may still fetch it, `deleted`), or is neither `stopping` nor
+/// `stopped`/`archiving` without a durable stop (the next stop's upload); rows another
+/// collector holds are skipped. Forgets it and its chunk references; commit only once its manifest is removed
 /// from the store (a rollback leaves it for the next look).
 pub async fn take_superseded(
     conn: &mut PgConnection,
@@ -114,9 +121,11 @@ pub async fn take_superseded(
                LEFT JOIN sandboxes s ON s.id = x.sandbox_id
               WHERE ($1::uuid IS NULL OR x.sandbox_id = $1)
                 AND (s.id IS NULL
-                     OR NOT (s.state = 'stopping'
-                             OR (s.state IN ('stopped', 'archiving') AND s.durable_at IS NULL
-                                 AND s.deleted_at IS NULL)))
+                     OR (s.deleted_at IS NOT NULL AND (NOT x.until_deleted OR s.state = 'deleted'))
+                     OR (s.deleted_at IS NULL
+                         AND NOT (s.state = 'stopping'
+                                  OR (s.state IN ('stopped', 'archiving')
+                                      AND s.durable_at IS NULL))))
               ORDER BY x.superseded_at LIMIT 1
               FOR UPDATE OF x SKIP LOCKED",
         )
