@@ -190,13 +190,25 @@ async fn each_superseded_stop_is_collected_once_nothing_needs_it_with_only_its_o
     let started = go(&db, &stopped, SandboxState::Starting, false).await;
     assert_eq!((started.durable_at, started.durable_snapshot), (None, None));
     let mut conn = db.acquire().await.unwrap();
-    assert_eq!(sandboxes::superseded_count(&mut conn, row.id).await.unwrap(), 1);
+    assert_eq!(
+        sandboxes::superseded_count(&mut conn, row.id)
+            .await
+            .unwrap(),
+        1
+    );
     drop(conn);
     // Stopped again, the next stop's upload (a full capture skipping what the store holds) may
     // count on A's chunks: A waits, and no removal takes them.
     let stopped = go(&db, &started, SandboxState::Stopped, false).await;
-    assert_eq!(take(&db, &stopped).await, None, "held while the stop is not durable");
-    assert!(!claimable(&db, &x).await, "a superseded snapshot's chunk is referenced");
+    assert_eq!(
+        take(&db, &stopped).await,
+        None,
+        "held while the stop is not durable"
+    );
+    assert!(
+        !claimable(&db, &x).await,
+        "a superseded snapshot's chunk is referenced"
+    );
     // Once the next stop B (sharing y) is durable, A goes with only x.
     let b = SnapshotId::new();
     durable(&db, &stopped, b, &[y.clone(), z.clone()]).await;
@@ -206,7 +218,7 @@ async fn each_superseded_stop_is_collected_once_nothing_needs_it_with_only_its_o
 
     // A newer durable stop at the same generation (an archive's upload) supersedes B.
     let c = SnapshotId::new();
-    durable(&db, &stopped, c, &[z.clone()]).await;
+    durable(&db, &stopped, c, std::slice::from_ref(&z)).await;
     assert_eq!(lock(&db, &row).await.durable_snapshot, Some(c));
     assert_eq!(take(&db, &stopped).await, Some((b, vec![y.clone()])));
 
@@ -219,7 +231,11 @@ async fn each_superseded_stop_is_collected_once_nothing_needs_it_with_only_its_o
         .unwrap();
     let deleting = go(&db, &stopped, SandboxState::Stopping, true).await;
     assert_eq!(deleting.durable_snapshot, None);
-    assert_eq!(take(&db, &deleting).await, None, "held while the delete is in flight");
+    assert_eq!(
+        take(&db, &deleting).await,
+        None,
+        "held while the delete is in flight"
+    );
     sqlx::query("UPDATE sandboxes SET state = 'deleted' WHERE id = $1")
         .bind(row.id)
         .execute(&db)
@@ -227,7 +243,12 @@ async fn each_superseded_stop_is_collected_once_nothing_needs_it_with_only_its_o
         .unwrap();
     assert_eq!(take(&db, &deleting).await, Some((c, vec![z.clone()])));
     let mut conn = db.acquire().await.unwrap();
-    assert_eq!(sandboxes::superseded_count(&mut conn, row.id).await.unwrap(), 0);
+    assert_eq!(
+        sandboxes::superseded_count(&mut conn, row.id)
+            .await
+            .unwrap(),
+        0
+    );
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
@@ -249,13 +270,26 @@ async fn a_chunk_another_sandbox_or_a_snapshot_references_is_never_an_orphan(db:
         .unwrap();
     let mut conn = db.acquire().await.unwrap();
     assert_eq!(
-        sandboxes::deleted_with_durable(&mut conn, 10).await.unwrap(),
+        sandboxes::deleted_with_durable(&mut conn, 10)
+            .await
+            .unwrap(),
         [one.id]
     );
-    assert_eq!(sandboxes::take_durable(&mut conn, one.id).await.unwrap(), Some(a));
-    assert_eq!(sandboxes::take_durable(&mut conn, two.id).await.unwrap(), None, "not deleted");
+    assert_eq!(
+        sandboxes::take_durable(&mut conn, one.id).await.unwrap(),
+        Some(a)
+    );
+    assert_eq!(
+        sandboxes::take_durable(&mut conn, two.id).await.unwrap(),
+        None,
+        "not deleted"
+    );
     drop(conn);
-    assert_eq!(take(&db, &one).await, None, "a boot may fetch it until the delete is answered");
+    assert_eq!(
+        take(&db, &one).await,
+        None,
+        "a boot may fetch it until the delete is answered"
+    );
     sqlx::query("UPDATE sandboxes SET state = 'deleted' WHERE id = $1")
         .bind(one.id)
         .execute(&db)

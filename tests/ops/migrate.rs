@@ -280,7 +280,10 @@ async fn a_delete_while_migrating_converges_on_both_hosts_and_collects_the_store
     assert!(stored(&manifest), "kept while the migration may fetch it");
     stack.hosts[1].thaw();
     stack.wait_state(&id, "deleted").await;
-    eventually("its stored stop is collected", || async { !stored(&manifest) }).await;
+    eventually("its stored stop is collected", || async {
+        !stored(&manifest)
+    })
+    .await;
     eventually("both hosts left nothing", || async {
         stack.leftovers(&id).is_empty()
     })

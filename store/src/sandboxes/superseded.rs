@@ -165,7 +165,10 @@ pub async fn take_superseded(
 }
 
 /// How many superseded stop snapshots of `sandbox` await collection (tests, diagnostics).
-pub async fn superseded_count(conn: &mut PgConnection, sandbox: SandboxId) -> Result<i64, StoreError> {
+pub async fn superseded_count(
+    conn: &mut PgConnection,
+    sandbox: SandboxId,
+) -> Result<i64, StoreError> {
     timed(
         Op::SandboxDurable,
         sqlx::query_scalar("SELECT count(*) FROM durable_superseded WHERE sandbox_id = $1")
