@@ -1,10 +1,13 @@
-//! The collector of deleted sandboxes' durable stops (issue 14): every delete collects what the
-//! sandbox's durable stop stored, the same way (`service::sandboxes::collect_durable`). A
-//! user's `DELETE` (and the compat kill) collect at once; the deletes made elsewhere — the
+//! The collector of durable stop snapshots (issue 14). A row names only its newest durable
+//! stop; a start (or a migrate or unarchive that ran), a newer durable stop and a delete
+//! supersede it, recorded in the same transaction (`berth_store::sandboxes::supersede`). Every
+//! [`COLLECT_EVERY`], every API process with an object store collects the superseded ones that
+//! nothing may need any more (no upload of the next stop and no boot in flight), the same way
+//! (`service::sandboxes::collect_durable`): the manifest, then the chunks nothing else
+//! references. It also supersedes the durable stop of sandboxes deleted elsewhere — the
 //! reconciler's auto-delete and expiry, `berth admin delete-org` (a process without the object
-//! store) — and a collection that failed are found here, every [`COLLECT_EVERY`], by every API
-//! process with an object store. Two processes never collect one sandbox twice: the row's
-//! durable snapshot is taken under its lock (`berth_store::sandboxes::take_durable`).
+//! store) — and retries a collection that failed. Two processes never collect one snapshot
+//! twice: its row is taken under a lock (`berth_store::sandboxes::take_superseded`).
 
 use std::time::Duration;
 
@@ -14,10 +17,10 @@ use tracing::warn;
 
 use crate::service::sandboxes::collect_deleted;
 
-/// How often the collector looks for deleted sandboxes whose durable stop is still stored.
+/// How often the collector looks for durable stop snapshots to collect.
 pub const COLLECT_EVERY: Duration = Duration::from_secs(2);
 
-/// Sandboxes collected per look (a full batch looks again at once).
+/// Snapshots collected per look (a full batch looks again at once).
 const BATCH: i64 = 64;
 
 /// Runs the collector until `shutdown` fires.
@@ -34,7 +37,7 @@ pub async fn run(db: PgPool, objects: berth_storage::Objects, shutdown: Cancella
                 Ok(n) if n as i64 == BATCH && !shutdown.is_cancelled() => continue,
                 Ok(_) => break,
                 Err(error) => {
-                    warn!(%error, "collecting deleted sandboxes' durable stops failed; retrying");
+                    warn!(%error, "collecting durable stop snapshots failed; retrying");
                     break;
                 }
             }

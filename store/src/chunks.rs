@@ -9,7 +9,8 @@
 //! The protocol:
 //! 1. [`queue`]: the delete queues its orphaned chunks in its own transaction.
 //! 2. [`claim`]: a remover claims a queued chunk only while no snapshot references it (nor a
-//!    durable stop snapshot, `durable_chunks`), and
+//!    durable stop snapshot, `durable_chunks`, nor a superseded one awaiting collection,
+//!    `superseded_chunks`), and
 //!    commits before it removes the object; [`finish`] stamps when the object is gone.
 //! 3. [`check_for_ready`]: a snapshot settling `ready` locks the rows of its chunks, in its
 //!    transaction. A queued, unclaimed row is taken back (the chunk is referenced again, and a
@@ -53,7 +54,8 @@ pub async fn claim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreErr
             "UPDATE chunk_removals SET removing_at = clock_timestamp()
               WHERE sha256 = $1 AND removing_at IS NULL
                 AND NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
-                AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)",
+                AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)
+                AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1)",
         )
         .bind(hash)
         .execute(&mut *conn),
@@ -66,7 +68,8 @@ pub async fn claim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreErr
             sqlx::query(
                 "DELETE FROM chunk_removals WHERE sha256 = $1 AND removing_at IS NULL
                     AND (EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
-                         OR EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1))",
+                         OR EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)
+                         OR EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1))",
             )
             .bind(hash)
             .execute(conn),

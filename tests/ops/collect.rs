@@ -1,6 +1,7 @@
 //! Every delete collects what a sandbox's durable stop stored (issue 14), not only a user's
 //! `DELETE`: the reconciler's auto-delete and expiry, the operator's org delete and the
-//! OpenSandbox compat kill remove its manifest and the chunks nothing else references.
+//! OpenSandbox compat kill remove its manifest and the chunks nothing else references. A start
+//! and a newer durable stop collect the stop snapshot they supersede.
 
 use std::time::Duration;
 
@@ -160,6 +161,84 @@ async fn an_org_delete_and_a_compat_kill_collect_the_durable_stop(db: PgPool) {
     assert_eq!(deleted.sandboxes_deleted, 1);
     collected(&stack, &kept, kept_snapshot).await;
     no_chunks_left(&stack).await;
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+/// The manifests in the store (every snapshot's and durable stop's).
+fn manifests(stack: &Stack) -> Vec<String> {
+    walk(&stack.object_store_dir())
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .collect()
+}
+
+/// Stop → start cycles (the attack of issue 14's durable stops): each start, and each newer
+/// durable stop, supersedes the stop snapshot before, and the collector removes it, so the
+/// store holds at most the current durable stop's manifest; a delete leaves nothing.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn stop_start_cycles_keep_only_the_current_durable_stop_and_a_delete_leaves_nothing(
+    db: PgPool,
+) {
+    let stack = Stack::start(db, 1).await;
+    let id = running_sandbox(&stack).await;
+    let mut earlier = Vec::new();
+    for cycle in 0..3 {
+        // New content every cycle, so each stop stores chunks the one before did not.
+        run(&stack, &id, "head -c 300000 /dev/urandom > /root/own").await;
+        stop_durably(&stack, &id).await;
+        let current: uuid::Uuid =
+            sqlx::query_scalar("SELECT durable_snapshot FROM sandboxes WHERE id = $1::uuid")
+                .bind(&id)
+                .fetch_one(&stack.db)
+                .await
+                .unwrap();
+        eventually(
+            "only the current durable stop's manifest is stored",
+            || async { manifests(&stack) == [current.to_string()] },
+        )
+        .await;
+        for old in &earlier {
+            assert!(
+                !manifest_stored(&stack, *old),
+                "cycle {cycle}: {old} collected"
+            );
+        }
+        earlier.push(current);
+        assert_eq!(stack.request(&id, "start").await.0, 202);
+        stack.wait_state(&id, "running").await;
+        eventually("a start's superseded stop is collected", || async {
+            manifests(&stack).is_empty()
+        })
+        .await;
+    }
+    // Its chunks go after its manifest (claimed one by one).
+    eventually("nothing references a chunk while it runs", || async {
+        stored_chunks(&stack.object_store_dir()) == 0
+    })
+    .await;
+    run(&stack, &id, "head -c 300000 /dev/urandom > /root/own").await;
+    stop_durably(&stack, &id).await;
+    assert!(stored_chunks(&stack.object_store_dir()) > 0);
+    let (status, body) = stack
+        .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert!(status == 200 || status == 202, "{status} {body}");
+    stack.wait_state(&id, "deleted").await;
+    eventually("nothing of the sandbox is left in the store", || async {
+        manifests(&stack).is_empty() && stored_chunks(&stack.object_store_dir()) == 0
+    })
+    .await;
+    let left: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM durable_superseded WHERE sandbox_id = $1::uuid)
+              + (SELECT count(*) FROM durable_chunks WHERE sandbox_id = $1::uuid)",
+    )
+    .bind(&id)
+    .fetch_one(&stack.db)
+    .await
+    .unwrap();
+    assert_eq!(left, 0);
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }

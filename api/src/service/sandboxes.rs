@@ -315,43 +315,61 @@ pub async fn lifecycle(
     Ok(Replayable::Fresh(outcome, response))
 }
 
-/// After a delete was accepted: removes the sandbox's durable stop snapshot from the object
-/// store (issue 14) — its manifest, and each chunk no snapshot and no other durable stop
-/// references (claimed first, as a snapshot delete's are). Nothing to do without one; a store
-/// that fails leaves the content (logged), never the delete.
+/// After a delete was accepted: removes the sandbox's durable stop snapshots from the object
+/// store (issue 14) — the newest and any superseded one still stored: each manifest, and each
+/// chunk no snapshot, durable stop or other superseded stop references (claimed first, as a
+/// snapshot delete's are). What a boot or upload in flight may still need waits for the
+/// collector (`super::super::collector`). A store that fails leaves the content (logged, and
+/// retried by the collector), never the delete.
 pub async fn collect_durable(
     db: &PgPool,
     objects: &berth_storage::Objects,
     id: SandboxId,
 ) -> Result<(), ServiceError> {
     let mut tx = db.begin().await?;
-    let Some((snapshot, orphans)) = sandboxes::take_durable(&mut tx, id).await? else {
-        return Ok(());
-    };
-    berth_store::chunks::queue(&mut tx, &orphans).await?;
+    sandboxes::take_durable(&mut tx, id).await?;
     tx.commit().await?;
-    let removed = async {
-        objects
-            .delete(&berth_storage::Objects::manifest_key(snapshot))
-            .await
-            .map_err(|e| e.to_string())?;
-        super::snapshots::remove_chunks(db, objects, &orphans).await
-    }
-    .await;
-    match removed {
-        Ok(n) => {
-            info!(sandbox_id = %id, snapshot_id = %snapshot, chunks_freed = n, "durable stop snapshot removed")
-        }
-        Err(error) => {
-            tracing::warn!(%error, sandbox_id = %id, "durable stop snapshot not removed from the store")
-        }
-    }
+    while collect_one(db, objects, Some(id)).await? {}
     Ok(())
 }
 
-/// Collects the durable stop content of up to `batch` deleted sandboxes that still name some
-/// ([`collect_durable`] for each), whoever deleted them: the reconciler's auto-delete and
-/// expiry, an org's delete, a user delete whose collection failed. How many were found.
+/// Collects one superseded durable stop snapshot (of `sandbox` when given) that nothing may
+/// need any more: its manifest removed before its row is forgotten (a failure leaves the row
+/// for the next look), then its orphaned chunks. Whether one was collected.
+async fn collect_one(
+    db: &PgPool,
+    objects: &berth_storage::Objects,
+    sandbox: Option<SandboxId>,
+) -> Result<bool, ServiceError> {
+    let mut tx = db.begin().await?;
+    let Some(taken) = sandboxes::take_superseded(&mut tx, sandbox).await? else {
+        return Ok(false);
+    };
+    if let Err(error) = objects
+        .delete(&berth_storage::Objects::manifest_key(taken.snapshot))
+        .await
+    {
+        tracing::warn!(%error, sandbox_id = %taken.sandbox, snapshot_id = %taken.snapshot,
+            "superseded stop snapshot not removed from the store; retrying later");
+        return Ok(false);
+    }
+    berth_store::chunks::queue(&mut tx, &taken.orphans).await?;
+    tx.commit().await?;
+    match super::snapshots::remove_chunks(db, objects, &taken.orphans).await {
+        Ok(n) => {
+            info!(sandbox_id = %taken.sandbox, snapshot_id = %taken.snapshot, chunks_freed = n, "durable stop snapshot removed")
+        }
+        Err(error) => {
+            tracing::warn!(%error, sandbox_id = %taken.sandbox, "durable stop snapshot's chunks not removed from the store")
+        }
+    }
+    Ok(true)
+}
+
+/// One look of the collector: supersedes the durable stop of up to `batch` deleted sandboxes
+/// that still name one (deleted by the reconciler's auto-delete or expiry, an org's delete),
+/// then collects up to `batch` superseded stop snapshots nothing may need any more (a start's,
+/// a newer stop's, a delete's). How many it handled.
 pub async fn collect_deleted(
     db: &PgPool,
     objects: &berth_storage::Objects,
@@ -362,9 +380,15 @@ pub async fn collect_deleted(
         sandboxes::deleted_with_durable(&mut conn, batch).await?
     };
     for &id in &ids {
-        collect_durable(db, objects, id).await?;
+        let mut tx = db.begin().await?;
+        sandboxes::take_durable(&mut tx, id).await?;
+        tx.commit().await?;
     }
-    Ok(ids.len())
+    let mut collected = 0;
+    while (collected as i64) < batch && collect_one(db, objects, None).await? {
+        collected += 1;
+    }
+    Ok(ids.len().max(collected))
 }
 
 /// Marks a sandbox active now (an exec counts as activity for auto-stop).

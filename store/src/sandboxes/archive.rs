@@ -34,21 +34,29 @@ pub async fn write_durable(
     chunks: &[(String, i64)],
 ) -> Result<bool, StoreError> {
     let states: Vec<&str> = DURABLE_STATES.iter().map(|s| s.as_str()).collect();
-    let updated = timed(
+    let updated: Option<Option<SnapshotId>> = timed(
         Op::SandboxDurable,
-        sqlx::query(
-            "UPDATE sandboxes SET durable_at = now(), durable_snapshot = $3
-              WHERE id = $1 AND generation = $2 AND deleted_at IS NULL AND state = ANY($4)",
+        sqlx::query_scalar(
+            "WITH old AS (SELECT id, durable_snapshot FROM sandboxes WHERE id = $1 FOR UPDATE)
+             UPDATE sandboxes s SET durable_at = now(), durable_snapshot = $3
+               FROM old
+              WHERE s.id = old.id AND s.generation = $2 AND s.deleted_at IS NULL
+                AND s.state = ANY($4)
+              RETURNING old.durable_snapshot",
         )
         .bind(id)
         .bind(generation)
         .bind(snapshot)
         .bind(&states)
-        .execute(&mut *conn),
+        .fetch_optional(&mut *conn),
     )
     .await?;
-    if updated.rows_affected() != 1 {
+    let Some(replaced) = updated else {
         return Ok(false);
+    };
+    if let Some(old) = replaced.filter(|old| *old != snapshot) {
+        // A newer durable stop replaces it: collected once nothing needs it.
+        super::superseded::record(conn, id, old, false).await?;
     }
     let (hashes, sizes): (Vec<String>, Vec<i64>) = chunks.iter().cloned().unzip();
     timed(
@@ -187,7 +195,7 @@ pub(super) async fn boot_from_durable(
 }
 
 /// Up to `limit` sandboxes being deleted (or deleted) that still name a durable stop snapshot,
-/// oldest delete first: the content every delete collects ([`take_durable`]), whoever deleted
+/// oldest delete first: the content every delete supersedes ([`take_durable`]), whoever deleted
 /// them (a user, the reconciler's auto-delete or expiry, an org's delete).
 pub async fn deleted_with_durable(
     conn: &mut PgConnection,
@@ -206,45 +214,28 @@ pub async fn deleted_with_durable(
     .await
 }
 
-/// For a sandbox being deleted: forgets its durable stop snapshot (`durable_at`,
-/// `durable_snapshot` and its chunk references) in the caller's transaction, and returns the
-/// snapshot with the chunks no snapshot and no other durable stop references any more (for the
-/// caller to queue for removal, `crate::chunks::queue`). `None` when it has none, or is not
-/// being deleted.
+/// For a sandbox being deleted: moves its durable stop snapshot (`durable_at`,
+/// `durable_snapshot` and its chunk references) to the superseded ones awaiting collection
+/// (`super::superseded`), in the caller's transaction; the snapshot moved. `None` when it has
+/// none, or is not being deleted.
 pub async fn take_durable(
     conn: &mut PgConnection,
     id: SandboxId,
-) -> Result<Option<(SnapshotId, Vec<String>)>, StoreError> {
-    let taken: Option<SnapshotId> = timed(
+) -> Result<Option<SnapshotId>, StoreError> {
+    let state: Option<String> = timed(
         Op::SandboxDurable,
         sqlx::query_scalar(
-            "WITH old AS (SELECT id, durable_snapshot FROM sandboxes
-                           WHERE id = $1 AND deleted_at IS NOT NULL
-                             AND durable_snapshot IS NOT NULL
-                           FOR UPDATE)
-             UPDATE sandboxes s SET durable_at = NULL, durable_snapshot = NULL
-               FROM old WHERE s.id = old.id
-             RETURNING old.durable_snapshot",
+            "SELECT state FROM sandboxes WHERE id = $1 AND deleted_at IS NOT NULL FOR UPDATE",
         )
         .bind(id)
         .fetch_optional(&mut *conn),
     )
     .await?;
-    let Some(snapshot) = taken else {
+    let Some(state) = state else {
         return Ok(None);
     };
-    let orphans: Vec<String> = timed(
-        Op::SandboxDurable,
-        sqlx::query_scalar(
-            "WITH mine AS (DELETE FROM durable_chunks WHERE sandbox_id = $1 RETURNING sha256)
-             SELECT m.sha256 FROM mine m
-              WHERE NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = m.sha256)
-                AND NOT EXISTS (SELECT 1 FROM durable_chunks d
-                                 WHERE d.sha256 = m.sha256 AND d.sandbox_id <> $1)",
-        )
-        .bind(id)
-        .fetch_all(&mut *conn),
-    )
-    .await?;
-    Ok(Some((snapshot, orphans)))
+    // Deleted elsewhere, from a state this cannot tell: a boot may still fetch it until the
+    // delete is answered.
+    let until_deleted = state != SandboxState::Deleted.as_str();
+    super::superseded::supersede(conn, id, None, None, until_deleted).await
 }

@@ -587,6 +587,7 @@ mod compat;
 mod converge;
 mod migrate;
 mod settings;
+mod superseded;
 mod write;
 
 pub use archive::{deleted_with_durable, take_durable, unarchive, write_durable};
@@ -597,6 +598,7 @@ pub use converge::{
 };
 pub use migrate::{leave_old_host, migrate};
 pub use settings::{clear_expiry, lock_expired, update_settings, SettingsChange};
+pub use superseded::{supersede, superseded_count, take_superseded, Superseded};
 pub use write::{move_create, write_result, write_transition, ResultWrite, Transition, Written};
 
 #[cfg(test)]

@@ -64,6 +64,28 @@ pub async fn write_transition(
 ) -> Result<Written, StoreError> {
     let holds_capacity =
         apply_capacity(&mut *conn, row, transition.capacity, transition.overcommit).await?;
+    if transition.delete
+        || matches!(
+            transition.to,
+            SandboxState::Starting | SandboxState::Resuming
+        )
+    {
+        // A start changes the disk, a delete ends it: the durable stop is superseded (issue 14),
+        // collected by the API's collector once nothing may still need it.
+        let booting = matches!(
+            row.state,
+            SandboxState::Migrating | SandboxState::Unarchiving
+        );
+        let until_deleted = transition.delete && booting;
+        super::superseded::supersede(
+            &mut *conn,
+            row.id,
+            Some(row.generation),
+            None,
+            until_deleted,
+        )
+        .await?;
+    }
     let generation = row.generation.next();
     let updated = timed(
         Op::SandboxTransition,
@@ -176,6 +198,11 @@ pub async fn write_result(
 ) -> Result<(), StoreError> {
     let holds_capacity =
         apply_capacity(&mut *conn, row, result.capacity, Overcommit::default()).await?;
+    if result.to == SandboxState::Running {
+        // It runs on a disk of its own now (a migrate or unarchive booted): the durable stop it
+        // came from is superseded (issue 14).
+        super::superseded::supersede(&mut *conn, row.id, Some(row.generation), None, false).await?;
+    }
     let updated = timed(
         Op::SandboxApplyResult,
         sqlx::query(

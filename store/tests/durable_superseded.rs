@@ -1,0 +1,304 @@
+//! Superseded durable stop snapshots (issue 14, migration 0034), against a real Postgres: a
+//! start, a newer durable stop and a delete each record the stop snapshot they supersede in
+//! their own transaction, its chunks stay referenced until it is collected, and it is collected
+//! only once no upload of the next stop and no boot may still need it, with exactly the chunks
+//! nothing else references.
+
+use berth_schemas::ids::SnapshotId;
+use berth_schemas::wire::{Heartbeat, Resources, Runtime, RuntimeInfo};
+use berth_schemas::{Capacity, CommandKind, HostId, OrgId, Reason, SandboxState};
+use berth_store::hosts::{self, Admit, Overcommit};
+use berth_store::sandboxes::{self, NewSandbox, Transition};
+use berth_store::{chunks, orgs, SandboxRow};
+use sqlx::PgPool;
+
+const HOST_CAPACITY: Resources = Resources {
+    vcpus: 2,
+    memory_mib: 1024,
+};
+const SIZE: Resources = Resources {
+    vcpus: 1,
+    memory_mib: 512,
+};
+
+/// A host heard from just now, with [`HOST_CAPACITY`].
+async fn host(db: &PgPool) -> HostId {
+    let id = HostId::new();
+    hosts::upsert_heartbeat(
+        db,
+        &Heartbeat {
+            host_id: id,
+            name: "store-test".into(),
+            seq: 1,
+            capacity: HOST_CAPACITY,
+            used: Resources::default(),
+            runtimes: vec![RuntimeInfo {
+                name: "runc".into(),
+                memory_snapshot: false,
+            }],
+            inventory: vec![],
+            forwarder: None,
+            sent_at_ms: 0,
+        },
+    )
+    .await
+    .unwrap();
+    id
+}
+
+/// A `provisioning` sandbox placed on `host`, holding its reservation (as a create leaves it).
+async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
+    let org = orgs::create(db, &format!("org-{}", OrgId::new()))
+        .await
+        .unwrap()
+        .unwrap();
+    let mut tx = db.begin().await.unwrap();
+    assert!(hosts::reserve(
+        &mut tx,
+        host,
+        SIZE,
+        Overcommit::default(),
+        Admit::NewSandbox
+    )
+    .await
+    .unwrap());
+    let (row, _) = sandboxes::create(
+        &mut tx,
+        NewSandbox {
+            network: Default::default(),
+            image: None,
+            org_id: org,
+            template: "base".into(),
+            runtime: Runtime::Runc,
+            host_id: host,
+            resources: SIZE,
+            metadata: serde_json::json!({}),
+            auto_stop_minutes: None,
+            auto_delete_minutes: None,
+            auto_archive_days: None,
+            disk_mib: 256,
+            auto_resume: true,
+            public_ports: vec![],
+            expires_at: None,
+            on_expiry: Default::default(),
+            env: Vec::new(),
+            entrypoint: Vec::new(),
+            image_uri: None,
+            from_snapshot: None,
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    row
+}
+
+fn transition(to: SandboxState, command: CommandKind, capacity: Capacity) -> Transition<'static> {
+    Transition {
+        to,
+        command: Some(command),
+        capacity,
+        reason: Reason::UserRequest,
+        delete: false,
+        message: None,
+        activity: true,
+        overcommit: Overcommit {
+            cpu: 1.0,
+            memory: 1.0,
+        },
+        snapshot: None,
+    }
+}
+
+fn hash(c: char) -> String {
+    c.to_string().repeat(64)
+}
+
+async fn lock(db: &PgPool, row: &SandboxRow) -> SandboxRow {
+    let mut conn = db.acquire().await.unwrap();
+    sandboxes::lock(&mut conn, row.id, None)
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// Writes `to` (a user's transition) and returns the row after it.
+async fn go(db: &PgPool, row: &SandboxRow, to: SandboxState, delete: bool) -> SandboxRow {
+    let (kind, capacity) = match to {
+        SandboxState::Starting => (CommandKind::Start, Capacity::Reserve),
+        _ => (CommandKind::Stop, Capacity::Release),
+    };
+    let mut t = transition(to, kind, capacity);
+    t.delete = delete;
+    let mut tx = db.begin().await.unwrap();
+    let row = sandboxes::lock(&mut tx, row.id, None)
+        .await
+        .unwrap()
+        .unwrap();
+    let written = sandboxes::write_transition(&mut tx, &row, &t)
+        .await
+        .unwrap()
+        .row;
+    tx.commit().await.unwrap();
+    written
+}
+
+/// Records a durable stop `snapshot` referencing `hashes` for the stopped `row`.
+async fn durable(db: &PgPool, row: &SandboxRow, snapshot: SnapshotId, hashes: &[String]) {
+    let chunks: Vec<(String, i64)> = hashes.iter().map(|h| (h.clone(), 10)).collect();
+    let mut tx = db.begin().await.unwrap();
+    assert!(
+        sandboxes::write_durable(&mut tx, row.id, row.generation, snapshot, &chunks)
+            .await
+            .unwrap()
+    );
+    tx.commit().await.unwrap();
+}
+
+/// What the collector would take now (committed), its orphans sorted.
+async fn take(db: &PgPool, row: &SandboxRow) -> Option<(SnapshotId, Vec<String>)> {
+    let mut tx = db.begin().await.unwrap();
+    let taken = sandboxes::take_superseded(&mut tx, Some(row.id))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    taken.map(|t| {
+        let mut orphans = t.orphans;
+        orphans.sort();
+        (t.snapshot, orphans)
+    })
+}
+
+async fn claimable(db: &PgPool, h: &str) -> bool {
+    let mut conn = db.acquire().await.unwrap();
+    chunks::queue(&mut conn, &[h.to_owned()]).await.unwrap();
+    chunks::claim(&mut conn, h).await.unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn each_superseded_stop_is_collected_once_nothing_needs_it_with_only_its_own_chunks(
+    db: PgPool,
+) {
+    let host = host(&db).await;
+    let row = placed(&db, host).await;
+    let (x, y, z) = (hash('a'), hash('b'), hash('c'));
+    let stopped = go(&db, &row, SandboxState::Stopped, false).await;
+    let a = SnapshotId::new();
+    durable(&db, &stopped, a, &[x.clone(), y.clone()]).await;
+
+    // A start supersedes A in its own transaction; its chunks stay referenced.
+    let started = go(&db, &stopped, SandboxState::Starting, false).await;
+    assert_eq!((started.durable_at, started.durable_snapshot), (None, None));
+    let mut conn = db.acquire().await.unwrap();
+    assert_eq!(
+        sandboxes::superseded_count(&mut conn, row.id)
+            .await
+            .unwrap(),
+        1
+    );
+    drop(conn);
+    // Stopped again, the next stop's upload (a full capture skipping what the store holds) may
+    // count on A's chunks: A waits, and no removal takes them.
+    let stopped = go(&db, &started, SandboxState::Stopped, false).await;
+    assert_eq!(
+        take(&db, &stopped).await,
+        None,
+        "held while the stop is not durable"
+    );
+    assert!(
+        !claimable(&db, &x).await,
+        "a superseded snapshot's chunk is referenced"
+    );
+    // Once the next stop B (sharing y) is durable, A goes with only x.
+    let b = SnapshotId::new();
+    durable(&db, &stopped, b, &[y.clone(), z.clone()]).await;
+    assert_eq!(take(&db, &stopped).await, Some((a, vec![x.clone()])));
+    assert_eq!(take(&db, &stopped).await, None, "collected once");
+    assert!(claimable(&db, &x).await);
+
+    // A newer durable stop at the same generation (an archive's upload) supersedes B.
+    let c = SnapshotId::new();
+    durable(&db, &stopped, c, std::slice::from_ref(&z)).await;
+    assert_eq!(lock(&db, &row).await.durable_snapshot, Some(c));
+    assert_eq!(take(&db, &stopped).await, Some((b, vec![y.clone()])));
+
+    // A delete during a migration supersedes C; held while the delete is in flight (the new
+    // host may still be fetching it), collected once the sandbox is deleted.
+    sqlx::query("UPDATE sandboxes SET state = 'migrating' WHERE id = $1")
+        .bind(row.id)
+        .execute(&db)
+        .await
+        .unwrap();
+    let deleting = go(&db, &stopped, SandboxState::Stopping, true).await;
+    assert_eq!(deleting.durable_snapshot, None);
+    assert_eq!(
+        take(&db, &deleting).await,
+        None,
+        "held while the delete is in flight"
+    );
+    sqlx::query("UPDATE sandboxes SET state = 'deleted' WHERE id = $1")
+        .bind(row.id)
+        .execute(&db)
+        .await
+        .unwrap();
+    assert_eq!(take(&db, &deleting).await, Some((c, vec![z.clone()])));
+    let mut conn = db.acquire().await.unwrap();
+    assert_eq!(
+        sandboxes::superseded_count(&mut conn, row.id)
+            .await
+            .unwrap(),
+        0
+    );
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_chunk_another_sandbox_or_a_snapshot_references_is_never_an_orphan(db: PgPool) {
+    let host = host(&db).await;
+    let one = go(&db, &placed(&db, host).await, SandboxState::Stopped, false).await;
+    let two = go(&db, &placed(&db, host).await, SandboxState::Stopped, false).await;
+    let shared = hash('d');
+    let own = hash('e');
+    let a = SnapshotId::new();
+    durable(&db, &one, a, &[shared.clone(), own.clone()]).await;
+    durable(&db, &two, SnapshotId::new(), std::slice::from_ref(&shared)).await;
+    // Deleted elsewhere (an org's delete writes the row itself): the collector's look moves
+    // its durable stop to the superseded ones.
+    sqlx::query("UPDATE sandboxes SET state = 'stopping', deleted_at = now() WHERE id = $1")
+        .bind(one.id)
+        .execute(&db)
+        .await
+        .unwrap();
+    let mut conn = db.acquire().await.unwrap();
+    assert_eq!(
+        sandboxes::deleted_with_durable(&mut conn, 10)
+            .await
+            .unwrap(),
+        [one.id]
+    );
+    assert_eq!(
+        sandboxes::take_durable(&mut conn, one.id).await.unwrap(),
+        Some(a)
+    );
+    assert_eq!(
+        sandboxes::take_durable(&mut conn, two.id).await.unwrap(),
+        None,
+        "not deleted"
+    );
+    drop(conn);
+    assert_eq!(
+        take(&db, &one).await,
+        None,
+        "a boot may fetch it until the delete is answered"
+    );
+    sqlx::query("UPDATE sandboxes SET state = 'deleted' WHERE id = $1")
+        .bind(one.id)
+        .execute(&db)
+        .await
+        .unwrap();
+    assert_eq!(take(&db, &one).await, Some((a, vec![own])));
+    // A user's delete of a stopped sandbox (no boot, and its stop never becomes durable now):
+    // collected at once, with the chunk nothing references any more.
+    let two = lock(&db, &two).await;
+    let deleting = go(&db, &two, SandboxState::Stopping, true).await;
+    assert_eq!(take(&db, &deleting).await.map(|t| t.1), Some(vec![shared]));
+}
