@@ -76,6 +76,7 @@ async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
             auto_stop_minutes: None,
             auto_delete_minutes: None,
             auto_archive_days: None,
+            backup_interval_min: None,
             disk_mib: 256,
             auto_resume: true,
             public_ports: vec![],
