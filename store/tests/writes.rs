@@ -4,111 +4,15 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use berth_schemas::wire::{Heartbeat, Resources, Runtime, RuntimeInfo};
-use berth_schemas::{Capacity, CommandKind, HostId, OrgId, Reason, SandboxState};
+use berth_schemas::wire::Resources;
+use berth_schemas::{Capacity, CommandKind, HostId, Reason, SandboxState};
 use berth_store::hosts::{self, Admit, Overcommit};
-use berth_store::sandboxes::{self, NewSandbox, Transition};
-use berth_store::{orgs, SandboxRow, StoreError};
+use berth_store::sandboxes::{self, Transition};
+use berth_store::{SandboxRow, StoreError};
 use sqlx::PgPool;
 
-const HOST_CAPACITY: Resources = Resources {
-    vcpus: 2,
-    memory_mib: 1024,
-};
-const SIZE: Resources = Resources {
-    vcpus: 1,
-    memory_mib: 512,
-};
-
-/// A host heard from just now, with [`HOST_CAPACITY`].
-async fn host(db: &PgPool) -> HostId {
-    let id = HostId::new();
-    hosts::upsert_heartbeat(
-        db,
-        &Heartbeat {
-            host_id: id,
-            name: "store-test".into(),
-            seq: 1,
-            capacity: HOST_CAPACITY,
-            used: Resources::default(),
-            runtimes: vec![RuntimeInfo {
-                name: "runc".into(),
-                memory_snapshot: false,
-            }],
-            inventory: vec![],
-            forwarder: None,
-            sent_at_ms: 0,
-        },
-    )
-    .await
-    .unwrap();
-    id
-}
-
-/// A `provisioning` sandbox placed on `host`, holding its reservation (as a create leaves it).
-async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
-    let org = orgs::create(db, &format!("org-{}", OrgId::new()))
-        .await
-        .unwrap()
-        .unwrap();
-    let mut tx = db.begin().await.unwrap();
-    assert!(hosts::reserve(
-        &mut tx,
-        host,
-        SIZE,
-        Overcommit::default(),
-        Admit::NewSandbox
-    )
-    .await
-    .unwrap());
-    let (row, _) = sandboxes::create(
-        &mut tx,
-        NewSandbox {
-            network: Default::default(),
-            image: None,
-            org_id: org,
-            template: "base".into(),
-            runtime: Runtime::Runc,
-            host_id: host,
-            resources: SIZE,
-            metadata: serde_json::json!({}),
-            auto_stop_minutes: None,
-            auto_delete_minutes: None,
-            auto_archive_days: None,
-            backup_interval_min: None,
-            disk_mib: 256,
-            auto_resume: true,
-            public_ports: vec![],
-            expires_at: None,
-            on_expiry: Default::default(),
-            env: Vec::new(),
-            entrypoint: Vec::new(),
-            image_uri: None,
-            from_snapshot: None,
-        },
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-    row
-}
-
-fn transition(to: SandboxState, command: CommandKind, capacity: Capacity) -> Transition<'static> {
-    Transition {
-        to,
-        command: Some(command),
-        capacity,
-        reason: Reason::UserRequest,
-        delete: false,
-        message: None,
-        activity: true,
-        overcommit: Overcommit {
-            cpu: 1.0,
-            memory: 1.0,
-        },
-        snapshot: None,
-    }
-}
+mod common;
+use common::{host, placed, transition, HOST_CAPACITY, SIZE};
 
 async fn reserved(db: &PgPool, host: HostId) -> Resources {
     let row = hosts::get(db, host).await.unwrap().unwrap();
