@@ -38,30 +38,22 @@ pub async fn create(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    // No fields yet: `{}` or nothing; anything else is refused rather than ignored.
-    let super::body::NoFields {} = super::body::json_or_empty(&body)?;
-    let idem = Idempotency::from_headers(
+    take(
+        &app,
+        &caller,
+        &id,
         &headers,
-        "POST",
+        &body,
         "/v1/sandboxes/{id}/snapshot",
-        id.as_bytes(),
-    )?;
-    let outcome = snapshots::create(
-        &app.db,
-        caller.org_id,
-        parse_id(&id)?,
         berth_store::snapshots::KIND_SNAPSHOT,
-        idem.as_ref(),
-        |s| stored(StatusCode::ACCEPTED, s),
     )
-    .await?;
-    Ok(render_replayable(outcome))
+    .await
 }
 
 /// `POST /v1/sandboxes/{id}/backup`
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/backup", params(("id" = String, Path)),
     request_body(content = Option<super::body::NoFields>, description = "`{}` or no body"),
-    description = "Back up a running sandbox: its disk (never its memory) stored in the object store, as a snapshot of kind `backup`. The sandbox is frozen briefly for the capture and keeps running; the backup is `creating` until its upload is confirmed (`ready`, and then the sandbox's `last_backup_id` and `last_backup_at` name it) or `failed`. `POST …/restore-from-backup` boots the newest ready one.",
+    description = "Back up a running sandbox: its disk (never its memory) stored in the object store, as a snapshot of kind `backup`. The sandbox is frozen briefly for the capture and keeps running; the backup is `creating` until its upload is confirmed (`ready`, and then the sandbox's `last_backup_id` and `last_backup_at` name it) or `failed`.",
     responses(
         (status = 202, description = "Accepted; the backup is `creating`", body = Snapshot),
         (status = 400, description = "`invalid_request`: a body other than `{}` or none"),
@@ -76,14 +68,37 @@ pub async fn backup(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let super::body::NoFields {} = super::body::json_or_empty(&body)?;
-    let idem =
-        Idempotency::from_headers(&headers, "POST", "/v1/sandboxes/{id}/backup", id.as_bytes())?;
+    take(
+        &app,
+        &caller,
+        &id,
+        &headers,
+        &body,
+        "/v1/sandboxes/{id}/backup",
+        berth_store::snapshots::KIND_BACKUP,
+    )
+    .await
+}
+
+/// Takes a snapshot of `kind` of the caller's sandbox `id` for the route `route` (its
+/// `Idempotency-Key` scope): the body is `{}` or none, anything else is refused rather than
+/// ignored. 202 with the snapshot `creating`.
+async fn take(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+    headers: &HeaderMap,
+    body: &Bytes,
+    route: &str,
+    kind: &'static str,
+) -> Result<Response, ApiError> {
+    let super::body::NoFields {} = super::body::json_or_empty(body)?;
+    let idem = Idempotency::from_headers(headers, "POST", route, id.as_bytes())?;
     let outcome = snapshots::create(
         &app.db,
         caller.org_id,
-        parse_id(&id)?,
-        berth_store::snapshots::KIND_BACKUP,
+        parse_id(id)?,
+        kind,
         idem.as_ref(),
         |s| stored(StatusCode::ACCEPTED, s),
     )
