@@ -1,5 +1,5 @@
-//! `berth admin revoke-key`, `berth admin list-keys` and `berth admin delete-org`: an
-//! operator's word on keys and orgs, whatever org they belong to (an org key manages its own
+//! `berth admin revoke-key`, `berth admin list-keys`, `berth admin set-backups` and
+//! `berth admin delete-org`: an operator's word on keys and orgs, whatever org they belong to (an org key manages its own
 //! org's keys through `/v1/keys`).
 
 use std::fmt::Write;
@@ -22,6 +22,19 @@ pub enum OrgAdminCmd {
     ListKeys {
         /// The org's name.
         org: String,
+    },
+    /// Set an org's backup policy (issue 14): the `backup_interval_min` its new sandboxes
+    /// take when their create names none, and how many ready backups of each sandbox are kept
+    /// (older ones, and every failed backup but the newest, are deleted by the API).
+    SetBackups {
+        /// The org's name.
+        org: String,
+        /// Minutes between periodic backups of its new sandboxes (1 to 525600); omitted: none.
+        #[arg(long)]
+        interval_min: Option<i32>,
+        /// Ready backups kept per sandbox (1 to 1000).
+        #[arg(long, default_value_t = berth_store::orgs::DEFAULT_BACKUPS_KEPT)]
+        keep: i32,
     },
     /// Delete an org: revoke its keys, delete each of its sandboxes as its owner's delete
     /// would, then mark the org deleted (its name stays taken). Re-running it finishes an
@@ -63,6 +76,30 @@ pub async fn run(db: &PgPool, command: OrgAdminCmd) -> anyhow::Result<String> {
                     key.created_at.to_rfc3339()
                 )?;
             }
+        }
+        OrgAdminCmd::SetBackups {
+            org,
+            interval_min,
+            keep,
+        } => {
+            if interval_min.is_some_and(|m| !(1..=525_600).contains(&m)) {
+                bail!("--interval-min must be 1 to 525600 minutes");
+            }
+            if !(1..=1000).contains(&keep) {
+                bail!("--keep must be 1 to 1000");
+            }
+            let policy = berth_store::orgs::BackupPolicy {
+                interval_min,
+                kept: keep,
+            };
+            if !berth_store::orgs::set_backup_policy(db, &org, policy).await? {
+                bail!("no org named {org:?}");
+            }
+            let every = interval_min.map_or("none".to_owned(), |m| format!("every {m} min"));
+            writeln!(
+                out,
+                "backups of {org}: new sandboxes {every}; {keep} kept per sandbox"
+            )?;
         }
         OrgAdminCmd::DeleteOrg { org } => {
             let deleted = berth_api::service::orgs::delete(db, &org)

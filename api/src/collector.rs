@@ -8,6 +8,9 @@
 //! reconciler's auto-delete and expiry, `berth admin delete-org` (a process without the object
 //! store) — and retries a collection that failed. Two processes never collect one snapshot
 //! twice: its row is taken under a lock (`berth_store::sandboxes::take_superseded`).
+//!
+//! Each look also deletes the backups past their org's retention (`backups_kept`,
+//! [`prune_backups`]), content first as a user's snapshot delete does.
 
 use std::time::Duration;
 
@@ -16,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::service::sandboxes::collect_deleted;
+use crate::service::snapshots::prune_backups;
 
 /// How often the collector looks for durable stop snapshots to collect.
 pub const COLLECT_EVERY: Duration = Duration::from_secs(2);
@@ -31,6 +35,9 @@ pub async fn run(db: PgPool, objects: berth_storage::Objects, shutdown: Cancella
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = every.tick() => {}
+        }
+        if let Err(error) = prune_backups(&db, &objects, BATCH).await {
+            warn!(%error, "pruning backups past their retention failed; retrying");
         }
         loop {
             match collect_deleted(&db, &objects, BATCH).await {

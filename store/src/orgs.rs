@@ -166,6 +166,64 @@ pub async fn set_snapshot_quota(
     Ok(updated.rows_affected() == 1)
 }
 
+/// An org's backup policy (issue 14).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackupPolicy {
+    /// The `backup_interval_min` a new sandbox takes when its create names none (minutes,
+    /// 1 to 525600); `None`: no periodic backups unless asked for.
+    pub interval_min: Option<i32>,
+    /// How many ready backups of each sandbox are kept (1 to 1000; older ones are deleted, and
+    /// every failed backup but the newest).
+    pub kept: i32,
+}
+
+impl Default for BackupPolicy {
+    fn default() -> Self {
+        Self {
+            interval_min: None,
+            kept: DEFAULT_BACKUPS_KEPT,
+        }
+    }
+}
+
+/// [`BackupPolicy::kept`] of a new org (migration 0036).
+pub const DEFAULT_BACKUPS_KEPT: i32 = 7;
+
+/// Sets the backup policy of the org named `name`; whether it exists.
+///
+/// Errors: the database's, also for a value outside the ranges of [`BackupPolicy`] (a CHECK).
+pub async fn set_backup_policy(
+    db: impl PgExecutor<'_>,
+    name: &str,
+    policy: BackupPolicy,
+) -> Result<bool, StoreError> {
+    let updated = timed(
+        Op::OrgQuota,
+        sqlx::query("UPDATE orgs SET backup_interval_min = $2, backups_kept = $3 WHERE name = $1")
+            .bind(name)
+            .bind(policy.interval_min)
+            .bind(policy.kept)
+            .execute(db),
+    )
+    .await?;
+    Ok(updated.rows_affected() == 1)
+}
+
+/// The org's backup policy; `None` when no such org exists.
+pub async fn backup_policy(
+    db: impl PgExecutor<'_>,
+    org: OrgId,
+) -> Result<Option<BackupPolicy>, StoreError> {
+    let found: Option<(Option<i32>, i32)> = timed(
+        Op::OrgQuota,
+        sqlx::query_as("SELECT backup_interval_min, backups_kept FROM orgs WHERE id = $1")
+            .bind(org)
+            .fetch_optional(db),
+    )
+    .await?;
+    Ok(found.map(|(interval_min, kept)| BackupPolicy { interval_min, kept }))
+}
+
 /// The org named `name`: its id and when it was deleted (`None`: live); `None` when no org has
 /// that name.
 pub async fn find_by_name(

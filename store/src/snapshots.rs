@@ -217,6 +217,31 @@ async fn select_of_org(
     row.as_ref().map(SnapshotRow::from_row).transpose()
 }
 
+/// Up to `limit` settled backups past their org's policy, oldest first, as `(org, backup)`:
+/// of each sandbox, the ready ones beyond the newest `backups_kept`, and the failed ones but the
+/// newest (its reason stays readable). Deleting them is the caller's (with their content).
+pub async fn past_retention(
+    conn: &mut PgConnection,
+    limit: i64,
+) -> Result<Vec<(OrgId, SnapshotId)>, StoreError> {
+    timed(
+        Op::SnapshotGet,
+        sqlx::query_as(
+            "SELECT org_id, id FROM (
+                 SELECT b.org_id, b.id, b.state, b.created_at, o.backups_kept,
+                        row_number() OVER (PARTITION BY b.sandbox_id, b.state
+                                           ORDER BY b.created_at DESC) AS newer
+                   FROM snapshots b JOIN orgs o ON o.id = b.org_id
+                  WHERE b.kind = 'backup' AND b.state IN ('ready', 'failed')) r
+              WHERE (state = 'ready' AND newer > backups_kept) OR (state = 'failed' AND newer > 1)
+              ORDER BY created_at LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(conn),
+    )
+    .await
+}
+
 /// How many sandboxes are still `resuming` or `restoring` from snapshot `id`: restores, clones
 /// and restores from backup whose command (`commands.snapshot_id`) is open at the sandbox's
 /// current generation. Their hosts still read its content.

@@ -8,6 +8,7 @@
 mod support;
 
 mod archive;
+mod backup_policy;
 mod backups;
 mod clone_requests;
 mod collect;

@@ -101,6 +101,34 @@ pub async fn list(
     Ok(rows.into_iter().map(Snapshot::from).collect())
 }
 
+/// One look of the backup retention (issue 14, the collector's): deletes, with their content,
+/// up to `batch` backups past their org's policy (`berth_store::snapshots::past_retention`:
+/// of each sandbox, ready ones beyond the newest `backups_kept`, failed ones but the newest).
+/// A backup a sandbox is booting from (or gone meanwhile) is skipped. How many it deleted.
+pub async fn prune_backups(
+    db: &PgPool,
+    objects: &berth_storage::Objects,
+    batch: i64,
+) -> Result<usize, ServiceError> {
+    let due = {
+        let mut conn = db.acquire().await?;
+        snapshots::past_retention(&mut conn, batch).await?
+    };
+    let mut pruned = 0;
+    for (org, id) in due {
+        match delete(db, Some(objects), org, id).await {
+            Ok(()) => pruned += 1,
+            Err(ServiceError::SnapshotConflict { .. } | ServiceError::NotFound(_)) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    if pruned > 0 {
+        metrics::counter!("berth_backups_pruned_total").increment(pruned as u64);
+        tracing::info!(pruned, "backups past their org's retention deleted");
+    }
+    Ok(pruned)
+}
+
 /// Deletes a settled snapshot: its row and chunk references in one transaction, then (when an
 /// object store is given) its manifest and the chunks no other snapshot references. Content
 /// whose delete failed after the commit is only unreferenced, never lost from a live snapshot.

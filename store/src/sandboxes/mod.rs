@@ -382,7 +382,8 @@ pub async fn create(
                                     entrypoint, image_uri, image, auto_archive_days,
                                     seed_snapshot, backup_interval_min)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, true, $9, $10, $11, $12, $13, $14, $15, $16,
-                     $17, $18, $19, $20, $21, $22, $23, $24, $25)
+                     $17, $18, $19, $20, $21, $22, $23, $24,
+                     COALESCE($25, (SELECT backup_interval_min FROM orgs WHERE id = $2)))
              RETURNING {COLUMNS}"
         ))
         .bind(id)
