@@ -33,7 +33,8 @@ pub enum HostState {
     /// restore or a failed-start's start still runs there. The reconciler's drive moves its
     /// sandboxes off ([`drain`]).
     Draining,
-    /// Set by an operator (`cordon`): as `draining` today.
+    /// Set by an operator (`cordon`): takes no new sandboxes, as `draining`, but nothing is
+    /// moved off it (a cordon ends a drain; its moves in flight finish).
     Cordoned,
     /// Silent past the reconciler's lost threshold (5 minutes by default): takes nothing.
     Lost,

@@ -62,15 +62,34 @@ async fn host(stack: &Stack, index: usize) -> Value {
     operator(stack, Method::GET, stack.hosts[index].host_id.0, "", None).await
 }
 
+/// Polls host `index`'s `drain` until `done` holds; returns it then, or panics naming `what`
+/// after two minutes.
+async fn drain_until(
+    stack: &Stack,
+    index: usize,
+    what: &str,
+    done: impl Fn(&Value) -> bool,
+) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let drain = host(stack, index).await["drain"].clone();
+        if done(&drain) {
+            return drain;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never happened: {what}: {drain}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Waits until host `index`'s drain has nothing left or moving; its `drain` then.
 async fn drained(stack: &Stack, index: usize) -> Value {
-    let mut last = Value::Null;
-    eventually("the drain has nothing left or moving", || async {
-        last = host(stack, index).await["drain"].clone();
-        last["left"] == 0 && last["moving"] == 0
+    drain_until(stack, index, "the drain has nothing left or moving", |d| {
+        d["left"] == 0 && d["moving"] == 0
     })
-    .await;
-    last
+    .await
 }
 
 async fn create_gvisor(stack: &Stack) -> String {
@@ -109,6 +128,25 @@ async fn drain_event(db: &PgPool, id: &str, to: &str, text: &str) -> bool {
     })
 }
 
+/// From the drain's `stopping` event of `id` to its last `running` event (database clock),
+/// and the seconds between its events meanwhile (`stopping` → `stopped` → `migrating`: the
+/// upload and a pass → `running`).
+async fn downtime(db: &PgPool, id: &str) -> (Duration, Vec<f64>) {
+    let at: Vec<f64> = sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM at)::float8 FROM events
+          WHERE sandbox_id = $1::uuid AND snapshot_id IS NULL
+            AND at >= (SELECT min(at) FROM events WHERE sandbox_id = $1::uuid
+                         AND to_state = 'stopping' AND reason = 'drain')
+          ORDER BY at",
+    )
+    .bind(id)
+    .fetch_all(db)
+    .await
+    .unwrap();
+    let steps = at.windows(2).map(|w| w[1] - w[0]).collect();
+    (Duration::from_secs_f64(at[at.len() - 1] - at[0]), steps)
+}
+
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_live_drain_moves_three_running_gvisor_sandboxes_whose_counters_keep_counting_on_the_new_host(
     db: PgPool,
@@ -139,6 +177,10 @@ async fn a_live_drain_moves_three_running_gvisor_sandboxes_whose_counters_keep_c
     );
     assert_eq!(progress["failed"], 0, "{progress}");
     assert_eq!(progress["failures"], json!([]), "{progress}");
+    for (id, _) in &sandboxes {
+        let (down, steps) = downtime(&db, id).await;
+        eprintln!("  {id}: down {down:?} (stop → running elsewhere; between events {steps:.2?} s)");
+    }
     for (id, pid) in &sandboxes {
         assert_ne!(host_of(&stack, id).await, first, "{id} moved");
         assert!(drain_event(&db, id, "stopping", "stopped to move it off host").await);
@@ -223,10 +265,8 @@ async fn a_drain_without_room_elsewhere_leaves_the_sandbox_running_counted_faile
     stack.add_host_with((Some(1), Some(128))).await;
 
     drain(&stack, 0, true).await;
-    let mut progress = Value::Null;
-    eventually("the move fails for want of room", || async {
-        progress = host(&stack, 0).await["drain"].clone();
-        progress["failed"] == 1
+    let progress = drain_until(&stack, 0, "the move fails for want of room", |d| {
+        d["failed"] == 1
     })
     .await;
     assert_eq!(progress["left"], 0, "{progress}");
@@ -329,12 +369,7 @@ async fn an_uncordon_ends_the_drive_the_move_in_flight_finishes_and_the_rest_sta
     stack.add_host().await;
 
     drain(&stack, 0, true).await;
-    let mut progress = Value::Null;
-    eventually("one move in flight", || async {
-        progress = host(&stack, 0).await["drain"].clone();
-        progress["moving"] == 1
-    })
-    .await;
+    let progress = drain_until(&stack, 0, "one move in flight", |d| d["moving"] == 1).await;
     assert_eq!(
         progress["left"], 2,
         "at most drain_parallel at a time: {progress}"
