@@ -2,9 +2,9 @@
 //! true}` moves a host's running sandboxes to the other host (stop with memory, upload, start
 //! elsewhere: three gVisor counters keep counting; runc sandboxes keep their files) and archives
 //! its stopped ones, a bounded number at a time, with the progress on `GET /v1/hosts/{id}`.
-//! Failure paths: no other host has room (the sandbox stays running, counted failed with its
-//! reason, and a drain again once there is room moves it); a sandbox deleted or started by its
-//! user mid-drain; an uncordon ends the drive (the move in flight finishes, the rest stay
+//! Failure paths: no other host has room (the sandboxes stay as they are, counted failed with
+//! their reason, and a drain again once there is room moves them); a sandbox deleted or started
+//! by its user mid-drain; an uncordon ends the drive (the move in flight finishes, the rest stay
 //! untouched).
 
 use std::time::Duration;
@@ -254,37 +254,46 @@ async fn a_live_drain_moves_a_runc_sandbox_with_its_files_and_archives_a_stopped
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn a_drain_without_room_elsewhere_leaves_the_sandbox_running_counted_failed_until_drained_again(
+async fn a_drain_without_room_elsewhere_leaves_its_sandboxes_as_they_are_counted_failed_until_drained_again(
     db: PgPool,
 ) {
     let mut stack = Stack::start_with(db.clone(), 1, quick(4)).await;
     let id = running_sandbox(&stack).await;
+    let stopped = running_sandbox(&stack).await;
+    assert_eq!(stack.request(&stopped, "stop").await.0, 202);
+    stack.wait_state(&stopped, "stopped").await;
     let before = generation(&stack, &id).await;
     let first = host_of(&stack, &id).await;
     // The other host is too small for a 256 MiB sandbox.
     stack.add_host_with((Some(1), Some(128))).await;
 
     drain(&stack, 0, true).await;
-    let progress = drain_until(&stack, 0, "the move fails for want of room", |d| {
-        d["failed"] == 1
+    let progress = drain_until(&stack, 0, "the moves fail for want of room", |d| {
+        d["failed"] == 2
     })
     .await;
     assert_eq!(progress["left"], 0, "{progress}");
     assert_eq!(progress["moving"], 0, "{progress}");
-    assert_eq!(
-        progress["failures"][0]["sandbox_id"],
-        id.as_str(),
-        "{progress}"
-    );
-    assert_eq!(
-        progress["failures"][0]["reason"], "no other host has room for it",
-        "{progress}"
-    );
-    // Never stopped: it runs on, at home, and is not tried again on later passes.
+    let mut failed: Vec<&str> = (0..2)
+        .map(|i| progress["failures"][i]["sandbox_id"].as_str().unwrap())
+        .collect();
+    failed.sort_unstable();
+    let mut expected = vec![id.as_str(), stopped.as_str()];
+    expected.sort_unstable();
+    assert_eq!(failed, expected, "{progress}");
+    for i in 0..2 {
+        assert_eq!(
+            progress["failures"][i]["reason"], "no other host has room for it",
+            "{progress}"
+        );
+    }
+    // Left as they were: the running one never stopped, the stopped one not archived, and
+    // neither is tried again on later passes.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(state(&stack, &id).await, "running");
     assert_eq!(generation(&stack, &id).await, before);
     assert_eq!(host_of(&stack, &id).await, first);
+    assert_eq!(state(&stack, &stopped).await, "stopped");
 
     // Room appears; draining again retries the failed move.
     stack.add_host().await;
@@ -294,6 +303,7 @@ async fn a_drain_without_room_elsewhere_leaves_the_sandbox_running_counted_faile
     assert_eq!(progress["failed"], 0, "{progress}");
     stack.wait_state(&id, "running").await;
     assert_ne!(host_of(&stack, &id).await, first);
+    stack.wait_state(&stopped, "archived").await;
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }

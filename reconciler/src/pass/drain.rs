@@ -7,7 +7,9 @@
 //!
 //! - A `stopped` sandbox is archived (reason `drain`): its stop snapshot is in the object store
 //!   (already, when the stop is durable), its local disk freed; a later start unarchives it on
-//!   whatever host placement picks.
+//!   whatever host placement picks. It is archived only when some other host has room for it
+//!   now: on a fleet of one, a start of it would otherwise find no host, where the draining host
+//!   still starts its own.
 //! - With `live`, a `running` sandbox is stopped (reason `drain`; gVisor keeps its memory),
 //!   and once its stop is durable, migrated to the host placement picks (never the drained
 //!   one) and booted there from the stop snapshot: it ends `running` on that host, on gVisor
@@ -63,7 +65,8 @@ pub(super) async fn drive(
 }
 
 /// Begins up to `slots` moves off `host`: archives its stopped sandboxes, and with `live`
-/// stops its running ones that another host has room for now.
+/// stops its running ones, each only when another host has room for it now (else the move
+/// fails: `no room`).
 async fn begin(
     db: &PgPool,
     config: &PassConfig,
@@ -74,17 +77,14 @@ async fn begin(
 ) -> Result<u64, PassError> {
     let mut tx = fenced(db, lease).await?;
     let rows = drain::lock_untracked(&mut tx, host, live, slots).await?;
-    // Room elsewhere, counting what this pass is about to move: no running sandbox is stopped
+    // Room elsewhere, counting the running sandboxes this pass is about to move: none is stopped
     // for a move no host can take (a move in flight from an earlier pass is not counted; a
     // start that then finds no room starts it again at home).
-    let mut room = if rows
-        .iter()
-        .any(|r| r.state == berth_schemas::SandboxState::Running)
-    {
-        let health = &config.health;
-        placement::candidates(&mut tx, health.heartbeat_freshness, health.overcommit).await?
-    } else {
+    let health = &config.health;
+    let mut room = if rows.is_empty() {
         Vec::new()
+    } else {
+        placement::candidates(&mut tx, health.heartbeat_freshness, health.overcommit).await?
     };
     room.retain(|c| c.id != host);
     let mut n = 0;
@@ -92,7 +92,7 @@ async fn begin(
         let Some((kind, request)) = drain_request(row.state, row.deleting(), live) else {
             continue;
         };
-        if kind == DrainKind::Live && !claim_room(&mut room, row) {
+        if !claim_room(&mut room, row, kind == DrainKind::Live) {
             drain::track(
                 &mut tx,
                 row.id,
@@ -136,15 +136,18 @@ async fn begin(
     Ok(n)
 }
 
-/// Takes `row`'s resources from the best candidate in `room` that fits them; whether one did.
-fn claim_room(room: &mut [Candidate], row: &SandboxRow) -> bool {
+/// Whether a candidate in `room` fits `row`'s resources; with `take` (a running sandbox, whose
+/// start elsewhere will reserve them) they are taken from the best one.
+fn claim_room(room: &mut [Candidate], row: &SandboxRow, take: bool) -> bool {
     let need = row.resources;
     let Some(best) = placement::rank(room, need).first().copied() else {
         return false;
     };
-    if let Some(c) = room.iter_mut().find(|c| c.id == best) {
-        c.reserved.vcpus += need.vcpus;
-        c.reserved.memory_mib += need.memory_mib;
+    if take {
+        if let Some(c) = room.iter_mut().find(|c| c.id == best) {
+            c.reserved.vcpus += need.vcpus;
+            c.reserved.memory_mib += need.memory_mib;
+        }
     }
     true
 }

@@ -48,8 +48,8 @@ pub enum DrainPhase {
 /// Why a move failed (`drain_moves.reason`, shown on the host).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DrainFailure {
-    /// No other host in service has room for it (checked before a live move stops it, and
-    /// again by the placement of its start).
+    /// No other host in service has room for it (checked before a move begins, and for a live
+    /// move again by the placement of its start).
     NoRoom,
     /// Its stop did not become durable in time (the upload failed or is too slow).
     NotDurable,
