@@ -97,6 +97,11 @@ pub struct ReconcilerTimingArgs {
     #[arg(long, env = "BERTH_HEARTBEAT_FRESHNESS",
           default_value_t = berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS.into())]
     pub heartbeat_freshness: Duration,
+    /// Sandboxes moving off a draining host at once (archives, and with a live drain stops and
+    /// starts elsewhere).
+    #[arg(long, env = "BERTH_DRAIN_PARALLEL", default_value_t = pass::DEFAULT_DRAIN_PARALLEL,
+          value_parser = clap::value_parser!(i64).range(1..))]
+    pub drain_parallel: i64,
 }
 
 impl ReconcilerTimingArgs {
@@ -125,6 +130,7 @@ impl ReconcilerTimingArgs {
             archive_timeout: pass::DEFAULT_ARCHIVE_TIMEOUT,
             backup_unit: pass::DEFAULT_BACKUP_UNIT,
             template_pull_timeout: self.template_pull_timeout.into(),
+            drain_parallel: self.drain_parallel,
         }
     }
 

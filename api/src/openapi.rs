@@ -78,6 +78,7 @@ passes first.
         templates::create,
         exec::exec,
         hosts::list,
+        hosts::get,
         hosts::drain,
         hosts::cordon,
         hosts::uncordon,
@@ -120,6 +121,9 @@ passes first.
         model::CreateTemplate,
         crate::service::hosts::Host,
         crate::service::hosts::HostHealth,
+        crate::service::hosts::Drain,
+        crate::service::hosts::DrainFailure,
+        crate::http::hosts::DrainBody,
         berth_schemas::SandboxState,
     )),
     modifiers(&BearerAuth)

@@ -18,6 +18,7 @@ use std::str::FromStr;
 
 use crate::state::UnknownState;
 
+pub mod drain;
 pub mod health;
 
 pub use health::{HealthChange, HealthEvent, HealthPolicy, HostCondition, HostHealth};
@@ -29,9 +30,11 @@ pub enum HostState {
     Ready,
     /// Set by an operator (`drain`): takes no new sandboxes, and a start of one of its own
     /// stopped sandboxes moves it to another host (`crate::state::away_from_home`); a
-    /// restore or a failed-start's start still runs there.
+    /// restore or a failed-start's start still runs there. The reconciler's drive moves its
+    /// sandboxes off ([`drain`]).
     Draining,
-    /// Set by an operator (`cordon`): as `draining` today.
+    /// Set by an operator (`cordon`): takes no new sandboxes, as `draining`, but nothing is
+    /// moved off it (a cordon ends a drain; its moves in flight finish).
     Cordoned,
     /// Silent past the reconciler's lost threshold (5 minutes by default): takes nothing.
     Lost,

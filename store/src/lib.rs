@@ -19,6 +19,8 @@
 //! - [`orgs`]: tenants' quotas.
 //! - [`snapshots`]: snapshot rows (`creating` → `ready` | `failed`), the chunks each ready one
 //!   references, and an org's snapshot usage.
+//! - [`drain`]: a draining host's moves (issue 14): whether the drain is live, each sandbox
+//!   the reconciler's drive is moving off or failed to, and the progress the host shows.
 //! - [`chunks`]: the removal of chunks no snapshot references, safe against a concurrent
 //!   upload that reuses them.
 //!
@@ -42,6 +44,7 @@ pub mod api_keys;
 pub mod breakers;
 pub mod chunks;
 pub mod commands;
+pub mod drain;
 pub mod error;
 pub mod events;
 pub mod heartbeats;

@@ -248,6 +248,14 @@ ops! {
     OrgDelete => "org_delete",
     /// [`crate::ping`]: readiness.
     Ping => "ping",
+    /// [`crate::drain::begin`] and `end`: a host's drain set or ended.
+    DrainSet => "drain_set",
+    /// [`crate::drain::draining`], `lock_untracked` and `lock_in_flight`: the drive's reads.
+    DrainLock => "drain_lock",
+    /// [`crate::drain::track`] and `forget`: a drain move recorded or forgotten.
+    DrainTrack => "drain_track",
+    /// [`crate::drain::progress`]: a host's drain progress.
+    DrainProgress => "drain_progress",
     /// [`crate::orgs::lock_quota`] and `set_quota`: an org's quota row.
     OrgQuota => "org_quota",
     /// [`crate::orgs::create`]: a new org.

@@ -13,6 +13,7 @@ mod backups;
 mod clone_requests;
 mod collect;
 mod compat;
+mod drain;
 mod events;
 mod failover;
 mod fleet;

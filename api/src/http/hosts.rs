@@ -1,10 +1,11 @@
-//! The operator routes under `/v1/hosts` (operator keys only): list hosts, drain, cordon and
-//! uncordon ([`crate::service::hosts`] runs them).
+//! The operator routes under `/v1/hosts` (operator keys only): list hosts, read one, drain
+//! (`{"live": true}` moves running sandboxes too), cordon and uncordon
+//! ([`crate::service::hosts`] runs them).
 //!
 //! Host states (DESIGN.md): `ready` takes new sandboxes; `draining` and `cordoned` take none,
-//! but their own sandboxes still start there (their disks live there; moving them needs the
-//! backup store, which does not exist yet); `lost` is set by the reconciler when a host is
-//! silent and cleared by its next heartbeat.
+//! but their own sandboxes still start there (their disks live there); the reconciler moves a
+//! draining host's sandboxes off it; `lost` is set by the reconciler when a host is silent and
+//! cleared by its next heartbeat.
 
 use axum::extract::{Path, State};
 use axum::Json;
@@ -28,9 +29,63 @@ pub async fn list(
     Ok(Json(hosts::list(&app.db).await?))
 }
 
-async fn set_state(app: &AppState, id: &str, action: HostEvent) -> Result<Json<Host>, ApiError> {
+/// `GET /v1/hosts/{id}`
+#[utoipa::path(get, path = "/v1/hosts/{id}", params(("id" = String, Path)),
+    description = "One host, with its health and its drain's progress (`drain`).",
+    responses((status = 200, body = Host), (status = 404, description = "`not_found`"),
+        (status = 403, description = "`forbidden`: not an operator key")),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(app): State<AppState>,
+    _admin: Admin,
+    Path(id): Path<String>,
+    _query: super::extract::StrictQuery<super::extract::NoParams>,
+) -> Result<Json<Host>, ApiError> {
+    let id: HostId = parse_path_id(&id, "host")?;
+    Ok(Json(hosts::get(&app.db, id).await?))
+}
+
+async fn set_state(
+    app: &AppState,
+    id: &str,
+    action: HostEvent,
+    live: bool,
+) -> Result<Json<Host>, ApiError> {
     let id: HostId = parse_path_id(id, "host")?;
-    Ok(Json(hosts::set_state(&app.db, id, action).await?))
+    Ok(Json(hosts::set_state(&app.db, id, action, live).await?))
+}
+
+/// The body of `POST /v1/hosts/{id}/drain` (`{}` or none: not live).
+#[derive(Debug, Default, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DrainBody {
+    /// Move the host's running sandboxes too (stop with memory where the runtime keeps it,
+    /// upload, start on another host; on gVisor their processes continue), not only its stopped
+    /// ones (archived). Default `false`.
+    #[serde(default)]
+    pub live: bool,
+}
+
+/// `POST /v1/hosts/{id}/drain`
+#[utoipa::path(post, path = "/v1/hosts/{id}/drain", params(("id" = String, Path)),
+    description = "Drain: no new sandboxes are placed here, and the reconciler moves its \
+        sandboxes off, a few at a time: its stopped ones are archived (a later start brings \
+        them back on another host), and with `live` its running ones are stopped, uploaded and \
+        started on another host. The host's `drain` shows what is left, moving and failed. \
+        Draining again (live or not) retries the failed moves; cordon or uncordon ends it.",
+    request_body(content = Option<DrainBody>, description = "`{\"live\": true}`, `{}` or no body"),
+    responses((status = 200, body = Host), (status = 404, description = "`not_found`"),
+        (status = 400, description = "`invalid_request`: a body with other fields"),
+        (status = 409, description = "`conflict`: the host is `lost`")),
+    security(("bearer" = [])))]
+pub async fn drain(
+    State(app): State<AppState>,
+    _admin: Admin,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Result<Json<Host>, ApiError> {
+    let DrainBody { live } = super::body::json_or_empty(&body)?;
+    set_state(&app, &id, HostEvent::Drain, live).await
 }
 
 macro_rules! host_action {
@@ -49,26 +104,20 @@ macro_rules! host_action {
             body: axum::body::Bytes,
         ) -> Result<Json<Host>, ApiError> {
             let super::body::NoFields {} = super::body::json_or_empty(&body)?;
-            set_state(&app, &id, $action).await
+            set_state(&app, &id, $action, false).await
         }
     };
 }
 
 host_action!(
-    drain,
-    "/v1/hosts/{id}/drain",
-    HostEvent::Drain,
-    "Drain: no new sandboxes are placed here; its own sandboxes still start here."
-);
-host_action!(
     cordon,
     "/v1/hosts/{id}/cordon",
     HostEvent::Cordon,
-    "Cordon: no new sandboxes are placed here."
+    "Cordon: no new sandboxes are placed here; ends a drain (its moves in flight finish)."
 );
 host_action!(
     uncordon,
     "/v1/hosts/{id}/uncordon",
     HostEvent::Uncordon,
-    "Uncordon: the host takes new sandboxes again."
+    "Uncordon: the host takes new sandboxes again; ends a drain (its moves in flight finish)."
 );

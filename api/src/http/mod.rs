@@ -119,6 +119,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/keys", get(keys::list).post(keys::create))
         .route("/v1/keys/{id}", axum::routing::delete(keys::revoke))
         .route("/v1/hosts", get(hosts::list))
+        .route("/v1/hosts/{id}", get(hosts::get))
         .route("/v1/hosts/{id}/drain", post(hosts::drain))
         .route("/v1/hosts/{id}/cordon", post(hosts::cordon))
         .route("/v1/hosts/{id}/uncordon", post(hosts::uncordon))

@@ -1,15 +1,20 @@
-//! The operator use cases on hosts: list hosts (with their health), drain, cordon and
-//! uncordon.
+//! The operator use cases on hosts: list hosts (with their health and drain progress), read
+//! one, drain (live or not), cordon and uncordon.
 //!
 //! Host states (DESIGN.md): `ready` takes new sandboxes; `draining` and `cordoned` take none,
-//! but their own sandboxes still start there (their disks live there; moving them needs the
-//! backup store, which does not exist yet); `lost` is set by the reconciler when a host is
-//! silent and cleared by its next heartbeat. Beside its state, a host has a health condition
-//! judged from its boots (`healthy`, `degraded`, `probing`: see
-//! [`berth_schemas::host_state::health`]); placement avoids a degraded host until its probe.
+//! but their own sandboxes still start there (their disks live there); `lost` is set by the
+//! reconciler when a host is silent and cleared by its next heartbeat. A draining host's
+//! sandboxes are moved off by the reconciler's drive (issue 14,
+//! [`berth_schemas::host_state::drain`]): its stopped ones archived, with `live` its running
+//! ones stopped and started elsewhere; the host shows the progress ([`Drain`]). Draining again
+//! retries the moves that failed; cordon and uncordon end the drive (moves in flight finish).
+//! Beside its state, a host has a health condition judged from its boots (`healthy`,
+//! `degraded`, `probing`: see [`berth_schemas::host_state::health`]); placement avoids a
+//! degraded host until its probe.
 
 use berth_schemas::host_state::HostRefusal;
 use berth_schemas::{HostEvent, HostId};
+use berth_store::drain::{self, Progress};
 use berth_store::host_health::{self, HealthView};
 use berth_store::hosts::{self, HostChange, HostRow};
 use chrono::{DateTime, Utc};
@@ -49,6 +54,58 @@ pub struct Host {
     pub heartbeat_age_seconds: f64,
     /// Its health, judged from the outcomes of its boots.
     pub health: HostHealth,
+    /// The progress of its drain: present while it is `draining`, and while moves of an ended
+    /// drain are still in flight; `null` otherwise.
+    pub drain: Option<Drain>,
+}
+
+/// A host's drain progress: how many of its sandboxes the reconciler still has to move, is
+/// moving, or failed to move.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Drain {
+    /// Whether running sandboxes move too (`POST …/drain {"live": true}`), not only stopped
+    /// ones.
+    pub live: bool,
+    /// Sandboxes still on the host that the drain is to move and has not begun to: `stopped`
+    /// ones (and `stopping`, `archiving`), and with `live` every one but `archived` and
+    /// `failed-start`.
+    pub left: i64,
+    /// Moves in flight (at most the reconciler's `--drain-parallel` per host): an archive, or
+    /// a live move's stop, upload and start elsewhere.
+    pub moving: i64,
+    /// Moves that failed: the sandbox stays on the host (a running one the drain stopped is
+    /// started there again). Not retried until the host is drained again.
+    pub failed: i64,
+    /// Up to 20 of the failed moves, with their reasons.
+    pub failures: Vec<DrainFailure>,
+}
+
+/// A sandbox the drain could not move, and why.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct DrainFailure {
+    /// The sandbox.
+    #[schema(value_type = String, format = Uuid)]
+    pub sandbox_id: berth_schemas::SandboxId,
+    /// Why (`no other host has room for it`, `its stop did not become durable in time; …`,
+    /// `the move failed; it stays on its host`, `its stop failed`, `it was started or changed
+    /// on its own host before it moved`).
+    pub reason: String,
+}
+
+impl From<Progress> for Drain {
+    fn from(p: Progress) -> Self {
+        Drain {
+            live: p.live,
+            left: p.left,
+            moving: p.moving,
+            failed: p.failed,
+            failures: p
+                .failures
+                .into_iter()
+                .map(|(sandbox_id, reason)| DrainFailure { sandbox_id, reason })
+                .collect(),
+        }
+    }
 }
 
 /// A host's health as operators see it.
@@ -95,9 +152,14 @@ fn health_of(id: HostId, health: &[HealthView], at: DateTime<Utc>) -> HostHealth
 }
 
 impl Host {
-    fn new(h: HostRow, health: &[HealthView]) -> Self {
+    fn new(h: HostRow, health: &[HealthView], drains: &[Progress]) -> Self {
         let (capacity, reserved) = (h.capacity, h.reserved);
         Host {
+            drain: drains
+                .iter()
+                .find(|d| d.host == h.id)
+                .cloned()
+                .map(Drain::from),
             health: health_of(h.id, health, h.last_seen),
             id: h.id,
             name: h.name,
@@ -115,26 +177,59 @@ impl Host {
     }
 }
 
-/// Every host, by name, with its health.
+/// Every host, by name, with its health and drain progress.
 pub async fn list(db: &PgPool) -> Result<Vec<Host>, ServiceError> {
-    let rows = hosts::list(db).await?;
-    let health = host_health::conditions(db, None).await?;
-    Ok(rows.into_iter().map(|h| Host::new(h, &health)).collect())
+    let mut conn = db.acquire().await?;
+    let rows = hosts::list(&mut *conn).await?;
+    let health = host_health::conditions(&mut *conn, None).await?;
+    let drains = drain::progress(&mut conn, None).await?;
+    Ok(rows
+        .into_iter()
+        .map(|h| Host::new(h, &health, &drains))
+        .collect())
+}
+
+/// One host, with its health and drain progress.
+///
+/// Errors: [`ServiceError::NotFound`].
+pub async fn get(db: &PgPool, id: HostId) -> Result<Host, ServiceError> {
+    let mut conn = db.acquire().await?;
+    let Some(row) = hosts::get(&mut *conn, id).await? else {
+        return Err(ServiceError::NotFound(format!("host {id}")));
+    };
+    let health = host_health::conditions(&mut *conn, Some(id)).await?;
+    let drains = drain::progress(&mut conn, Some(id)).await?;
+    Ok(Host::new(row, &health, &drains))
 }
 
 /// Applies an operator action ([`HostEvent::Drain`], [`HostEvent::Cordon`] or
 /// [`HostEvent::Uncordon`]) as the host state machine decides; repeating one changes nothing.
-/// Returns the host as it is now.
+/// A drain records whether it is `live` and forgets the host's failed moves (so they are tried
+/// again); a cordon or uncordon ends the drive (moves in flight finish). `live` is read only
+/// for a drain. Returns the host as it is now.
 ///
 /// Errors: [`ServiceError::NotFound`]; [`ServiceError::HostConflict`] when the host's state
 /// refuses the action (it is `lost`).
-pub async fn set_state(db: &PgPool, id: HostId, action: HostEvent) -> Result<Host, ServiceError> {
-    let mut conn = db.acquire().await?;
-    let changed = hosts::apply_event(&mut conn, id, action).await?;
-    let health = host_health::conditions(&mut *conn, Some(id)).await?;
+pub async fn set_state(
+    db: &PgPool,
+    id: HostId,
+    action: HostEvent,
+    live: bool,
+) -> Result<Host, ServiceError> {
+    let mut tx = db.begin().await?;
+    let changed = hosts::apply_event(&mut tx, id, action).await?;
+    if let Some(HostChange::Applied(_)) = changed {
+        match action {
+            HostEvent::Drain => drain::begin(&mut tx, id, live).await?,
+            _ => drain::end(&mut tx, id).await?,
+        }
+    }
+    let health = host_health::conditions(&mut *tx, Some(id)).await?;
+    let drains = drain::progress(&mut tx, Some(id)).await?;
+    tx.commit().await?;
     match changed {
         None => Err(ServiceError::NotFound(format!("host {id}"))),
-        Some(HostChange::Applied(host)) => Ok(Host::new(host, &health)),
+        Some(HostChange::Applied(host)) => Ok(Host::new(host, &health, &drains)),
         Some(HostChange::Refused(host)) => Err(ServiceError::HostConflict {
             message: HostRefusal {
                 state: host.state,

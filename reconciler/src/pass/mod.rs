@@ -39,8 +39,11 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tracing::{info, warn};
 
 mod backups;
+mod drain;
 mod failover;
 pub mod guests;
+
+pub use drain::DEFAULT_DRAIN_PARALLEL;
 
 /// Default [`PassConfig::interval`]: a pass every 10 seconds.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -173,6 +176,9 @@ pub struct PassConfig {
     /// The length of one of `backup_interval_min`'s minutes ([`DEFAULT_BACKUP_UNIT`]; tests
     /// shorten it).
     pub backup_unit: Duration,
+    /// Moves in flight per draining host ([`DEFAULT_DRAIN_PARALLEL`]); a live move also
+    /// waits at most [`PassConfig::archive_timeout`] for its stop to be durable.
+    pub drain_parallel: i64,
 }
 
 impl Default for PassConfig {
@@ -195,6 +201,7 @@ impl Default for PassConfig {
             template_pull_timeout: DEFAULT_TEMPLATE_PULL_TIMEOUT,
             archive_timeout: DEFAULT_ARCHIVE_TIMEOUT,
             backup_unit: DEFAULT_BACKUP_UNIT,
+            drain_parallel: drain::DEFAULT_DRAIN_PARALLEL,
         }
     }
 }
@@ -235,6 +242,10 @@ pub enum Action {
     AutoArchive,
     /// `running` sandboxes backed up after `backup_interval_min`.
     AutoBackup,
+    /// Sandboxes of draining hosts whose move began (archive, or a live move's stop).
+    DrainBegun,
+    /// Drain moves that ended: moved, failed, or forgotten (deleted).
+    DrainEnded,
 }
 
 impl Action {
@@ -256,6 +267,8 @@ impl Action {
             Action::TemplatePullTimeout => "template_pull_timeout",
             Action::AutoArchive => "auto_archive",
             Action::AutoBackup => "auto_backup",
+            Action::DrainBegun => "drain_begun",
+            Action::DrainEnded => "drain_ended",
         }
     }
 }
@@ -389,6 +402,9 @@ async fn run_actions(
     report.actions.push((Action::AutoArchive, n));
     let n = backups::auto_backup(db, config, lease).await?;
     report.actions.push((Action::AutoBackup, n));
+    let (begun, ended) = drain::drive(db, config, lease).await?;
+    report.actions.push((Action::DrainEnded, ended));
+    report.actions.push((Action::DrainBegun, begun));
     Ok(())
 }
 

@@ -401,6 +401,9 @@ pub enum Reason {
     AutoArchive,
     /// `backup_interval_min` passed since the last backup of a running sandbox.
     AutoBackup,
+    /// Its host is being drained: the reconciler's drive moves it off
+    /// ([`crate::host_state::drain`]).
+    Drain,
 }
 
 impl Reason {
@@ -419,6 +422,7 @@ impl Reason {
             Reason::Expired => "expired",
             Reason::AutoArchive => "auto_archive",
             Reason::AutoBackup => "auto_backup",
+            Reason::Drain => "drain",
         }
     }
 }
