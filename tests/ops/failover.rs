@@ -331,3 +331,48 @@ async fn a_gvisor_restore_from_backup_keeps_the_disk_and_not_the_processes(db: P
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn start_and_delete_raced_against_a_restore_from_backup_converge_with_nothing_left(
+    db: PgPool,
+) {
+    let stack = Stack::start(db.clone(), 2).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, "echo x > /root/kept").await;
+    let backup_id = backed_up(&stack, &id).await;
+
+    // Start and restore at once: whichever commits second sees the other's state. A start of
+    // a running or restoring sandbox changes nothing, so the restore always goes through.
+    let (restored, started) = tokio::join!(restore(&stack, &id, None), stack.request(&id, "start"));
+    assert_eq!(restored.0, 202, "{}", restored.1);
+    assert_eq!(
+        started.0, 200,
+        "a start of a running or restoring one: {}",
+        started.1
+    );
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, "cat /root/kept").await["stdout"], "x\n");
+    stack.assert_no_capacity_drift().await;
+
+    // Restore and delete at once: the delete always wins in the end, whichever order they
+    // commit in (a restore of a sandbox being deleted is 409).
+    let (restored, deleted) = tokio::join!(restore(&stack, &id, None), stack.delete(&id));
+    assert!(
+        restored.0 == 202 || restored.0 == 409,
+        "restore racing a delete: {} {}",
+        restored.0,
+        restored.1
+    );
+    assert_eq!(deleted.0, 202, "{}", deleted.1);
+    stack.wait_state(&id, "deleted").await;
+    for index in 0..stack.hosts.len() {
+        eventually("no copy is left on any host", || async {
+            !copy_on(&stack, index, &id) && !container_on(&stack, index, &id)
+        })
+        .await;
+    }
+    stack.assert_no_capacity_drift().await;
+    // The backup outlives its sandbox, as every snapshot does.
+    assert_eq!(settled(&stack, &backup_id).await["state"], "ready");
+    stack.teardown().await;
+}
