@@ -92,6 +92,12 @@ enum SandboxCmd {
     Fork(snapshots::ForkArgs),
     /// Rebuild a sandbox from one of its snapshots and wait until it runs again.
     Restore(snapshots::RestoreArgs),
+    /// Back up a running sandbox (its disk, never its memory) and print the backup's id once
+    /// it is ready.
+    Backup(snapshots::SnapshotArgs),
+    /// Rebuild a sandbox from its newest (or the named) backup on a new placement and wait
+    /// until it runs (memory is not restored).
+    RestoreBackup(snapshots::RestoreBackupArgs),
 }
 
 /// `berth login`
@@ -172,9 +178,17 @@ async fn dispatch(command: UserCmd) -> Result<i32, CliError> {
                 }
                 SandboxCmd::Events(args) => sandbox::events(&client, &api, args).await,
                 SandboxCmd::Preview(args) => sandbox::preview(&client, &api, args).await,
-                SandboxCmd::Snapshot(args) => snapshots::snapshot(&client, &api, args).await,
+                SandboxCmd::Snapshot(args) => {
+                    snapshots::snapshot(&client, &api, args, "snapshot").await
+                }
                 SandboxCmd::Fork(args) => snapshots::fork(&client, &api, args).await,
                 SandboxCmd::Restore(args) => snapshots::restore(&client, &api, args).await,
+                SandboxCmd::Backup(args) => {
+                    snapshots::snapshot(&client, &api, args, "backup").await
+                }
+                SandboxCmd::RestoreBackup(args) => {
+                    snapshots::restore_backup(&client, &api, args).await
+                }
             }
         }
     }

@@ -1,6 +1,7 @@
-//! `berth sandbox snapshot|fork|restore` (issue 13): a snapshot of a running sandbox, waited
-//! until it is `ready` (or `failed`); a fork into new sandboxes, waited until each runs; a
-//! restore from one of the sandbox's snapshots, waited until it runs again.
+//! `berth sandbox snapshot|backup|fork|restore|restore-backup` (issues 13 and 14): a snapshot
+//! (or a backup: disk only) of a running sandbox, waited until it is `ready` (or `failed`); a
+//! fork into new sandboxes, waited until each runs; a restore from one of the sandbox's
+//! snapshots, or from its backup on a new placement, waited until it runs again.
 
 use std::io::Write;
 use std::time::Duration;
@@ -55,17 +56,36 @@ pub struct RestoreArgs {
     no_wait: bool,
 }
 
+/// `berth sandbox restore-backup`
+#[derive(Args, Debug)]
+pub struct RestoreBackupArgs {
+    /// The sandbox's id.
+    id: String,
+    /// One of the sandbox's ready backups; its newest when omitted.
+    #[arg(long)]
+    backup: Option<String>,
+    /// Return once the restore is accepted (`restoring`), without waiting until it runs.
+    #[arg(long)]
+    no_wait: bool,
+}
+
 fn print(text: &str) {
     let mut out = std::io::stdout().lock();
     let _ = out.write_all(text.as_bytes());
     let _ = out.flush();
 }
 
-/// `berth sandbox snapshot`: prints the snapshot's id (the snapshot with `--json`); exits 1
-/// when it failed (its reason on stderr).
-pub async fn snapshot(client: &Client, api: &ApiArgs, args: SnapshotArgs) -> Result<i32, CliError> {
-    let path = format!("/v1/sandboxes/{}/snapshot", segment(&args.id));
-    let spinner = render::spinner(format!("snapshotting {}", args.id));
+/// `berth sandbox snapshot` (`what`: `snapshot`) and `berth sandbox backup` (`backup`):
+/// prints the snapshot's id (the snapshot with `--json`); exits 1 when it failed (its reason
+/// on stderr).
+pub async fn snapshot(
+    client: &Client,
+    api: &ApiArgs,
+    args: SnapshotArgs,
+    what: &str,
+) -> Result<i32, CliError> {
+    let path = format!("/v1/sandboxes/{}/{what}", segment(&args.id));
+    let spinner = render::spinner(format!("taking a {what} of {}", args.id));
     let mut snapshot = client.json(Method::POST, &path, None).await;
     let taken = match (&snapshot, args.no_wait) {
         (Ok(taken), false) => Some(taken["id"].as_str().unwrap_or_default().to_owned()),
@@ -83,7 +103,7 @@ pub async fn snapshot(client: &Client, api: &ApiArgs, args: SnapshotArgs) -> Res
     }
     if snapshot["state"] == "failed" {
         eprintln!(
-            "berth: the snapshot failed: {}",
+            "berth: the {what} failed: {}",
             render::cell(&snapshot["reason"])
         );
         return Ok(1);
@@ -164,18 +184,39 @@ pub async fn fork(client: &Client, api: &ApiArgs, args: ForkArgs) -> Result<i32,
 
 /// `berth sandbox restore`: prints `<id> <state>` (the sandbox with `--json`).
 pub async fn restore(client: &Client, api: &ApiArgs, args: RestoreArgs) -> Result<i32, CliError> {
-    let mut path = format!("/v1/sandboxes/{}/restore", segment(&args.id));
-    if !args.no_wait {
+    let body = json!({ "snapshot_id": args.snapshot_id });
+    restore_with(client, api, &args.id, "restore", body, args.no_wait).await
+}
+
+/// `berth sandbox restore-backup`: prints `<id> <state>` (the sandbox with `--json`).
+pub async fn restore_backup(
+    client: &Client,
+    api: &ApiArgs,
+    args: RestoreBackupArgs,
+) -> Result<i32, CliError> {
+    let body = match args.backup {
+        Some(backup) => json!({ "backup_id": backup }),
+        None => json!({}),
+    };
+    let id = args.id;
+    restore_with(client, api, &id, "restore-from-backup", body, args.no_wait).await
+}
+
+/// Posts `body` to the sandbox's `route` and, unless `no_wait`, waits until it runs.
+async fn restore_with(
+    client: &Client,
+    api: &ApiArgs,
+    id: &str,
+    route: &str,
+    body: Value,
+    no_wait: bool,
+) -> Result<i32, CliError> {
+    let mut path = format!("/v1/sandboxes/{}/{route}", segment(id));
+    if !no_wait {
         path.push_str(&format!("?wait=running&timeout={WAIT_TIMEOUT}"));
     }
-    let spinner = render::spinner(format!("restoring {}", args.id));
-    let restored = client
-        .json(
-            Method::POST,
-            &path,
-            Some(&json!({ "snapshot_id": args.snapshot_id })),
-        )
-        .await;
+    let spinner = render::spinner(format!("restoring {id}"));
+    let restored = client.json(Method::POST, &path, Some(&body)).await;
     spinner.finish_and_clear();
     let sandbox = restored?;
     if api.json {
