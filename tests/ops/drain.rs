@@ -16,7 +16,7 @@ use sqlx::PgPool;
 
 use crate::archive::events;
 use crate::resume::{count, run, COUNTER};
-use crate::support::http::{host_of, running_sandbox};
+use crate::support::http::{host_of, running_gvisor_sandbox, running_sandbox};
 use crate::support::{eventually, Stack};
 
 /// Passes often enough that a drain moves within seconds.
@@ -92,20 +92,6 @@ async fn drained(stack: &Stack, index: usize) -> Value {
     .await
 }
 
-async fn create_gvisor(stack: &Stack) -> String {
-    let (status, body) = stack
-        .call(
-            Method::POST,
-            "/v1/sandboxes",
-            Some(json!({"template": "base-gvisor", "vcpus": 1, "memory_mib": 256})),
-        )
-        .await;
-    assert_eq!(status, 202, "{body}");
-    let id = body["id"].as_str().unwrap().to_owned();
-    stack.wait_state(&id, "running").await;
-    id
-}
-
 async fn generation(stack: &Stack, id: &str) -> i64 {
     sqlx::query_scalar("SELECT generation FROM sandboxes WHERE id = $1::uuid")
         .bind(id)
@@ -154,7 +140,7 @@ async fn a_live_drain_moves_three_running_gvisor_sandboxes_whose_counters_keep_c
     let mut stack = Stack::start_with(db.clone(), 1, quick(4)).await;
     let mut sandboxes = Vec::new();
     for _ in 0..3 {
-        let id = create_gvisor(&stack).await;
+        let id = running_gvisor_sandbox(&stack).await;
         run(&stack, &id, COUNTER).await;
         let pid = run(&stack, &id, "cat /root/pid").await.trim().to_owned();
         sandboxes.push((id, pid));

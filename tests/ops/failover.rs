@@ -15,7 +15,7 @@ use sqlx::PgPool;
 use crate::archive::{events, get};
 use crate::backups::{backup, run, settled};
 use crate::resume::{count, COUNTER};
-use crate::support::http::{host_of, running_sandbox};
+use crate::support::http::{host_of, running_gvisor_sandbox, running_sandbox};
 use crate::support::{eventually, Stack};
 
 /// Takes a backup of `id` and waits until it is ready; its id.
@@ -285,16 +285,7 @@ fn container_on(stack: &Stack, index: usize, id: &str) -> bool {
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_gvisor_restore_from_backup_keeps_the_disk_and_not_the_processes(db: PgPool) {
     let stack = Stack::start(db.clone(), 1).await;
-    let (status, body) = stack
-        .call(
-            Method::POST,
-            "/v1/sandboxes",
-            Some(json!({"template": "base-gvisor", "vcpus": 1, "memory_mib": 256})),
-        )
-        .await;
-    assert_eq!(status, 202, "{body}");
-    let id = body["id"].as_str().unwrap().to_owned();
-    stack.wait_state(&id, "running").await;
+    let id = running_gvisor_sandbox(&stack).await;
     run(&stack, &id, COUNTER).await;
     let counted = count(&stack, &id).await;
     eventually("the counter counts", || async {

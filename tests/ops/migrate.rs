@@ -14,7 +14,7 @@ use sqlx::PgPool;
 
 use crate::archive::{events, stop_durably, walk};
 use crate::resume::{count, run, COUNTER};
-use crate::support::http::{host_of, running_sandbox};
+use crate::support::http::{host_of, running_gvisor_sandbox, running_sandbox};
 use crate::support::{eventually, Stack};
 
 /// Whether host `index` still holds a directory of sandbox `id`.
@@ -199,16 +199,7 @@ async fn a_gvisor_sandbox_stopped_with_its_memory_continues_its_processes_on_the
     db: PgPool,
 ) {
     let mut stack = Stack::start(db.clone(), 1).await;
-    let (status, body) = stack
-        .call(
-            Method::POST,
-            "/v1/sandboxes",
-            Some(json!({"template": "base-gvisor", "vcpus": 1, "memory_mib": 256})),
-        )
-        .await;
-    assert_eq!(status, 202, "{body}");
-    let id = body["id"].as_str().unwrap().to_owned();
-    stack.wait_state(&id, "running").await;
+    let id = running_gvisor_sandbox(&stack).await;
     let first = host_of(&stack, &id).await;
     run(&stack, &id, COUNTER).await;
     let pid = run(&stack, &id, "cat /root/pid").await;

@@ -190,6 +190,21 @@ impl Stack {
     }
 }
 
+/// Creates a gVisor (runsc) sandbox of the `base-gvisor` template and waits until it runs.
+pub async fn running_gvisor_sandbox(stack: &Stack) -> String {
+    let (status, body) = stack
+        .call(
+            reqwest::Method::POST,
+            "/v1/sandboxes",
+            Some(json!({"template": "base-gvisor", "vcpus": 1, "memory_mib": 256})),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let id = body["id"].as_str().unwrap().to_owned();
+    stack.wait_state(&id, "running").await;
+    id
+}
+
 /// Creates a sandbox and waits until it runs.
 pub async fn running_sandbox(stack: &Stack) -> String {
     let id = stack.create().await;

@@ -110,15 +110,7 @@ pub async fn restore_from_backup(
     };
     commands::insert(&mut *conn, restore.to, &migrate).await?;
     if let Some(old) = row.host_id.filter(|old| *old != restore.to) {
-        let cleanup = Command {
-            snapshot: None,
-            id: CommandId::new(),
-            sandbox_id: row.id,
-            generation,
-            kind: CommandKind::Delete,
-            spec: Some(moved.spec()),
-        };
-        commands::insert(&mut *conn, old, &cleanup).await?;
+        super::migrate::delete_copy_on(&mut *conn, old, &moved, generation).await?;
     }
     events::insert(
         conn,

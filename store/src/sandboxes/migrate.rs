@@ -109,6 +109,18 @@ pub(super) async fn delete_stale_copy(
     let Some(old) = row.migrated_from.filter(|old| Some(*old) != row.host_id) else {
         return Ok(None);
     };
+    Ok(Some(delete_copy_on(conn, old, row, generation).await?))
+}
+
+/// Queues on `host` a `sandbox.delete` of its copy of `row`'s sandbox at `generation` (newer
+/// than anything that host applied, so its fence lets it through; its result comes from off
+/// the placement and changes nothing); its id.
+pub(super) async fn delete_copy_on(
+    conn: &mut PgConnection,
+    host: HostId,
+    row: &SandboxRow,
+    generation: berth_schemas::Generation,
+) -> Result<CommandId, StoreError> {
     let cleanup = Command {
         snapshot: None,
         id: CommandId::new(),
@@ -117,6 +129,6 @@ pub(super) async fn delete_stale_copy(
         kind: CommandKind::Delete,
         spec: Some(row.spec()),
     };
-    commands::insert(&mut *conn, old, &cleanup).await?;
-    Ok(Some(cleanup.id))
+    commands::insert(&mut *conn, host, &cleanup).await?;
+    Ok(cleanup.id)
 }

@@ -351,15 +351,7 @@ pub async fn move_create(
     };
     commands::insert(&mut *conn, to, &create).await?;
     if let Some(old) = row.host_id {
-        let cleanup = Command {
-            snapshot: None,
-            id: CommandId::new(),
-            sandbox_id: row.id,
-            generation,
-            kind: CommandKind::Delete,
-            spec: Some(moved.spec()),
-        };
-        commands::insert(&mut *conn, old, &cleanup).await?;
+        super::migrate::delete_copy_on(&mut *conn, old, &moved, generation).await?;
     }
     events::insert(
         conn,
