@@ -28,7 +28,7 @@ async fn durably_stopped(stack: &Stack) -> (String, uuid::Uuid) {
     (id, snapshot)
 }
 
-fn manifest_stored(stack: &Stack, snapshot: uuid::Uuid) -> bool {
+pub(crate) fn manifest_stored(stack: &Stack, snapshot: uuid::Uuid) -> bool {
     let name = format!("{snapshot}.json");
     walk(&stack.object_store_dir())
         .iter()
@@ -37,7 +37,7 @@ fn manifest_stored(stack: &Stack, snapshot: uuid::Uuid) -> bool {
 
 /// Waits until `id` is deleted and what its durable stop stored is gone: its manifest, its
 /// chunk references and the row's `durable_snapshot`.
-async fn collected(stack: &Stack, id: &str, snapshot: uuid::Uuid) {
+pub(crate) async fn collected(stack: &Stack, id: &str, snapshot: uuid::Uuid) {
     // From the database: an org's delete revoked the key the API would be asked with.
     eventually("the sandbox is deleted", || async {
         sqlx::query_scalar::<_, String>("SELECT state FROM sandboxes WHERE id = $1::uuid")

@@ -12,6 +12,7 @@ mod backups;
 mod clone_requests;
 mod collect;
 mod compat;
+mod crash14;
 mod events;
 mod fleet;
 mod host_health;

@@ -237,6 +237,7 @@ async fn seed(
         })
         .await?;
     }
+    crash_point(Step::Fetched);
     rename(&partial, upper)?;
     tracing::info!(
         snapshot_id = %manifest.info.snapshot_id,
