@@ -27,6 +27,7 @@ mod preview_abuse;
 mod preview_kit;
 mod preview_origin;
 mod proxy_limits;
+mod race14;
 mod relay;
 mod requests;
 mod resume;

@@ -10,7 +10,9 @@
 //! already, mostly the previous stop's. While the sandbox is `stopping`, or `stopped` (or
 //! `archiving`) and not durable yet, that upload may be counting on them (a deleted sandbox's
 //! never becomes durable). A delete during `migrating` or `unarchiving` may still have the new
-//! host fetching the stop: that one waits until the sandbox is `deleted`. The claim of
+//! host fetching the stop, and one during `archiving` the host's archive reading its manifest
+//! (missing, it would upload the disk again as a copy no row names): that one waits until the
+//! sandbox is `deleted`. The claim of
 //! `chunk_removals` and `crate::chunks::check_for_ready` (at the durable write) cover the rest.
 
 use berth_schemas::ids::SnapshotId;
