@@ -205,3 +205,32 @@ async fn a_chunk_another_sandbox_or_a_snapshot_references_is_never_an_orphan(db:
     let deleting = go(&db, &two, SandboxState::Stopping, true).await;
     assert_eq!(take(&db, &deleting).await.map(|t| t.1), Some(vec![shared]));
 }
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_delete_during_archiving_holds_the_stored_stop_until_the_sandbox_is_deleted(db: PgPool) {
+    // The host's archive reads the stop's manifest to decide whether to upload again: one
+    // collected under it would be stored again, as a copy no row names.
+    let host = host(&db).await;
+    let row = placed(&db, host).await;
+    let stopped = go(&db, &row, SandboxState::Stopped, false).await;
+    let a = SnapshotId::new();
+    durable(&db, &stopped, a, &[hash('a')]).await;
+    sqlx::query("UPDATE sandboxes SET state = 'archiving' WHERE id = $1")
+        .bind(row.id)
+        .execute(&db)
+        .await
+        .unwrap();
+    let deleting = go(&db, &stopped, SandboxState::Stopping, true).await;
+    assert_eq!(deleting.durable_snapshot, None);
+    assert_eq!(
+        take(&db, &deleting).await,
+        None,
+        "held while the archive may still read it"
+    );
+    sqlx::query("UPDATE sandboxes SET state = 'deleted' WHERE id = $1")
+        .bind(row.id)
+        .execute(&db)
+        .await
+        .unwrap();
+    assert_eq!(take(&db, &deleting).await, Some((a, vec![hash('a')])));
+}
