@@ -85,16 +85,19 @@ pub(crate) async fn converged_deleted(stack: &Stack, id: &str, snapshot: Option<
     if let Some(snapshot) = snapshot {
         collected(stack, id, snapshot).await;
     }
-    eventually("no superseded stop of the sandbox awaits collection", || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM durable_superseded WHERE sandbox_id = $1::uuid",
-        )
-        .bind(id)
-        .fetch_one(&stack.db)
-        .await
-        .unwrap()
-            == 0
-    })
+    eventually(
+        "no superseded stop of the sandbox awaits collection",
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM durable_superseded WHERE sandbox_id = $1::uuid",
+            )
+            .bind(id)
+            .fetch_one(&stack.db)
+            .await
+            .unwrap()
+                == 0
+        },
+    )
     .await;
     eventually("no manifest in the store names the sandbox", || async {
         manifests_of(stack, id).is_empty()
@@ -187,7 +190,8 @@ async fn hostd_killed_mid_archive_upload_ends_archived_with_its_files_and_never_
     let host = &mut stack.hosts[0];
     host.child = None;
     host.env.retain(|(k, _)| k != CRASH_AT_ENV);
-    host.env.extend(crash(CommandKind::Archive, Step::Uploading));
+    host.env
+        .extend(crash(CommandKind::Archive, Step::Uploading));
     stack.restart_host(0).await;
     crashed_then_restart(&mut stack, 0, "archive:uploading", None).await;
     // Never without a copy: until the archive is confirmed the disk stays on its host.
@@ -279,7 +283,11 @@ async fn hostd_killed_mid_unarchive_download_converges_running_with_its_files(db
     assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
     stack.assert_no_capacity_drift().await;
     // Nothing of the interrupted download is left beside the disk's upper dir.
-    let disk = stack.hosts[0].state_dir.join("sandboxes").join(&id).join("disk");
+    let disk = stack.hosts[0]
+        .state_dir
+        .join("sandboxes")
+        .join(&id)
+        .join("disk");
     assert!(disk.join("upper").is_dir() && !disk.join("upper.partial").exists());
     delete_leaves_nothing(&stack, &id).await;
     stack.teardown().await;

@@ -105,7 +105,10 @@ async fn start_and_delete_raced_against_an_archive_settle_as_the_table_says(db: 
     let snapshot = durable_snapshot(&stack, &id).await;
     assert_eq!(stack.request(&id, "archive").await.0, 202);
     let (start, delete) = start_and_delete(&stack, &id).await;
-    eprintln!("start × delete of {id}: {} {} ({})", start.0, delete.0, delete.1["state"]);
+    eprintln!(
+        "start × delete of {id}: {} {} ({})",
+        start.0, delete.0, delete.1["state"]
+    );
     assert_eq!(delete.0, 202, "{}", delete.1);
     conflict_in(&start, &["archiving", "stopping", "deleted"]);
     converged_deleted(&stack, &id, snapshot).await;
@@ -121,7 +124,10 @@ async fn start_and_delete_raced_against_an_unarchive_settle_as_the_table_says(db
     let (a, b) = tokio::join!(stack.request(&id, "start"), stack.request(&id, "start"));
     accepted(&a);
     accepted(&b);
-    assert!(a.0 == 202 || b.0 == 202, "one of them unarchives: {a:?} {b:?}");
+    assert!(
+        a.0 == 202 || b.0 == 202,
+        "one of them unarchives: {a:?} {b:?}"
+    );
     stack.wait_state(&id, "running").await;
     assert_eq!(commands(&stack, &id, "sandbox.unarchive").await, 1);
     assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
@@ -133,7 +139,10 @@ async fn start_and_delete_raced_against_an_unarchive_settle_as_the_table_says(db
     let id = archived(&stack).await;
     let snapshot = durable_snapshot(&stack, &id).await;
     let (start, delete) = start_and_delete(&stack, &id).await;
-    eprintln!("start × delete of {id}: {} {} ({})", start.0, delete.0, delete.1["state"]);
+    eprintln!(
+        "start × delete of {id}: {} {} ({})",
+        start.0, delete.0, delete.1["state"]
+    );
     assert_eq!(delete.0, 202, "{}", delete.1);
     if start.0 == 202 {
         assert_eq!(start.1["state"], "unarchiving", "{}", start.1);
@@ -149,7 +158,11 @@ async fn start_and_delete_raced_against_an_unarchive_settle_as_the_table_says(db
     let id = archived(&stack).await;
     let snapshot = durable_snapshot(&stack, &id).await;
     let (status, body) = stack.request(&id, "start").await;
-    assert_eq!((status, body["state"].as_str()), (202, Some("unarchiving")), "{body}");
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (202, Some("unarchiving")),
+        "{body}"
+    );
     let (start, delete) = start_and_delete(&stack, &id).await;
     eprintln!("start × delete while unarchiving: {} {}", start.0, delete.0);
     assert_eq!(delete.0, 202, "{}", delete.1);
@@ -210,9 +223,16 @@ async fn start_and_delete_raced_against_a_migration_settle_as_the_table_says(db:
     // start × delete while `migrating` (the migrate already sent to the new host).
     let snapshot = durable_snapshot(&stack, &in_flight).await;
     let (status, body) = stack.request(&in_flight, "start").await;
-    assert_eq!((status, body["state"].as_str()), (202, Some("migrating")), "{body}");
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (202, Some("migrating")),
+        "{body}"
+    );
     let (start, delete) = start_and_delete(&stack, &in_flight).await;
-    eprintln!("start × delete while migrating (sent): {} {}", start.0, delete.0);
+    eprintln!(
+        "start × delete while migrating (sent): {} {}",
+        start.0, delete.0
+    );
     assert_eq!(delete.0, 202, "{}", delete.1);
     if start.0 != 409 {
         accepted(&start);

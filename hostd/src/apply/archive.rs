@@ -425,7 +425,10 @@ mod tests {
             // A failed archive at its own generation: the next archive uploads.
             record(
                 Phase::Stopped,
-                &[(2, CommandKind::Stop, ok()), (3, CommandKind::Archive, failed.clone())],
+                &[
+                    (2, CommandKind::Stop, ok()),
+                    (3, CommandKind::Archive, failed.clone()),
+                ],
             ),
             // A stop that failed.
             record(Phase::Stopped, &[(2, CommandKind::Stop, failed)]),
