@@ -109,15 +109,31 @@ impl StopRef {
     }
 }
 
-/// After `stop` succeeded: uploads its stop snapshot unless `cancel` fires first, records it,
-/// and returns the durability report to publish; `None` when there is nothing to report (the
-/// sandbox moved on, a sim host, a cancelled or failed upload: logged). Run it inside
+/// A stop's durability report: to publish now, or once an upload its sandbox's next command
+/// handed off finishes.
+#[derive(Debug)]
+pub enum StopReport {
+    /// Publish this now.
+    Now(CommandResult),
+    /// The upload goes on off the command chain; publish what it returns, if anything.
+    Later(tokio::task::JoinHandle<Option<CommandResult>>),
+}
+
+/// After `stop` succeeded: uploads its stop snapshot, records it, and returns the durability
+/// report to publish; `None` when there is nothing to report (the sandbox moved on, a sim host,
+/// a capture cancelled or failed, a failed upload: logged). Run it inside
 /// [`crate::fault::scope`] of a stop, so the upload passes the stop's `Uploading` crash point.
+///
+/// `cancel` (the sandbox's next command) stops the capture, the part that reads the disk. An
+/// upload already staged is never cut short, which would leave in the store chunks no
+/// manifest names: it goes on off the chain ([`StopReport::Later`]) and reports without
+/// touching the record, which belongs to the next command now; the reconciler names that
+/// snapshot or hands it to the collector.
 pub async fn durable_after_stop(
     host: &Arc<Host>,
     stop: StopRef,
     cancel: CancellationToken,
-) -> Option<CommandResult> {
+) -> Option<StopReport> {
     let record = host.live(stop.sandbox_id)?;
     if record.phase != Phase::Stopped || record.applied_generation != stop.generation {
         return None;
@@ -126,18 +142,57 @@ pub async fn durable_after_stop(
         // A redelivered stop: report what was stored again.
         Some(durable) => durable,
         None => {
-            let uploaded = tokio::select! {
-                uploaded = upload_stop(host, &record) => uploaded,
+            let staged = tokio::select! {
+                staged = stage_stop(host, &record) => staged,
                 () = cancel.cancelled() => {
-                    tracing::info!("stop upload cancelled by the sandbox's next command");
+                    tracing::info!("stop capture cancelled by the sandbox's next command");
                     return None;
                 }
             };
-            match uploaded {
-                Ok(Some(durable)) => durable,
+            let staged = match staged {
+                Ok(Some(staged)) => staged,
                 Ok(None) => return None,
                 Err(error) => {
+                    tracing::warn!(error = %error.report(), "stop capture failed; the stop is not durable");
+                    return None;
+                }
+            };
+            let uploading = {
+                let host = host.clone();
+                crate::fault::scope(CommandKind::Stop, async move {
+                    upload_staged(&host, staged).await
+                })
+            };
+            let mut upload = tokio::spawn(uploading);
+            let uploaded = tokio::select! {
+                uploaded = &mut upload => uploaded,
+                () = cancel.cancelled() => {
+                    tracing::info!("the sandbox's next command came; its stop upload finishes off the chain");
+                    let host = host.clone();
+                    let later = async move {
+                        match upload.await {
+                            Ok(Ok(durable)) => Some(report(&host, stop, durable)),
+                            Ok(Err(error)) => {
+                                tracing::warn!(error = %error.report(), "stop upload failed");
+                                None
+                            }
+                            Err(error) => {
+                                tracing::warn!(%error, "stop upload task failed");
+                                None
+                            }
+                        }
+                    };
+                    return Some(StopReport::Later(tokio::spawn(later)));
+                }
+            };
+            match uploaded {
+                Ok(Ok(durable)) => durable,
+                Ok(Err(error)) => {
                     tracing::warn!(error = %error.report(), "stop upload failed; the stop is not durable");
+                    return None;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "stop upload task failed; the stop is not durable");
                     return None;
                 }
             }
@@ -153,7 +208,12 @@ pub async fn durable_after_stop(
             tracing::warn!(error = %error.report(), "durable stop not recorded");
         }
     }
-    Some(CommandResult {
+    Some(StopReport::Now(report(host, stop, durable)))
+}
+
+/// `stop`'s durability report: a second result of the stop command.
+fn report(host: &Host, stop: StopRef, durable: StopDurable) -> CommandResult {
+    CommandResult {
         command_id: stop.command_id,
         sandbox_id: stop.sandbox_id,
         host_id: host.host_id,
@@ -162,7 +222,7 @@ pub async fn durable_after_stop(
         outcome: ResultOutcome::Durable(durable),
         heartbeat_seq: host.heartbeat_seq.current(),
         apply_ms: 0,
-    })
+    }
 }
 
 /// Captures the stopped sandbox's upper dir (and memory image) and uploads it: chunks, then
@@ -173,6 +233,21 @@ pub async fn upload_stop(
     host: &Host,
     record: &SandboxRecord,
 ) -> Result<Option<StopDurable>, HostdError> {
+    match stage_stop(host, record).await? {
+        Some(staged) => upload_staged(host, staged).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Captures the stopped sandbox's upper dir (and memory image) into the staging dir, the disk
+/// mounted only meanwhile; `None` on a sim host (it keeps no files). The only part of a stop's
+/// upload that reads the disk.
+///
+/// Errors: [`HostdError::Storage`] (capture), [`HostdError::Io`], the disk's mount.
+pub async fn stage_stop(
+    host: &Host,
+    record: &SandboxRecord,
+) -> Result<Option<berth_storage::Staged>, HostdError> {
     let runtime = host.runtime_of(record)?;
     if runtime.name() == SIM {
         return Ok(None);
@@ -222,7 +297,20 @@ pub async fn upload_stop(
     let released = volume::release(&paths).await;
     let staged = staged??;
     released?;
+    Ok(Some(staged))
+}
+
+/// Uploads a staged stop snapshot: its chunks, then its manifest (the host cache keeps the
+/// chunks). Passes the `Uploading` crash point after the first chunk.
+///
+/// Errors: [`HostdError::Storage`].
+pub async fn upload_staged(
+    host: &Host,
+    staged: berth_storage::Staged,
+) -> Result<StopDurable, HostdError> {
+    let storage = &host.snapshots;
     let manifest = staged.manifest.clone();
+    let snapshot_id = manifest.info.snapshot_id;
     // A crash test's point: some chunks are stored, the manifest is not.
     let mid_upload = |p: berth_storage::UploadProgress| {
         if p.chunks_done == 1 {
@@ -238,12 +326,12 @@ pub async fn upload_stop(
         "stop snapshot durable"
     );
     let chunks = manifest.distinct_chunks();
-    Ok(Some(StopDurable {
+    Ok(StopDurable {
         snapshot_id,
         memory: manifest.holds == Holds::DiskAndMemory,
         stored_bytes: manifest.sizes.stored_bytes,
         chunks,
-    }))
+    })
 }
 
 /// Applies a `sandbox.archive`: the stop snapshot durable first (its manifest read back from

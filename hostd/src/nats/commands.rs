@@ -32,7 +32,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::apply::archive::StopRef;
+use crate::apply::archive::{StopRef, StopReport};
 use crate::apply::{self, Applied, ApplyTrace};
 use crate::error::HostdError;
 use crate::host::Host;
@@ -252,10 +252,32 @@ async fn make_durable(
     trace: &TraceParent,
 ) {
     let upload = apply::archive::durable_after_stop(host, stop, cancel);
-    if let Some(report) = crate::fault::scope(CommandKind::Stop, upload).await {
-        if let Err(e) = publish_result(js, result_subject, &report, trace).await {
-            tracing::warn!(error = %e.report(), "stop durability report not published");
+    match crate::fault::scope(CommandKind::Stop, upload).await {
+        None => {}
+        Some(StopReport::Now(report)) => publish_report(js, result_subject, &report, trace).await,
+        Some(StopReport::Later(upload)) => {
+            // Off the chain: the sandbox's next command goes on meanwhile.
+            let (js, subject, trace) = (js.clone(), result_subject.to_owned(), *trace);
+            tokio::spawn(
+                async move {
+                    if let Ok(Some(report)) = upload.await {
+                        publish_report(&js, &subject, &report, &trace).await;
+                    }
+                }
+                .in_current_span(),
+            );
         }
+    }
+}
+
+async fn publish_report(
+    js: &jetstream::Context,
+    subject: &str,
+    report: &CommandResult,
+    trace: &TraceParent,
+) {
+    if let Err(e) = publish_result(js, subject, report, trace).await {
+        tracing::warn!(error = %e.report(), "stop durability report not published");
     }
 }
 
