@@ -3,7 +3,8 @@
 //! upload is confirmed, and the success of a `sandbox.archive`. `durable_at` is written only
 //! from such a report (DESIGN.md guarantee 9), and only while the sandbox is still at the
 //! generation the snapshot was taken at: a late report for a sandbox that moved on (started,
-//! deleted) changes nothing (the fence, guarantee 4 of the issue).
+//! deleted) changes nothing (the fence, guarantee 4 of the issue) but handing the snapshot it
+//! stored, which no row will name, to the collector.
 
 use berth_schemas::wire::{CommandResult, StopDurable};
 use berth_schemas::SandboxState;

@@ -5,7 +5,8 @@
 //!   `berth_storage`'s capture and upload (the manifest last), remembers it in the sandbox's
 //!   record and reports it as a second result of the stop ([`ResultOutcome::Durable`]). It runs
 //!   in the sandbox's command chain, so no later command of the sandbox touches its disk while
-//!   it is read; the next command cancels it instead of waiting ([`UploadCancels`]). A hostd
+//!   it is read; the next command cancels its capture instead of waiting ([`UploadCancels`]),
+//!   and an upload already staged finishes off the chain ([`StopReport::Later`]). A hostd
 //!   that died during that upload starts it again when it starts ([`StopRef::pending_in`],
 //!   `nats::commands`), so a stop a crash interrupted still becomes durable.
 //! - An archive ([`archive`]) makes sure the stop snapshot is durable (its manifest is in the
@@ -35,8 +36,8 @@ use crate::runtime::sim::SIM;
 use crate::volume;
 
 /// The cancellation of each sandbox's background stop upload, so the sandbox's next command
-/// need not wait for it: a command arriving for a sandbox cancels its upload (no manifest is
-/// written, so nothing half-stored is ever reported durable).
+/// need not wait for it: a command arriving for a sandbox cancels its capture (nothing is
+/// stored yet), or lets its staged upload finish off the command chain.
 #[derive(Debug, Default)]
 pub struct UploadCancels(Mutex<HashMap<SandboxId, CancellationToken>>);
 
