@@ -21,9 +21,12 @@ pub const CRASH_AT_ENV: &str = "BERTH_HOSTD_CRASH_AT";
 /// A step of applying a command after which a crash can be injected. Bring-up (create and
 /// start) passes `Address`, `Network`, `Mounted`, `Container`, `Agent`; a stop passes
 /// `Stopping`, `Checkpointed` (only on a runtime with memory snapshots), `Destroyed`,
-/// `Unmounted`; a snapshot passes `Captured`; a restore or clone passes `Seeded` before its
-/// bring-up; every command passes `Recorded` once its record is written, before its result
-/// is published.
+/// `Unmounted`, and then, in its background upload, `Uploading`; a snapshot passes
+/// `Captured`; a restore, clone, unarchive or migrate passes `Fetched` while it seeds the disk
+/// and `Seeded` before its bring-up; an archive passes
+/// `Uploading`, `Captured` (its copy confirmed and its tombstone written) and `TornDown`; a
+/// delete passes `TornDown`; every command passes `Recorded` once its record is written,
+/// before its result is published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     /// Bring-up: the address is reserved and the record written with it.
@@ -51,11 +54,20 @@ pub enum Step {
     /// Restore or clone: the disk (and memory image) is seeded from the snapshot; nothing is
     /// booted yet.
     Seeded,
+    /// A stop's background upload or an archive's: the first chunk is stored, the manifest
+    /// not yet.
+    Uploading,
+    /// Restore, clone, unarchive or migrate, mid-download: the disk tree is fetched beside its
+    /// place (a partial tree), not renamed into place yet.
+    Fetched,
+    /// Delete (and an archive freeing the disk): the container, network and address are gone;
+    /// the sandbox dir (its disk image and record) is not removed yet.
+    TornDown,
 }
 
 impl Step {
     /// Every step, in the order a create, a stop and then any command pass them.
-    pub const ALL: [Step; 12] = [
+    pub const ALL: [Step; 15] = [
         Step::Address,
         Step::Network,
         Step::Mounted,
@@ -68,6 +80,9 @@ impl Step {
         Step::Recorded,
         Step::Captured,
         Step::Seeded,
+        Step::Uploading,
+        Step::Fetched,
+        Step::TornDown,
     ];
 
     /// The step's name in [`CRASH_AT_ENV`].
@@ -85,6 +100,9 @@ impl Step {
             Step::Recorded => "recorded",
             Step::Captured => "captured",
             Step::Seeded => "seeded",
+            Step::Uploading => "uploading",
+            Step::Fetched => "fetched",
+            Step::TornDown => "torn-down",
         }
     }
 

@@ -3,7 +3,8 @@
 //! upload is confirmed, and the success of a `sandbox.archive`. `durable_at` is written only
 //! from such a report (DESIGN.md guarantee 9), and only while the sandbox is still at the
 //! generation the snapshot was taken at: a late report for a sandbox that moved on (started,
-//! deleted) changes nothing (the fence, guarantee 4 of the issue).
+//! deleted) changes nothing (the fence, guarantee 4 of the issue) but handing the snapshot it
+//! stored, which no row will name, to the collector.
 
 use berth_schemas::wire::{CommandResult, StopDurable};
 use berth_schemas::SandboxState;
@@ -47,11 +48,13 @@ pub(crate) async fn apply_stop(
         return Ok(Applied::Unknown);
     };
     if row.host_id != Some(result.host_id) {
+        forget(conn, &row, durable).await?;
         return Ok(Applied::Rejected(Rejection::NotPlacement));
     }
     if result.generation != row.generation || row.deleting() || row.state != SandboxState::Stopped {
         debug!(row_generation = %row.generation, state = %row.state,
             "a late stop durability report; the sandbox moved on");
+        forget(conn, &row, durable).await?;
         return Ok(Applied::Stale);
     }
     if record(conn, &row, result.generation, durable).await? {
@@ -59,6 +62,23 @@ pub(crate) async fn apply_stop(
             "stop snapshot durable");
         Ok(Applied::Durable)
     } else {
+        forget(conn, &row, durable).await?;
         Ok(Applied::Stale)
     }
+}
+
+/// A stored stop snapshot the sandbox will never name (its report came late, or lost chunks)
+/// goes to the collector like a superseded one, so what its upload stored does not stay in the
+/// object store for good (a start cancels a stop's upload only before it stores anything; once
+/// staged, the upload finishes and reports).
+async fn forget(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    durable: &StopDurable,
+) -> Result<(), StoreError> {
+    let hashes: Vec<String> = durable.chunks.iter().map(|(h, _)| h.clone()).collect();
+    if sandboxes::supersede_unnamed(conn, row.id, durable.snapshot_id, &hashes).await? {
+        info!(snapshot_id = %durable.snapshot_id, "a late stop snapshot goes to the collector");
+    }
+    Ok(())
 }

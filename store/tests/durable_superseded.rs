@@ -205,3 +205,72 @@ async fn a_chunk_another_sandbox_or_a_snapshot_references_is_never_an_orphan(db:
     let deleting = go(&db, &two, SandboxState::Stopping, true).await;
     assert_eq!(take(&db, &deleting).await.map(|t| t.1), Some(vec![shared]));
 }
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_delete_during_archiving_holds_the_stored_stop_until_the_sandbox_is_deleted(db: PgPool) {
+    // The host's archive reads the stop's manifest to decide whether to upload again: one
+    // collected under it would be stored again, as a copy no row names.
+    let host = host(&db).await;
+    let row = placed(&db, host).await;
+    let stopped = go(&db, &row, SandboxState::Stopped, false).await;
+    let a = SnapshotId::new();
+    durable(&db, &stopped, a, &[hash('a')]).await;
+    sqlx::query("UPDATE sandboxes SET state = 'archiving' WHERE id = $1")
+        .bind(row.id)
+        .execute(&db)
+        .await
+        .unwrap();
+    let deleting = go(&db, &stopped, SandboxState::Stopping, true).await;
+    assert_eq!(deleting.durable_snapshot, None);
+    assert_eq!(
+        take(&db, &deleting).await,
+        None,
+        "held while the archive may still read it"
+    );
+    sqlx::query("UPDATE sandboxes SET state = 'deleted' WHERE id = $1")
+        .bind(row.id)
+        .execute(&db)
+        .await
+        .unwrap();
+    assert_eq!(take(&db, &deleting).await, Some((a, vec![hash('a')])));
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_late_stop_snapshot_no_row_names_is_collected_but_never_one_a_row_names(db: PgPool) {
+    let host = host(&db).await;
+    let row = placed(&db, host).await;
+    let stopped = go(&db, &row, SandboxState::Stopped, false).await;
+    let (named, late) = (SnapshotId::new(), SnapshotId::new());
+    durable(&db, &stopped, named, &[hash('a')]).await;
+    let unnamed = |snapshot: SnapshotId, chunks: Vec<String>| {
+        let db = db.clone();
+        async move {
+            let mut tx = db.begin().await.unwrap();
+            let recorded = sandboxes::supersede_unnamed(&mut tx, row.id, snapshot, &chunks)
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            recorded
+        }
+    };
+    // A report for the snapshot a row names is never handed to the collector.
+    assert!(!unnamed(named, vec![hash('a')]).await);
+    // A late one is, once, and is collected with its own chunks.
+    assert!(unnamed(late, vec![hash('a'), hash('b')]).await);
+    assert!(!unnamed(late, vec![hash('b')]).await, "recorded once");
+    assert!(
+        !claimable(&db, &hash('b')).await,
+        "its chunks stay referenced"
+    );
+    assert_eq!(take(&db, &stopped).await, Some((late, vec![hash('b')])));
+
+    // One the row names again (a host reused a stop whose report came late for its archive)
+    // waits while it is named.
+    let reused = SnapshotId::new();
+    assert!(unnamed(reused, vec![hash('c')]).await);
+    durable(&db, &stopped, reused, &[hash('c')]).await;
+    assert_eq!(take(&db, &stopped).await, Some((named, vec![hash('a')])));
+    assert_eq!(take(&db, &stopped).await, None, "named again: kept");
+    go(&db, &stopped, SandboxState::Starting, false).await;
+    assert_eq!(take(&db, &stopped).await, Some((reused, vec![hash('c')])));
+}

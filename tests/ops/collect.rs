@@ -28,7 +28,7 @@ async fn durably_stopped(stack: &Stack) -> (String, uuid::Uuid) {
     (id, snapshot)
 }
 
-fn manifest_stored(stack: &Stack, snapshot: uuid::Uuid) -> bool {
+pub(crate) fn manifest_stored(stack: &Stack, snapshot: uuid::Uuid) -> bool {
     let name = format!("{snapshot}.json");
     walk(&stack.object_store_dir())
         .iter()
@@ -37,7 +37,7 @@ fn manifest_stored(stack: &Stack, snapshot: uuid::Uuid) -> bool {
 
 /// Waits until `id` is deleted and what its durable stop stored is gone: its manifest, its
 /// chunk references and the row's `durable_snapshot`.
-async fn collected(stack: &Stack, id: &str, snapshot: uuid::Uuid) {
+pub(crate) async fn collected(stack: &Stack, id: &str, snapshot: uuid::Uuid) {
     // From the database: an org's delete revoked the key the API would be asked with.
     eventually("the sandbox is deleted", || async {
         sqlx::query_scalar::<_, String>("SELECT state FROM sandboxes WHERE id = $1::uuid")
@@ -239,6 +239,56 @@ async fn stop_start_cycles_keep_only_the_current_durable_stop_and_a_delete_leave
     .await
     .unwrap();
     assert_eq!(left, 0);
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+/// A start right after a stop, while the stop's background upload is storing chunks (its
+/// manifest not yet): the upload is not cut short (it would leave chunks no manifest names)
+/// but finishes off the command chain; its late report hands the snapshot to the collector.
+/// With the file it stored gone before the next stop, a delete then leaves no chunk at all.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_start_during_a_stop_upload_leaves_no_chunk_no_manifest_names(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let id = running_sandbox(&stack).await;
+    // 200 MB of chunks: long enough an upload to start in the middle of.
+    run(&stack, &id, "head -c 200000000 /dev/urandom > /root/big").await;
+    assert_eq!(stack.request(&id, "stop").await.0, 202);
+    stack.wait_state(&id, "stopped").await;
+    let store = stack.object_store_dir();
+    let deadline = std::time::Instant::now() + crate::support::SETTLE_TIMEOUT;
+    while stored_chunks(&store) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the upload never began"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    let (status, body) = stack.request(&id, "start").await;
+    assert_eq!(status, 202, "{body}");
+    let mid_upload = manifests(&stack).is_empty();
+    eprintln!(
+        "started with {} chunks stored and {} manifest",
+        stored_chunks(&store),
+        if mid_upload { "no" } else { "its" }
+    );
+    stack.wait_state(&id, "running").await;
+    // What the stop stored is named by nothing now: it goes.
+    run(&stack, &id, "rm /root/big").await;
+    eventually(
+        "the cut upload's chunks and manifest are collected",
+        || async { manifests(&stack).is_empty() && stored_chunks(&store) == 0 },
+    )
+    .await;
+    let (status, body) = stack
+        .call(Method::DELETE, &format!("/v1/sandboxes/{id}"), None)
+        .await;
+    assert!(status == 200 || status == 202, "{status} {body}");
+    stack.wait_state(&id, "deleted").await;
+    eventually("nothing is left in the store", || async {
+        manifests(&stack).is_empty() && stored_chunks(&store) == 0
+    })
+    .await;
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }

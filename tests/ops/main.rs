@@ -2,7 +2,8 @@
 //! Prometheus rules, the command relay, and running a fleet (leadership, drain and cordon,
 //! start caps, automatic stop and delete), preview URLs (`preview.rs`), a sandbox's settings
 //! after create (PATCH, expiry, renew, the metadata filter) and waiting for a state without
-//! polling.
+//! polling; issue 14's hostd crashes mid-transfer (`crash14.rs`) and start and delete raced
+//! against its transitional states (`race14.rs`).
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -13,6 +14,7 @@ mod backups;
 mod clone_requests;
 mod collect;
 mod compat;
+mod crash14;
 mod drain;
 mod events;
 mod failover;
@@ -29,6 +31,7 @@ mod preview_abuse;
 mod preview_kit;
 mod preview_origin;
 mod proxy_limits;
+mod race14;
 mod relay;
 mod requests;
 mod resume;

@@ -18,7 +18,7 @@ use crate::support::http::{host_of, running_gvisor_sandbox, running_sandbox};
 use crate::support::{eventually, Stack};
 
 /// Whether host `index` still holds a directory of sandbox `id`.
-fn copy_on(stack: &Stack, index: usize, id: &str) -> bool {
+pub(crate) fn copy_on(stack: &Stack, index: usize, id: &str) -> bool {
     stack.hosts[index]
         .state_dir
         .join("sandboxes")
@@ -27,7 +27,7 @@ fn copy_on(stack: &Stack, index: usize, id: &str) -> bool {
 }
 
 /// Cordons host `index` with an operator key.
-async fn cordon(stack: &Stack, index: usize) {
+pub(crate) async fn cordon(stack: &Stack, index: usize) {
     let admin = berth_api::auth::create_admin_key(&stack.db).await.unwrap();
     let host = stack.hosts[index].host_id;
     let (status, body) = stack
@@ -54,7 +54,7 @@ async fn not_durable(stack: &Stack, id: &str) {
 
 /// Asks `id` to start; the answer is 202 with the sandbox `state` (`starting` at home,
 /// `migrating` elsewhere).
-async fn start_as(stack: &Stack, id: &str, state: &str) {
+pub(crate) async fn start_as(stack: &Stack, id: &str, state: &str) {
     let (status, body) = stack.request(id, "start").await;
     assert_eq!(status, 202, "{body}");
     assert_eq!(body["state"], state, "{body}");
@@ -68,9 +68,9 @@ async fn generation(stack: &Stack, id: &str) -> i64 {
         .unwrap()
 }
 
-const FILES: &str = "echo kept > /root/f && head -c 3000000 /dev/urandom > /root/blob \
+pub(crate) const FILES: &str = "echo kept > /root/f && head -c 3000000 /dev/urandom > /root/blob \
                      && md5sum /root/blob > /root/sum";
-const CHECK: &str = "cat /root/f && md5sum -c /root/sum >/dev/null && echo intact";
+pub(crate) const CHECK: &str = "cat /root/f && md5sum -c /root/sum >/dev/null && echo intact";
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_durable_stopped_sandbox_on_a_cordoned_host_starts_on_the_other_host_and_a_non_durable_one_at_home(

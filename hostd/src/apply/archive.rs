@@ -5,10 +5,14 @@
 //!   `berth_storage`'s capture and upload (the manifest last), remembers it in the sandbox's
 //!   record and reports it as a second result of the stop ([`ResultOutcome::Durable`]). It runs
 //!   in the sandbox's command chain, so no later command of the sandbox touches its disk while
-//!   it is read; the next command cancels it instead of waiting ([`UploadCancels`]).
+//!   it is read; the next command cancels its capture instead of waiting ([`UploadCancels`]),
+//!   and an upload already staged finishes off the chain ([`StopReport::Later`]). A hostd
+//!   that died during that upload starts it again when it starts ([`StopRef::pending_in`],
+//!   `nats::commands`), so a stop a crash interrupted still becomes durable.
 //! - An archive ([`archive`]) makes sure the stop snapshot is durable (its manifest is in the
 //!   store, else it uploads now), and only then frees the local disk (the container's files,
-//!   network, address and dir, as a delete does), leaving a tombstone record. A failed upload
+//!   network, address and dir, as a delete does), leaving a tombstone record, written (with
+//!   the live record, both naming the stored copy) before anything is freed. A failed upload
 //!   leaves the sandbox as it was, with its disk, and fails the archive with the reason
 //!   (DESIGN.md guarantee 9).
 //!
@@ -21,7 +25,7 @@ use std::sync::{Arc, Mutex};
 
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::wire::{Command, CommandResult, ResultOutcome, StopDurable};
-use berth_schemas::{CommandKind, SandboxId};
+use berth_schemas::{CommandId, CommandKind, Generation, SandboxId};
 use berth_storage::{Holds, SnapshotInfo, TreeKind, TreeSource};
 use tokio_util::sync::CancellationToken;
 
@@ -32,8 +36,8 @@ use crate::runtime::sim::SIM;
 use crate::volume;
 
 /// The cancellation of each sandbox's background stop upload, so the sandbox's next command
-/// need not wait for it: a command arriving for a sandbox cancels its upload (no manifest is
-/// written, so nothing half-stored is ever reported durable).
+/// need not wait for it: a command arriving for a sandbox cancels its capture (nothing is
+/// stored yet), or lets its staged upload finish off the command chain.
 #[derive(Debug, Default)]
 pub struct UploadCancels(Mutex<HashMap<SandboxId, CancellationToken>>);
 
@@ -57,14 +61,80 @@ impl UploadCancels {
     }
 }
 
-/// After `stop` succeeded: uploads its stop snapshot unless `cancel` fires first, records it,
-/// and returns the durability report to publish; `None` when there is nothing to report (the
-/// sandbox moved on, a sim host, a cancelled or failed upload: logged).
+/// A stop whose snapshot is to be made durable: the stop's command (its durability report is
+/// a second result of that command, so the reconciler believes it only as the command that
+/// was issued, guarantee 8) and the generation it left the sandbox stopped at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StopRef {
+    /// The stop command.
+    pub command_id: CommandId,
+    /// Its sandbox.
+    pub sandbox_id: SandboxId,
+    /// Its generation.
+    pub generation: Generation,
+}
+
+impl StopRef {
+    /// The stop `cmd`.
+    pub fn of(cmd: &Command) -> Self {
+        Self {
+            command_id: cmd.id,
+            sandbox_id: cmd.sandbox_id,
+            generation: cmd.generation,
+        }
+    }
+
+    /// The stop that left `record` stopped, when its snapshot is not durable yet: the record
+    /// is `Stopped`, names no durable snapshot, and its result at its applied generation is
+    /// that stop's success. A hostd that died during a stop's background upload finds these
+    /// at its next start (the stop was acked before its upload began, so nothing redelivers
+    /// it) and uploads them again. A record a later command left stopped (a failed archive:
+    /// its own generation) is not one: its next archive uploads.
+    pub fn pending_in(record: &SandboxRecord) -> Option<Self> {
+        if record.phase != Phase::Stopped || record.durable.is_some() {
+            return None;
+        }
+        let stop = record.results.iter().rev().find(|r| {
+            r.generation == record.applied_generation
+                && r.kind == CommandKind::Stop
+                && matches!(
+                    r.outcome,
+                    ResultOutcome::Succeeded { .. } | ResultOutcome::StoppedOnDisk { .. }
+                )
+        })?;
+        Some(Self {
+            command_id: stop.command_id,
+            sandbox_id: record.sandbox_id,
+            generation: stop.generation,
+        })
+    }
+}
+
+/// A stop's durability report: to publish now, or once an upload its sandbox's next command
+/// handed off finishes.
+#[derive(Debug)]
+pub enum StopReport {
+    /// Publish this now.
+    Now(CommandResult),
+    /// The upload goes on off the command chain; publish what it returns, if anything.
+    Later(tokio::task::JoinHandle<Option<CommandResult>>),
+}
+
+/// After `stop` succeeded: uploads its stop snapshot, records it, and returns the durability
+/// report to publish; `None` when there is nothing to report (the sandbox moved on, a sim host,
+/// a capture cancelled or failed, a failed upload: logged). Run it inside
+/// [`crate::fault::scope`] of a stop, so the upload passes the stop's `Uploading` crash point.
+///
+/// `cancel` (the sandbox's next command) stops the capture, the part that reads the disk. An
+/// upload already staged is never cut short, which would leave in the store chunks no
+/// manifest names: it goes on off the chain ([`StopReport::Later`]) and reports without
+/// touching the record, which belongs to the next command now; the reconciler names that
+/// snapshot or hands it to the collector.
 pub async fn durable_after_stop(
     host: &Arc<Host>,
-    stop: &Command,
+    stop: StopRef,
     cancel: CancellationToken,
-) -> Option<CommandResult> {
+) -> Option<StopReport> {
     let record = host.live(stop.sandbox_id)?;
     if record.phase != Phase::Stopped || record.applied_generation != stop.generation {
         return None;
@@ -73,18 +143,57 @@ pub async fn durable_after_stop(
         // A redelivered stop: report what was stored again.
         Some(durable) => durable,
         None => {
-            let uploaded = tokio::select! {
-                uploaded = upload_stop(host, &record) => uploaded,
+            let staged = tokio::select! {
+                staged = stage_stop(host, &record) => staged,
                 () = cancel.cancelled() => {
-                    tracing::info!("stop upload cancelled by the sandbox's next command");
+                    tracing::info!("stop capture cancelled by the sandbox's next command");
                     return None;
                 }
             };
-            match uploaded {
-                Ok(Some(durable)) => durable,
+            let staged = match staged {
+                Ok(Some(staged)) => staged,
                 Ok(None) => return None,
                 Err(error) => {
+                    tracing::warn!(error = %error.report(), "stop capture failed; the stop is not durable");
+                    return None;
+                }
+            };
+            let uploading = {
+                let host = host.clone();
+                crate::fault::scope(CommandKind::Stop, async move {
+                    upload_staged(&host, staged).await
+                })
+            };
+            let mut upload = tokio::spawn(uploading);
+            let uploaded = tokio::select! {
+                uploaded = &mut upload => uploaded,
+                () = cancel.cancelled() => {
+                    tracing::info!("the sandbox's next command came; its stop upload finishes off the chain");
+                    let host = host.clone();
+                    let later = async move {
+                        match upload.await {
+                            Ok(Ok(durable)) => Some(report(&host, stop, durable)),
+                            Ok(Err(error)) => {
+                                tracing::warn!(error = %error.report(), "stop upload failed");
+                                None
+                            }
+                            Err(error) => {
+                                tracing::warn!(%error, "stop upload task failed");
+                                None
+                            }
+                        }
+                    };
+                    return Some(StopReport::Later(tokio::spawn(later)));
+                }
+            };
+            match uploaded {
+                Ok(Ok(durable)) => durable,
+                Ok(Err(error)) => {
                     tracing::warn!(error = %error.report(), "stop upload failed; the stop is not durable");
+                    return None;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "stop upload task failed; the stop is not durable");
                     return None;
                 }
             }
@@ -100,8 +209,13 @@ pub async fn durable_after_stop(
             tracing::warn!(error = %error.report(), "durable stop not recorded");
         }
     }
-    Some(CommandResult {
-        command_id: stop.id,
+    Some(StopReport::Now(report(host, stop, durable)))
+}
+
+/// `stop`'s durability report: a second result of the stop command.
+fn report(host: &Host, stop: StopRef, durable: StopDurable) -> CommandResult {
+    CommandResult {
+        command_id: stop.command_id,
         sandbox_id: stop.sandbox_id,
         host_id: host.host_id,
         generation: stop.generation,
@@ -109,7 +223,7 @@ pub async fn durable_after_stop(
         outcome: ResultOutcome::Durable(durable),
         heartbeat_seq: host.heartbeat_seq.current(),
         apply_ms: 0,
-    })
+    }
 }
 
 /// Captures the stopped sandbox's upper dir (and memory image) and uploads it: chunks, then
@@ -120,6 +234,21 @@ pub async fn upload_stop(
     host: &Host,
     record: &SandboxRecord,
 ) -> Result<Option<StopDurable>, HostdError> {
+    match stage_stop(host, record).await? {
+        Some(staged) => upload_staged(host, staged).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Captures the stopped sandbox's upper dir (and memory image) into the staging dir, the disk
+/// mounted only meanwhile; `None` on a sim host (it keeps no files). The only part of a stop's
+/// upload that reads the disk.
+///
+/// Errors: [`HostdError::Storage`] (capture), [`HostdError::Io`], the disk's mount.
+pub async fn stage_stop(
+    host: &Host,
+    record: &SandboxRecord,
+) -> Result<Option<berth_storage::Staged>, HostdError> {
     let runtime = host.runtime_of(record)?;
     if runtime.name() == SIM {
         return Ok(None);
@@ -169,9 +298,28 @@ pub async fn upload_stop(
     let released = volume::release(&paths).await;
     let staged = staged??;
     released?;
+    Ok(Some(staged))
+}
+
+/// Uploads a staged stop snapshot: its chunks, then its manifest (the host cache keeps the
+/// chunks). Passes the `Uploading` crash point after the first chunk.
+///
+/// Errors: [`HostdError::Storage`].
+pub async fn upload_staged(
+    host: &Host,
+    staged: berth_storage::Staged,
+) -> Result<StopDurable, HostdError> {
+    let storage = &host.snapshots;
     let manifest = staged.manifest.clone();
+    let snapshot_id = manifest.info.snapshot_id;
+    // A crash test's point: some chunks are stored, the manifest is not.
+    let mid_upload = |p: berth_storage::UploadProgress| {
+        if p.chunks_done == 1 {
+            crate::fault::crash_point(crate::fault::Step::Uploading);
+        }
+    };
     let report =
-        berth_storage::upload(&storage.objects, staged, Some(&storage.cache), &|_| {}).await?;
+        berth_storage::upload(&storage.objects, staged, Some(&storage.cache), &mid_upload).await?;
     tracing::info!(
         %snapshot_id,
         bytes_uploaded = report.bytes_uploaded,
@@ -179,12 +327,12 @@ pub async fn upload_stop(
         "stop snapshot durable"
     );
     let chunks = manifest.distinct_chunks();
-    Ok(Some(StopDurable {
+    Ok(StopDurable {
         snapshot_id,
         memory: manifest.holds == Holds::DiskAndMemory,
         stored_bytes: manifest.sizes.stored_bytes,
         chunks,
-    }))
+    })
 }
 
 /// Applies a `sandbox.archive`: the stop snapshot durable first (its manifest read back from
@@ -203,7 +351,13 @@ pub async fn archive(
             return match berth_storage::fetch_manifest(&host.snapshots.objects, durable.snapshot_id)
                 .await
             {
-                Ok(_) => (None, ResultOutcome::Durable(durable)),
+                Ok(_) => {
+                    // What an archive that died while freeing left is removed now (idempotent).
+                    if let Err(error) = super::delete::delete(host, cmd, None).await {
+                        tracing::warn!(error = %error.report(), "archived here; its local leftovers were not all removed");
+                    }
+                    (None, ResultOutcome::Durable(durable))
+                }
                 Err(error) => {
                     let reason = format!("archived here, but its copy does not read back: {error}");
                     (None, ResultOutcome::Failed { reason })
@@ -253,8 +407,21 @@ pub async fn archive(
             .to_owned();
         return (Some(record), ResultOutcome::Failed { reason });
     }
-    crate::fault::crash_point(crate::fault::Step::Captured);
+    // Confirmed, so the disk may go; but first the record says where its copy is, live and as
+    // the tombstone, both written before anything is freed: a hostd that dies while freeing
+    // finds, when the archive is redelivered, either the live record naming the stored copy
+    // (never capturing a half-freed disk again, which would store an empty one) or the
+    // tombstone that answers it (`archived_here`), never neither.
     record.durable = Some(durable.clone());
+    let mut tombstone = record.clone();
+    tombstone.phase = Phase::Deleted;
+    tombstone.link = None;
+    if let Err(error) = host.put(&record).and_then(|()| host.store.bury(&tombstone)) {
+        tracing::warn!(error = %error.report(), "archive not recorded; the sandbox keeps its disk");
+        let reason = "archive not recorded on its host; the sandbox keeps its disk".to_owned();
+        return (Some(record), ResultOutcome::Failed { reason });
+    }
+    crate::fault::crash_point(crate::fault::Step::Captured);
     match super::delete::delete(host, cmd, Some(record.clone())).await {
         Ok((tombstone, _)) => {
             tracing::info!(snapshot_id = %durable.snapshot_id, "sandbox archived; local disk freed");
@@ -267,6 +434,98 @@ pub async fn archive(
             record.phase = Phase::Deleted;
             record.link = None;
             (Some(record), ResultOutcome::Durable(durable))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_schemas::wire::{Resources, SandboxSpec};
+    use berth_schemas::OrgId;
+
+    use super::*;
+    use crate::record::StoredResult;
+
+    fn record(phase: Phase, results: &[(i64, CommandKind, ResultOutcome)]) -> SandboxRecord {
+        let spec = SandboxSpec {
+            org_id: OrgId::new(),
+            template: "base".into(),
+            resources: Resources {
+                vcpus: 1,
+                memory_mib: 128,
+            },
+            runtime: Default::default(),
+            disk_mib: 64,
+            network: Default::default(),
+            env: Vec::new(),
+            entrypoint: Vec::new(),
+            image: None,
+        };
+        let mut r = SandboxRecord::new(SandboxId::new(), spec, "runc", Generation(1));
+        for (generation, kind, outcome) in results {
+            r.remember(StoredResult {
+                command_id: CommandId::new(),
+                generation: Generation(*generation),
+                kind: *kind,
+                outcome: outcome.clone(),
+            });
+        }
+        r.phase = phase;
+        r
+    }
+
+    fn ok() -> ResultOutcome {
+        ResultOutcome::Succeeded {
+            address: None,
+            last_stop: None,
+        }
+    }
+
+    #[test]
+    fn a_stopped_record_whose_last_result_is_its_stop_is_pending_until_durable() {
+        let mut r = record(
+            Phase::Stopped,
+            &[(1, CommandKind::Create, ok()), (2, CommandKind::Stop, ok())],
+        );
+        let stop = StopRef::pending_in(&r).expect("its stop's upload is pending");
+        assert_eq!(stop.generation, Generation(2));
+        assert_eq!(stop.command_id, r.results[1].command_id);
+        assert_eq!(stop.sandbox_id, r.sandbox_id);
+        r.durable = Some(StopDurable {
+            snapshot_id: SnapshotId::new(),
+            memory: false,
+            stored_bytes: 1,
+            chunks: Vec::new(),
+        });
+        assert_eq!(StopRef::pending_in(&r), None, "durable already");
+    }
+
+    #[test]
+    fn a_record_not_left_stopped_by_a_successful_stop_is_not_pending() {
+        let failed = ResultOutcome::Failed {
+            reason: "store down".into(),
+        };
+        let cases = [
+            // Running again.
+            record(
+                Phase::Running,
+                &[(2, CommandKind::Stop, ok()), (3, CommandKind::Start, ok())],
+            ),
+            // A failed archive at its own generation: the next archive uploads.
+            record(
+                Phase::Stopped,
+                &[
+                    (2, CommandKind::Stop, ok()),
+                    (3, CommandKind::Archive, failed.clone()),
+                ],
+            ),
+            // A stop that failed.
+            record(Phase::Stopped, &[(2, CommandKind::Stop, failed)]),
+            // A tombstone.
+            record(Phase::Deleted, &[(2, CommandKind::Stop, ok())]),
+        ];
+        for r in cases {
+            assert_eq!(StopRef::pending_in(&r), None, "{:?}", r.results);
         }
     }
 }

@@ -29,6 +29,7 @@ pub async fn delete(
     }
     host.backend.tear_down(host, id, record.as_ref()).await?;
     host.allocator.release(id);
+    crate::fault::crash_point(crate::fault::Step::TornDown);
     remove_sandbox_dir(&host.layout.sandbox(id)).await?;
     // Without a record and without a spec (a purged row's destroy of a container this host no
     // longer has a record for) there is nothing to keep: no tombstone.

@@ -239,6 +239,7 @@ async fn seed(
         })
         .await?;
     }
+    crash_point(Step::Fetched);
     rename(&partial, upper)?;
     tracing::info!(
         snapshot_id = %manifest.info.snapshot_id,

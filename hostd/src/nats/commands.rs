@@ -14,6 +14,8 @@
 //! - A message that does not decode is terminated (acked without redelivery) and logged.
 //! - Long work extends the ack deadline with progress acks, so JetStream does not redeliver a
 //!   command that is still being worked on.
+//! - A stop's background upload that a previous run of this hostd did not finish is started
+//!   again, first in its sandbox's chain ([`StopRef::pending_in`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,6 +32,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::apply::archive::{StopRef, StopReport};
 use crate::apply::{self, Applied, ApplyTrace};
 use crate::error::HostdError;
 use crate::host::Host;
@@ -74,6 +77,7 @@ pub async fn consume(
     };
     let result_subject = subjects.result(host.host_id);
     let mut chains: HashMap<SandboxId, JoinHandle<()>> = HashMap::new();
+    resume_uploads(&host, &js, &result_subject, &mut chains);
 
     // A previous run of this host may have died holding commands it never acked. Recreating
     // the durable consumer redelivers them now instead of after their ack wait: the stream is a
@@ -232,11 +236,76 @@ async fn handle(
         // Issue 14: make the stop durable in the background (still in the sandbox's chain, so
         // its next command finds the disk as the upload left it; that command cancels it).
         let cancel = host.uploads.arm(command.sandbox_id);
-        if let Some(report) = apply::archive::durable_after_stop(host, &command, cancel).await {
-            if let Err(e) = publish_result(js, result_subject, &report, &trace.outgoing()).await {
-                tracing::warn!(error = %e.report(), "stop durability report not published");
-            }
+        let stop = StopRef::of(&command);
+        make_durable(host, js, result_subject, stop, cancel, &trace.outgoing()).await;
+    }
+}
+
+/// Uploads `stop`'s snapshot (unless `cancel` fires first) and publishes its durability
+/// report, a second result of the stop.
+async fn make_durable(
+    host: &Arc<Host>,
+    js: &jetstream::Context,
+    result_subject: &str,
+    stop: StopRef,
+    cancel: CancellationToken,
+    trace: &TraceParent,
+) {
+    let upload = apply::archive::durable_after_stop(host, stop, cancel);
+    match crate::fault::scope(CommandKind::Stop, upload).await {
+        None => {}
+        Some(StopReport::Now(report)) => publish_report(js, result_subject, &report, trace).await,
+        Some(StopReport::Later(upload)) => {
+            // Off the chain: the sandbox's next command goes on meanwhile.
+            let (js, subject, trace) = (js.clone(), result_subject.to_owned(), *trace);
+            tokio::spawn(
+                async move {
+                    if let Ok(Some(report)) = upload.await {
+                        publish_report(&js, &subject, &report, &trace).await;
+                    }
+                }
+                .in_current_span(),
+            );
         }
+    }
+}
+
+async fn publish_report(
+    js: &jetstream::Context,
+    subject: &str,
+    report: &CommandResult,
+    trace: &TraceParent,
+) {
+    if let Err(e) = publish_result(js, subject, report, trace).await {
+        tracing::warn!(error = %e.report(), "stop durability report not published");
+    }
+}
+
+/// Starts again, each first in its sandbox's chain, the background uploads a previous run of
+/// this hostd did not finish: every stopped sandbox whose stop is not durable yet
+/// ([`StopRef::pending_in`]). Its stop was acked before the upload began, so nothing would
+/// redeliver it, and without a durable stop a start elsewhere is refused (issue 14). The report
+/// names the stop's command and generation as usual: the reconciler ignores it if the sandbox
+/// moved on meanwhile.
+fn resume_uploads(
+    host: &Arc<Host>,
+    js: &jetstream::Context,
+    result_subject: &str,
+    chains: &mut HashMap<SandboxId, JoinHandle<()>>,
+) {
+    for record in host.snapshot() {
+        let Some(stop) = StopRef::pending_in(&record) else {
+            continue;
+        };
+        tracing::info!(sandbox_id = %stop.sandbox_id, generation = %stop.generation,
+            "resuming the upload of a stop that is not durable");
+        let cancel = host.uploads.arm(stop.sandbox_id);
+        let trace = TraceParent::for_command(stop.command_id, [0; 8]);
+        let (host, js, subject) = (host.clone(), js.clone(), result_subject.to_owned());
+        let span = tracing::info_span!("resumed_upload", host_id = %host.host_id,
+            sandbox_id = %stop.sandbox_id, command_id = %stop.command_id);
+        let task = async move { make_durable(&host, &js, &subject, stop, cancel, &trace).await };
+        chains.insert(stop.sandbox_id, tokio::spawn(task.instrument(span)));
     }
 }
 

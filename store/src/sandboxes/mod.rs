@@ -601,7 +601,7 @@ pub use converge::{
 };
 pub use migrate::{leave_old_host, migrate};
 pub use settings::{clear_expiry, lock_expired, update_settings, SettingsChange};
-pub use superseded::{supersede, superseded_count, take_superseded, Superseded};
+pub use superseded::{supersede, supersede_unnamed, superseded_count, take_superseded, Superseded};
 pub use write::{move_create, write_result, write_transition, ResultWrite, Transition, Written};
 
 #[cfg(test)]

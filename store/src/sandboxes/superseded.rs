@@ -10,7 +10,9 @@
 //! already, mostly the previous stop's. While the sandbox is `stopping`, or `stopped` (or
 //! `archiving`) and not durable yet, that upload may be counting on them (a deleted sandbox's
 //! never becomes durable). A delete during `migrating` or `unarchiving` may still have the new
-//! host fetching the stop: that one waits until the sandbox is `deleted`. The claim of
+//! host fetching the stop, and one during `archiving` the host's archive reading its manifest
+//! (missing, it would upload the disk again as a copy no row names): that one waits until the
+//! sandbox is `deleted`. The claim of
 //! `chunk_removals` and `crate::chunks::check_for_ready` (at the durable write) cover the rest.
 
 use berth_schemas::ids::SnapshotId;
@@ -93,6 +95,51 @@ pub(super) async fn record(
     Ok(())
 }
 
+/// Records `snapshot`, a stop snapshot of sandbox `id` that its host stored but that no row
+/// names (its durability report came after the sandbox moved on: a start cancelled the stop's
+/// upload, which finished anyway, or a delete), as superseded with its chunk references
+/// `chunks`, so the collector removes it like any other; whether it was recorded. Nothing is
+/// recorded twice, nor for a snapshot any sandbox names as its durable stop or a snapshot row
+/// has (a report is a host's word: it never gets another sandbox's content collected; that
+/// look scans `sandboxes`, which has no index on `durable_snapshot`, once per late report).
+/// Lock the row first.
+pub async fn supersede_unnamed(
+    conn: &mut PgConnection,
+    id: SandboxId,
+    snapshot: SnapshotId,
+    chunks: &[String],
+) -> Result<bool, StoreError> {
+    let inserted = timed(
+        Op::SandboxDurable,
+        sqlx::query(
+            "INSERT INTO durable_superseded (snapshot_id, sandbox_id)
+             SELECT $1, $2
+              WHERE NOT EXISTS (SELECT 1 FROM sandboxes WHERE durable_snapshot = $1)
+                AND NOT EXISTS (SELECT 1 FROM snapshots WHERE id = $1)
+             ON CONFLICT (snapshot_id) DO NOTHING",
+        )
+        .bind(snapshot)
+        .bind(id)
+        .execute(&mut *conn),
+    )
+    .await?;
+    if inserted.rows_affected() == 0 {
+        return Ok(false);
+    }
+    timed(
+        Op::SandboxDurable,
+        sqlx::query(
+            "INSERT INTO superseded_chunks (snapshot_id, sha256)
+             SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING",
+        )
+        .bind(snapshot)
+        .bind(chunks)
+        .execute(conn),
+    )
+    .await?;
+    Ok(true)
+}
+
 /// A superseded durable stop snapshot [`take_superseded`] took for collection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superseded {
@@ -107,8 +154,9 @@ pub struct Superseded {
 /// Takes, in the caller's transaction, the oldest superseded stop snapshot (of `sandbox` when
 /// given) that may be collected now: its sandbox (if its row is still there) is being deleted
 /// (and, when a boot may still fetch it, `deleted`), or is neither `stopping` nor
-/// `stopped`/`archiving` without a durable stop (the next stop's upload); rows another
-/// collector holds are skipped. Forgets it and its chunk references; commit only once its manifest is removed
+/// `stopped`/`archiving` without a durable stop (the next stop's upload), and that its row does
+/// not name as its durable stop again (a host that recorded a stop whose report came late
+/// reuses it for its next archive); rows another collector holds are skipped. Forgets it and its chunk references; commit only once its manifest is removed
 /// from the store (a rollback leaves it for the next look).
 pub async fn take_superseded(
     conn: &mut PgConnection,
@@ -120,6 +168,7 @@ pub async fn take_superseded(
             "SELECT x.snapshot_id, x.sandbox_id FROM durable_superseded x
                LEFT JOIN sandboxes s ON s.id = x.sandbox_id
               WHERE ($1::uuid IS NULL OR x.sandbox_id = $1)
+                AND x.snapshot_id IS DISTINCT FROM s.durable_snapshot
                 AND (s.id IS NULL
                      OR (s.deleted_at IS NOT NULL AND (NOT x.until_deleted OR s.state = 'deleted'))
                      OR (s.deleted_at IS NULL

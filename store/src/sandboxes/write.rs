@@ -72,9 +72,12 @@ pub async fn write_transition(
     {
         // A start changes the disk, a delete ends it: the durable stop is superseded (issue 14),
         // collected by the API's collector once nothing may still need it.
+        // A boot may still fetch it, and an archive still reads it: its manifest tells the
+        // archive whether to upload again, and one collected under it would be stored again
+        // as a copy no row names (`ops::race14`).
         let booting = matches!(
             row.state,
-            SandboxState::Migrating | SandboxState::Unarchiving
+            SandboxState::Migrating | SandboxState::Unarchiving | SandboxState::Archiving
         );
         let until_deleted = transition.delete && booting;
         super::superseded::supersede(

@@ -1,0 +1,294 @@
+//! hostd killed (SIGKILL, at the named crash points of `berth_hostd::fault`) in the middle of
+//! issue 14's transfers, each converging with the sandbox's files and nothing left over: the
+//! background upload of a stop's snapshot (resumed when hostd starts again, so the stop still
+//! becomes durable and a start elsewhere is no longer refused), an archive's upload, an archive
+//! freeing the disk (the stored copy is recorded before anything is freed), and an unarchive's
+//! download. Races of start and delete against the transitional states are in `race14.rs`.
+
+use berth_hostd::fault::{crash_at, Step, CRASH_AT_ENV};
+use berth_schemas::CommandKind;
+use sqlx::PgPool;
+
+use crate::archive::{get, stop_durably, walk};
+use crate::collect::{collected, manifest_stored};
+use crate::migrate::{copy_on, cordon, start_as, CHECK, FILES};
+use crate::resume::run;
+use crate::support::http::{host_of, running_sandbox};
+use crate::support::{eventually, Stack, SETTLE_TIMEOUT};
+
+/// The environment that makes hostd kill itself at `step` of a `kind` command.
+pub(crate) fn crash(kind: CommandKind, step: Step) -> Vec<(String, String)> {
+    vec![(CRASH_AT_ENV.to_owned(), crash_at(kind, step))]
+}
+
+/// Waits until host `index` killed itself at its crash point `what`, then starts it again with
+/// the crash point `next` (none: `None`), keeping the rest of its environment (its object
+/// store).
+pub(crate) async fn crashed_then_restart(
+    stack: &mut Stack,
+    index: usize,
+    what: &str,
+    next: Option<(CommandKind, Step)>,
+) {
+    let child = stack.hosts[index].child.as_mut().unwrap();
+    let exited = tokio::time::timeout(SETTLE_TIMEOUT, child.wait()).await;
+    assert!(exited.is_ok(), "hostd never crashed at {what}");
+    let host = &mut stack.hosts[index];
+    host.child = None;
+    host.env.retain(|(k, _)| k != CRASH_AT_ENV);
+    if let Some((kind, step)) = next {
+        host.env.extend(crash(kind, step));
+    }
+    stack.restart_host(index).await;
+}
+
+/// The durable stop snapshot the row names.
+pub(crate) async fn durable_snapshot(stack: &Stack, id: &str) -> Option<uuid::Uuid> {
+    sqlx::query_scalar("SELECT durable_snapshot FROM sandboxes WHERE id = $1::uuid")
+        .bind(id)
+        .fetch_one(&stack.db)
+        .await
+        .unwrap()
+}
+
+/// Deletes `id` and checks that it converged ([`converged_deleted`]).
+pub(crate) async fn delete_leaves_nothing(stack: &Stack, id: &str) {
+    let snapshot = durable_snapshot(stack, id).await;
+    let (status, body) = stack.delete(id).await;
+    assert!(status == 202 || status == 200, "{status} {body}");
+    converged_deleted(stack, id, snapshot).await;
+}
+
+/// The stop snapshots in the object store whose manifest names sandbox `id`.
+pub(crate) fn manifests_of(stack: &Stack, id: &str) -> Vec<String> {
+    walk(&stack.object_store_dir())
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .filter(|p| {
+            let body = std::fs::read_to_string(p).unwrap_or_default();
+            let manifest: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            manifest["info"]["sandbox_id"] == id
+        })
+        .map(|p| p.display().to_string())
+        .collect()
+}
+
+/// Checks that the deleted `id` converged: `deleted`, nothing of it on any host, its stored
+/// stops collected (`snapshot`, the one its row named before the delete, and every other:
+/// no manifest in the store names it, no superseded row awaits) and no capacity drift.
+pub(crate) async fn converged_deleted(stack: &Stack, id: &str, snapshot: Option<uuid::Uuid>) {
+    stack.wait_state(id, "deleted").await;
+    eventually("nothing of the sandbox is left on any host", || async {
+        stack.leftovers(id).is_empty()
+    })
+    .await;
+    if let Some(snapshot) = snapshot {
+        collected(stack, id, snapshot).await;
+    }
+    eventually(
+        "no superseded stop of the sandbox awaits collection",
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM durable_superseded WHERE sandbox_id = $1::uuid",
+            )
+            .bind(id)
+            .fetch_one(&stack.db)
+            .await
+            .unwrap()
+                == 0
+        },
+    )
+    .await;
+    eventually("no manifest in the store names the sandbox", || async {
+        manifests_of(stack, id).is_empty()
+    })
+    .await;
+    stack.assert_no_capacity_drift().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn hostd_killed_mid_stop_upload_uploads_again_when_it_starts_and_the_sandbox_then_starts_elsewhere(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    stack
+        .add_host_env(
+            (None, None),
+            &[],
+            None,
+            crash(CommandKind::Stop, Step::Uploading),
+        )
+        .await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, FILES).await;
+    let first = host_of(&stack, &id).await;
+    assert_eq!(stack.request(&id, "stop").await.0, 202);
+    // The stop's result is published (and the command acked) before its upload begins: the
+    // row is `stopped`, and hostd dies with the first chunk stored and no manifest.
+    stack.wait_state(&id, "stopped").await;
+    crashed_then_restart(&mut stack, 0, "stop:uploading", None).await;
+    // Nothing redelivers the acked stop: the restarted hostd uploads again by itself.
+    eventually("the interrupted stop becomes durable", || async {
+        !get(&stack, &id).await["durable_at"].is_null()
+    })
+    .await;
+    let snapshot = durable_snapshot(&stack, &id).await.unwrap();
+    assert!(manifest_stored(&stack, snapshot), "its manifest is stored");
+    assert_eq!(stack.state_of(&id).await, "stopped");
+
+    // Durable, so a start no longer needs its host: with that host cordoned it moves.
+    stack.add_host().await;
+    cordon(&stack, 0).await;
+    start_as(&stack, &id, "migrating").await;
+    stack.wait_state(&id, "running").await;
+    assert_ne!(host_of(&stack, &id).await, first, "started elsewhere");
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    eventually("the old host's stale copy is deleted", || async {
+        !copy_on(&stack, 0, &id)
+    })
+    .await;
+    delete_leaves_nothing(&stack, &id).await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn hostd_killed_mid_archive_upload_ends_archived_with_its_files_and_never_without_a_copy(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    stack
+        .add_host_env(
+            (None, None),
+            &[],
+            None,
+            crash(CommandKind::Stop, Step::Uploading),
+        )
+        .await;
+    let id = running_sandbox(&stack).await;
+    // Big enough that the archive, delivered as soon as hostd is back, finds the stop's
+    // resumed upload still capturing and takes over from it.
+    run(
+        &stack,
+        &id,
+        &format!("{FILES} && head -c 20000000 /dev/urandom > /root/big"),
+    )
+    .await;
+    assert_eq!(stack.request(&id, "stop").await.0, 202);
+    stack.wait_state(&id, "stopped").await;
+    // hostd dies mid-upload of the stop; the archive is asked for while it is down, so the
+    // archive (redelivered when it is back) must upload itself, and dies mid-upload too.
+    let child = stack.hosts[0].child.as_mut().unwrap();
+    assert!(
+        tokio::time::timeout(SETTLE_TIMEOUT, child.wait())
+            .await
+            .is_ok(),
+        "hostd never crashed at stop:uploading"
+    );
+    let (status, body) = stack.request(&id, "archive").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["state"], "archiving", "{body}");
+    let host = &mut stack.hosts[0];
+    host.child = None;
+    host.env.retain(|(k, _)| k != CRASH_AT_ENV);
+    host.env
+        .extend(crash(CommandKind::Archive, Step::Uploading));
+    stack.restart_host(0).await;
+    crashed_then_restart(&mut stack, 0, "archive:uploading", None).await;
+    // Never without a copy: until the archive is confirmed the disk stays on its host.
+    let archived = stack.wait_state(&id, "archived").await;
+    assert!(!archived["durable_at"].is_null(), "{archived}");
+    let snapshot = durable_snapshot(&stack, &id).await.unwrap();
+    assert!(manifest_stored(&stack, snapshot));
+    assert!(
+        stack.leftovers(&id).is_empty(),
+        "archived frees the local disk: {:?}",
+        stack.leftovers(&id)
+    );
+    stack.assert_no_capacity_drift().await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    delete_leaves_nothing(&stack, &id).await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn hostd_killed_while_an_archive_frees_the_disk_ends_archived_from_the_copy_it_recorded_first(
+    db: PgPool,
+) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    stack
+        .add_host_env(
+            (None, None),
+            &[],
+            None,
+            crash(CommandKind::Archive, Step::TornDown),
+        )
+        .await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, FILES).await;
+    stop_durably(&stack, &id).await;
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    let child = stack.hosts[0].child.as_mut().unwrap();
+    assert!(
+        tokio::time::timeout(SETTLE_TIMEOUT, child.wait())
+            .await
+            .is_ok(),
+        "hostd never crashed at archive:torn-down"
+    );
+    // The worst place to die: the removal of the sandbox dir got past its record and its disk
+    // image. A redelivered archive that captured what is left would store an empty disk, and
+    // one that found no record would leave the sandbox with no copy at all.
+    let dir = stack.hosts[0].state_dir.join("sandboxes").join(&id);
+    for gone in ["record.json", "disk.img"] {
+        std::fs::remove_file(dir.join(gone)).unwrap();
+    }
+    let host = &mut stack.hosts[0];
+    host.child = None;
+    host.env.retain(|(k, _)| k != CRASH_AT_ENV);
+    stack.restart_host(0).await;
+    stack.wait_state(&id, "archived").await;
+    eventually("the half-removed dir is gone", || async {
+        stack.leftovers(&id).is_empty()
+    })
+    .await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    delete_leaves_nothing(&stack, &id).await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn hostd_killed_mid_unarchive_download_converges_running_with_its_files(db: PgPool) {
+    let mut stack = Stack::start(db.clone(), 0).await;
+    stack
+        .add_host_env(
+            (None, None),
+            &[],
+            None,
+            crash(CommandKind::Unarchive, Step::Fetched),
+        )
+        .await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, FILES).await;
+    stop_durably(&stack, &id).await;
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    start_as(&stack, &id, "unarchiving").await;
+    // It dies with the disk tree fetched beside its place; the redelivered unarchive fetches
+    // again into a fresh partial tree and boots.
+    crashed_then_restart(&mut stack, 0, "unarchive:fetched", None).await;
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    stack.assert_no_capacity_drift().await;
+    // Nothing of the interrupted download is left beside the disk's upper dir.
+    let disk = stack.hosts[0]
+        .state_dir
+        .join("sandboxes")
+        .join(&id)
+        .join("disk");
+    assert!(disk.join("upper").is_dir() && !disk.join("upper.partial").exists());
+    delete_leaves_nothing(&stack, &id).await;
+    stack.teardown().await;
+}
