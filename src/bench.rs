@@ -22,6 +22,7 @@ mod preview;
 mod real;
 mod scale;
 mod snapshots;
+mod storage;
 mod targets;
 mod verdict;
 
@@ -100,6 +101,18 @@ pub struct BenchArgs {
     /// of each, on the running stack (its hosts need runc and runsc).
     #[arg(long)]
     snapshots: bool,
+    /// Measure only archive, unarchive, backups and the migration of a gVisor sandbox
+    /// (`bench/storage.rs`), `--sandboxes` samples of each, on the running stack (two hosts or
+    /// more, runc and runsc, the object store at `BERTH_OBJECT_STORE`, else `<state dir>/objects`).
+    #[arg(long)]
+    storage: bool,
+    /// Storage mode: MiB of random bytes each sandbox writes before it is archived or backed up.
+    #[arg(long, default_value_t = 100)]
+    storage_mib: u64,
+    /// Storage mode: an operator key (to cordon and uncordon hosts); default: a new one made in
+    /// the stack's database (`DATABASE_URL`, else `stack.env`).
+    #[arg(long, env = "BERTH_ADMIN_KEY")]
+    admin_key: Option<String>,
     /// The gVisor template taken through the lifecycle (memory stop and restore); empty: skip.
     #[arg(long, default_value = berth_hostd::template::BASE_GVISOR_TEMPLATE)]
     gvisor_template: String,
@@ -371,6 +384,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let outcome = if args.snapshots {
         snapshots::run(&client, args.sandboxes).await
+    } else if args.storage {
+        storage::run(&client, &args, &lookup).await
     } else {
         real::measure(&args, &client, &lookup).await
     };
