@@ -160,6 +160,13 @@ impl Samples {
     }
 }
 
+/// `samples`' p50 over `floor`'s, as `3.2x`; `n/a` when either has none (or the floor is 0).
+fn ratio_p50(samples: &Samples, floor: &Samples) -> String {
+    targets::ratio(samples.quantile(0.5), floor.quantile(0.5))
+        .map(|r| format!("{r:.1}x"))
+        .unwrap_or_else(|| "n/a".into())
+}
+
 fn ms(v: Option<f64>) -> String {
     v.map(|s| format!("{:.1}", s * 1000.0))
         .unwrap_or_else(|| "n/a".into())

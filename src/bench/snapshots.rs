@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use super::{ms, Client, Samples, MAX_WAIT_SECS};
+use super::{ms, ratio_p50, Client, Samples, MAX_WAIT_SECS};
 
 /// How often a `creating` snapshot is looked at.
 const POLL: Duration = Duration::from_millis(5);
@@ -34,11 +34,7 @@ pub(super) async fn run(client: &Client, samples: usize) -> anyhow::Result<()> {
     println!("| operation | n | p50 ms | p95 ms | floor | floor p50 ms | ratio p50 | target |");
     println!("|---|---|---|---|---|---|---|---|");
     let row = |name: &str, s: &Samples, floor_name: &str, floor: &Samples, target: &str| {
-        let ratio = s
-            .quantile(0.5)
-            .zip(floor.quantile(0.5))
-            .map(|(a, b)| format!("{:.1}x", a / b))
-            .unwrap_or_else(|| "n/a".into());
+        let ratio = ratio_p50(s, floor);
         println!(
             "| {name} | {} | {} | {} | {floor_name} | {} | {ratio} | {target} |",
             s.0.len(),

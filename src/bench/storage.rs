@@ -37,7 +37,7 @@ use futures::{StreamExt, TryStreamExt};
 use serde_json::{json, Value};
 
 use super::snapshots::{exec, host_of, take};
-use super::{floors, ms, BenchArgs, Client, Samples, TRANSITION_TIMEOUT};
+use super::{floors, ms, ratio_p50, BenchArgs, Client, Samples, TRANSITION_TIMEOUT};
 
 /// How often a stopped sandbox is looked at until its stop is durable.
 const DURABLE_POLL: Duration = Duration::from_millis(20);
@@ -205,11 +205,7 @@ impl<'a> Row<'a> {
         } else {
             "—".into()
         };
-        let ratio = s
-            .quantile(0.5)
-            .zip(f.quantile(0.5))
-            .map(|(a, b)| format!("{:.1}x", a / b))
-            .unwrap_or_else(|| "n/a".into());
+        let ratio = ratio_p50(s, f);
         format!(
             "| {} | {} | {} | {p90} | {} | {} | {} | {ratio} |",
             self.name,
