@@ -34,10 +34,14 @@ impl CommandOutcome {
     }
 }
 
-/// The snapshot a restore or clone boots from (`commands.snapshot_id`, migration 0026).
+/// The snapshot a restore, clone or migrate boots from (`commands.snapshot_id`, migration
+/// 0026): a snapshot row for the first two and a restore from backup; a durable stop, which has
+/// no snapshot row, for a start elsewhere.
 fn boots_from(command: &Command) -> Option<berth_schemas::ids::SnapshotId> {
     match command.kind {
-        CommandKind::Restore | CommandKind::Clone => command.snapshot.map(|o| o.snapshot_id),
+        CommandKind::Restore | CommandKind::Clone | CommandKind::Migrate => {
+            command.snapshot.map(|o| o.snapshot_id)
+        }
         _ => None,
     }
 }

@@ -80,6 +80,9 @@ ops! {
     /// [`crate::sandboxes::migrate`]: a stopped sandbox placed on another host and sent its
     /// migrate; [`crate::sandboxes::leave_old_host`]: the old host's stale copy deleted.
     SandboxMigrate => "sandbox_migrate",
+    /// [`crate::sandboxes::restore_from_backup`]: a sandbox moved to the host placement chose
+    /// and sent a migrate of its backup (a restore from backup, a failover).
+    SandboxRestoreBackup => "sandbox_restore_backup",
     /// [`crate::sandboxes::update_settings`]: a fenced write of a sandbox's settings (PATCH,
     /// renew).
     SandboxUpdateSettings => "sandbox_update_settings",

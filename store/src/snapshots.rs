@@ -217,16 +217,16 @@ async fn select_of_org(
     row.as_ref().map(SnapshotRow::from_row).transpose()
 }
 
-/// How many sandboxes are still `resuming` from snapshot `id`: restores and clones whose
-/// command (`commands.snapshot_id`) is open at the sandbox's current generation. Their hosts
-/// still read its content.
+/// How many sandboxes are still `resuming` or `restoring` from snapshot `id`: restores, clones
+/// and restores from backup whose command (`commands.snapshot_id`) is open at the sandbox's
+/// current generation. Their hosts still read its content.
 pub async fn boots_in_progress(conn: &mut PgConnection, id: SnapshotId) -> Result<i64, StoreError> {
     timed(
         Op::SnapshotGet,
         sqlx::query_scalar(
             "SELECT count(*) FROM commands c JOIN sandboxes s ON s.id = c.sandbox_id
               WHERE c.snapshot_id = $1 AND c.completed_at IS NULL
-                AND s.state = 'resuming' AND s.generation = c.generation",
+                AND s.state IN ('resuming', 'restoring') AND s.generation = c.generation",
         )
         .bind(id)
         .fetch_one(conn),

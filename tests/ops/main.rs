@@ -13,6 +13,7 @@ mod clone_requests;
 mod collect;
 mod compat;
 mod events;
+mod failover;
 mod fleet;
 mod host_health;
 mod hostile;

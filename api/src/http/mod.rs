@@ -53,6 +53,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sandboxes/{id}/backup", post(snapshots::backup))
         .route("/v1/sandboxes/{id}/snapshots", get(snapshots::list))
         .route("/v1/sandboxes/{id}/restore", post(resume::restore))
+        .route(
+            "/v1/sandboxes/{id}/restore-from-backup",
+            post(resume::restore_from_backup),
+        )
         .route("/v1/sandboxes/{id}/clone", post(resume::clone))
         .route("/v1/sandboxes/{id}/fork", post(resume::fork))
         .route(

@@ -17,8 +17,9 @@ use super::settings::{answer_when, stop_token, wait_slot, WaitFor, WaitQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::limits::ConcurrencyPermit;
-use crate::model::snapshot::{Fork, ForkRequest, FromSnapshot};
+use crate::model::snapshot::{Fork, ForkRequest, FromBackup, FromSnapshot};
 use crate::model::{CreateSandbox, Sandbox};
+use crate::service::backup;
 use crate::service::idempotency::Replayable;
 use crate::service::resume::{self, CloneSettings};
 use crate::service::sandboxes::PlacementPolicy;
@@ -95,6 +96,54 @@ pub async fn restore(
         caller.org_id,
         parse_id(&id)?,
         snapshot_id,
+        idem.as_ref(),
+        |s| stored(StatusCode::ACCEPTED, s),
+    )
+    .await?;
+    answer(&app, &caller, outcome, wait, shutdown).await
+}
+
+/// `POST /v1/sandboxes/{id}/restore-from-backup`
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/restore-from-backup",
+    request_body(content = Option<FromBackup>, description = "`{\"backup_id\": …}`, or `{}` / no body for the newest ready backup"),
+    params(("id" = String, Path), WaitQuery),
+    description = "Rebuild a sandbox from one of its backups on a new placement (any host in service, its own included): what its host held is released, the backup's disk is fetched onto the host placement picks and cold-booted there (`restoring`, then `running`). Memory is not restored, and whatever the sandbox wrote since the backup is discarded, including its stop snapshot. A restore that fails leaves it `failed-start`, and a start of it boots the backup again. Accepted from `running`, `stopped`, `failed-start` and `archived`; a sandbox already `restoring` is returned as it is.",
+    responses(
+        (status = 202, description = "Accepted; the sandbox is `restoring`", body = Sandbox),
+        (status = 200, description = "With `?wait=running`: the sandbox running from its backup", body = Sandbox),
+        (status = 400, description = "`invalid_request`: malformed body"),
+        (status = 404, description = "`not_found`: the sandbox, or the backup named is not one of its own"),
+        (status = 409, description = "`conflict`: the sandbox's state refuses it (`state`); `snapshot_unavailable`: it has no ready backup; the backup named is not `ready` or is a user snapshot"),
+        (status = 429, description = "`quota_exceeded`: a sandbox holding no capacity would pass the org's quota"),
+        (status = 503, description = "`no_capacity` or `unavailable`, as a create"),
+    ), security(("bearer" = [])))]
+pub async fn restore_from_backup(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    shutdown: Option<Extension<StreamShutdown>>,
+    query: Result<Query<WaitQuery>, axum::extract::rejection::QueryRejection>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let wait = wait_slot(
+        &app,
+        &caller,
+        wait_of(query, Some(Request::RestoreFromBackup))?,
+    )?;
+    let idem = Idempotency::from_headers(
+        &headers,
+        "POST",
+        &format!("/v1/sandboxes/{id}/restore-from-backup"),
+        &body,
+    )?;
+    let FromBackup { backup_id } = super::body::json_or_empty(&body)?;
+    let outcome = backup::restore_from_backup(
+        &app.db,
+        policy(&app),
+        caller.org_id,
+        parse_id(&id)?,
+        backup_id,
         idem.as_ref(),
         |s| stored(StatusCode::ACCEPTED, s),
     )

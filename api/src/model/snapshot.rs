@@ -101,6 +101,17 @@ pub struct FromSnapshot {
     pub snapshot_id: SnapshotId,
 }
 
+/// `POST /v1/sandboxes/{id}/restore-from-backup`: which backup; `{}` or no body restores the
+/// newest ready one (`last_backup_id`). Unknown fields are refused.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FromBackup {
+    /// One of the sandbox's own ready backups; its newest when absent.
+    #[schema(value_type = Option<String>, format = Uuid)]
+    #[serde(default)]
+    pub backup_id: Option<SnapshotId>,
+}
+
 /// `POST /v1/sandboxes/{id}/fork`: how many clones. Unknown fields are refused.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -6,6 +6,7 @@
 //! - Every sandbox and webhook query is scoped by the caller's org (guarantee 7).
 //! - A state change commits its row, command and event in one transaction (guarantee 1).
 
+pub mod backup;
 pub mod events;
 pub mod hosts;
 pub mod idempotency;

@@ -141,11 +141,13 @@ async fn clone(
     };
     if record.phase == Phase::Creating {
         if let Err(error) = prepare_clone(host, &record, order, wait).await {
-            let reason = format!(
-                "clone of snapshot {}: {}",
-                order.snapshot_id,
-                error.public_reason()
-            );
+            let what = match cmd.kind {
+                CommandKind::Unarchive => "unarchive of stop snapshot",
+                // A start elsewhere (a durable stop) or a restore from backup.
+                CommandKind::Migrate => "boot from snapshot",
+                _ => "clone of snapshot",
+            };
+            let reason = format!("{what} {}: {}", order.snapshot_id, error.public_reason());
             tracing::warn!(error = %error.report(), snapshot_id = %order.snapshot_id, "clone failed");
             let paths = host.layout.sandbox(record.sandbox_id);
             let cleaned = async {

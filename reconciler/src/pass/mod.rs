@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use berth_schemas::state::breaker::BreakerPolicy;
 use berth_schemas::state::snapshot::{on_snapshot_timeout, SNAPSHOT_TIMED_OUT};
 use berth_schemas::state::{
-    on_expiry, on_host_lost, on_inventory, on_request, on_timeout, Decision, Expiry, ExpiryAction,
-    Failure, InventoryVerdict, Request, HOST_LOST_MESSAGE,
+    on_expiry, on_inventory, on_request, on_timeout, Decision, Expiry, ExpiryAction, Failure,
+    InventoryVerdict, Request,
 };
 use berth_schemas::wire::Command;
 use berth_schemas::{CommandId, CommandKind, Generation, Reason};
@@ -39,6 +39,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Transaction};
 use tracing::{info, warn};
 
 mod backups;
+mod failover;
 pub mod guests;
 
 /// Default [`PassConfig::interval`]: a pass every 10 seconds.
@@ -207,8 +208,12 @@ pub enum Action {
     CommandTimeout,
     /// `running` sandboxes failed because their guest stopped answering or vanished.
     GuestUnhealthy,
-    /// Sandboxes failed because their host stayed `lost` past [`PassConfig::failover_after`].
+    /// Sandboxes failed because their host stayed `lost` past [`PassConfig::failover_after`]
+    /// (no backup to restore, or not running).
     HostLostFailover,
+    /// Sandboxes restored from their backup on another host because theirs stayed `lost` past
+    /// [`PassConfig::failover_after`].
+    FailoverRestored,
     /// Sandboxes whose `expires_at` passed: stopped or deleted as their `on_expiry` says.
     Expired,
     /// `running` sandboxes stopped after `auto_stop_minutes` idle.
@@ -240,6 +245,7 @@ impl Action {
             Action::CommandTimeout => "command_timeout",
             Action::GuestUnhealthy => "guest_unhealthy",
             Action::HostLostFailover => "host_lost_failover",
+            Action::FailoverRestored => "failover_restored",
             Action::Expired => "expired",
             Action::AutoStop => "auto_stop",
             Action::AutoDelete => "auto_delete",
@@ -357,8 +363,13 @@ async fn run_actions(
     report.actions.push((Action::CommandTimeout, n));
     let n = guests::fail_unhealthy_guests(db, config, lease, report).await?;
     report.actions.push((Action::GuestUnhealthy, n));
-    let n = fail_over_lost_hosts(db, config, lease).await?;
-    report.actions.push((Action::HostLostFailover, n));
+    let failed_over = failover::fail_over_lost_hosts(db, config, lease).await?;
+    report
+        .actions
+        .push((Action::HostLostFailover, failed_over.failed));
+    report
+        .actions
+        .push((Action::FailoverRestored, failed_over.restored));
     let n = expire(db, config, lease).await?;
     report.actions.push((Action::Expired, n));
     let n = auto_lifecycle(db, config, lease, Request::Stop).await?;
@@ -522,22 +533,6 @@ async fn time_out_commands(
     Ok(n)
 }
 
-async fn fail_over_lost_hosts(
-    db: &PgPool,
-    config: &PassConfig,
-    lease: &Lease,
-) -> Result<u64, PassError> {
-    let mut tx = fenced(db, lease).await?;
-    let silent_for = config.host_lost_after + config.failover_after;
-    let mut n = 0;
-    for row in sandboxes::lock_stranded(&mut tx, silent_for, config.batch).await? {
-        fail_sandbox(&mut tx, &row, on_host_lost(), HOST_LOST_MESSAGE).await?;
-        n += 1;
-    }
-    commit(tx).await?;
-    Ok(n)
-}
-
 /// Expiry: each sandbox whose `expires_at` passed gets its `on_expiry` action as
 /// [`on_expiry`] decides — the request's transition with reason `expired` (and its expiry
 /// cleared: it fires once), only the expiry cleared when the sandbox is already there, or
@@ -644,7 +639,7 @@ async fn auto_lifecycle(
             sandboxes::lock_due(&mut tx, Due::AutoArchive, config.batch).await?,
             Reason::AutoArchive,
         ),
-        Request::Start | Request::Restore => return Ok(0),
+        Request::Start | Request::Restore | Request::RestoreFromBackup => return Ok(0),
     };
     let mut n = 0;
     for row in &rows {

@@ -10,7 +10,7 @@ use super::{Capacity, CommandKind, Reason, SandboxState};
 /// The commands the pass times out, each with the state its sandbox waits in while the command
 /// is open. A delete is not timed: the row is already a tombstone-to-be and its capacity goes
 /// with its `deleted` result or with the host's inventory.
-pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 8] = [
+pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 9] = [
     (CommandKind::Create, SandboxState::Provisioning),
     (CommandKind::Start, SandboxState::Starting),
     (CommandKind::Stop, SandboxState::Stopping),
@@ -19,6 +19,7 @@ pub const TIMED_COMMANDS: [(CommandKind, SandboxState); 8] = [
     (CommandKind::Archive, SandboxState::Archiving),
     (CommandKind::Unarchive, SandboxState::Unarchiving),
     (CommandKind::Migrate, SandboxState::Migrating),
+    (CommandKind::Migrate, SandboxState::Restoring),
 ];
 
 /// The states in which a sandbox lives on its host and is stranded when the host is lost. Not
@@ -64,12 +65,14 @@ pub struct Failure {
 /// host frees the disk only after its upload is confirmed, and its late result is fenced).
 /// A migration that timed out goes back `stopped` to the host it came from (the store moves
 /// the row back), releasing its capacity on the new host, which gets a delete (its fence then
-/// refuses the migrate if it has not run it; if it has, what it booted is destroyed).
+/// refuses the migrate if it has not run it; if it has, what it booted is destroyed). A
+/// restore from backup that timed out is `failed-start` and what it may have booted is
+/// destroyed, as a clone's (a start boots the backup again).
 pub fn on_timeout(kind: CommandKind, state: SandboxState) -> Option<Failure> {
     if !TIMED_COMMANDS.contains(&(kind, state)) {
         return None;
     }
-    if kind == CommandKind::Migrate {
+    if (kind, state) == (CommandKind::Migrate, SandboxState::Migrating) {
         return Some(Failure {
             to: SandboxState::Stopped,
             reason: Reason::Timeout,
@@ -90,7 +93,10 @@ pub fn on_timeout(kind: CommandKind, state: SandboxState) -> Option<Failure> {
         reason: Reason::Timeout,
         capacity: Capacity::Release,
         compensation: Some(
-            if matches!(kind, CommandKind::Create | CommandKind::Clone) {
+            if matches!(
+                kind,
+                CommandKind::Create | CommandKind::Clone | CommandKind::Migrate
+            ) {
                 CommandKind::Delete
             } else {
                 CommandKind::Stop
@@ -129,19 +135,43 @@ pub fn on_guest_failure(_failure: GuestFailure) -> Failure {
     }
 }
 
-/// The `state_reason` of [`on_host_lost`].
-pub const HOST_LOST_MESSAGE: &str = "host_lost: its host was lost and no backup exists";
+/// The `state_reason` of a sandbox [`on_host_lost`] fails.
+pub const HOST_LOST_MESSAGE: &str = "host_lost: its host was lost and it has no backup to restore";
 
-/// A sandbox stranded on a host lost for longer than the failover delay. No backup store exists
-/// yet, so it cannot be restored elsewhere: it becomes `failed-start` and nothing is sent to the
-/// lost host (if it comes back, its inventory shows the container as unwanted).
-pub fn on_host_lost() -> Failure {
-    Failure {
+/// The states whose sandbox is restored from its backup on another host when its host is lost
+/// (the seed: "each running sandbox on it that has a backup is restored on another host"); a
+/// restore from backup in flight there is restored again.
+pub const FAILS_OVER: [SandboxState; 2] = [SandboxState::Running, SandboxState::Restoring];
+
+/// What the failover does with a sandbox stranded on a host `lost` for longer than the
+/// failover delay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostLoss {
+    /// Restore its newest backup on the host placement picks (`restoring` + `sandbox.migrate`
+    /// of the backup, reason `host_lost`), releasing what the lost host held; the lost host
+    /// gets a delete at the new generation, which its fence lets through when it comes back.
+    RestoreBackup,
+    /// Fail it: nothing can bring it back elsewhere.
+    Fail(Failure),
+}
+
+/// A sandbox in `state` stranded on a lost host ([`STRANDED_ON_LOST_HOST`]); `has_backup`: it
+/// names a ready backup. A running sandbox (or one being restored from backup) with a backup is
+/// restored elsewhere ([`HostLoss::RestoreBackup`]); the rest become `failed-start` with reason
+/// `host_lost`, releasing their capacity, and nothing is sent to the lost host (if it comes
+/// back, its inventory shows the container as unwanted).
+///
+/// Source: the seed lifecycle doc, "Archive, back up and recover from host loss".
+pub fn on_host_lost(state: SandboxState, has_backup: bool) -> HostLoss {
+    if has_backup && FAILS_OVER.contains(&state) {
+        return HostLoss::RestoreBackup;
+    }
+    HostLoss::Fail(Failure {
         to: SandboxState::FailedStart,
         reason: Reason::HostLost,
         capacity: Capacity::Release,
         compensation: None,
-    }
+    })
 }
 
 /// What to do with a container a host reports running (or unhealthy).
@@ -186,10 +216,13 @@ mod tests {
                         | (CommandKind::Restore | CommandKind::Clone, S::Resuming)
                         | (CommandKind::Archive, S::Archiving)
                         | (CommandKind::Unarchive, S::Unarchiving)
-                        | (CommandKind::Migrate, S::Migrating)
+                        | (CommandKind::Migrate, S::Migrating | S::Restoring)
                 );
                 assert_eq!(failure.is_some(), waits, "{kind} in {state}");
-                let settles_stopped = matches!(kind, CommandKind::Archive | CommandKind::Migrate);
+                let settles_stopped = matches!(
+                    (kind, state),
+                    (CommandKind::Archive, _) | (CommandKind::Migrate, S::Migrating)
+                );
                 if let Some(f) = failure.filter(|_| !settles_stopped) {
                     assert_eq!(f.to, S::FailedStart);
                     assert_eq!(f.capacity, Capacity::Release);
@@ -270,10 +303,35 @@ mod tests {
                 (S::FailedStart, Capacity::Release, Some(CommandKind::Stop))
             );
         }
-        let f = on_host_lost();
+        for state in STRANDED_ON_LOST_HOST {
+            for has_backup in [false, true] {
+                let decided = on_host_lost(state, has_backup);
+                if has_backup && matches!(state, S::Running | S::Restoring) {
+                    assert_eq!(decided, HostLoss::RestoreBackup, "{state}");
+                    continue;
+                }
+                let HostLoss::Fail(f) = decided else {
+                    panic!("{state} with backup {has_backup}: {decided:?}");
+                };
+                assert_eq!(
+                    (f.to, f.reason, f.capacity, f.compensation),
+                    (S::FailedStart, Reason::HostLost, Capacity::Release, None),
+                    "{state}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_timed_out_restore_from_backup_fails_and_destroys_what_it_booted() {
         assert_eq!(
-            (f.to, f.reason, f.capacity, f.compensation),
-            (S::FailedStart, Reason::HostLost, Capacity::Release, None)
+            on_timeout(CommandKind::Migrate, S::Restoring),
+            Some(Failure {
+                to: S::FailedStart,
+                reason: Reason::Timeout,
+                capacity: Capacity::Release,
+                compensation: Some(CommandKind::Delete),
+            })
         );
     }
 

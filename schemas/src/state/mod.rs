@@ -27,22 +27,22 @@
 //! queued. A sandbox being deleted (`deleted_at` set) answers `=` to delete and `409` to
 //! everything else.
 //!
-//! | state          | start / resume          | stop / pause    | delete                 | snapshot                | restore                | archive                |
-//! |----------------|-------------------------|-----------------|------------------------|-------------------------|------------------------|------------------------|
-//! | provisioning   | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
-//! | starting       | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
-//! | running        | =                       | stopping + stop | stopping + delete      | + snapshot (state kept) | resuming + restore     | 409                    |
-//! | stopping       | 409                     | =               | stopping + delete      | 409                     | 409                    | 409                    |
-//! | stopped        | starting + start, or migrating + migrate (M) | = | stopping + delete | 409                | resuming + restore (R) | archiving + archive    |
-//! | resuming       | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
-//! | restoring      | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
-//! | migrating      | =                       | 409             | stopping + delete (O)  | 409                     | 409                    | 409                    |
-//! | archiving      | 409                     | =               | stopping + delete      | 409                     | 409                    | =                      |
-//! | archived       | unarchiving + unarchive (P) | =           | deleted + delete (T)   | 409                     | 409                    | =                      |
-//! | unarchiving    | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    |
-//! | failed-start   | starting + start        | =               | stopping + delete      | 409                     | resuming + restore (R) | 409                    |
-//! | failed-start (S) | resuming + clone (R)  | =               | stopping + delete      | 409                     | (none of its own: 404) | 409                    |
-//! | deleted        | 409                     | 409             | =                      | 409                     | 409                    | 409                    |
+//! | state          | start / resume          | stop / pause    | delete                 | snapshot                | restore                | archive                | restore-from-backup |
+//! |----------------|-------------------------|-----------------|------------------------|-------------------------|------------------------|------------------------|-------------------------|
+//! | provisioning   | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    | 409 |
+//! | starting       | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    | 409 |
+//! | running        | =                       | stopping + stop | stopping + delete      | + snapshot (state kept) | resuming + restore     | 409                    | restoring + migrate (B) |
+//! | stopping       | 409                     | =               | stopping + delete      | 409                     | 409                    | 409                    | 409 |
+//! | stopped        | starting + start, or migrating + migrate (M) | = | stopping + delete | 409                | resuming + restore (R) | archiving + archive    | restoring + migrate (B) |
+//! | resuming       | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    | 409 |
+//! | restoring      | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    | = |
+//! | migrating      | =                       | 409             | stopping + delete (O)  | 409                     | 409                    | 409                    | 409 |
+//! | archiving      | 409                     | =               | stopping + delete      | 409                     | 409                    | =                      | 409 |
+//! | archived       | unarchiving + unarchive (P) | =           | deleted + delete (T)   | 409                     | 409                    | =                      | restoring + migrate (B) |
+//! | unarchiving    | =                       | 409             | stopping + delete      | 409                     | 409                    | 409                    | 409 |
+//! | failed-start   | starting + start        | =               | stopping + delete      | 409                     | resuming + restore (R) | 409                    | restoring + migrate (B) |
+//! | failed-start (S) | resuming + clone (R)  | =               | stopping + delete      | 409                     | (none of its own: 404) | 409                    | restoring + migrate (B) |
+//! | deleted        | 409                     | 409             | =                      | 409                     | 409                    | 409                    | 409 |
 //!
 //! `(P)`: placement picks a host (any host, not the one it was archived from) and reserves the
 //! sandbox's capacity there in the same transaction, as a create does; the unarchive fetches
@@ -54,6 +54,18 @@
 //! `stopped` (with its disk, the reason in the event) when the upload failed or timed out.
 //! `unarchiving` settles `running`, or `archived` (capacity released) when the host failed
 //! it, or `failed-start` (capacity released) when it timed out.
+//!
+//! `(B)`: restore from backup (`POST …/restore-from-backup`, and the reconciler's failover of
+//! a running sandbox whose host was lost): the sandbox needs a `ready` backup of its own
+//! (`last_backup_id`, or the one the request names; else 409 `no_backup`). What its old host
+//! held is released and placement picks a host (any in service, the old one included) and
+//! reserves there, in one transaction; the row moves there `restoring` at the next generation
+//! with a `sandbox.migrate` naming the backup, the old host (when another) gets a
+//! `sandbox.delete` at that generation, and the durable stop it had is superseded: the backup's
+//! disk replaces whatever the sandbox had since, and memory is never restored.
+//! `seed_snapshot` names the backup until the sandbox runs, so `restoring` settles `running`,
+//! or `failed-start` (capacity released) when the host failed it or it timed out — and a start
+//! of it then boots the backup again (the `(S)` row).
 //!
 //! `(M)`: start elsewhere ([`on_start_elsewhere`], `migrate.rs`). The caller first asks
 //! whether the sandbox's own host can take it back ([`away_from_home`]: not when it is gone,
@@ -119,7 +131,9 @@ pub enum SandboxState {
     Stopped,
     /// A clone, fork or snapshot restore is booting (`sandbox.restore`, `sandbox.clone`).
     Resuming,
-    /// Being rebuilt from a backup on another host (seed state; no path writes it yet).
+    /// Being rebuilt from a backup (`POST …/restore-from-backup`, or the failover of a sandbox
+    /// whose host was lost): its backup's disk is fetched onto the host placement picked and
+    /// cold-booted (issue 14); it holds capacity there.
     Restoring,
     /// A stopped sandbox whose own host cannot take it back (gone, lost, draining, cordoned or
     /// full) is being fetched from its durable stop snapshot onto the host placement picked,
@@ -232,6 +246,9 @@ pub enum Request {
     /// `POST …/archive` (or auto-archive): upload a stopped sandbox and free its local disk
     /// (issue 14).
     Archive,
+    /// `POST …/restore-from-backup` (or the reconciler's failover from a lost host): cold-boot
+    /// the sandbox's backup on the host placement picks (issue 14).
+    RestoreFromBackup,
 }
 
 impl Request {
@@ -243,6 +260,7 @@ impl Request {
             Request::Delete => "delete",
             Request::Restore => "restore",
             Request::Archive => "archive",
+            Request::RestoreFromBackup => "restore-from-backup",
         }
     }
 }
@@ -414,12 +432,12 @@ mod settle;
 pub mod snapshot;
 
 pub use converge::{
-    on_guest_failure, on_host_lost, on_inventory, on_timeout, Failure, GuestFailure,
-    InventoryVerdict, HOST_LOST_MESSAGE, STRANDED_ON_LOST_HOST, TIMED_COMMANDS,
+    on_guest_failure, on_host_lost, on_inventory, on_timeout, Failure, GuestFailure, HostLoss,
+    InventoryVerdict, FAILS_OVER, HOST_LOST_MESSAGE, STRANDED_ON_LOST_HOST, TIMED_COMMANDS,
     UNWANTED_RUNNING_ON_ITS_HOST,
 };
 pub use migrate::{away_from_home, on_start_elsewhere, Away};
-pub use request::{on_request, on_request_unseeded, Decision, Refusal};
+pub use request::{on_request, on_request_unseeded, Decision, Refusal, RESTORES_FROM_BACKUP};
 pub use result::{on_result, retries_elsewhere, Fault, Outcome, ResultDecision, MAX_CREATE_HOSTS};
 pub use settle::{on_expiry, wait_verdict, Expiry, ExpiryAction, Timers, WaitTarget, WaitVerdict};
 

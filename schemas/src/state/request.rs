@@ -1,4 +1,5 @@
-//! [`on_request`]: a start, stop, delete, restore or archive against the row's state (the table
+//! [`on_request`]: a start, stop, delete, restore, archive or restore from backup against the
+//! row's state (the table
 //! in the parent module's docs), with the capacity change each transition needs. A start of a
 //! `stopped` sandbox whose own host cannot take it back is decided by `migrate.rs` instead.
 //! [`on_request_unseeded`]: the same for a clone that never ran (the table's `(S)`).
@@ -34,6 +35,15 @@ pub enum Refusal {
         request: Request,
     },
 }
+
+/// The settled states a restore from backup leaves from (the table's `(B)`): the sandbox's
+/// backup replaces whatever it holds in each.
+pub const RESTORES_FROM_BACKUP: [SandboxState; 4] = [
+    SandboxState::Running,
+    SandboxState::Stopped,
+    SandboxState::FailedStart,
+    SandboxState::Archived,
+];
 
 /// Decides a user request against the row's `state`; `deleting` is whether `deleted_at` is set.
 ///
@@ -141,6 +151,29 @@ pub fn on_request(
             | S::Lost
             | S::Deleted => conflict,
         },
+        // Placement picks a host and reserves there in the same transaction, after what the
+        // old host held is released (the store does both, like an unarchive): the backup is
+        // cold-booted there, replacing whatever the sandbox had since (`(B)`).
+        Request::RestoreFromBackup => match state {
+            _ if RESTORES_FROM_BACKUP.contains(&state) => Ok(Decision::Transition {
+                to: S::Restoring,
+                command: CommandKind::Migrate,
+                capacity: Capacity::Reserve,
+            }),
+            S::Restoring => Ok(Decision::Unchanged),
+            S::Running | S::Stopped | S::FailedStart | S::Archived => conflict,
+            S::Provisioning
+            | S::Starting
+            | S::Stopping
+            | S::Resuming
+            | S::Migrating
+            | S::Archiving
+            | S::Unarchiving
+            | S::Pending
+            | S::FailedProvision
+            | S::Lost
+            | S::Deleted => conflict,
+        },
         Request::Stop => match state {
             // Released when the host reports the sandbox stopped.
             S::Running => Ok(Decision::Transition {
@@ -200,7 +233,7 @@ mod tests {
 
     /// The table in the module docs, spelled out: (state, start, stop, restore, archive) with
     /// `U` for unchanged, `C` for conflict and a state for a transition. Delete is checked
-    /// separately.
+    /// separately, restore from backup by the next test.
     #[test]
     fn start_stop_restore_and_archive_follow_the_request_table_for_every_state() {
         #[derive(Debug, PartialEq)]
@@ -287,6 +320,36 @@ mod tests {
         }
     }
 
+    /// The table's restore-from-backup column: a settled sandbox (running, stopped, failed or
+    /// archived) is rebuilt `restoring` with a `sandbox.migrate` of its backup on the host
+    /// placement picks; a restore in flight is unchanged; every other state conflicts.
+    #[test]
+    fn restore_from_backup_follows_the_request_table_for_every_state() {
+        for state in S::ALL {
+            let decided = on_request(state, false, Request::RestoreFromBackup);
+            match state {
+                S::Running | S::Stopped | S::FailedStart | S::Archived => assert_eq!(
+                    decided,
+                    Ok(Decision::Transition {
+                        to: S::Restoring,
+                        command: CommandKind::Migrate,
+                        capacity: Capacity::Reserve,
+                    }),
+                    "{state}"
+                ),
+                S::Restoring => assert_eq!(decided, Ok(Decision::Unchanged)),
+                _ => assert_eq!(
+                    decided,
+                    Err(Refusal::Conflict {
+                        state,
+                        request: Request::RestoreFromBackup
+                    }),
+                    "{state}"
+                ),
+            }
+        }
+    }
+
     #[test]
     fn delete_is_accepted_from_every_state_and_repeats_as_a_no_op() {
         for state in S::ALL {
@@ -332,6 +395,7 @@ mod tests {
                     Request::Delete,
                     Request::Restore,
                     Request::Archive,
+                    Request::RestoreFromBackup,
                 ] {
                     let unseeded = on_request_unseeded(state, deleting, request);
                     if !deleting && state == S::FailedStart && request == Request::Start {
@@ -363,6 +427,7 @@ mod tests {
                 Request::Stop,
                 Request::Restore,
                 Request::Archive,
+                Request::RestoreFromBackup,
             ] {
                 assert_eq!(
                     on_request(state, true, request),

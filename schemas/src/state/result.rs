@@ -77,7 +77,14 @@ pub fn on_result(
         // disk is the last stop's (the store moves the row back after releasing here).
         (K::Migrate, S::Migrating, Succeeded, false) => apply(S::Running, Capacity::Keep),
         (K::Migrate, S::Migrating, Failed, false) => apply(S::Stopped, Capacity::Release),
-        (K::Create | K::Clone, S::FailedStart, Succeeded, _) => {
+        // A restore from backup booted the backup's disk on its new host, or could not: the
+        // sandbox failed to start there, and a start boots the backup again (its
+        // `seed_snapshot`).
+        (K::Migrate, S::Restoring, Succeeded, false) => apply(S::Running, Capacity::Keep),
+        (K::Migrate, S::Restoring, Failed, false) => apply(S::FailedStart, Capacity::Release),
+        // A restore from backup that booted after its timeout failed it: what it booted is not
+        // the sandbox's (a start boots the backup again), so it is destroyed, as a clone is.
+        (K::Create | K::Clone | K::Migrate, S::FailedStart, Succeeded, _) => {
             ResultDecision::Compensate(K::Delete)
         }
         // An unarchive that finished after its timeout: stopped there, keeping the fetched
@@ -223,6 +230,22 @@ mod tests {
                 false,
             ),
             (S::Migrating, false, K::Migrate, Failed, S::Stopped, true),
+            (
+                S::Restoring,
+                false,
+                K::Migrate,
+                Succeeded,
+                S::Running,
+                false,
+            ),
+            (
+                S::Restoring,
+                false,
+                K::Migrate,
+                Failed,
+                S::FailedStart,
+                true,
+            ),
         ];
         for (state, deleting, kind, outcome, to, releases_capacity) in cases {
             assert_eq!(
@@ -259,7 +282,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(applied, 17);
+        assert_eq!(applied, 19);
         assert_eq!(
             on_result(S::Running, false, K::Create, Outcome::Succeeded),
             ResultDecision::Ignore,
@@ -321,8 +344,13 @@ mod tests {
             "an unarchive that succeeded after it timed out is stopped, keeping its disk"
         );
         assert_eq!(
-            compensated, 10,
-            "five (kind, state) pairs, with or without deleted_at"
+            on_result(S::FailedStart, false, K::Migrate, Outcome::Succeeded),
+            ResultDecision::Compensate(K::Delete),
+            "a restore from backup that booted after it timed out is destroyed"
+        );
+        assert_eq!(
+            compensated, 12,
+            "six (kind, state) pairs, with or without deleted_at"
         );
     }
 }

@@ -107,7 +107,10 @@ impl WaitTarget {
     /// request that waits for another state is refused before it does anything.
     pub fn of_request(request: Option<super::Request>) -> WaitTarget {
         match request {
-            None | Some(super::Request::Start | super::Request::Restore) => WaitTarget::Running,
+            None
+            | Some(
+                super::Request::Start | super::Request::Restore | super::Request::RestoreFromBackup,
+            ) => WaitTarget::Running,
             Some(super::Request::Stop) => WaitTarget::Stopped,
             Some(super::Request::Delete) => WaitTarget::Deleted,
             Some(super::Request::Archive) => WaitTarget::Archived,

@@ -583,6 +583,7 @@ pub async fn org_usage(conn: &mut PgConnection, org: OrgId) -> Result<Usage, Sto
 }
 
 mod archive;
+mod backup;
 mod compat;
 mod converge;
 mod migrate;
@@ -591,6 +592,7 @@ mod superseded;
 mod write;
 
 pub use archive::{deleted_with_durable, take_durable, unarchive, write_durable};
+pub use backup::{restore_from_backup, vacate_for_backup, BackupRestore};
 pub use compat::{execd_token, find_with_execd_token, list_in_states};
 pub use converge::{
     capacity_drift, count_by_state, guest_tallies, lock_due, lock_failed_guests, lock_stranded,
