@@ -12,6 +12,10 @@
 //!   floor's bytes;
 //! - backup (`POST …/backup` → the snapshot `ready`) on runc and on gVisor, each after the
 //!   sandbox wrote `--storage-mib` MiB of fresh random bytes. Floor: the raw upload;
+//! - restore from that backup (`POST …/restore-from-backup` → `running`) with the sandbox's host
+//!   cordoned, so it is placed on another host and fetches the backup from the store: the boot
+//!   a failover makes once a lost host's sandboxes are restored elsewhere. Floor: the raw
+//!   download;
 //! - the migration of a running gVisor sandbox: its host cordoned, stop, wait until the stop is
 //!   durable, start → `running` on another host. Two downtimes: the sandbox's own (the longest
 //!   gap between the wall-clock ticks a process inside writes, a process that runs on across
@@ -22,7 +26,9 @@
 //! needs an operator key (`--admin-key`, else one made in the stack's database); every host the
 //! bench cordons is uncordoned before it goes on, also when a step failed.
 //!
-//! Not measured yet: failover of a lost host's sandboxes from their backups (no such path yet).
+//! Not measured: a whole failover (a host silenced past the lost and failover thresholds until
+//! its sandboxes run elsewhere): `berth dev`'s hosts are tasks of one process, which cannot be
+//! silenced one at a time; the restore row is the boot that failover makes.
 
 use std::future::Future;
 use std::path::Path;
@@ -87,11 +93,11 @@ pub(super) async fn run(
     eprintln!("bench: archive and unarchive on another host, {n} sandboxes");
     let archive = archive_cycles(client, &operator, mib, n).await?;
     eprintln!("bench: backups, {n} of each runtime");
-    let runc_backup = backups(client, "base", mib, n).await?;
+    let runc_backup = backups(client, &operator, "base", mib, n).await?;
     let gvisor = if args.gvisor_template.is_empty() {
         None
     } else {
-        let backup = backups(client, &args.gvisor_template, mib, n).await?;
+        let backup = backups(client, &operator, &args.gvisor_template, mib, n).await?;
         eprintln!("bench: migrations of a running gVisor sandbox, {n}");
         let moves = migrations(client, &operator, &args.gvisor_template, n).await?;
         Some((backup, moves))
@@ -121,21 +127,11 @@ pub(super) async fn run(
             &download,
             &store.download,
         ),
-        Row::new(
-            format!("runc: backup → ready ({mib} MiB new)"),
-            &runc_backup,
-            &upload,
-            &store.upload,
-        ),
     ];
+    rows.extend(runc_backup.rows("runc", mib, (&upload, &download), &store));
     if let Some((backup, moves)) = &gvisor {
+        rows.extend(backup.rows("gVisor", mib, (&upload, &download), &store));
         rows.extend([
-            Row::new(
-                format!("gVisor: backup → ready ({mib} MiB new)"),
-                backup,
-                &upload,
-                &store.upload,
-            ),
             Row::new(
                 "gVisor: migration downtime, the sandbox's clock (longest tick gap)".into(),
                 &moves.gap,
@@ -458,17 +454,80 @@ async fn archive_cycles(
 
 /// `n` backups of one running sandbox of `template`, each after it wrote `mib` MiB anew:
 /// `POST …/backup` → the backup `ready`.
-async fn backups(client: &Client, template: &str, mib: u64, n: usize) -> anyhow::Result<Samples> {
+/// Then `POST …/restore-from-backup` of that backup with the sandbox's host cordoned (so it is
+/// placed on another host, which fetches the backup from the store) → `running`: the boot a
+/// failover makes after a host is lost.
+async fn backups(
+    client: &Client,
+    operator: &Client,
+    template: &str,
+    mib: u64,
+    n: usize,
+) -> anyhow::Result<Backups> {
     let id = running(client, template).await?;
-    let mut samples = Samples::default();
+    let mut figures = Backups::default();
     for _ in 0..n {
         write(client, &id, mib).await?;
         let started = Instant::now();
-        take(client, &id, "backup").await?;
-        samples.push(started.elapsed());
+        let backup = take(client, &id, "backup").await?;
+        figures.backup.push(started.elapsed());
+        let home = host(client, &id).await?;
+        let path = format!("/v1/sandboxes/{id}/restore-from-backup");
+        let body = json!({"backup_id": backup["id"]});
+        let restore = client.transition(
+            reqwest::Method::POST,
+            &path,
+            Some(body),
+            Some(&id),
+            "running",
+        );
+        figures
+            .restore
+            .push(cordoned(operator, &home, restore).await?.0);
+        if host(client, &id).await? != home {
+            figures.elsewhere += 1;
+        }
     }
     client.delete(&id).await?;
-    Ok(samples)
+    Ok(figures)
+}
+
+/// The backup figures of one runtime.
+#[derive(Default)]
+struct Backups {
+    /// `POST …/backup` → the backup `ready`.
+    backup: Samples,
+    /// `POST …/restore-from-backup` → `running`.
+    restore: Samples,
+    /// Restores that landed on another host than the sandbox's.
+    elsewhere: usize,
+}
+
+impl Backups {
+    /// The backup row (against the raw upload) and the restore row (against the raw download)
+    /// of `runtime`; `names` are those floors' names.
+    fn rows<'a>(
+        &'a self,
+        runtime: &str,
+        mib: u64,
+        names: (&'a str, &'a str),
+        store: &'a StoreFloors,
+    ) -> [Row<'a>; 2] {
+        let restored = format!(
+            "{runtime}: restore-from-backup → running ({} of {} on another host)",
+            self.elsewhere,
+            self.restore.0.len()
+        );
+        [
+            Row::new(
+                format!("{runtime}: backup → ready ({mib} MiB new)"),
+                &self.backup,
+                names.0,
+                &store.upload,
+            ),
+            Row::new(restored, &self.restore, names.1, &store.download),
+        ]
+    }
 }
 
 /// The migration figures of a running gVisor sandbox.

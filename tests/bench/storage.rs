@@ -1,6 +1,6 @@
 //! `berth bench --storage` with one sample of 1 MiB on a stack of two real hosts: archive,
-//! unarchive on the other host, backups on runc and gVisor, the migration of a gVisor sandbox,
-//! each beside its floor.
+//! unarchive on the other host, backups and restores from them on the other host on runc and
+//! gVisor, the migration of a gVisor sandbox, each beside its floor.
 
 use std::process::Stdio;
 
@@ -17,7 +17,15 @@ const ROWS: &[(&str, bool)] = &[
         true,
     ),
     ("runc: backup → ready (1 MiB new)", true),
+    (
+        "runc: restore-from-backup → running (1 of 1 on another host)",
+        true,
+    ),
     ("gVisor: backup → ready (1 MiB new)", true),
+    (
+        "gVisor: restore-from-backup → running (1 of 1 on another host)",
+        true,
+    ),
     ("gVisor: migration downtime, the sandbox's clock", true),
     ("gVisor: migration downtime, API", true),
     ("gVisor: migration step: stop → stopped", false),
