@@ -22,6 +22,7 @@ mod preview;
 mod real;
 mod scale;
 mod snapshots;
+mod storage;
 mod targets;
 mod verdict;
 
@@ -100,6 +101,18 @@ pub struct BenchArgs {
     /// of each, on the running stack (its hosts need runc and runsc).
     #[arg(long)]
     snapshots: bool,
+    /// Measure only archive, unarchive, backups and the migration of a gVisor sandbox
+    /// (`bench/storage.rs`), `--sandboxes` samples of each, on the running stack (two hosts or
+    /// more, runc and runsc, the object store at `BERTH_OBJECT_STORE`, else `<state dir>/objects`).
+    #[arg(long)]
+    storage: bool,
+    /// Storage mode: MiB of random bytes each sandbox writes before it is archived or backed up.
+    #[arg(long, default_value_t = 100)]
+    storage_mib: u64,
+    /// Storage mode: an operator key (to cordon and uncordon hosts); default: a new one made in
+    /// the stack's database (`DATABASE_URL`, else `stack.env`).
+    #[arg(long, env = "BERTH_ADMIN_KEY")]
+    admin_key: Option<String>,
     /// The gVisor template taken through the lifecycle (memory stop and restore); empty: skip.
     #[arg(long, default_value = berth_hostd::template::BASE_GVISOR_TEMPLATE)]
     gvisor_template: String,
@@ -145,6 +158,13 @@ impl Samples {
         let idx = ((v.len() - 1) as f64 * q).round() as usize;
         Some(v[idx])
     }
+}
+
+/// `samples`' p50 over `floor`'s, as `3.2x`; `n/a` when either has none (or the floor is 0).
+fn ratio_p50(samples: &Samples, floor: &Samples) -> String {
+    targets::ratio(samples.quantile(0.5), floor.quantile(0.5))
+        .map(|r| format!("{r:.1}x"))
+        .unwrap_or_else(|| "n/a".into())
 }
 
 fn ms(v: Option<f64>) -> String {
@@ -371,6 +391,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let outcome = if args.snapshots {
         snapshots::run(&client, args.sandboxes).await
+    } else if args.storage {
+        storage::run(&client, &args, &lookup).await
     } else {
         real::measure(&args, &client, &lookup).await
     };

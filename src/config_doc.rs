@@ -29,10 +29,11 @@ pub(crate) const OUTSIDE_FLAGS: &[(&str, &str, &str)] = &[
     ),
     (
         "BERTH_OBJECT_STORE",
-        "`api`, `hostd`",
+        "`api`, `hostd`, `bench`",
         "Where snapshots live: `s3://bucket/prefix`, `file:///dir` or an absolute directory. \
          hostd's default is `<state dir>/objects`; the API needs the same store to delete a \
-         snapshot's content (unset: it leaves the content).",
+         snapshot's content (unset: it leaves the content); `bench --storage` measures its raw \
+         upload and download there.",
     ),
     (
         "AWS_ENDPOINT, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, \

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::json;
 
-use super::{ms, Client, Samples};
+use super::{ms, ratio_p50, Client, Samples};
 
 /// The port the bench's web server listens on inside the sandbox.
 const PORT: u16 = 8000;
@@ -81,11 +81,7 @@ pub async fn run(client: &Client, proxy: &ProxyTarget) -> anyhow::Result<()> {
     println!();
     println!("| preview | n | p50 ms | p95 ms | p99 ms | direct p50 ms | ratio p50 |");
     println!("|---|---|---|---|---|---|---|");
-    let ratio = proxied
-        .quantile(0.5)
-        .zip(direct.quantile(0.5))
-        .map(|(a, b)| format!("{:.1}x", a / b))
-        .unwrap_or_else(|| "n/a".into());
+    let ratio = ratio_p50(&proxied, &direct);
     println!(
         "| proxied GET (by host name) | {} | {} | {} | {} | {} | {ratio} |",
         proxied.0.len(),

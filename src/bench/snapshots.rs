@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
-use super::{ms, Client, Samples, MAX_WAIT_SECS};
+use super::{ms, ratio_p50, Client, Samples, MAX_WAIT_SECS};
 
 /// How often a `creating` snapshot is looked at.
 const POLL: Duration = Duration::from_millis(5);
@@ -34,11 +34,7 @@ pub(super) async fn run(client: &Client, samples: usize) -> anyhow::Result<()> {
     println!("| operation | n | p50 ms | p95 ms | floor | floor p50 ms | ratio p50 | target |");
     println!("|---|---|---|---|---|---|---|---|");
     let row = |name: &str, s: &Samples, floor_name: &str, floor: &Samples, target: &str| {
-        let ratio = s
-            .quantile(0.5)
-            .zip(floor.quantile(0.5))
-            .map(|(a, b)| format!("{:.1}x", a / b))
-            .unwrap_or_else(|| "n/a".into());
+        let ratio = ratio_p50(s, floor);
         println!(
             "| {name} | {} | {} | {} | {floor_name} | {} | {ratio} | {target} |",
             s.0.len(),
@@ -235,14 +231,17 @@ async fn clone_from_store(client: &Client) -> anyhow::Result<(Samples, bool)> {
     Ok((samples, other))
 }
 
-async fn host_of(client: &Client, id: &str) -> anyhow::Result<Value> {
+pub(super) async fn host_of(client: &Client, id: &str) -> anyhow::Result<Value> {
     let (_, sandbox) = client
         .send(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"), None)
         .await?;
     Ok(sandbox["host_id"].clone())
 }
 
-async fn exec(client: &Client, id: &str, script: &str) -> anyhow::Result<()> {
+/// Runs `sh -c script` in `id` (for as long as the API lets a wait last); returns its stdout.
+///
+/// Errors: the exec refused, or the script exited non-zero.
+pub(super) async fn exec(client: &Client, id: &str, script: &str) -> anyhow::Result<String> {
     let (status, out) = client
         .send(
             reqwest::Method::POST,
@@ -253,20 +252,29 @@ async fn exec(client: &Client, id: &str, script: &str) -> anyhow::Result<()> {
     if status != 200 || out["exit_code"] != 0 {
         bail!("exec {script}: {status} {out}");
     }
-    Ok(())
+    Ok(out["stdout"].as_str().unwrap_or_default().to_owned())
 }
 
 /// Takes a snapshot of `id` and polls it until ready; returns it.
 async fn snapshot(client: &Client, id: &str) -> anyhow::Result<Value> {
+    take(client, id, "snapshot").await
+}
+
+/// `POST /v1/sandboxes/{id}/{route}` (`snapshot` or `backup`), then polls the snapshot it
+/// answered every [`POLL`] until it is `ready`; returns it.
+///
+/// Errors: the request refused, or the snapshot `failed` or still `creating` after
+/// [`SNAPSHOT_TIMEOUT`].
+pub(super) async fn take(client: &Client, id: &str, route: &str) -> anyhow::Result<Value> {
     let (status, taken) = client
         .send(
             reqwest::Method::POST,
-            &format!("/v1/sandboxes/{id}/snapshot"),
+            &format!("/v1/sandboxes/{id}/{route}"),
             None,
         )
         .await?;
     if status != 202 {
-        bail!("snapshot: {status} {taken}");
+        bail!("{route}: {status} {taken}");
     }
     let snapshot_id = taken["id"].as_str().unwrap_or_default().to_owned();
     let deadline = Instant::now() + SNAPSHOT_TIMEOUT;

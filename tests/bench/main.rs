@@ -1,0 +1,8 @@
+//! `berth bench` against a test stack: a mode runs to its end and prints every row of its table
+//! (the figures themselves are recorded in `RESULTS.md`, never asserted: they depend on the
+//! machine).
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod storage;
