@@ -5,7 +5,8 @@
 //!   `berth_storage`'s capture and upload (the manifest last), remembers it in the sandbox's
 //!   record and reports it as a second result of the stop ([`ResultOutcome::Durable`]). It runs
 //!   in the sandbox's command chain, so no later command of the sandbox touches its disk while
-//!   it is read; the next command cancels its capture instead of waiting ([`UploadCancels`]),
+//!   it is read; the next command waits for a capture in flight (the disk read, which then
+//!   releases the disk) but never for the upload ([`UploadCancels`]),
 //!   and an upload already staged finishes off the chain ([`StopReport::Later`]). A hostd
 //!   that died during that upload starts it again when it starts ([`StopRef::pending_in`],
 //!   `nats::commands`), so a stop a crash interrupted still becomes durable.
@@ -143,9 +144,16 @@ pub async fn durable_after_stop(
         // A redelivered stop: report what was stored again.
         Some(durable) => durable,
         None => {
+            let mut capture = std::pin::pin!(stage_stop(host, &record));
             let staged = tokio::select! {
-                staged = stage_stop(host, &record) => staged,
+                staged = &mut capture => staged,
                 () = cancel.cancelled() => {
+                    // The capture reads the mounted disk in a blocking task that cannot be cut
+                    // short: dropping it here left the disk mounted, and the next command's
+                    // mount or release then failed (`disk.img still attached to loop`: an
+                    // archive right after a stop, found by `berth bench --storage`). It is let
+                    // finish, which releases the disk, and what it staged is dropped.
+                    drop(capture.await);
                     tracing::info!("stop capture cancelled by the sandbox's next command");
                     return None;
                 }
