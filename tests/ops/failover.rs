@@ -201,6 +201,7 @@ async fn a_lost_hosts_backed_up_sandbox_runs_elsewhere_from_its_backup_and_the_r
         backup_unit: Duration::from_secs(2),
         ..PassConfig::default()
     };
+    let due_after = config.host_lost_after + config.failover_after;
     let mut stack = Stack::start_with(db.clone(), 1, config).await;
     let backed = running_sandbox(&stack).await;
     let bare = running_sandbox(&stack).await;
@@ -231,6 +232,27 @@ async fn a_lost_hosts_backed_up_sandbox_runs_elsewhere_from_its_backup_and_the_r
         "{failed}"
     );
     let ran = stack.wait_state(&backed, "running").await;
+    // The failover's own time: from when the pass may fail the host over (its last heartbeat
+    // plus the lost and failover delays) to the restoring event, and on to running elsewhere.
+    let (to_restoring, to_running): (f64, f64) = sqlx::query_as(
+        "SELECT extract(epoch FROM r.at - h.last_seen)::float8 - $3,
+                extract(epoch FROM n.at - r.at)::float8
+           FROM hosts h, events r, events n
+          WHERE h.id = $1 AND r.sandbox_id = $2::uuid AND r.to_state = 'restoring'
+            AND n.sandbox_id = r.sandbox_id AND n.to_state = 'running' AND n.id > r.id",
+    )
+    .bind(lost)
+    .bind(&backed)
+    .bind(due_after.as_secs_f64())
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    eprintln!(
+        "failover: due → restoring {:.0} ms (pass every 200 ms), restoring → running elsewhere \
+         {:.0} ms",
+        to_restoring * 1000.0,
+        to_running * 1000.0
+    );
     assert_ne!(host_of(&stack, &backed).await, lost, "{ran}");
     assert_eq!(
         run(&stack, &backed, "cat /root/kept").await["stdout"],
