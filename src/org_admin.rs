@@ -25,16 +25,20 @@ pub enum OrgAdminCmd {
     },
     /// Set an org's backup policy (issue 14): the `backup_interval_min` its new sandboxes
     /// take when their create names none, and how many ready backups of each sandbox are kept
-    /// (older ones, and every failed backup but the newest, are deleted by the API).
+    /// (older ones, and every failed backup but the newest, are deleted by the API). What is
+    /// not given stays as it is.
     SetBackups {
         /// The org's name.
         org: String,
-        /// Minutes between periodic backups of its new sandboxes (1 to 525600); omitted: none.
-        #[arg(long)]
+        /// Minutes between periodic backups of its new sandboxes (1 to 525600).
+        #[arg(long, conflicts_with = "no_interval")]
         interval_min: Option<i32>,
-        /// Ready backups kept per sandbox (1 to 1000).
-        #[arg(long, default_value_t = berth_store::orgs::DEFAULT_BACKUPS_KEPT)]
-        keep: i32,
+        /// No periodic backups for its new sandboxes unless their create asks.
+        #[arg(long)]
+        no_interval: bool,
+        /// Ready backups kept per sandbox (1 to 1000; 7 for a new org).
+        #[arg(long)]
+        keep: Option<i32>,
     },
     /// Delete an org: revoke its keys, delete each of its sandboxes as its owner's delete
     /// would, then mark the org deleted (its name stays taken). Re-running it finishes an
@@ -80,25 +84,36 @@ pub async fn run(db: &PgPool, command: OrgAdminCmd) -> anyhow::Result<String> {
         OrgAdminCmd::SetBackups {
             org,
             interval_min,
+            no_interval,
             keep,
         } => {
             if interval_min.is_some_and(|m| !(1..=525_600).contains(&m)) {
                 bail!("--interval-min must be 1 to 525600 minutes");
             }
-            if !(1..=1000).contains(&keep) {
+            if keep.is_some_and(|k| !(1..=1000).contains(&k)) {
                 bail!("--keep must be 1 to 1000");
             }
-            let policy = berth_store::orgs::BackupPolicy {
-                interval_min,
-                kept: keep,
+            let interval = match (interval_min, no_interval) {
+                (Some(m), _) => Some(Some(m)),
+                (None, true) => Some(None),
+                (None, false) => None,
             };
-            if !berth_store::orgs::set_backup_policy(db, &org, policy).await? {
+            if !berth_store::orgs::set_backup_policy(db, &org, interval, keep).await? {
                 bail!("no org named {org:?}");
             }
-            let every = interval_min.map_or("none".to_owned(), |m| format!("every {m} min"));
+            let Some((id, _)) = berth_store::orgs::find_by_name(db, &org).await? else {
+                bail!("no org named {org:?}");
+            };
+            let policy = berth_store::orgs::backup_policy(db, id)
+                .await?
+                .unwrap_or_default();
+            let every = policy
+                .interval_min
+                .map_or("none".to_owned(), |m| format!("every {m} min"));
             writeln!(
                 out,
-                "backups of {org}: new sandboxes {every}; {keep} kept per sandbox"
+                "backups of {org}: new sandboxes {every}; {} kept per sandbox",
+                policy.kept
             )?;
         }
         OrgAdminCmd::DeleteOrg { org } => {

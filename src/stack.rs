@@ -309,7 +309,8 @@ impl Stack {
         format!("http://{}", self.api_addr)
     }
 
-    /// Waits until `n` hosts are `ready` and heard from since this stack started.
+    /// Waits until `n` hosts are heard from since this stack started (in service or cordoned,
+    /// draining: not `lost`).
     ///
     /// Errors: after `timeout`, when `shutdown` fires, or when a component exits first.
     pub async fn wait_for_hosts(
@@ -321,7 +322,9 @@ impl Stack {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let fresh: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM hosts WHERE state = 'ready' AND last_seen >= $1",
+                // Up, whatever the operator made of it: a host cordoned or draining before a
+                // restart heartbeats as such (an attack run's restart waited 60 s and gave up).
+                "SELECT count(*) FROM hosts WHERE state <> 'lost' AND last_seen >= $1",
             )
             .bind(self.started_at)
             .fetch_one(&self.db)

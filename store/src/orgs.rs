@@ -189,21 +189,28 @@ impl Default for BackupPolicy {
 /// [`BackupPolicy::kept`] of a new org (migration 0036).
 pub const DEFAULT_BACKUPS_KEPT: i32 = 7;
 
-/// Sets the backup policy of the org named `name`; whether it exists.
+/// Changes the backup policy of the org named `name`: `interval_min` when `Some` (its inner
+/// `None` turns the default off), `kept` when `Some`; the rest stays. Whether the org exists.
 ///
 /// Errors: the database's, also for a value outside the ranges of [`BackupPolicy`] (a CHECK).
 pub async fn set_backup_policy(
     db: impl PgExecutor<'_>,
     name: &str,
-    policy: BackupPolicy,
+    interval_min: Option<Option<i32>>,
+    kept: Option<i32>,
 ) -> Result<bool, StoreError> {
     let updated = timed(
         Op::OrgQuota,
-        sqlx::query("UPDATE orgs SET backup_interval_min = $2, backups_kept = $3 WHERE name = $1")
-            .bind(name)
-            .bind(policy.interval_min)
-            .bind(policy.kept)
-            .execute(db),
+        sqlx::query(
+            "UPDATE orgs SET backup_interval_min = CASE WHEN $2 THEN $3 ELSE backup_interval_min END,
+                             backups_kept = COALESCE($4, backups_kept)
+              WHERE name = $1",
+        )
+        .bind(name)
+        .bind(interval_min.is_some())
+        .bind(interval_min.flatten())
+        .bind(kept)
+        .execute(db),
     )
     .await?;
     Ok(updated.rows_affected() == 1)

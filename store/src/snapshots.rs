@@ -219,7 +219,9 @@ async fn select_of_org(
 
 /// Up to `limit` settled backups past their org's policy, oldest first, as `(org, backup)`:
 /// of each sandbox, the ready ones beyond the newest `backups_kept`, and the failed ones but the
-/// newest (its reason stays readable). Deleting them is the caller's (with their content).
+/// newest (its reason stays readable); never the backup a sandbox names (`last_backup_id`,
+/// which after a rollback may be older than the rest). Deleting them is the caller's (with
+/// their content).
 pub async fn past_retention(
     conn: &mut PgConnection,
     limit: i64,
@@ -228,12 +230,14 @@ pub async fn past_retention(
         Op::SnapshotGet,
         sqlx::query_as(
             "SELECT org_id, id FROM (
-                 SELECT b.org_id, b.id, b.state, b.created_at, o.backups_kept,
+                 SELECT b.org_id, b.id, b.sandbox_id, b.state, b.created_at, o.backups_kept,
                         row_number() OVER (PARTITION BY b.sandbox_id, b.state
                                            ORDER BY b.created_at DESC) AS newer
                    FROM snapshots b JOIN orgs o ON o.id = b.org_id
                   WHERE b.kind = 'backup' AND b.state IN ('ready', 'failed')) r
-              WHERE (state = 'ready' AND newer > backups_kept) OR (state = 'failed' AND newer > 1)
+              WHERE ((state = 'ready' AND newer > backups_kept) OR (state = 'failed' AND newer > 1))
+                AND NOT EXISTS (SELECT 1 FROM sandboxes s
+                                 WHERE s.id = r.sandbox_id AND s.last_backup_id = r.id)
               ORDER BY created_at LIMIT $1",
         )
         .bind(limit)
@@ -269,6 +273,28 @@ pub async fn lock(
         Op::SnapshotGet,
         sqlx::query(&format!(
             "SELECT {COLUMNS} FROM snapshots WHERE id = $1 FOR UPDATE"
+        ))
+        .bind(id)
+        .fetch_optional(conn),
+    )
+    .await?;
+    row.as_ref().map(SnapshotRow::from_row).transpose()
+}
+
+/// One snapshot, locked `FOR NO KEY UPDATE` until the caller's transaction ends: what a boot
+/// from it (a restore from backup, a failover) takes, so a snapshot delete (`FOR UPDATE`, in
+/// [`lock`]) waits for it, while a new snapshot naming it as its parent (a foreign key's
+/// `KEY SHARE`) does not. `skip_locked`: `None` instead of waiting when another holds it.
+pub async fn lock_for_boot(
+    conn: &mut PgConnection,
+    id: SnapshotId,
+    skip_locked: bool,
+) -> Result<Option<SnapshotRow>, StoreError> {
+    let wait = if skip_locked { " SKIP LOCKED" } else { "" };
+    let row = timed(
+        Op::SnapshotGet,
+        sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM snapshots WHERE id = $1 FOR NO KEY UPDATE{wait}"
         ))
         .bind(id)
         .fetch_optional(conn),
@@ -394,6 +420,8 @@ async fn refresh_last_backup(
                     (SELECT b.id, b.ready_at FROM snapshots b
                       WHERE b.sandbox_id = s.id AND b.kind = 'backup' AND b.state = 'ready'
                         AND b.id IS DISTINCT FROM $2
+                        AND (s.restored_at IS NULL OR b.created_at > s.restored_at
+                             OR b.id = s.restored_backup)
                       ORDER BY b.ready_at DESC, b.id DESC LIMIT 1)
               FROM snapshots me
              WHERE me.id = $1 AND me.kind = 'backup' AND s.id = me.sandbox_id

@@ -56,35 +56,37 @@ async fn an_orgs_backup_policy_sets_new_sandboxes_interval_and_prunes_backups_pa
     let org = org_of(&db, &id).await;
 
     // Refused: out of range, an unknown org.
-    for bad in [
-        OrgAdminCmd::SetBackups {
-            org: org.clone(),
-            interval_min: Some(0),
-            keep: 2,
-        },
-        OrgAdminCmd::SetBackups {
-            org: org.clone(),
-            interval_min: None,
-            keep: 0,
-        },
-        OrgAdminCmd::SetBackups {
-            org: "no-such-org".into(),
-            interval_min: None,
-            keep: 2,
-        },
-    ] {
-        assert!(admin(&db, bad).await.is_err());
-    }
-    let said = admin(
-        &db,
-        OrgAdminCmd::SetBackups {
-            org: org.clone(),
-            interval_min: Some(720),
-            keep: 2,
-        },
-    )
-    .await
-    .unwrap();
+    let set = |org: &str, interval_min, no_interval, keep| {
+        admin(
+            &db,
+            OrgAdminCmd::SetBackups {
+                org: org.to_owned(),
+                interval_min,
+                no_interval,
+                keep,
+            },
+        )
+    };
+    assert!(set(&org, Some(0), false, Some(2)).await.is_err());
+    assert!(set(&org, None, false, Some(0)).await.is_err());
+    assert!(set("no-such-org", None, false, Some(2)).await.is_err());
+    // Each flag changes only its own setting.
+    let said = set(&org, Some(720), false, None).await.unwrap();
+    assert!(
+        said.contains("every 720 min") && said.contains("7 kept"),
+        "{said}"
+    );
+    let said = set(&org, None, false, Some(2)).await.unwrap();
+    assert!(
+        said.contains("every 720 min") && said.contains("2 kept"),
+        "{said}"
+    );
+    let said = set(&org, None, true, None).await.unwrap();
+    assert!(
+        said.contains("sandboxes none") && said.contains("2 kept"),
+        "{said}"
+    );
+    let said = set(&org, Some(720), false, None).await.unwrap();
     assert!(
         said.contains("every 720 min") && said.contains("2 kept"),
         "{said}"

@@ -19,7 +19,7 @@ use crate::support::http::{host_of, running_gvisor_sandbox, running_sandbox};
 use crate::support::{eventually, Stack};
 
 /// Takes a backup of `id` and waits until it is ready; its id.
-async fn backed_up(stack: &Stack, id: &str) -> String {
+pub(crate) async fn backed_up(stack: &Stack, id: &str) -> String {
     let (status, body) = backup(stack, id).await;
     assert_eq!(status, 202, "{body}");
     let backup_id = body["id"].as_str().unwrap().to_owned();
@@ -27,7 +27,7 @@ async fn backed_up(stack: &Stack, id: &str) -> String {
     backup_id
 }
 
-async fn restore(stack: &Stack, id: &str, body: Option<Value>) -> (u16, Value) {
+pub(crate) async fn restore(stack: &Stack, id: &str, body: Option<Value>) -> (u16, Value) {
     stack
         .call(
             Method::POST,

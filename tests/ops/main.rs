@@ -34,6 +34,7 @@ mod proxy_limits;
 mod race14;
 mod relay;
 mod requests;
+mod restore_attacks;
 mod resume;
 mod settings;
 mod snapshots;

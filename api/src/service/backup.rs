@@ -51,29 +51,35 @@ pub async fn restore_from_backup(
         }
     }
     // The backup is locked before the sandbox, in the order a snapshot delete and a backup
-    // settling `ready` take them (each then rewrites the sandbox's `last_backup_id`): a delete
-    // waits for this restore (and then refuses, the backup being booted), or this restore
-    // finds the backup gone.
-    let named = match backup {
-        Some(backup) => Some(backup),
-        None => {
-            sandboxes::get(&mut *tx, org, id)
-                .await?
-                .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?
-                .last_backup_id
+    // settling `ready` take them (each then rewrites the sandbox's `last_backup_id`), and
+    // `FOR NO KEY UPDATE`: a delete waits for this restore (and then refuses, the backup being
+    // booted), while a snapshot or backup taken meanwhile, which names it as its parent, does
+    // not (an attack run deadlocked restores against snapshots on `FOR UPDATE`). The newest
+    // backup is read again when a delete took it in between.
+    let mut found = None;
+    for _ in 0..3 {
+        let named = match backup {
+            Some(backup) => Some(backup),
+            None => {
+                sandboxes::get(&mut *tx, org, id)
+                    .await?
+                    .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?
+                    .last_backup_id
+            }
+        };
+        let Some(named) = named else { break };
+        found = snapshots::lock_for_boot(&mut tx, named, false)
+            .await?
+            .filter(|s| s.org_id == org && s.sandbox_id == id);
+        if found.is_some() {
+            break;
         }
-    };
-    let found = match named {
-        Some(backup) => Some(
-            snapshots::lock(&mut tx, backup)
-                .await?
-                .filter(|s| s.org_id == org && s.sandbox_id == id)
-                .ok_or_else(|| {
-                    ServiceError::NotFound(format!("backup {backup} of sandbox {id}"))
-                })?,
-        ),
-        None => None,
-    };
+        if backup.is_some() {
+            return Err(ServiceError::NotFound(format!(
+                "backup {named} of sandbox {id}"
+            )));
+        }
+    }
     let row = sandboxes::lock(&mut tx, id, Some(org))
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("sandbox {id}")))?;

@@ -10,10 +10,12 @@
 //! host. The rest become failed-start").
 
 use berth_scheduler::placement::{self, Placement};
+use berth_schemas::state::snapshot::SnapshotState;
 use berth_schemas::state::{on_host_lost, HostLoss, HOST_LOST_MESSAGE};
-use berth_schemas::Reason;
+use berth_schemas::{Reason, SandboxState};
 use berth_store::leases::Lease;
 use berth_store::sandboxes::{self, BackupRestore, SandboxRow};
+use berth_store::snapshots;
 use berth_store::StoreError;
 use sqlx::{Acquire, PgConnection, PgPool};
 use tracing::{info, warn};
@@ -77,9 +79,25 @@ async fn restore_elsewhere(
     config: &PassConfig,
     row: &SandboxRow,
 ) -> Result<bool, StoreError> {
-    let (Some(backup), Some(lost)) = (row.last_backup_id, row.host_id) else {
+    // A restore from backup in flight boots the backup its user chose (`seed_snapshot`).
+    let chosen = match row.state {
+        SandboxState::Restoring => row.seed_snapshot.or(row.last_backup_id),
+        _ => row.last_backup_id,
+    };
+    let (Some(backup), Some(lost)) = (chosen, row.host_id) else {
         return Ok(false);
     };
+    // Held against a snapshot delete until this commits (a delete holding it defers the
+    // failover to the next pass rather than wait: the sandbox row is locked already, and a
+    // delete takes the snapshot first).
+    if snapshots::lock_for_boot(&mut *conn, backup, true)
+        .await?
+        .is_none_or(|b| b.state != SnapshotState::Ready)
+    {
+        warn!(sandbox_id = %row.id, backup_id = %backup,
+            "failover deferred: its backup is being deleted or is not ready");
+        return Ok(false);
+    }
     sandboxes::vacate_for_backup(&mut *conn, row).await?;
     let placed = placement::place(
         &mut *conn,

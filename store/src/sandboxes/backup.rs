@@ -47,7 +47,9 @@ pub struct BackupRestore<'a> {
 
 /// Moves the locked sandbox `row` (vacated by [`vacate_for_backup`]) to `restore.to` as
 /// `restoring` at the next generation, holding the capacity placement reserved there, with
-/// `seed_snapshot` naming the backup (so a start after a failed restore boots it again); its
+/// `seed_snapshot` naming the backup (so a start after a failed restore boots it again) and
+/// the backup as its newest (`last_backup_id`; `restored_backup`, `restored_at`: a backup
+/// requested before this restore never replaces it, so a rollback stays rolled back); its
 /// durable stop, if any, is superseded (the backup replaces its disk). Queues a
 /// `sandbox.migrate` of the backup (disk only) on the new host and, when the old host is
 /// another, a `sandbox.delete` of the old copy there at the same generation (its result comes
@@ -79,6 +81,9 @@ pub async fn restore_from_backup(
             "UPDATE sandboxes
                 SET host_id = $3, generation = $4, holds_capacity = true, state = $5,
                     seed_snapshot = $6, state_reason = $7, migrated_from = NULL, address = NULL,
+                    restored_backup = $6, restored_at = now(),
+                    last_backup_id = $6,
+                    last_backup_at = (SELECT ready_at FROM snapshots WHERE id = $6),
                     last_activity_at = now(), updated_at = now()
               WHERE id = $1 AND generation = $2 AND state = ANY($8) AND deleted_at IS NULL
               RETURNING {COLUMNS}"
