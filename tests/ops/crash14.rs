@@ -106,19 +106,20 @@ pub(crate) async fn converged_deleted(stack: &Stack, id: &str, snapshot: Option<
     stack.assert_no_capacity_drift().await;
 }
 
+/// A stack with one host whose hostd crashes (SIGKILL-like) at `step` of `kind`.
+async fn crashing_stack(db: PgPool, kind: CommandKind, step: Step) -> Stack {
+    let mut stack = Stack::start(db, 0).await;
+    stack
+        .add_host_env((None, None), &[], None, crash(kind, step))
+        .await;
+    stack
+}
+
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn hostd_killed_mid_stop_upload_uploads_again_when_it_starts_and_the_sandbox_then_starts_elsewhere(
     db: PgPool,
 ) {
-    let mut stack = Stack::start(db.clone(), 0).await;
-    stack
-        .add_host_env(
-            (None, None),
-            &[],
-            None,
-            crash(CommandKind::Stop, Step::Uploading),
-        )
-        .await;
+    let mut stack = crashing_stack(db.clone(), CommandKind::Stop, Step::Uploading).await;
     let id = running_sandbox(&stack).await;
     run(&stack, &id, FILES).await;
     let first = host_of(&stack, &id).await;
@@ -155,15 +156,7 @@ async fn hostd_killed_mid_stop_upload_uploads_again_when_it_starts_and_the_sandb
 async fn hostd_killed_mid_archive_upload_ends_archived_with_its_files_and_never_without_a_copy(
     db: PgPool,
 ) {
-    let mut stack = Stack::start(db.clone(), 0).await;
-    stack
-        .add_host_env(
-            (None, None),
-            &[],
-            None,
-            crash(CommandKind::Stop, Step::Uploading),
-        )
-        .await;
+    let mut stack = crashing_stack(db.clone(), CommandKind::Stop, Step::Uploading).await;
     let id = running_sandbox(&stack).await;
     // Big enough that the archive, delivered as soon as hostd is back, finds the stop's
     // resumed upload still capturing and takes over from it.
@@ -216,15 +209,7 @@ async fn hostd_killed_mid_archive_upload_ends_archived_with_its_files_and_never_
 async fn hostd_killed_while_an_archive_frees_the_disk_ends_archived_from_the_copy_it_recorded_first(
     db: PgPool,
 ) {
-    let mut stack = Stack::start(db.clone(), 0).await;
-    stack
-        .add_host_env(
-            (None, None),
-            &[],
-            None,
-            crash(CommandKind::Archive, Step::TornDown),
-        )
-        .await;
+    let mut stack = crashing_stack(db.clone(), CommandKind::Archive, Step::TornDown).await;
     let id = running_sandbox(&stack).await;
     run(&stack, &id, FILES).await;
     stop_durably(&stack, &id).await;
@@ -261,15 +246,7 @@ async fn hostd_killed_while_an_archive_frees_the_disk_ends_archived_from_the_cop
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn hostd_killed_mid_unarchive_download_converges_running_with_its_files(db: PgPool) {
-    let mut stack = Stack::start(db.clone(), 0).await;
-    stack
-        .add_host_env(
-            (None, None),
-            &[],
-            None,
-            crash(CommandKind::Unarchive, Step::Fetched),
-        )
-        .await;
+    let mut stack = crashing_stack(db.clone(), CommandKind::Unarchive, Step::Fetched).await;
     let id = running_sandbox(&stack).await;
     run(&stack, &id, FILES).await;
     stop_durably(&stack, &id).await;
