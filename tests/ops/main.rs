@@ -2,7 +2,8 @@
 //! Prometheus rules, the command relay, and running a fleet (leadership, drain and cordon,
 //! start caps, automatic stop and delete), preview URLs (`preview.rs`), a sandbox's settings
 //! after create (PATCH, expiry, renew, the metadata filter) and waiting for a state without
-//! polling; issue 14's hostd crashes mid-transfer (`crash14.rs`) and start and delete raced
+//! polling; a `berth dev` stack restarted with cordoned and draining hosts (`dev_restart.rs`);
+//! issue 14's hostd crashes mid-transfer (`crash14.rs`) and start and delete raced
 //! against its transitional states (`race14.rs`).
 
 #[path = "../support/mod.rs"]
@@ -15,6 +16,7 @@ mod clone_requests;
 mod collect;
 mod compat;
 mod crash14;
+mod dev_restart;
 mod drain;
 mod events;
 mod failover;

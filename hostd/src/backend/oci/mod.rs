@@ -88,7 +88,8 @@ impl OciBackend {
 
     /// The steps of [`Backend::bring_up`] (see there). What runs is looked at first, before
     /// anything is touched: a container that runs is adopted as it is ([`Self::adopt_running`]),
-    /// one that exists but does not run is removed, and only then is the rest built.
+    /// one that exists but does not run is removed, and only then is the rest built. A start
+    /// whose adopted container exits before its agent answers (it was dying) builds anew.
     async fn bring_up_oci(
         &self,
         host: &Arc<Host>,
@@ -101,7 +102,17 @@ impl OciBackend {
         match runtime.status(&container_id).await? {
             // Its record has the address it runs with (written before the network was made).
             Some(ContainerStatus::Running) if record.link.is_some() => {
-                return self.adopt_running(host, record, fresh, cleanup).await;
+                match self.adopt_running(host, record, fresh, cleanup).await {
+                    // A start raced the container's death: killed behind hostd's back, its
+                    // init had not finished exiting when the runtime was asked, so it was
+                    // still "running". It is gone now; a start boots it anew. (A create's
+                    // undo steps are pushed already: it fails as it would have.)
+                    Err(HostdError::ContainerExited { .. }) if !fresh => {
+                        tracing::info!("the adopted container exited; booting it anew");
+                        runtime.destroy(&container_id).await?;
+                    }
+                    adopted => return adopted,
+                }
             }
             // Created, stopped or paused (a crash mid-start or mid-stop): it cannot be adopted,
             // and on gVisor it may hold its namespace's `eth0`, so it goes before the network is
