@@ -181,6 +181,38 @@ fn profile(prometheus: &metrics_exporter_prometheus::PrometheusHandle) -> Vec<(S
         .collect()
 }
 
+/// `(observations, seconds)` of each step of the reconciler's pass so far, by step name
+/// (`berth_reconciler_step_duration_seconds{step}`, read from the process's recorder).
+fn pass_steps(
+    prometheus: &metrics_exporter_prometheus::PrometheusHandle,
+) -> std::collections::BTreeMap<String, (f64, f64)> {
+    let mut steps = std::collections::BTreeMap::<String, (f64, f64)>::new();
+    for line in prometheus.render().lines() {
+        let Some(rest) = line.strip_prefix("berth_reconciler_step_duration_seconds_") else {
+            continue;
+        };
+        let (series, value) = rest.rsplit_once(' ').unwrap_or_default();
+        let (Some((kind, labels)), Ok(value)) = (series.split_once('{'), value.parse::<f64>())
+        else {
+            continue;
+        };
+        let Some(step) = labels
+            .split(',')
+            .find_map(|l| l.strip_prefix("step=\""))
+            .and_then(|l| l.split('"').next())
+        else {
+            continue;
+        };
+        let entry = steps.entry(step.to_owned()).or_default();
+        match kind {
+            "count" => entry.0 += value,
+            "sum" => entry.1 += value,
+            _ => {}
+        }
+    }
+    steps
+}
+
 /// The scheduler's applied-heartbeat counter, read from the process's recorder.
 fn heartbeats_applied(prometheus: &metrics_exporter_prometheus::PrometheusHandle) -> f64 {
     prometheus
@@ -385,6 +417,7 @@ async fn measure(
         let lease = super::verdict::renew(&db, lease).await?;
         let mut pass = Samples::default();
         let mut pass_actions = Vec::new();
+        let steps_before = pass_steps(&prometheus);
         for _ in 0..args.passes {
             let t = Instant::now();
             let report = berth_reconciler::pass::run_pass(&db, &pass_config, &lease).await?;
@@ -400,6 +433,15 @@ async fn measure(
                     .join(","),
             );
         }
+
+        let steps: Vec<(String, f64)> = pass_steps(&prometheus)
+            .into_iter()
+            .map(|(step, (n, secs))| {
+                let (n0, secs0) = steps_before.get(&step).copied().unwrap_or_default();
+                let mean_ms = if n > n0 { (secs - secs0) / (n - n0) * 1000.0 } else { 0.0 };
+                (step, mean_ms)
+            })
+            .collect();
 
         // Reads.
         let mut list_page = Samples::default();
@@ -568,6 +610,12 @@ async fn measure(
                 Target::new("GET /v1/sandboxes?state=running p50", Goal::MaxMs(10.0), p50(&list_filtered), ""),
             ],
         );
+        println!();
+        println!("| step of the measured passes (`berth_reconciler_step_duration_seconds`) | mean ms |");
+        println!("|---|---|");
+        for (step, mean_ms) in &steps {
+            println!("| {step} | {mean_ms:.1} |");
+        }
         println!();
         println!("| profile (whole run) | observations | mean ms |");
         println!("|---|---|---|");

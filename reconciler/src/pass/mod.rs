@@ -370,42 +370,80 @@ async fn run_actions(
         warn!(in_service, "every in-service host is silent at once; doing nothing (check the control plane's network and database)");
         return Ok(());
     }
-    let n = mark_lost_hosts(db, config, lease).await?;
+    let n = step("host_lost", mark_lost_hosts(db, config, lease)).await?;
     report.actions.push((Action::HostLost, n));
-    let n = time_out_commands(db, config, lease).await?;
+    let n = step("command_timeout", time_out_commands(db, config, lease)).await?;
     report.actions.push((Action::CommandTimeout, n));
-    let n = guests::fail_unhealthy_guests(db, config, lease, report).await?;
+    let n = step(
+        "guest_unhealthy",
+        guests::fail_unhealthy_guests(db, config, lease, report),
+    )
+    .await?;
     report.actions.push((Action::GuestUnhealthy, n));
-    let failed_over = failover::fail_over_lost_hosts(db, config, lease).await?;
+    let failed_over = step(
+        "failover",
+        failover::fail_over_lost_hosts(db, config, lease),
+    )
+    .await?;
     report
         .actions
         .push((Action::HostLostFailover, failed_over.failed));
     report
         .actions
         .push((Action::FailoverRestored, failed_over.restored));
-    let n = expire(db, config, lease).await?;
+    let n = step("expire", expire(db, config, lease)).await?;
     report.actions.push((Action::Expired, n));
-    let n = auto_lifecycle(db, config, lease, Request::Stop).await?;
+    let n = step(
+        "auto_stop",
+        auto_lifecycle(db, config, lease, Request::Stop),
+    )
+    .await?;
     report.actions.push((Action::AutoStop, n));
-    let n = auto_lifecycle(db, config, lease, Request::Delete).await?;
+    let n = step(
+        "auto_delete",
+        auto_lifecycle(db, config, lease, Request::Delete),
+    )
+    .await?;
     report.actions.push((Action::AutoDelete, n));
-    let n = purge(db, config, lease).await?;
+    let n = step("tombstone_purge", purge(db, config, lease)).await?;
     report.actions.push((Action::TombstonePurge, n));
-    let (destroyed, stopped) = reconcile_inventory(db, config, lease).await?;
+    let (destroyed, stopped) = step("inventory", reconcile_inventory(db, config, lease)).await?;
     report.actions.push((Action::OrphanDestroyed, destroyed));
     report.actions.push((Action::OrphanStopped, stopped));
-    let n = time_out_snapshots(db, config, lease).await?;
+    let n = step("snapshot_timeout", time_out_snapshots(db, config, lease)).await?;
     report.actions.push((Action::SnapshotTimeout, n));
-    let n = time_out_template_pulls(db, config, lease).await?;
+    let n = step(
+        "template_pull_timeout",
+        time_out_template_pulls(db, config, lease),
+    )
+    .await?;
     report.actions.push((Action::TemplatePullTimeout, n));
-    let n = auto_lifecycle(db, config, lease, Request::Archive).await?;
+    let n = step(
+        "auto_archive",
+        auto_lifecycle(db, config, lease, Request::Archive),
+    )
+    .await?;
     report.actions.push((Action::AutoArchive, n));
-    let n = backups::auto_backup(db, config, lease).await?;
+    let n = step("auto_backup", backups::auto_backup(db, config, lease)).await?;
     report.actions.push((Action::AutoBackup, n));
-    let (begun, ended) = drain::drive(db, config, lease).await?;
+    let (begun, ended) = step("drain", drain::drive(db, config, lease)).await?;
     report.actions.push((Action::DrainEnded, ended));
     report.actions.push((Action::DrainBegun, begun));
     Ok(())
+}
+
+/// Runs one step of a pass, recording its time in
+/// `berth_reconciler_step_duration_seconds{step}` (seconds; also when it fails), so a slow pass
+/// shows which step it spent its time in.
+async fn step<T>(
+    name: &'static str,
+    work: impl std::future::Future<Output = Result<T, PassError>>,
+) -> Result<T, PassError> {
+    let started = Instant::now();
+    let done = work.await;
+    metrics::histogram!("berth_reconciler_step_duration_seconds", "step" => name)
+        .record(started.elapsed().as_secs_f64());
+    done
 }
 
 /// Templates `pulling` with no sign of their pull for [`PassConfig::template_pull_timeout`]
