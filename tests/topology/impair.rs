@@ -98,7 +98,8 @@ impl SlowLink {
         )
         .await;
         let netns = topo.netns(n);
-        let drop = format!("numgen random mod 100 < {LOSS_PERCENT} counter drop");
+        // The first counter sees every packet, the second the ones dropped.
+        let drop = format!("counter\n    numgen random mod 100 < {LOSS_PERCENT} counter drop");
         let dnat: String = relay
             .routes
             .iter()
@@ -198,9 +199,9 @@ impl SlowLink {
         }
     }
 
-    /// The packets the emulation dropped so far, `[from the host, to the host]` (`None` under
-    /// netem).
-    pub fn dropped(&self) -> Option<[u64; 2]> {
+    /// The packets the emulation dropped so far and the packets it saw, `[from the host, to
+    /// the host]` (`None` under netem).
+    pub fn dropped(&self) -> Option<[(u64, u64); 2]> {
         let How::Emulated {
             netns, root_table, ..
         } = &self.how
@@ -219,7 +220,7 @@ impl SlowLink {
                 "the relay carried nothing one way: {carried}"
             );
             assert!(
-                dropped[0] > 0 && dropped[1] > 0,
+                dropped[0].0 > 0 && dropped[1].0 > 0,
                 "no loss one way: dropped {dropped:?} (from, to the host)"
             );
         }
@@ -234,8 +235,8 @@ impl SlowLink {
         );
         match (&self.how, self.carried(), self.dropped()) {
             (How::Emulated { why, .. }, Some(carried), Some(dropped)) => format!(
-                "emulated ({why}): {shape}; nft dropped {} packets from the host, {} to it; L4 relay: {carried}",
-                dropped[0], dropped[1]
+                "emulated ({why}): {shape}; nft dropped {} of {} packets from the host, {} of {} to it; L4 relay: {carried}",
+                dropped[0].0, dropped[0].1, dropped[1].0, dropped[1].1
             ),
             _ => format!("tc netem: {shape}"),
         }
@@ -341,9 +342,9 @@ fn nft(netns: Option<&str>, script: &str) {
     );
 }
 
-/// The packets the `netdev` table `table`'s counter saw (`netns`: in that namespace); 0 when
-/// it cannot be read.
-fn counted(netns: Option<&str>, table: &str) -> u64 {
+/// The packets the `netdev` table `table` dropped and the packets it saw, from its two
+/// counters (`netns`: in that namespace); 0 for a counter that cannot be read.
+fn counted(netns: Option<&str>, table: &str) -> (u64, u64) {
     let mut cmd = match netns {
         Some(ns) => {
             let mut c = Command::new("ip");
@@ -356,12 +357,15 @@ fn counted(netns: Option<&str>, table: &str) -> u64 {
         .args(["list", "table", "netdev", table])
         .output()
         .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .split("counter packets ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+    let text = String::from_utf8_lossy(&out.stdout);
+    let nth = |i: usize| -> u64 {
+        text.split("counter packets ")
+            .nth(i)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    (nth(2), nth(1))
 }
 
 /// `samples` round trips of the NATS protocol from host `n`'s namespace to `nats` (an INFO
