@@ -10,6 +10,7 @@ use sqlx::PgPool;
 use super::faults::{
     converged, in_transit, progress, since, CONCURRENCY, LOAD_SANDBOXES, PROGRESS,
 };
+use super::impair::{nats_round_trips, SlowLink};
 use super::kit::Topology;
 use super::load::{assert_converged, containers, report, Load};
 use super::{NO_RATE_LIMITS, SERIAL};
@@ -22,16 +23,8 @@ const LOST_AFTER: &str = "10s";
 const FAILOVER_AFTER: &str = "10s";
 const PASS_INTERVAL: &str = "2s";
 const LONG_CUT: Duration = Duration::from_secs(40);
-/// `tc netem` on both ends of a host's link.
-const NETEM: [&str; 7] = [
-    "delay",
-    "100ms",
-    "50ms",
-    "loss",
-    "5%",
-    "distribution",
-    "normal",
-];
+/// How many NATS round trips the slow-link test measures from each of two hosts.
+const RTT_SAMPLES: usize = 9;
 /// The environment variable naming the Postgres cluster the restart test may restart
 /// (`<version> <name>`, e.g. `15 topo`): never guessed, and checked against `DATABASE_URL`'s
 /// port, so the test cannot restart a Postgres others use.
@@ -163,24 +156,8 @@ async fn a_slow_lossy_host_link_still_converges(db: PgPool) {
     let _serial = SERIAL.lock().await;
     let topo = Topology::up(db, 3, &NO_RATE_LIMITS).await;
     let host = 1;
-    // Both directions: the bridge side delays what reaches the host, eth0 what it sends.
-    let (veth, ns) = (topo.veth(host), topo.netns(host));
-    let add = ["qdisc", "add", "dev"];
-    let bridge_side: Vec<&str> = add
-        .iter()
-        .chain(&[veth.as_str(), "root", "netem"])
-        .chain(&NETEM)
-        .copied()
-        .collect();
-    topo.sh("tc", &bridge_side);
-    let host_side: Vec<&str> = ["netns", "exec", ns.as_str(), "tc"]
-        .iter()
-        .chain(&add)
-        .chain(&["eth0", "root", "netem"])
-        .chain(&NETEM)
-        .copied()
-        .collect();
-    topo.sh("ip", &host_side);
+    // Dropped before the topology (declared after it): also when the test fails.
+    let link = SlowLink::apply(&topo, host).await;
     let t0 = Instant::now();
     let load = Load::start(&topo, LOAD_SANDBOXES, CONCURRENCY);
     let tally = load.finish().await;
@@ -192,9 +169,19 @@ async fn a_slow_lossy_host_link_still_converges(db: PgPool) {
         .await
         .unwrap();
     assert!(on_slow > 0, "no sandbox ran on the slow host");
+    link.assert_applied();
+    let applied = link.describe();
+    // The delay as the host's NATS client sees it, next to an unimpaired host's.
+    let median = |rtts: Vec<Duration>| {
+        rtts.get(rtts.len() / 2).map_or("none".to_owned(), |d| {
+            format!("{:.1} ms", d.as_secs_f64() * 1e3)
+        })
+    };
+    let slow_rtt = median(nats_round_trips(&topo, host, RTT_SAMPLES).await);
+    let other_rtt = median(nats_round_trips(&topo, host + 1, RTT_SAMPLES).await);
     report(
         &format!(
-            "netem 100ms±50ms 5% loss on a host's link ({on_slow} sandboxes there; whole load)"
+            "slow lossy link on a host ({applied}; NATS round trip, median of {RTT_SAMPLES}: {slow_rtt} from it, {other_rtt} from another host; {on_slow} sandboxes there; whole load)"
         ),
         took,
         &tally,

@@ -4,6 +4,7 @@
 //! brought down — everything it made removed — when the [`Topology`] drops, also after a panic.
 
 use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -32,8 +33,14 @@ pub struct Topology {
     pub nats_monitor: Vec<String>,
     /// The two reconcilers' metrics URLs, in process order.
     pub reconciler_metrics: Vec<String>,
-    /// The network-name prefix (netns `<prefix>-hN`, veth `<prefix>vN`).
+    /// The network-name prefix (netns `<prefix>-hN`, veth `<prefix>vN`, bridge `<prefix>br`,
+    /// the firewall's nftables table `inet <prefix>`).
     pub prefix: String,
+    /// The bridge's /24, as its first three octets (`10.249.7`): the bridge is `.1`, host N
+    /// `.(10 + N)`.
+    pub net: String,
+    /// The three NATS servers' client addresses on the bridge, in node order.
+    pub nats_addrs: Vec<SocketAddr>,
     /// How many hosts.
     pub hosts: usize,
     /// The port each hostd serves metrics on, inside its namespace.
@@ -81,7 +88,12 @@ impl Topology {
             key: vars["TOPOLOGY_API_KEY"].clone(),
             nats_monitor: list("TOPOLOGY_NATS_MONITOR"),
             reconciler_metrics: list("TOPOLOGY_RECONCILER_METRICS"),
+            nats_addrs: list("TOPOLOGY_NATS_URLS")
+                .iter()
+                .map(|u| u.trim_start_matches("nats://").parse().unwrap())
+                .collect(),
             prefix,
+            net,
             hosts,
             host_metrics_port: vars["TOPOLOGY_HOST_METRICS_PORT"].parse().unwrap(),
             http: reqwest::Client::builder()
@@ -126,9 +138,20 @@ impl Topology {
         format!("{}-h{n}", self.prefix)
     }
 
-    /// The bridge side of host `n`'s link (1-based): what a cut or `tc netem` acts on.
+    /// The bridge side of host `n`'s link (1-based): what a cut or `tc netem` acts on (its peer
+    /// is `eth0` in the host's namespace).
     pub fn veth(&self, n: usize) -> String {
         format!("{}v{n}", self.prefix)
+    }
+
+    /// The bridge's address: where the NATS servers listen, the hosts' gateway.
+    pub fn bridge_ip(&self) -> Ipv4Addr {
+        format!("{}.1", self.net).parse().unwrap()
+    }
+
+    /// Host `n`'s address on the bridge (1-based).
+    pub fn host_ip(&self, n: usize) -> Ipv4Addr {
+        format!("{}.{}", self.net, 10 + n).parse().unwrap()
     }
 
     /// Host `n`'s id (1-based), from its state dir.

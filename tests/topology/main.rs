@@ -11,8 +11,10 @@ mod support;
 
 mod faults;
 mod faults_long;
+mod impair;
 mod kit;
 mod load;
+mod relay;
 mod smoke;
 
 /// Held by every test of this binary for its whole run: a topology is eleven processes and
