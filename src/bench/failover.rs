@@ -19,12 +19,14 @@
 //!
 //! Per sample (`--sandboxes`, one after another, the silenced host alternating): a runc
 //! sandbox (`--template`) is created with the other host cordoned, so it lands on the host to
-//! silence; it writes a file; a backup is taken (`POST …/backup` → `ready`); that host's hostd
-//! is frozen (SIGSTOP), and the bench waits until the sandbox runs on the other host. From the
+//! silence; it writes a file; a backup is taken (`POST …/backup` → `ready`); after a random
+//! fraction of a pass interval (a host is lost at any moment between two passes; without it
+//! the bench's rhythm locks onto the pass's) that host's hostd is frozen (SIGSTOP), and the
+//! bench waits until the sandbox runs on the other host. From the
 //! `events` table and `hosts.last_seen` (one clock, the database's), in milliseconds:
 //!
-//! - due → `restoring` (event reason `host_lost`): up to one pass interval of waiting for the
-//!   next pass, plus the pass;
+//! - due → `restoring` (event reason `host_lost`): up to one pass interval (half of one on
+//!   average) of waiting for the next pass, plus the pass;
 //! - `restoring` → `running` on the other host: the backup's download and the cold boot;
 //! - due → `running`: the two together.
 //!
@@ -180,6 +182,7 @@ async fn measure(
                 db: &db,
                 template: &args.template,
                 due_after,
+                pass_interval: args.pass_interval,
                 // Lost, failed over at the next pass, then restored.
                 timeout: due_after + args.pass_interval * 3 + TRANSITION_TIMEOUT,
             };
@@ -278,6 +281,8 @@ struct Sample<'a> {
     template: &'a str,
     /// The lost and failover delays together.
     due_after: Duration,
+    /// The reconciler's pass interval.
+    pass_interval: Duration,
     /// How long the sandbox may take to run on the other host after the freeze.
     timeout: Duration,
 }
@@ -303,6 +308,10 @@ impl Sample<'_> {
         exec(client, &id, &format!("echo {KEPT} > /root/kept")).await?;
         take(client, &id, "backup").await?;
 
+        // A real host is lost at any moment between two passes; the bench's own rhythm (each
+        // sample starts right after a pass restored the last one) would lock onto the pass's
+        // and make the wait for the next pass read almost a whole interval every time.
+        tokio::time::sleep(self.pass_interval.mul_f64(rand::random::<f64>())).await;
         silenced.signal(nix::sys::signal::Signal::SIGSTOP)?;
         let deadline = Instant::now() + self.timeout;
         loop {
@@ -342,6 +351,11 @@ impl Sample<'_> {
         if kept.trim() != KEPT {
             bail!("sandbox {id} failed over without its backup's file: {kept:?}");
         }
+        eprintln!(
+            "bench: due → restoring {:.0} ms, restoring → running {:.0} ms",
+            to_restoring * 1000.0,
+            to_running * 1000.0
+        );
         figures.to_restoring.0.push(to_restoring);
         figures.to_running.0.push(to_running);
         figures.due_to_running.0.push(to_restoring + to_running);
