@@ -183,6 +183,7 @@ async fn measure(
                 template: &args.template,
                 due_after,
                 pass_interval: args.pass_interval,
+                shutdown,
                 // Lost, failed over at the next pass, then restored.
                 timeout: due_after + args.pass_interval * 3 + TRANSITION_TIMEOUT,
             };
@@ -283,6 +284,8 @@ struct Sample<'a> {
     due_after: Duration,
     /// The reconciler's pass interval.
     pass_interval: Duration,
+    /// Cancelled by SIGINT or SIGTERM: every wait gives up.
+    shutdown: &'a CancellationToken,
     /// How long the sandbox may take to run on the other host after the freeze.
     timeout: Duration,
 }
@@ -311,7 +314,10 @@ impl Sample<'_> {
         // A real host is lost at any moment between two passes; the bench's own rhythm (each
         // sample starts right after a pass restored the last one) would lock onto the pass's
         // and make the wait for the next pass read almost a whole interval every time.
-        tokio::time::sleep(self.pass_interval.mul_f64(rand::random::<f64>())).await;
+        tokio::select! {
+            _ = tokio::time::sleep(self.pass_interval.mul_f64(rand::random::<f64>())) => {}
+            _ = self.shutdown.cancelled() => bail!("interrupted"),
+        }
         silenced.signal(nix::sys::signal::Signal::SIGSTOP)?;
         let deadline = Instant::now() + self.timeout;
         loop {
@@ -329,7 +335,7 @@ impl Sample<'_> {
                     other.id
                 );
             }
-            tokio::time::sleep(POLL).await;
+            self.pause().await?;
         }
         let (to_restoring, to_running): (f64, f64) = sqlx::query_as(
             "SELECT extract(epoch FROM r.at - h.last_seen)::float8 - $3,
@@ -372,7 +378,7 @@ impl Sample<'_> {
                     silenced.id
                 );
             }
-            tokio::time::sleep(POLL).await;
+            self.pause().await?;
         }
         figures.comeback.push(thawed.elapsed());
         client.delete(&id).await?;
@@ -381,9 +387,19 @@ impl Sample<'_> {
             if Instant::now() > deadline {
                 bail!("host {} kept its copy of the deleted {id}", other.id);
             }
-            tokio::time::sleep(POLL).await;
+            self.pause().await?;
         }
         Ok(())
+    }
+}
+
+impl Sample<'_> {
+    /// Waits [`POLL`]; an error once the bench is interrupted.
+    async fn pause(&self) -> anyhow::Result<()> {
+        tokio::select! {
+            _ = tokio::time::sleep(POLL) => Ok(()),
+            _ = self.shutdown.cancelled() => bail!("interrupted"),
+        }
     }
 }
 
