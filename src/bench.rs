@@ -16,9 +16,11 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
 
+mod failover;
 mod floors;
 mod podman;
 mod preview;
+mod private;
 mod real;
 mod scale;
 mod snapshots;
@@ -49,9 +51,11 @@ pub struct BenchArgs {
     /// API key; default from `<state dir>/api-key`.
     #[arg(long, env = "BERTH_API_KEY")]
     key: Option<String>,
-    /// Sandboxes to take through the whole lifecycle, one after another.
-    #[arg(long, default_value_t = 20)]
-    sandboxes: usize,
+    /// Sandboxes to take through the whole lifecycle, one after another (samples per figure
+    /// in the `--snapshots` and `--storage` modes, sandboxes in the scale mode, failovers in
+    /// the `--failover` mode). Default: 20, and 3 with `--failover`.
+    #[arg(long)]
+    sandboxes: Option<usize>,
     /// Sandboxes created at once in the throughput phase. The default fits `deploy/up`'s stack
     /// on a 2-core machine (two hosts of 2 vCPUs, 4× overcommitted: 16 slots, two taken by its
     /// hello and python sandboxes); more than the stack's free slots fails with `no_capacity`.
@@ -126,10 +130,37 @@ pub struct BenchArgs {
     /// Samples of each raw runsc floor (run, run -d, checkpoint, restore).
     #[arg(long, default_value_t = 5)]
     runsc_floor_samples: usize,
+    /// Measure only the host-loss failover (`bench/failover.rs`): a private stack in this
+    /// process with two `berth hostd` children on runc; per sample a backed-up sandbox's host
+    /// is frozen (SIGSTOP) until the sandbox runs on the other host. Needs root and runc; uses
+    /// `DATABASE_URL` and `NATS_URL` (else private ones), like the scale mode.
+    #[arg(long)]
+    failover: bool,
+    /// Failover mode: time between two reconciler passes (production's default).
+    #[arg(long, default_value_t = berth_reconciler::pass::DEFAULT_INTERVAL.into())]
+    failover_pass_interval: humantime::Duration,
+    /// Failover mode: a host silent this long is `lost` (production: 5m). Shorter only moves
+    /// the moment the failover is due, from which every figure is taken.
+    #[arg(long, default_value = "5s")]
+    failover_host_lost_after: humantime::Duration,
+    /// Failover mode: a lost host's sandboxes fail over this much later (production: 10m).
+    #[arg(long, default_value = "5s")]
+    failover_after: humantime::Duration,
+    /// Failover mode: below it, a dir per run holds the hostd children's state dirs, their
+    /// logs and the local object store; removed afterwards.
+    #[arg(long, default_value = "/var/tmp/berth-bench-failover")]
+    failover_dir: PathBuf,
     /// The PID of the stack's process, for its CPU per create; default `BERTH_DEV_PID` from
     /// `stack.env` (written by `berth dev`).
     #[arg(long)]
     stack_pid: Option<u32>,
+}
+
+impl BenchArgs {
+    /// `--sandboxes`, else [`DEFAULT_SANDBOXES`] (the failover mode has its own default).
+    fn sandboxes(&self) -> usize {
+        self.sandboxes.unwrap_or(DEFAULT_SANDBOXES)
+    }
 }
 
 fn stack_env(state_dir: &Path) -> Vec<(String, String)> {
@@ -157,6 +188,60 @@ impl Samples {
         v.sort_by(f64::total_cmp);
         let idx = ((v.len() - 1) as f64 * q).round() as usize;
         Some(v[idx])
+    }
+}
+
+/// From this many samples on, a [`Row`] shows p90.
+const P90_FROM: usize = 10;
+
+/// One line of the table: a figure beside its floor.
+struct Row<'a> {
+    name: String,
+    samples: &'a Samples,
+    floor_name: &'a str,
+    floor: &'a Samples,
+}
+
+impl<'a> Row<'a> {
+    fn new(name: String, samples: &'a Samples, floor_name: &'a str, floor: &'a Samples) -> Self {
+        Row {
+            name,
+            samples,
+            floor_name,
+            floor,
+        }
+    }
+
+    /// The table of `rows` under its header, on stdout.
+    fn print(rows: &[Row]) {
+        println!(
+            "| operation | n | p50 ms | p90 ms | floor | floor n | floor p50 ms | ratio p50 |"
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+        for row in rows {
+            println!("{}", row.line());
+        }
+    }
+
+    /// `| name | n | p50 | p90 | floor | floor n | floor p50 | ratio |`; p90 is `—` below
+    /// [`P90_FROM`] samples, a floor without samples `n/a`.
+    fn line(&self) -> String {
+        let (s, f) = (self.samples, self.floor);
+        let p90 = if s.0.len() >= P90_FROM {
+            ms(s.quantile(0.9))
+        } else {
+            "—".into()
+        };
+        let ratio = ratio_p50(s, f);
+        format!(
+            "| {} | {} | {} | {p90} | {} | {} | {} | {ratio} |",
+            self.name,
+            s.0.len(),
+            ms(s.quantile(0.5)),
+            self.floor_name,
+            f.0.len(),
+            ms(f.quantile(0.5)),
+        )
     }
 }
 
@@ -344,14 +429,34 @@ impl Client {
     }
 }
 
+/// `--sandboxes` when not given.
+const DEFAULT_SANDBOXES: usize = 20;
+/// `--sandboxes` of the failover mode when not given: each sample waits out the lost and
+/// failover delays and up to a pass interval.
+const DEFAULT_FAILOVERS: usize = 3;
+
 /// Runs the bench and prints the table.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.failover {
+        return failover::run(failover::FailoverArgs {
+            sandboxes: args.sandboxes.unwrap_or(DEFAULT_FAILOVERS),
+            template: args.template,
+            pass_interval: args.failover_pass_interval.into(),
+            host_lost_after: args.failover_host_lost_after.into(),
+            failover_after: args.failover_after.into(),
+            dir: args.failover_dir,
+            state_dir: args.state_dir,
+            database_url: args.database_url,
+            nats_url: args.nats_url,
+        })
+        .await;
+    }
     match args.runtime.as_deref() {
         None => {}
         Some(berth_hostd::runtime::sim::SIM) => {
             return scale::run(scale::ScaleArgs {
                 hosts: args.hosts,
-                sandboxes: args.sandboxes,
+                sandboxes: args.sandboxes(),
                 rate: args.rate,
                 concurrency: args.concurrency,
                 sim_boot: Duration::from_millis(args.sim_boot_ms),
@@ -390,7 +495,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         run_tag: format!("{}-{}", std::process::id(), chrono::Utc::now().timestamp()),
     };
     let outcome = if args.snapshots {
-        snapshots::run(&client, args.sandboxes).await
+        snapshots::run(&client, args.sandboxes()).await
     } else if args.storage {
         storage::run(&client, &args, &lookup).await
     } else {

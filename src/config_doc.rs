@@ -33,7 +33,8 @@ pub(crate) const OUTSIDE_FLAGS: &[(&str, &str, &str)] = &[
         "Where snapshots live: `s3://bucket/prefix`, `file:///dir` or an absolute directory. \
          hostd's default is `<state dir>/objects`; the API needs the same store to delete a \
          snapshot's content (unset: it leaves the content); `bench --storage` measures its raw \
-         upload and download there.",
+         upload and download there; `bench --failover` gives its hostd children and API that \
+         store (unset: `objects` in its run dir).",
     ),
     (
         "AWS_ENDPOINT, AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, \

@@ -164,13 +164,13 @@ pub async fn measure(
 ) -> anyhow::Result<()> {
     let sandbox = json!({"template": args.template, "vcpus": 1, "memory_mib": 128});
     eprintln!("bench: the runc lifecycle…");
-    let runc = lifecycle(client, &sandbox, args.sandboxes).await?;
+    let runc = lifecycle(client, &sandbox, args.sandboxes()).await?;
 
     eprintln!("bench: time to interactive…");
     // Time to interactive: create (waited on, no polling) → first exec answered.
     let mut waited_create = Samples::default();
     let mut interactive = Samples::default();
-    for _ in 0..args.sandboxes {
+    for _ in 0..args.sandboxes() {
         let (running, first_exec, id) = client.interactive(&sandbox).await?;
         waited_create.push(running);
         interactive.push(first_exec);

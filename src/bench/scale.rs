@@ -42,8 +42,8 @@ use super::verdict::{verdict, PassLoop};
 /// The share of the heartbeats sent that applied ones must reach to count as keeping up (the
 /// two rates are counted over slightly different windows).
 const HEARTBEAT_KEEPS_UP: f64 = 0.95;
+use super::private::Private;
 use super::{ms, Client, Samples};
-use crate::dev::{start_private_nats, start_private_postgres, PrivateService};
 
 /// What every sim host offers: far more than the sandboxes placed on it need, so placement
 /// measures its query and not a capacity refusal.
@@ -87,64 +87,23 @@ pub async fn run(args: ScaleArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.state_dir)?;
     let state_dir = std::path::absolute(&args.state_dir)?;
     let shutdown = crate::shutdown_on_signal();
-    let mut services: Vec<PrivateService> = Vec::new();
-    let result = run_stack(&args, &state_dir, &shutdown, &mut services).await;
-    for s in services.into_iter().rev() {
-        s.stop().await;
+    let result = async {
+        let private = Private::open(
+            "bench",
+            &state_dir,
+            args.database_url.as_deref(),
+            args.nats_url.as_deref(),
+            &shutdown,
+        )
+        .await?;
+        let (url, nats) = (&private.database_url, &private.nats_url);
+        let outcome = measure(&args, url, nats, &private.subjects, &shutdown).await;
+        private.close(args.keep_database).await;
+        outcome
     }
+    .await;
     let _ = std::fs::remove_dir_all(&args.sim_hosts_dir);
     result
-}
-
-/// `url` with its database name replaced by `name`.
-fn with_database(url: &str, name: &str) -> anyhow::Result<String> {
-    let (base, _) = url.rsplit_once('/').context("a Postgres URL has a path")?;
-    Ok(format!("{base}/{name}"))
-}
-
-async fn run_stack(
-    args: &ScaleArgs,
-    state_dir: &std::path::Path,
-    shutdown: &CancellationToken,
-    services: &mut Vec<PrivateService>,
-) -> anyhow::Result<()> {
-    let server_url = match &args.database_url {
-        Some(url) => url.clone(),
-        None => {
-            let (url, svc) = start_private_postgres(state_dir, shutdown).await?;
-            services.push(svc);
-            url
-        }
-    };
-    let nats_url = match &args.nats_url {
-        Some(url) => url.clone(),
-        None => {
-            let (url, svc) = start_private_nats(state_dir, None, shutdown).await?;
-            services.push(svc);
-            url
-        }
-    };
-    let tag = format!("bench{}", std::process::id());
-    let admin = crate::connect_db(&server_url).await?;
-    sqlx::query(&format!("CREATE DATABASE {tag}"))
-        .execute(&admin)
-        .await
-        .context("create the bench database")?;
-    let database_url = with_database(&server_url, &tag)?;
-    let subjects = berth_schemas::Subjects::new(&tag)?;
-    let outcome = measure(args, &database_url, &nats_url, &subjects, shutdown).await;
-
-    let nats = crate::connect_nats(&nats_url).await?;
-    berth_schemas::streams::delete_streams(&async_nats::jetstream::new(nats), &subjects).await;
-    if args.keep_database {
-        eprintln!("kept the database: {database_url}");
-    } else if let Err(e) = sqlx::query(&format!("DROP DATABASE {tag} WITH (FORCE)"))
-        .execute(&admin)
-        .await
-    {
-        eprintln!("database {tag} not dropped: {e}");
-    }
-    outcome
 }
 
 /// Histograms printed after the table (mean per observation, summed over labels): where the

@@ -26,9 +26,11 @@
 //! needs an operator key (`--admin-key`, else one made in the stack's database); every host the
 //! bench cordons is uncordoned before it goes on, also when a step failed.
 //!
-//! Not measured: a whole failover (a host silenced past the lost and failover thresholds until
-//! its sandboxes run elsewhere): `berth dev`'s hosts are tasks of one process, which cannot be
-//! silenced one at a time; the restore row is the boot that failover makes.
+//! Not measured here: a whole failover (a host silenced past the lost and failover thresholds
+//! until its sandboxes run elsewhere): `berth dev`'s hosts are tasks of one process, which
+//! cannot be silenced one at a time. `berth bench --failover` ([`super::failover`]) measures it
+//! on a private stack of its own with two `berth hostd` child processes; the restore row here
+//! is the boot that failover makes.
 
 use std::future::Future;
 use std::path::Path;
@@ -43,12 +45,10 @@ use futures::{StreamExt, TryStreamExt};
 use serde_json::{json, Value};
 
 use super::snapshots::{exec, host_of, take};
-use super::{floors, ms, ratio_p50, BenchArgs, Client, Samples, TRANSITION_TIMEOUT};
+use super::{floors, BenchArgs, Client, Row, Samples, TRANSITION_TIMEOUT};
 
 /// How often a stopped sandbox is looked at until its stop is durable.
 const DURABLE_POLL: Duration = Duration::from_millis(20);
-/// From this many samples on, a row shows p90.
-const P90_FROM: usize = 10;
 /// Memory of the bench's sandboxes, MiB (a gVisor one keeps its written bytes in memory too).
 const SANDBOX_MIB: u64 = 512;
 /// The key prefix of the raw floor's objects in the store (removed after each sample).
@@ -69,7 +69,7 @@ pub(super) async fn run(
     args: &BenchArgs,
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<()> {
-    let n = args.sandboxes.max(1);
+    let n = args.sandboxes().max(1);
     let mib = args.storage_mib;
     let operator = operator(client, args, lookup).await?;
     let objects = open_store(&args.state_dir)?;
@@ -169,52 +169,8 @@ pub(super) async fn run(
         Row::new(download.clone(), &store.download, "—", &none),
         Row::new(checkpoint.into(), &runsc, "—", &none),
     ]);
-    println!("| operation | n | p50 ms | p90 ms | floor | floor n | floor p50 ms | ratio p50 |");
-    println!("|---|---|---|---|---|---|---|---|");
-    for row in rows {
-        println!("{}", row.line());
-    }
+    Row::print(&rows);
     Ok(())
-}
-
-/// One line of the table: a figure beside its floor.
-struct Row<'a> {
-    name: String,
-    samples: &'a Samples,
-    floor_name: &'a str,
-    floor: &'a Samples,
-}
-
-impl<'a> Row<'a> {
-    fn new(name: String, samples: &'a Samples, floor_name: &'a str, floor: &'a Samples) -> Self {
-        Row {
-            name,
-            samples,
-            floor_name,
-            floor,
-        }
-    }
-
-    /// `| name | n | p50 | p90 | floor | floor n | floor p50 | ratio |`; p90 is `—` below
-    /// [`P90_FROM`] samples, a floor without samples `n/a`.
-    fn line(&self) -> String {
-        let (s, f) = (self.samples, self.floor);
-        let p90 = if s.0.len() >= P90_FROM {
-            ms(s.quantile(0.9))
-        } else {
-            "—".into()
-        };
-        let ratio = ratio_p50(s, f);
-        format!(
-            "| {} | {} | {} | {p90} | {} | {} | {} | {ratio} |",
-            self.name,
-            s.0.len(),
-            ms(s.quantile(0.5)),
-            self.floor_name,
-            f.0.len(),
-            ms(f.quantile(0.5)),
-        )
-    }
 }
 
 /// A client of the same API with an operator key: `--admin-key`, else a new one made in the
@@ -323,7 +279,7 @@ impl StoreFloors {
 }
 
 /// Runs `step` with `host` cordoned, and uncordons it afterwards whatever `step` did.
-async fn cordoned<T>(
+pub(super) async fn cordoned<T>(
     operator: &Client,
     host: &str,
     step: impl Future<Output = anyhow::Result<T>>,
@@ -345,7 +301,7 @@ async fn cordoned<T>(
 }
 
 /// Creates a running sandbox of `template`; returns its id.
-async fn running(client: &Client, template: &str) -> anyhow::Result<String> {
+pub(super) async fn running(client: &Client, template: &str) -> anyhow::Result<String> {
     let body = json!({"template": template, "vcpus": 1, "memory_mib": SANDBOX_MIB});
     let post = reqwest::Method::POST;
     let (_, id) = client

@@ -95,7 +95,7 @@ async fn the_storage_mode_prints_each_figure_beside_its_floor(db: PgPool) {
 }
 
 /// How many files there are below `dir` (0 when it does not exist).
-fn files_below(dir: &std::path::Path) -> usize {
+pub(crate) fn files_below(dir: &std::path::Path) -> usize {
     std::fs::read_dir(dir)
         .into_iter()
         .flatten()

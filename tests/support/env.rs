@@ -79,14 +79,8 @@ pub async fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
 }
 
 /// Runs `program` to completion, synchronously, ignoring how it ended (cleanup in `Drop`).
-pub fn run_quietly(program: &str, args: &[&str]) -> String {
-    std::process::Command::new(program)
-        .args(args)
-        .stderr(std::process::Stdio::null())
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
-}
+#[allow(unused_imports)]
+pub use berth::host_leftovers::run_quietly;
 
 /// A path as a string argument of a tool.
 pub fn path_str(p: &std::path::Path) -> String {

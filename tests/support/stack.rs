@@ -96,35 +96,6 @@ impl HostProcess {
     }
 }
 
-/// The second octets of the /16s the hosts of this test process hold.
-fn pools_taken() -> std::sync::MutexGuard<'static, std::collections::BTreeSet<u8>> {
-    static TAKEN: std::sync::Mutex<std::collections::BTreeSet<u8>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    TAKEN.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A random /16 in 10.64.0.0/10 for a new host's sandbox addresses that no other host of this
-/// test process holds and no interface of the machine has an address in (another process's
-/// sandboxes). Two hosts on one machine with one pool would give two sandboxes one address
-/// behind two veths, and one's agent calls would reach the other (an exec writing its files
-/// into another test's sandbox).
-fn free_address_pool() -> Ipv4Addr {
-    let addresses = std::process::Command::new("ip")
-        .args(["-4", "-o", "addr", "show"])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default();
-    let mut taken = pools_taken();
-    for _ in 0..1024 {
-        let octet = 64 + rand::random::<u8>() % 64;
-        if !taken.contains(&octet) && !addresses.contains(&format!("inet 10.{octet}.")) {
-            taken.insert(octet);
-            return Ipv4Addr::new(10, octet, 0, 0);
-        }
-    }
-    panic!("no free /16 in 10.64.0.0/10 for a test host");
-}
-
 impl Drop for HostProcess {
     /// Kills the process (by the PID we started) and removes what it left on the machine.
     fn drop(&mut self) {
@@ -135,7 +106,7 @@ impl Drop for HostProcess {
                 let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None);
             }
         }
-        pools_taken().remove(&self.address_pool.octets()[1]);
+        berth::host_leftovers::release_address_pool(self.address_pool);
         for what in cleanup::remove_host_leftovers(self.host_id, &self.state_dir) {
             eprintln!("cleanup of host {}: removed {what}", self.host_id);
         }
@@ -392,7 +363,8 @@ impl Stack {
             ));
         }
         std::fs::create_dir_all(&state_dir).unwrap();
-        let address_pool = free_address_pool();
+        let address_pool =
+            berth::host_leftovers::free_address_pool().expect("a free /16 in 10.64.0.0/10");
         let mut host = HostProcess {
             state_dir,
             child: None,

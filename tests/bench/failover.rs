@@ -1,0 +1,124 @@
+//! `berth bench --failover` with one sample and a pass every 200 ms: a private control plane,
+//! two real `berth hostd` children, a backed-up sandbox whose host is frozen until it runs on
+//! the other host from its backup; the table has every failover row with real numbers, and the
+//! run leaves nothing behind (its database, streams, hostd processes, state dirs).
+
+use std::path::Path;
+use std::process::Stdio;
+
+use crate::storage::files_below;
+use crate::support::cleanup::fresh_dir;
+use crate::support::env::nats_url;
+
+/// The rows the table must have, by the start of their name, and whether each has a floor.
+const ROWS: &[(&str, bool)] = &[
+    (
+        "failover: due → restoring (waits for the next pass, every 200ms)",
+        false,
+    ),
+    ("failover: restoring → running on the other host", true),
+    ("failover: due → running on the other host", true),
+    (
+        "returning host: SIGCONT → stale copy destroyed, host ready",
+        false,
+    ),
+    ("raw runc run", false),
+];
+
+#[tokio::test]
+async fn the_failover_mode_measures_a_real_failover_and_leaves_nothing_behind() {
+    let database_url = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let dir = fresh_dir("failbench");
+    let runs = dir.join("runs");
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["bench", "--failover", "--sandboxes", "1"])
+        .args(["--failover-pass-interval", "200ms"])
+        .args(["--failover-host-lost-after", "3s", "--failover-after", "2s"])
+        .arg("--failover-dir")
+        .arg(&runs)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("DATABASE_URL", &database_url)
+        .env("NATS_URL", nats_url())
+        .env_remove("BERTH_OBJECT_STORE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let tag = format!("benchfail{}", child.id().unwrap());
+    let out = child.wait_with_output().await.unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("Figures run from the moment the failover is due"),
+        "{stdout}"
+    );
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| operation"))
+        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
+        .collect();
+    assert_eq!(rows.len(), ROWS.len(), "{stdout}");
+    for ((name, floored), row) in ROWS.iter().zip(&rows) {
+        assert_eq!(row.len(), 8, "{row:?}");
+        assert!(row[0].starts_with(name), "{row:?} is not {name}");
+        assert_eq!(row[1], "1", "one sample: {row:?}");
+        assert!(row[2].parse::<f64>().unwrap() > 0.0, "p50: {row:?}");
+        assert_eq!(row[3], "—", "no p90 below 10 samples: {row:?}");
+        if *floored {
+            assert_eq!((row[4], row[5]), ("raw runc run", "1"), "{row:?}");
+            assert!(row[6].parse::<f64>().unwrap() > 0.0, "floor p50: {row:?}");
+            assert!(row[7].ends_with('x'), "ratio: {row:?}");
+        } else {
+            assert_eq!((row[4], row[7]), ("—", "n/a"), "{row:?}");
+        }
+    }
+
+    // Nothing left: no database, no streams, no hostd process, no state dir.
+    let db = sqlx::PgPool::connect(&database_url).await.unwrap();
+    let databases: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
+        .bind(&tag)
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(databases, 0, "database {tag} is dropped");
+    db.close().await;
+    let nats = async_nats::connect(nats_url()).await.unwrap();
+    let streams: Vec<String> = {
+        use futures::TryStreamExt;
+        async_nats::jetstream::new(nats)
+            .stream_names()
+            .try_collect()
+            .await
+            .unwrap()
+    };
+    let stem = tag.to_uppercase();
+    assert!(
+        !streams.iter().any(|s| s.to_uppercase().starts_with(&stem)),
+        "streams of {tag} are deleted: {streams:?}"
+    );
+    assert_eq!(
+        processes_naming(&runs),
+        Vec::<String>::new(),
+        "no hostd is left"
+    );
+    assert!(!runs.exists(), "the run dirs are removed");
+    assert_eq!(files_below(&dir), 0, "nothing is left in {}", dir.display());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The command lines of the processes that name `dir` in theirs.
+fn processes_naming(dir: &Path) -> Vec<String> {
+    let needle = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|raw| String::from_utf8_lossy(&raw).replace('\0', " "))
+        .filter(|cmdline| cmdline.contains(&needle))
+        .collect()
+}
