@@ -51,6 +51,9 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 pub const DEFAULT_HOST_LOST_AFTER: Duration = Duration::from_secs(5 * 60);
 /// Default [`PassConfig::failover_after`]: 10 minutes after `lost` (DESIGN.md "Lifecycle").
 pub const DEFAULT_FAILOVER_AFTER: Duration = Duration::from_secs(10 * 60);
+/// Default [`PassConfig::failover_retry_for`]: 2 minutes, the default create timeout (see the
+/// field).
+pub const DEFAULT_FAILOVER_RETRY_FOR: Duration = Duration::from_secs(120);
 /// Default [`PassConfig::create_timeout`]: 2 minutes.
 pub const DEFAULT_CREATE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Default [`PassConfig::start_timeout`]: 2 minutes.
@@ -139,6 +142,15 @@ pub struct PassConfig {
     pub host_lost_after: Duration,
     /// Sandboxes on a host `lost` this much longer become `failed-start` (`host_lost`).
     pub failover_after: Duration,
+    /// How long past [`PassConfig::failover_after`] a failover that each pass defers (no host
+    /// has room for the sandbox's backup, or the backup is being deleted or not ready) is
+    /// tried again; then the sandbox becomes `failed-start` (`host_lost`, the message saying
+    /// why) instead of staying `running` on a lost host. Default
+    /// [`DEFAULT_FAILOVER_RETRY_FOR`], the default create timeout: the restore is a boot like a
+    /// create, and a create that finds nothing to run on within that long fails too. By then
+    /// the sandbox has been down for the lost and failover delays already; `failed-start` tells
+    /// its user, who can restore from the backup (or start it) once there is room.
+    pub failover_retry_for: Duration,
     /// How long a `sandbox.create` may stay unanswered before the sandbox is `failed-start`.
     pub create_timeout: Duration,
     /// How long a `sandbox.start` may stay unanswered before the sandbox is `failed-start`.
@@ -187,6 +199,7 @@ impl Default for PassConfig {
             interval: DEFAULT_INTERVAL,
             host_lost_after: DEFAULT_HOST_LOST_AFTER,
             failover_after: DEFAULT_FAILOVER_AFTER,
+            failover_retry_for: DEFAULT_FAILOVER_RETRY_FOR,
             create_timeout: DEFAULT_CREATE_TIMEOUT,
             start_timeout: DEFAULT_START_TIMEOUT,
             stop_timeout: DEFAULT_STOP_TIMEOUT,
@@ -216,7 +229,8 @@ pub enum Action {
     /// `running` sandboxes failed because their guest stopped answering or vanished.
     GuestUnhealthy,
     /// Sandboxes failed because their host stayed `lost` past [`PassConfig::failover_after`]
-    /// (no backup to restore, or not running).
+    /// (no backup to restore, or not running), or past [`PassConfig::failover_retry_for`] more
+    /// while their restore was deferred.
     HostLostFailover,
     /// Sandboxes restored from their backup on another host because theirs stayed `lost` past
     /// [`PassConfig::failover_after`].
@@ -377,9 +391,10 @@ async fn run_actions(
     let n = guests::fail_unhealthy_guests(db, config, lease, report).await?;
     report.actions.push((Action::GuestUnhealthy, n));
     let failed_over = failover::fail_over_lost_hosts(db, config, lease).await?;
-    report
-        .actions
-        .push((Action::HostLostFailover, failed_over.failed));
+    report.actions.push((
+        Action::HostLostFailover,
+        failed_over.failed + failed_over.gave_up,
+    ));
     report
         .actions
         .push((Action::FailoverRestored, failed_over.restored));
