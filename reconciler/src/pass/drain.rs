@@ -72,9 +72,8 @@ pub(super) async fn drive(
 }
 
 /// Begins up to `slots` moves off `host`: archives its stopped and failed-start sandboxes, and
-/// with `live`
-/// stops its running ones, each only when another host has room for it now (else the move
-/// fails: `no room`).
+/// with `live` stops its running ones, each only when another host has room for it now (else
+/// the move fails: `no room`).
 async fn begin(
     db: &PgPool,
     config: &PassConfig,
