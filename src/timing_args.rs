@@ -26,6 +26,11 @@ pub struct ReconcilerTimingArgs {
     /// Sandboxes on a host `lost` this much longer become `failed-start` (`host_lost`).
     #[arg(long, env = "BERTH_FAILOVER_AFTER", default_value_t = pass::DEFAULT_FAILOVER_AFTER.into())]
     pub failover_after: Duration,
+    /// A failover deferred pass after pass (no host has room for the sandbox's backup, or the
+    /// backup is being deleted or not ready) is tried this much longer past
+    /// `--failover-after`; then the sandbox becomes `failed-start` (`host_lost`) saying why.
+    #[arg(long, env = "BERTH_FAILOVER_RETRY_FOR", default_value_t = pass::DEFAULT_FAILOVER_RETRY_FOR.into())]
+    pub failover_retry_for: Duration,
     /// How long a `sandbox.create` may go unanswered before the sandbox is `failed-start`.
     #[arg(long, env = "BERTH_CREATE_TIMEOUT", default_value_t = pass::DEFAULT_CREATE_TIMEOUT.into())]
     pub create_timeout: Duration,
@@ -111,6 +116,7 @@ impl ReconcilerTimingArgs {
             interval: self.reconcile_interval.into(),
             host_lost_after: self.host_lost_after.into(),
             failover_after: self.failover_after.into(),
+            failover_retry_for: self.failover_retry_for.into(),
             create_timeout: self.create_timeout.into(),
             start_timeout: self.start_timeout.into(),
             stop_timeout: self.stop_timeout.into(),
@@ -183,6 +189,7 @@ mod tests {
         assert_eq!(pass.interval, built_in.interval);
         assert_eq!(pass.host_lost_after, built_in.host_lost_after);
         assert_eq!(pass.failover_after, built_in.failover_after);
+        assert_eq!(pass.failover_retry_for, built_in.failover_retry_for);
         assert_eq!(pass.create_timeout, built_in.create_timeout);
         assert_eq!(pass.inventory_grace, built_in.inventory_grace);
         assert_eq!(pass.batch, built_in.batch);
@@ -199,6 +206,8 @@ mod tests {
             "45s",
             "--failover-after",
             "1m 30s",
+            "--failover-retry-for",
+            "6m",
             "--create-timeout",
             "3m",
             "--start-timeout",
@@ -243,6 +252,7 @@ mod tests {
         let pass = set.pass();
         let s = std::time::Duration::from_secs;
         assert_eq!(pass.template_pull_timeout, s(600));
+        assert_eq!(pass.failover_retry_for, s(360));
         assert_eq!(
             (pass.interval, pass.host_lost_after, pass.failover_after),
             (s(2), s(45), s(90))

@@ -18,6 +18,9 @@ use crate::resume::{count, COUNTER};
 use crate::support::http::{host_of, running_gvisor_sandbox, running_sandbox};
 use crate::support::{eventually, Stack};
 
+#[path = "failover_deferred.rs"]
+mod deferred;
+
 /// Takes a backup of `id` and waits until it is ready; its id.
 pub(crate) async fn backed_up(stack: &Stack, id: &str) -> String {
     let (status, body) = backup(stack, id).await;

@@ -42,8 +42,10 @@ mod backups;
 mod drain;
 mod failover;
 pub mod guests;
+mod report;
 
 pub use drain::DEFAULT_DRAIN_PARALLEL;
+pub use report::{Action, PassReport};
 
 /// Default [`PassConfig::interval`]: a pass every 10 seconds.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
@@ -51,6 +53,9 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 pub const DEFAULT_HOST_LOST_AFTER: Duration = Duration::from_secs(5 * 60);
 /// Default [`PassConfig::failover_after`]: 10 minutes after `lost` (DESIGN.md "Lifecycle").
 pub const DEFAULT_FAILOVER_AFTER: Duration = Duration::from_secs(10 * 60);
+/// Default [`PassConfig::failover_retry_for`]: 2 minutes, the default create timeout (see the
+/// field).
+pub const DEFAULT_FAILOVER_RETRY_FOR: Duration = Duration::from_secs(120);
 /// Default [`PassConfig::create_timeout`]: 2 minutes.
 pub const DEFAULT_CREATE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Default [`PassConfig::start_timeout`]: 2 minutes.
@@ -139,6 +144,15 @@ pub struct PassConfig {
     pub host_lost_after: Duration,
     /// Sandboxes on a host `lost` this much longer become `failed-start` (`host_lost`).
     pub failover_after: Duration,
+    /// How long past [`PassConfig::failover_after`] a failover that each pass defers (no host
+    /// has room for the sandbox's backup, or the backup is being deleted or not ready) is
+    /// tried again; then the sandbox becomes `failed-start` (`host_lost`, the message saying
+    /// why) instead of staying `running` on a lost host. Default
+    /// [`DEFAULT_FAILOVER_RETRY_FOR`], the default create timeout: the restore is a boot like a
+    /// create, and a create that finds nothing to run on within that long fails too. By then
+    /// the sandbox has been down for the lost and failover delays already; `failed-start` tells
+    /// its user, who can restore from the backup (or start it) once there is room.
+    pub failover_retry_for: Duration,
     /// How long a `sandbox.create` may stay unanswered before the sandbox is `failed-start`.
     pub create_timeout: Duration,
     /// How long a `sandbox.start` may stay unanswered before the sandbox is `failed-start`.
@@ -187,6 +201,7 @@ impl Default for PassConfig {
             interval: DEFAULT_INTERVAL,
             host_lost_after: DEFAULT_HOST_LOST_AFTER,
             failover_after: DEFAULT_FAILOVER_AFTER,
+            failover_retry_for: DEFAULT_FAILOVER_RETRY_FOR,
             create_timeout: DEFAULT_CREATE_TIMEOUT,
             start_timeout: DEFAULT_START_TIMEOUT,
             stop_timeout: DEFAULT_STOP_TIMEOUT,
@@ -203,99 +218,6 @@ impl Default for PassConfig {
             backup_unit: DEFAULT_BACKUP_UNIT,
             drain_parallel: drain::DEFAULT_DRAIN_PARALLEL,
         }
-    }
-}
-
-/// One kind of pass action; the `action` label of `berth_reconciler_actions_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Action {
-    /// Hosts marked `lost` after [`PassConfig::host_lost_after`] of silence.
-    HostLost,
-    /// Sandboxes failed because their command timed out.
-    CommandTimeout,
-    /// `running` sandboxes failed because their guest stopped answering or vanished.
-    GuestUnhealthy,
-    /// Sandboxes failed because their host stayed `lost` past [`PassConfig::failover_after`]
-    /// (no backup to restore, or not running).
-    HostLostFailover,
-    /// Sandboxes restored from their backup on another host because theirs stayed `lost` past
-    /// [`PassConfig::failover_after`].
-    FailoverRestored,
-    /// Sandboxes whose `expires_at` passed: stopped or deleted as their `on_expiry` says.
-    Expired,
-    /// `running` sandboxes stopped after `auto_stop_minutes` idle.
-    AutoStop,
-    /// `stopped` or `failed-start` sandboxes deleted after `auto_delete_minutes`.
-    AutoDelete,
-    /// Tombstones purged after [`PassConfig::tombstone_retention`].
-    TombstonePurge,
-    /// Containers no row wants on their host (purged, deleted, placed elsewhere): a delete queued.
-    OrphanDestroyed,
-    /// Containers of their host's own stopped or failed sandbox still running: a stop queued.
-    OrphanStopped,
-    /// Snapshots failed because they stayed `creating` past [`PassConfig::snapshot_timeout`].
-    SnapshotTimeout,
-    /// Templates failed because their pull showed no sign of life for
-    /// [`PassConfig::template_pull_timeout`].
-    TemplatePullTimeout,
-    /// `stopped` sandboxes archived after `auto_archive_days`.
-    AutoArchive,
-    /// `running` sandboxes backed up after `backup_interval_min`.
-    AutoBackup,
-    /// Sandboxes of draining hosts whose move began (archive, or a live move's stop).
-    DrainBegun,
-    /// Drain moves that ended: moved, failed, or forgotten (deleted).
-    DrainEnded,
-}
-
-impl Action {
-    /// The metrics label (`host_lost`, `command_timeout`, …).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Action::HostLost => "host_lost",
-            Action::CommandTimeout => "command_timeout",
-            Action::GuestUnhealthy => "guest_unhealthy",
-            Action::HostLostFailover => "host_lost_failover",
-            Action::FailoverRestored => "failover_restored",
-            Action::Expired => "expired",
-            Action::AutoStop => "auto_stop",
-            Action::AutoDelete => "auto_delete",
-            Action::TombstonePurge => "tombstone_purge",
-            Action::OrphanDestroyed => "orphan_destroyed",
-            Action::OrphanStopped => "orphan_stopped",
-            Action::SnapshotTimeout => "snapshot_timeout",
-            Action::TemplatePullTimeout => "template_pull_timeout",
-            Action::AutoArchive => "auto_archive",
-            Action::AutoBackup => "auto_backup",
-            Action::DrainBegun => "drain_begun",
-            Action::DrainEnded => "drain_ended",
-        }
-    }
-}
-
-/// What a pass did.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct PassReport {
-    /// How many of each action the pass took, in the order it ran them.
-    pub actions: Vec<(Action, u64)>,
-    /// The pass stood down because every in-service host was silent.
-    pub all_hosts_silent: bool,
-    /// The lease was lost during the pass; the rest was skipped.
-    pub deposed: bool,
-    /// Hosts whose evidence was too old to judge ([`PassConfig::evidence_max_age`]).
-    pub stale_hosts: u64,
-    /// Guest failures a tripped circuit breaker held back this pass.
-    pub breaker_held: u64,
-}
-
-impl PassReport {
-    /// How many times `action` happened.
-    pub fn count(&self, action: Action) -> u64 {
-        self.actions
-            .iter()
-            .filter(|(a, _)| *a == action)
-            .map(|(_, n)| n)
-            .sum()
     }
 }
 
@@ -385,9 +307,10 @@ async fn run_actions(
         failover::fail_over_lost_hosts(db, config, lease),
     )
     .await?;
-    report
-        .actions
-        .push((Action::HostLostFailover, failed_over.failed));
+    report.actions.push((
+        Action::HostLostFailover,
+        failed_over.failed + failed_over.gave_up,
+    ));
     report
         .actions
         .push((Action::FailoverRestored, failed_over.restored));

@@ -166,12 +166,44 @@ pub fn on_host_lost(state: SandboxState, has_backup: bool) -> HostLoss {
     if has_backup && FAILS_OVER.contains(&state) {
         return HostLoss::RestoreBackup;
     }
-    HostLoss::Fail(Failure {
-        to: SandboxState::FailedStart,
-        reason: Reason::HostLost,
-        capacity: Capacity::Release,
-        compensation: None,
-    })
+    HostLoss::Fail(HOST_LOST_FAILURE)
+}
+
+/// A stranded sandbox failed `host_lost`: `failed-start`, its capacity on the lost host
+/// released, nothing sent there (if it comes back, its inventory shows the container as
+/// unwanted).
+const HOST_LOST_FAILURE: Failure = Failure {
+    to: SandboxState::FailedStart,
+    reason: Reason::HostLost,
+    capacity: Capacity::Release,
+    compensation: None,
+};
+
+/// Why a pass could not restore a sandbox [`on_host_lost`] would restore from its backup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deferral {
+    /// No host in service had room for it (placement found none).
+    NoRoom,
+    /// Its backup is being deleted (a delete holds it) or is not `ready`.
+    BackupUnavailable,
+}
+
+impl Deferral {
+    /// Says why, for the `state_reason` of a failover given up.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Deferral::NoRoom => "no host had room for its backup",
+            Deferral::BackupUnavailable => "its backup was being deleted or not ready",
+        }
+    }
+}
+
+/// A failover a pass deferred ([`Deferral`], whatever the cause): `None` while it is not
+/// `overdue` (the next pass tries again); once its host has been silent past the failover
+/// delay plus the bound on deferred failovers, the sandbox fails `host_lost` like one without a
+/// backup, so a deferral never keeps it `running` on a lost host for good.
+pub fn on_failover_deferred(overdue: bool) -> Option<Failure> {
+    overdue.then_some(HOST_LOST_FAILURE)
 }
 
 /// What to do with a container a host reports running (or unhealthy).
@@ -202,6 +234,26 @@ pub fn on_inventory(row: Option<(SandboxState, bool)>) -> InventoryVerdict {
 mod tests {
     use super::*;
     use SandboxState as S;
+
+    #[test]
+    fn a_deferred_failover_is_tried_again_until_overdue_then_fails_host_lost() {
+        assert_eq!(on_failover_deferred(false), None);
+        let failure = on_failover_deferred(true).expect("overdue fails");
+        assert_eq!(
+            (
+                failure.to,
+                failure.reason,
+                failure.capacity,
+                failure.compensation
+            ),
+            (S::FailedStart, Reason::HostLost, Capacity::Release, None)
+        );
+        assert_eq!(
+            HostLoss::Fail(failure),
+            on_host_lost(S::Running, false),
+            "the same failure as a sandbox without a backup"
+        );
+    }
 
     #[test]
     fn only_a_command_its_sandbox_still_waits_on_times_out() {

@@ -436,9 +436,9 @@ mod settle;
 pub mod snapshot;
 
 pub use converge::{
-    on_guest_failure, on_host_lost, on_inventory, on_timeout, Failure, GuestFailure, HostLoss,
-    InventoryVerdict, FAILS_OVER, HOST_LOST_MESSAGE, STRANDED_ON_LOST_HOST, TIMED_COMMANDS,
-    UNWANTED_RUNNING_ON_ITS_HOST,
+    on_failover_deferred, on_guest_failure, on_host_lost, on_inventory, on_timeout, Deferral,
+    Failure, GuestFailure, HostLoss, InventoryVerdict, FAILS_OVER, HOST_LOST_MESSAGE,
+    STRANDED_ON_LOST_HOST, TIMED_COMMANDS, UNWANTED_RUNNING_ON_ITS_HOST,
 };
 pub use migrate::{away_from_home, on_start_elsewhere, Away};
 pub use request::{on_request, on_request_unseeded, Decision, Refusal, RESTORES_FROM_BACKUP};

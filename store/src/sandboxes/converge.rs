@@ -270,22 +270,41 @@ pub async fn lock_failed_guests(
         .collect()
 }
 
+/// A sandbox [`lock_stranded`] found on a lost host.
+#[derive(Debug, Clone)]
+pub struct Stranded {
+    /// The sandbox (locked).
+    pub row: SandboxRow,
+    /// Its host has been silent longer than the failover delay plus the bound on deferred
+    /// failovers (`overdue_after` of [`lock_stranded`]): a failover still deferred now is
+    /// given up.
+    pub overdue: bool,
+}
+
 /// Locks up to `batch` sandboxes living on a host that has been silent for `silent_for` and is
-/// `lost` ([`STRANDED_ON_LOST_HOST`] states).
+/// `lost` ([`STRANDED_ON_LOST_HOST`] states), leaving out the sandboxes in `skip` (those the
+/// caller already deferred in this transaction, so the next call reaches the rows behind them).
+/// Oldest silence first, then by id: a stable order, so the rows a pass defers are those that
+/// reach `overdue_after` (seconds of silence; [`Stranded::overdue`]) first.
 pub async fn lock_stranded(
     conn: &mut PgConnection,
     silent_for: Duration,
+    overdue_after: Duration,
+    skip: &[SandboxId],
     batch: i64,
-) -> Result<Vec<SandboxRow>, StoreError> {
+) -> Result<Vec<Stranded>, StoreError> {
     let states: Vec<&str> = STRANDED_ON_LOST_HOST.iter().map(|s| s.as_str()).collect();
+    let skip: Vec<uuid::Uuid> = skip.iter().map(|id| id.as_uuid()).collect();
     let found = timed(
         Op::SandboxStranded,
         sqlx::query(&format!(
-            "SELECT {cols}
+            "SELECT {cols}, h.last_seen < now() - make_interval(secs => $5) AS overdue
                FROM sandboxes s JOIN hosts h ON h.id = s.host_id
               WHERE h.state = '{LOST}' AND s.deleted_at IS NULL
                 AND h.last_seen < now() - make_interval(secs => $1)
                 AND s.state = ANY($2)
+                AND s.id <> ALL($4)
+              ORDER BY h.last_seen, s.id
               LIMIT $3
               FOR UPDATE OF s SKIP LOCKED",
             cols = columns_of("s")
@@ -293,10 +312,22 @@ pub async fn lock_stranded(
         .bind(secs(silent_for))
         .bind(&states)
         .bind(batch)
+        .bind(&skip)
+        .bind(secs(overdue_after))
         .fetch_all(conn),
     )
     .await?;
-    rows(&found)
+    found
+        .iter()
+        .map(|r| {
+            Ok(Stranded {
+                row: SandboxRow::from_row(r)?,
+                overdue: r
+                    .try_get("overdue")
+                    .map_err(StoreError::database(Op::SandboxStranded))?,
+            })
+        })
+        .collect()
 }
 
 /// An automatic request a sandbox can be due for.

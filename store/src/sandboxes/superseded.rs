@@ -101,8 +101,8 @@ pub(super) async fn record(
 /// `chunks`, so the collector removes it like any other; whether it was recorded. Nothing is
 /// recorded twice, nor for a snapshot any sandbox names as its durable stop or a snapshot row
 /// has (a report is a host's word: it never gets another sandbox's content collected; that
-/// look scans `sandboxes`, which has no index on `durable_snapshot`, once per late report).
-/// Lock the row first.
+/// look uses the partial index `sandboxes_durable_snapshot`, migration 0038). Lock the row
+/// first.
 pub async fn supersede_unnamed(
     conn: &mut PgConnection,
     id: SandboxId,
