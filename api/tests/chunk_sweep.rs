@@ -127,7 +127,7 @@ impl Store {
             .put(&key, bytes::Bytes::from(hash.to_owned()))
             .await
             .unwrap();
-        self.age(&key.to_string(), age);
+        self.age(key.as_ref(), age);
     }
 
     fn age(&self, key: &str, age: Duration) {

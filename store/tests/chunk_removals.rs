@@ -260,7 +260,7 @@ async fn the_sweeps_queue_never_unclaims_a_removal_claimed_under_it(db: PgPool) 
         chunks::queue_unreferenced(&mut conn, std::slice::from_ref(&x), 10)
             .await
             .unwrap(),
-        [x.clone()]
+        std::slice::from_ref(&x)
     );
     assert!(chunks::claim(&mut conn, &x).await.unwrap());
 }

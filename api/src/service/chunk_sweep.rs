@@ -28,7 +28,9 @@
 //! Bounded work: the chunk keys spread over 256 shards (`chunks/<hh>/`,
 //! [`berth_storage::CHUNK_SHARDS`]); a round lists whole shards from where the last one stopped,
 //! in pages of [`PAGE`] keys (one query each), until it listed [`SweepConfig::max_listed`] keys
-//! or removed [`SweepConfig::max_removed`] chunks, and covers every shard at most once.
+//! or removed [`SweepConfig::max_removed`] chunks, and covers every shard at most once. The
+//! manifest listing that comes first is not bounded: every round lists them all (one S3 list
+//! request per 1000 snapshots and stops stored), as the pins must be current.
 //!
 //! One sweeper at a time: a round runs only under the `chunk_sweep` lease
 //! (`berth_store::leases`), so of several API processes one sweeps. Two sweeping at once (a
