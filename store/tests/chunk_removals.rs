@@ -194,3 +194,73 @@ async fn a_removal_finished_before_a_snapshot_was_requested_does_not_fail_it(db:
     assert!(lost.is_empty());
     assert!(!queued(&db, &x).await, "referenced again: no longer queued");
 }
+
+/// Waits until a backend of this test's database waits on a lock (a row or a unique key another
+/// transaction holds).
+async fn until_one_waits_on_a_lock(db: &PgPool) {
+    loop {
+        let waiting: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE datname = current_database() AND wait_event_type = 'Lock')",
+        )
+        .fetch_one(db)
+        .await
+        .unwrap();
+        if waiting {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn the_sweeps_queue_never_unclaims_a_removal_claimed_under_it(db: PgPool) {
+    let x = hash('e');
+    // A delete's remover queues and claims `x`, not yet committed.
+    let mut remover = db.begin().await.unwrap();
+    chunks::queue(&mut remover, std::slice::from_ref(&x))
+        .await
+        .unwrap();
+    assert!(chunks::claim(&mut remover, &x).await.unwrap());
+    // The sweep, finding `x` in the store unreferenced, looks before that commit: it sees no
+    // removal row and waits on the remover's insert.
+    let sweep = {
+        let (db, x) = (db.clone(), x.clone());
+        tokio::spawn(async move {
+            let mut conn = db.acquire().await.unwrap();
+            chunks::queue_unreferenced(&mut conn, &[x], 10)
+                .await
+                .unwrap()
+        })
+    };
+    until_one_waits_on_a_lock(&db).await;
+    remover.commit().await.unwrap();
+    assert!(
+        sweep.await.unwrap().is_empty(),
+        "a claimed removal is not queued again"
+    );
+    let row: (bool, bool) = sqlx::query_as(
+        "SELECT removing_at IS NOT NULL, removed_at IS NOT NULL FROM chunk_removals
+          WHERE sha256 = $1",
+    )
+    .bind(&x)
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    assert_eq!(
+        row,
+        (true, false),
+        "still claimed: a settling snapshot cannot take it back"
+    );
+
+    // Once that removal finished, a chunk stored again and orphaned is queued afresh.
+    let mut conn = db.acquire().await.unwrap();
+    chunks::finish(&mut conn, &x).await.unwrap();
+    assert_eq!(
+        chunks::queue_unreferenced(&mut conn, std::slice::from_ref(&x), 10)
+            .await
+            .unwrap(),
+        std::slice::from_ref(&x)
+    );
+    assert!(chunks::claim(&mut conn, &x).await.unwrap());
+}
