@@ -11,11 +11,6 @@
 //!
 //! Each look also deletes the backups past their org's retention (`backups_kept`,
 //! [`prune_backups`]), content first as a user's snapshot delete does.
-//!
-//! Beside the looks, every [`SweepConfig::every`] (5 minutes) the process holding the
-//! `chunk_sweep` lease sweeps the chunks that nothing references and that are older than the
-//! grace (a day) — what an upload cut before its manifest left — through the chunk removal
-//! claim ([`crate::service::chunk_sweep`]).
 
 use std::time::Duration;
 
@@ -23,7 +18,6 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use crate::service::chunk_sweep::{self, SweepConfig};
 use crate::service::sandboxes::collect_deleted;
 use crate::service::snapshots::prune_backups;
 
@@ -33,19 +27,8 @@ pub const COLLECT_EVERY: Duration = Duration::from_secs(2);
 /// Snapshots collected per look (a full batch looks again at once).
 const BATCH: i64 = 64;
 
-/// Runs the collector, and the sweep of orphaned chunks beside it, until `shutdown` fires.
-pub async fn run(
-    db: PgPool,
-    objects: berth_storage::Objects,
-    sweep: SweepConfig,
-    shutdown: CancellationToken,
-) {
-    let sweeping = chunk_sweep::run(db.clone(), objects.clone(), sweep, shutdown.clone());
-    tokio::join!(looks(db, objects, shutdown), sweeping);
-}
-
-/// The collector's looks, every [`COLLECT_EVERY`], until `shutdown` fires.
-async fn looks(db: PgPool, objects: berth_storage::Objects, shutdown: CancellationToken) {
+/// Runs the collector until `shutdown` fires.
+pub async fn run(db: PgPool, objects: berth_storage::Objects, shutdown: CancellationToken) {
     let mut every = tokio::time::interval(COLLECT_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -9,7 +9,6 @@ use crate::http::events::EventStreamConfig;
 use crate::limits::LimitsConfig;
 use crate::model::DiskLimits;
 use crate::preview::PreviewConfig;
-use crate::service::chunk_sweep::SweepConfig;
 use crate::webhooks::delivery::WebhookConfig;
 
 /// Default listen address of the API.
@@ -54,9 +53,6 @@ pub struct ApiConfig {
     /// snapshot removes its stored content; `None`: a delete removes the row and its chunk
     /// references only, leaving the content unreferenced.
     pub object_store: Option<berth_storage::StoreSettings>,
-    /// The collector's sweep of orphaned chunks in that object store: period, grace, work per
-    /// round (see [`SweepConfig`]).
-    pub chunk_sweep: SweepConfig,
 }
 
 impl ApiConfig {
@@ -64,7 +60,7 @@ impl ApiConfig {
     /// [`berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS`], the default overcommit,
     /// [`crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS`], and the defaults of the event
     /// stream and of webhook delivery, and [`LimitsConfig::default`]; `/metrics` on the API's
-    /// listener; [`DiskLimits::default`]; no object store; [`SweepConfig::default`].
+    /// listener; [`DiskLimits::default`].
     pub fn new(listen: SocketAddr, subjects: Subjects) -> Self {
         Self {
             listen,
@@ -80,7 +76,6 @@ impl ApiConfig {
             sandbox_egress_private: false,
             preview: PreviewConfig::default(),
             object_store: None,
-            chunk_sweep: SweepConfig::default(),
         }
     }
 }

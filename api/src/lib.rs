@@ -180,7 +180,6 @@ pub async fn serve(
             Ok(objects) => Some(tokio::spawn(collector::run(
                 state.db.clone(),
                 objects,
-                state.config.chunk_sweep,
                 shutdown.clone(),
             ))),
             Err(error) => {

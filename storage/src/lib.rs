@@ -27,5 +27,5 @@ pub use capture::{stage, Staged, TreeSource};
 pub use error::{StorageError, StoreOp};
 pub use manifest::{Holds, Manifest, SnapshotInfo, TreeKind};
 pub use restore::{delete_snapshot, fetch_manifest, is_durable, materialize};
-pub use store::{ListedChunk, Location, Objects, RetrySettings, StoreSettings, CHUNK_SHARDS};
+pub use store::{Location, Objects, RetrySettings, StoreSettings};
 pub use upload::{upload, UploadProgress, UploadReport};

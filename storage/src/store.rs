@@ -18,12 +18,11 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use berth_schemas::ids::SnapshotId;
 use bytes::Bytes;
-use futures::stream::BoxStream;
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as Key;
@@ -45,19 +44,6 @@ pub const DEFAULT_RETRY_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long connecting to the S3 endpoint may take.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How many shards the chunk keys spread over: `chunks/<hh>/`, the hash's first byte.
-pub const CHUNK_SHARDS: u16 = 256;
-
-/// A chunk object as the store lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ListedChunk {
-    /// The chunk's sha256 (64 lowercase hex digits), from its key.
-    pub sha256: String,
-    /// When the object was last written, by the store's clock (S3 `LastModified`, a local
-    /// file's mtime).
-    pub last_modified: SystemTime,
-}
 
 /// Where the object store is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -243,32 +229,9 @@ impl Objects {
         Key::from(format!("chunks/{}/{hash}.zst", &hash[..2.min(hash.len())]))
     }
 
-    /// The hash a chunk key names (the inverse of [`Objects::chunk_key`]); `None` for any other
-    /// key (a manifest, a stray object, a hash that is not 64 lowercase hex digits or sits in
-    /// the wrong shard).
-    pub fn chunk_hash(key: &str) -> Option<&str> {
-        let rest = key.strip_prefix("chunks/")?;
-        let (shard, file) = rest.split_once('/')?;
-        let hash = file.strip_suffix(".zst")?;
-        let hex = |s: &str| {
-            s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        };
-        (hash.len() == 64 && hex(hash) && hash.starts_with(shard) && shard.len() == 2)
-            .then_some(hash)
-    }
-
     /// The key of a snapshot's manifest: `manifests/<id>.json`.
     pub fn manifest_key(id: SnapshotId) -> Key {
         Key::from(format!("manifests/{id}.json"))
-    }
-
-    /// The snapshot a manifest key names (the inverse of [`Objects::manifest_key`]); `None` for
-    /// any other key.
-    pub fn manifest_id(key: &str) -> Option<SnapshotId> {
-        let id = key.strip_prefix("manifests/")?.strip_suffix(".json")?;
-        let parsed: SnapshotId = id.parse().ok()?;
-        (parsed.to_string() == id).then_some(parsed)
     }
 
     /// Writes one object whole (replacing any object at `key`).
@@ -319,53 +282,6 @@ impl Objects {
             .try_collect()
             .await
             .map_err(StorageError::store(StoreOp::List, &key))
-    }
-
-    /// Streams the snapshots whose manifest is stored (`manifests/<id>.json`), in the store's
-    /// order; other keys are skipped.
-    ///
-    /// Errors: [`StorageError::Store`] (`list`), as an item of the stream.
-    pub fn list_manifests(&self) -> BoxStream<'static, Result<SnapshotId>> {
-        let prefix = Key::from("manifests");
-        let key = prefix.to_string();
-        self.inner
-            .list(Some(&prefix))
-            .map_err(move |source| StorageError::Store {
-                op: StoreOp::List,
-                key: key.clone(),
-                source,
-            })
-            .try_filter_map(|meta| {
-                futures::future::ready(Ok(Objects::manifest_id(meta.location.as_ref())))
-            })
-            .boxed()
-    }
-
-    /// Streams the chunks of shard `shard` (`chunks/<hh>/`, `hh` its two lowercase hex
-    /// digits), each with when it was last written, in the store's order (an S3 listing is
-    /// sorted and paged by the store, 1000 keys a request; a local one is not sorted). Keys
-    /// outside the chunk layout ([`Objects::chunk_hash`]) are skipped; manifests never appear.
-    ///
-    /// Errors: [`StorageError::Store`] (`list`) once the store's retries are spent, as an item
-    /// of the stream.
-    pub fn list_chunk_shard(&self, shard: u8) -> BoxStream<'static, Result<ListedChunk>> {
-        let prefix = Key::from(format!("chunks/{shard:02x}"));
-        let key = prefix.to_string();
-        self.inner
-            .list(Some(&prefix))
-            .map_err(move |source| StorageError::Store {
-                op: StoreOp::List,
-                key: key.clone(),
-                source,
-            })
-            .try_filter_map(|meta| {
-                let listed = Objects::chunk_hash(meta.location.as_ref()).map(|h| ListedChunk {
-                    sha256: h.to_owned(),
-                    last_modified: meta.last_modified.into(),
-                });
-                futures::future::ready(Ok(listed))
-            })
-            .boxed()
     }
 }
 
@@ -425,22 +341,5 @@ mod tests {
             Objects::manifest_key(id).to_string(),
             format!("manifests/{id}.json")
         );
-        let key = Objects::chunk_key(&h).to_string();
-        assert_eq!(Objects::chunk_hash(&key), Some(h.as_str()));
-        let manifest = Objects::manifest_key(id).to_string();
-        assert_eq!(Objects::manifest_id(&manifest), Some(id));
-        assert_eq!(Objects::manifest_id(&key), None);
-        assert_eq!(Objects::manifest_id("manifests/nope.json"), None);
-        for other in [
-            manifest.as_str(),
-            "chunks/ab/abab.zst",
-            &format!("chunks/cd/{h}.zst"),
-            &format!("chunks/ab/{h}.json"),
-            &format!("chunks/ab/{}.zst", "AB".repeat(32)),
-            &format!("chunks/ab/x/{h}.zst"),
-            &format!("elsewhere/ab/{h}.zst"),
-        ] {
-            assert_eq!(Objects::chunk_hash(other), None, "{other}");
-        }
     }
 }

@@ -2,11 +2,8 @@
 //! holds), then the manifest, last. Until the manifest is stored the snapshot does not exist
 //! for anyone reading the store; a failure at any point leaves no manifest behind, so nothing
 //! is ever reported ready that is not durable (DESIGN.md guarantee 9). Chunks uploaded before
-//! a failure stay: they are content-addressed, so a retry skips them. Otherwise the API's
-//! collector sweeps them (`berth_api::service::chunk_sweep`): chunks listed under `chunks/`,
-//! last written more than a grace ago (a day by default), that no snapshot, durable stop or
-//! superseded stop references, queued and claimed through `berth_store::chunks` like a
-//! delete's orphans. Manifests are never swept.
+//! a failure stay: they are content-addressed, so a retry skips them, and a sweep of chunks no
+//! manifest references removes them otherwise.
 
 use futures::StreamExt;
 

@@ -20,11 +20,6 @@
 //!    looked after it and stored the chunk again.
 //!
 //! The row lock orders a claim and a settling snapshot: whichever is second sees the other.
-//!
-//! The sweep of orphaned chunks (the API's collector, `berth_api::service::chunk_sweep`) enters
-//! the same protocol at step 1: [`queue_unreferenced`] queues chunks the object store holds
-//! that nothing references (an upload cut before its manifest left them), and the same claim
-//! decides whether they go.
 
 use berth_schemas::ids::SnapshotId;
 use chrono::{DateTime, Utc};
@@ -48,73 +43,6 @@ pub async fn queue(conn: &mut PgConnection, hashes: &[String]) -> Result<(), Sto
     )
     .await?;
     Ok(())
-}
-
-/// Queues for removal, in one statement, at most `limit` of `hashes` (chunks the sweep found
-/// in the object store, older than its grace) that nothing references: no (ready) snapshot, no durable stop snapshot, no superseded one awaiting collection — the references
-/// [`claim`] checks — and no removal in flight (queued, or claimed and not finished: that
-/// remover owns it). A chunk removed before and stored again since is queued afresh. Returns
-/// the chunks queued, sorted; pass them to the remover, which [`claim`]s each.
-///
-/// Unlike [`queue`], a row in flight is never reset, even when a removal claimed it between
-/// this statement's look and its insert: resetting a claimed row would let a settling snapshot
-/// take it back ([`check_for_ready`]) while its remover deletes the object. A reference that
-/// appears meanwhile is found by the claim, as for a delete's orphans.
-pub async fn queue_unreferenced(
-    conn: &mut PgConnection,
-    hashes: &[String],
-    limit: i64,
-) -> Result<Vec<String>, StoreError> {
-    let mut queued: Vec<String> = timed(
-        Op::ChunkRemoval,
-        sqlx::query_scalar(
-            "INSERT INTO chunk_removals (sha256)
-             SELECT DISTINCT h FROM unnest($1::text[]) AS t(h)
-              WHERE NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = h)
-                AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = h)
-                AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = h)
-                AND NOT EXISTS (SELECT 1 FROM chunk_removals r
-                                 WHERE r.sha256 = h AND r.removed_at IS NULL)
-              ORDER BY h
-              LIMIT $2
-             ON CONFLICT (sha256) DO UPDATE
-                SET queued_at = clock_timestamp(), removing_at = NULL, removed_at = NULL
-              WHERE chunk_removals.removed_at IS NOT NULL
-             RETURNING sha256",
-        )
-        .bind(hashes)
-        .bind(limit)
-        .fetch_all(conn),
-    )
-    .await?;
-    queued.sort();
-    Ok(queued)
-}
-
-/// Of `ids` (snapshots whose manifest the sweep found in the object store), those whose chunks
-/// no row references: not a `ready` snapshot, not a sandbox's durable stop, not a superseded
-/// stop awaiting collection. The sweep reads their manifests and keeps every chunk they name,
-/// so a stored manifest never names a swept chunk (hostd trusts one: an archive reuses the
-/// stop snapshot it recorded once its manifest reads back). Returned sorted.
-pub async fn unsettled_manifests(
-    conn: &mut PgConnection,
-    ids: &[SnapshotId],
-) -> Result<Vec<SnapshotId>, StoreError> {
-    let ids: Vec<uuid::Uuid> = ids.iter().map(SnapshotId::as_uuid).collect();
-    let unsettled: Vec<uuid::Uuid> = timed(
-        Op::ChunkRemoval,
-        sqlx::query_scalar(
-            "SELECT i FROM unnest($1::uuid[]) AS t(i)
-              WHERE NOT EXISTS (SELECT 1 FROM snapshots s WHERE s.id = i AND s.state = 'ready')
-                AND NOT EXISTS (SELECT 1 FROM sandboxes x WHERE x.durable_snapshot = i)
-                AND NOT EXISTS (SELECT 1 FROM durable_superseded d WHERE d.snapshot_id = i)
-              ORDER BY i",
-        )
-        .bind(&ids)
-        .fetch_all(conn),
-    )
-    .await?;
-    Ok(unsettled.into_iter().map(SnapshotId::from).collect())
 }
 
 /// Claims the queued chunk `hash` for removal, if no snapshot references it and nobody claimed

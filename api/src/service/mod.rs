@@ -7,7 +7,6 @@
 //! - A state change commits its row, command and event in one transaction (guarantee 1).
 
 pub mod backup;
-pub mod chunk_sweep;
 pub mod events;
 pub mod hosts;
 pub mod idempotency;
