@@ -123,8 +123,8 @@ pub async fn draining(db: impl PgExecutor<'_>) -> Result<Vec<Draining>, StoreErr
 }
 
 /// Locks up to `limit` sandboxes of `host` the drive has not begun to move (no move row,
-/// failed ones included), not being deleted: `stopped` ones and `failed-start` ones that hold a
-/// disk there (no `seed_snapshot`) first, then `running` ones when `live`, oldest first.
+/// failed ones included), not being deleted: `stopped` ones first, then `running` ones when
+/// `live`, oldest first.
 pub async fn lock_untracked(
     conn: &mut PgConnection,
     host: HostId,
@@ -136,9 +136,7 @@ pub async fn lock_untracked(
         sqlx::query(&format!(
             "SELECT {} FROM sandboxes s
               WHERE s.host_id = $1 AND s.deleted_at IS NULL
-                AND (s.state = 'stopped'
-                     OR (s.state = 'failed-start' AND s.seed_snapshot IS NULL)
-                     OR ($2 AND s.state = 'running'))
+                AND (s.state = 'stopped' OR ($2 AND s.state = 'running'))
                 AND NOT EXISTS (SELECT 1 FROM drain_moves m WHERE m.sandbox_id = s.id)
               ORDER BY s.state = 'running', s.created_at, s.id
               LIMIT $3 FOR UPDATE OF s SKIP LOCKED",
@@ -239,9 +237,8 @@ pub async fn forget(conn: &mut PgConnection, sandbox: SandboxId) -> Result<(), S
 /// recorded; a host with neither is absent.
 ///
 /// `left` counts the sandboxes still on the host, not being deleted and without a move, that
-/// the drive is to move: `stopped` ones (and `stopping`, `archiving`), `failed-start` ones that
-/// hold a disk there (no `seed_snapshot`), and with `live` every one but `archived` and
-/// `failed-start`. `failed` counts only moves whose sandbox is not being
+/// the drive is to move: `stopped` ones (and `stopping`, `archiving`), and with `live` every
+/// one but `archived` and `failed-start`. `failed` counts only moves whose sandbox is not being
 /// deleted.
 pub async fn progress(
     conn: &mut PgConnection,
@@ -255,7 +252,6 @@ pub async fn progress(
                       WHERE s.host_id = h.id AND s.deleted_at IS NULL
                         AND NOT EXISTS (SELECT 1 FROM drain_moves m WHERE m.sandbox_id = s.id)
                         AND (s.state IN ('stopped', 'stopping', 'archiving')
-                             OR (s.state = 'failed-start' AND s.seed_snapshot IS NULL)
                              OR (h.drain_live AND s.state NOT IN
                                  ('archived', 'failed-start', 'deleted')))) AS left_,
                     (SELECT count(*) FROM drain_moves m

@@ -5,8 +5,7 @@
 //! Failure paths: no other host has room (the sandboxes stay as they are, counted failed with
 //! their reason, and a drain again once there is room moves them); a sandbox deleted or started
 //! by its user mid-drain; an uncordon ends the drive (the move in flight finishes, the rest stay
-//! untouched). A `failed-start` sandbox that keeps its disk on the drained host is archived
-//! like a stopped one, and a start brings it back elsewhere with its files.
+//! untouched).
 
 use std::time::Duration;
 
@@ -390,69 +389,6 @@ async fn an_uncordon_ends_the_drive_the_move_in_flight_finishes_and_the_rest_sta
     for (id, _) in &sandboxes {
         assert_eq!(state(&stack, id).await, "running");
     }
-    stack.assert_no_capacity_drift().await;
-    stack.teardown().await;
-}
-
-#[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn a_drain_archives_a_failed_start_sandbox_that_keeps_its_disk_and_a_start_brings_it_back_elsewhere(
-    db: PgPool,
-) {
-    // Its host silent for 2 s is lost, and a second later its sandbox without a backup fails.
-    let config = PassConfig {
-        host_lost_after: Duration::from_secs(2),
-        failover_after: Duration::from_secs(1),
-        inventory_grace: Duration::from_millis(500),
-        ..quick(4)
-    };
-    let mut stack = Stack::start_with(db.clone(), 1, config).await;
-    let id = running_sandbox(&stack).await;
-    run(&stack, &id, "echo survived > /root/f").await;
-    let first = host_of(&stack, &id).await;
-    stack.add_host().await;
-
-    // A failed-start sandbox with its disk on its host: the host is lost and comes back, which
-    // stops its container and keeps its disk.
-    stack.hosts[0].freeze();
-    let failed = stack.wait_state(&id, "failed-start").await;
-    assert!(
-        failed["state_reason"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("host_lost"),
-        "{failed}"
-    );
-    stack.hosts[0].thaw();
-    eventually("the lost host is ready again", || async {
-        let state: String = sqlx::query_scalar("SELECT state FROM hosts WHERE id = $1")
-            .bind(first)
-            .fetch_one(&db)
-            .await
-            .unwrap();
-        state == "ready"
-    })
-    .await;
-    eventually("the lost host's container is stopped", || async {
-        !stack.container_exists(&id)
-    })
-    .await;
-    assert_eq!(state(&stack, &id).await, "failed-start");
-
-    // The drain counts it as left and archives it: the host holds nothing of it after.
-    let answer = drain(&stack, 0, false).await;
-    assert_eq!(answer["drain"]["left"], 1, "{answer}");
-    let progress = drained(&stack, 0).await;
-    assert_eq!(progress["failed"], 0, "{progress}");
-    let archived = stack.wait_state(&id, "archived").await;
-    assert!(
-        drain_event(&db, &id, "archiving", "archived off host").await,
-        "{archived}"
-    );
-    // A start brings it back on the other host, with its files.
-    assert_eq!(stack.request(&id, "start").await.0, 202);
-    stack.wait_state(&id, "running").await;
-    assert_ne!(host_of(&stack, &id).await, first);
-    assert_eq!(run(&stack, &id, "cat /root/f").await, "survived\n");
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }

@@ -67,9 +67,8 @@ pub struct Drain {
     /// ones.
     pub live: bool,
     /// Sandboxes still on the host that the drain is to move and has not begun to: `stopped`
-    /// ones (and `stopping`, `archiving`), `failed-start` ones that keep a disk there (all but
-    /// a clone, fork or restore from backup that never ran), and with `live` every one but
-    /// `archived`.
+    /// ones (and `stopping`, `archiving`), and with `live` every one but `archived` and
+    /// `failed-start`.
     pub left: i64,
     /// Moves in flight (at most the reconciler's `--drain-parallel` per host): an archive, or
     /// a live move's stop, upload and start elsewhere.

@@ -10,12 +10,6 @@
 //!   whatever host placement picks. It is archived only when some other host has room for it
 //!   now: on a fleet of one, a start of it would otherwise find no host, where the draining host
 //!   still starts its own.
-//! - A `failed-start` sandbox is archived the same way (the drive's archive, which a user's
-//!   request refuses): it keeps its disk on its host, where a start would boot it again, so
-//!   a drain that left it would not empty the host. Once `archived`, a start unarchives it
-//!   elsewhere with its files; an archive that fails leaves it `stopped` there. One that never
-//!   ran from a disk of its own (`seed_snapshot` set) holds nothing on the host and is left
-//!   as it is, not counted.
 //! - With `live`, a `running` sandbox is stopped (reason `drain`; gVisor keeps its memory),
 //!   and once its stop is durable, migrated to the host placement picks (never the drained
 //!   one) and booted there from the stop snapshot: it ends `running` on that host, on gVisor
@@ -35,8 +29,7 @@ use std::time::Duration;
 
 use berth_scheduler::placement::{self, Candidate, Placement};
 use berth_schemas::host_state::drain::{
-    drain_request, on_drain_progress, on_drain_request, DrainFailure, DrainKind, DrainPhase,
-    DrainStep, Tracked,
+    drain_request, on_drain_progress, DrainFailure, DrainKind, DrainPhase, DrainStep, Tracked,
 };
 use berth_schemas::state::{away_from_home, on_request, on_start_elsewhere, Decision, Request};
 use berth_schemas::{HostId, Reason};
@@ -71,9 +64,9 @@ pub(super) async fn drive(
     Ok((begun, ended))
 }
 
-/// Begins up to `slots` moves off `host`: archives its stopped and failed-start sandboxes, and
-/// with `live` stops its running ones, each only when another host has room for it now (else
-/// the move fails: `no room`).
+/// Begins up to `slots` moves off `host`: archives its stopped sandboxes, and with `live`
+/// stops its running ones, each only when another host has room for it now (else the move
+/// fails: `no room`).
 async fn begin(
     db: &PgPool,
     config: &PassConfig,
@@ -96,8 +89,7 @@ async fn begin(
     room.retain(|c| c.id != host);
     let mut n = 0;
     for row in &rows {
-        let seeded = row.seed_snapshot.is_some();
-        let Some((kind, request)) = drain_request(row.state, row.deleting(), live, seeded) else {
+        let Some((kind, request)) = drain_request(row.state, row.deleting(), live) else {
             continue;
         };
         if !claim_room(&mut room, row, kind == DrainKind::Live) {
@@ -114,11 +106,11 @@ async fn begin(
             n += 1;
             continue;
         }
-        let Some(Decision::Transition {
+        let Ok(Decision::Transition {
             to,
             command,
             capacity,
-        }) = on_drain_request(row.state, row.deleting(), request)
+        }) = on_request(row.state, row.deleting(), request)
         else {
             continue;
         };

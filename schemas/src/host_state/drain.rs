@@ -13,14 +13,6 @@
 //!   the operator drains the host again. A sandbox the drain stopped is started again on its
 //!   own host when it cannot move ([`DrainStep::Fail`] with `restart`), so a drain never leaves
 //!   a running sandbox stopped.
-//! - A `failed-start` sandbox keeps its disk on its host (a start boots it there again), so it
-//!   is archived like a stopped one ([`on_drain_request`]; a user's archive of it is 409): once
-//!   `archived` the host holds nothing of it, and a start unarchives it elsewhere with its
-//!   files. An archive that fails leaves it `stopped` on its host with what it had there (the
-//!   archive's own failure path; a start of it boots as a start of the failed-start would
-//!   have). One that never ran from its own disk (`seed_snapshot` set: a clone, fork or
-//!   restore from backup whose boot failed) holds nothing there — its content is the snapshot
-//!   in the object store — so the drain neither moves it nor counts it as left.
 //! - A sandbox deleted mid-drain is forgotten; one its user started again on its own host before
 //!   it could move fails (`interrupted`) rather than being stopped a second time.
 //!
@@ -31,8 +23,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::state::{on_request, Capacity, Decision, Request, SandboxState, UnknownState};
-use crate::CommandKind;
+use crate::state::{Request, SandboxState, UnknownState};
 
 /// How a sandbox leaves a draining host (`drain_moves.kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -112,39 +103,19 @@ pub enum DrainStep {
 }
 
 /// The request the drive makes of an untracked sandbox in `state` on a draining host, and how
-/// it moves: `stopped` → archive; `failed-start` → archive, unless `seeded` (`seed_snapshot`
-/// is set: it never ran from a disk of its own there, so the host holds nothing of it);
-/// `running` (only when `live`) → stop. `None`: nothing to do now (being deleted, in a
-/// transition that will settle first, or a state a drain leaves).
+/// it moves: `stopped` → archive; `running` (only when `live`) → stop. `None`: nothing to do
+/// now (being deleted, in a transition that will settle first, or a state a drain leaves).
 pub fn drain_request(
     state: SandboxState,
     deleting: bool,
     live: bool,
-    seeded: bool,
 ) -> Option<(DrainKind, Request)> {
     match state {
         _ if deleting => None,
         SandboxState::Stopped => Some((DrainKind::Archive, Request::Archive)),
-        SandboxState::FailedStart if !seeded => Some((DrainKind::Archive, Request::Archive)),
         SandboxState::Running if live => Some((DrainKind::Live, Request::Stop)),
         _ => None,
     }
-}
-
-/// The transition the drive writes for its `request` ([`drain_request`]) of a sandbox in
-/// `state`: [`on_request`]'s, except that the drive archives a `failed-start` sandbox, which a
-/// user's archive refuses (409): `archiving` + `sandbox.archive`, capacity kept (a failed-start
-/// sandbox holds none; its archive settles like a stopped one's). `None` when the request is
-/// refused.
-pub fn on_drain_request(state: SandboxState, deleting: bool, request: Request) -> Option<Decision> {
-    if state == SandboxState::FailedStart && !deleting && request == Request::Archive {
-        return Some(Decision::Transition {
-            to: SandboxState::Archiving,
-            command: CommandKind::Archive,
-            capacity: Capacity::Keep,
-        });
-    }
-    on_request(state, deleting, request).ok()
 }
 
 /// The next step of the tracked move `t`. A live move waits at most `durable_wait` for its stop
@@ -270,66 +241,20 @@ mod tests {
     }
 
     #[test]
-    fn a_drain_archives_stopped_and_failed_sandboxes_and_stops_running_ones_only_when_live() {
+    fn a_drain_archives_stopped_sandboxes_and_stops_running_ones_only_when_live() {
         for state in S::ALL {
             for live in [false, true] {
-                for seeded in [false, true] {
-                    let expected = match state {
-                        S::Stopped => Some((DrainKind::Archive, Request::Archive)),
-                        S::FailedStart if !seeded => Some((DrainKind::Archive, Request::Archive)),
-                        S::Running if live => Some((DrainKind::Live, Request::Stop)),
-                        _ => None,
-                    };
-                    assert_eq!(
-                        drain_request(state, false, live, seeded),
-                        expected,
-                        "{state:?} {live} {seeded}"
-                    );
-                    assert_eq!(
-                        drain_request(state, true, live, seeded),
-                        None,
-                        "{state:?} deleting"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn the_drive_archives_a_failed_sandbox_as_a_stopped_one_and_otherwise_decides_as_a_user() {
-        let archive = Some(Decision::Transition {
-            to: S::Archiving,
-            command: CommandKind::Archive,
-            capacity: Capacity::Keep,
-        });
-        assert_eq!(
-            on_drain_request(S::Stopped, false, Request::Archive),
-            archive
-        );
-        assert_eq!(
-            on_drain_request(S::FailedStart, false, Request::Archive),
-            archive
-        );
-        assert_eq!(
-            on_drain_request(S::FailedStart, true, Request::Archive),
-            None
-        );
-        assert!(
-            on_request(S::FailedStart, false, Request::Archive).is_err(),
-            "a user's archive of a failed-start sandbox stays 409"
-        );
-        for state in S::ALL {
-            for deleting in [false, true] {
-                for request in [Request::Archive, Request::Stop, Request::Start] {
-                    if state == S::FailedStart && !deleting && request == Request::Archive {
-                        continue;
-                    }
-                    assert_eq!(
-                        on_drain_request(state, deleting, request),
-                        on_request(state, deleting, request).ok(),
-                        "{state:?} {deleting} {request:?}"
-                    );
-                }
+                let expected = match state {
+                    S::Stopped => Some((DrainKind::Archive, Request::Archive)),
+                    S::Running if live => Some((DrainKind::Live, Request::Stop)),
+                    _ => None,
+                };
+                assert_eq!(
+                    drain_request(state, false, live),
+                    expected,
+                    "{state:?} {live}"
+                );
+                assert_eq!(drain_request(state, true, live), None, "{state:?} deleting");
             }
         }
     }
