@@ -23,7 +23,8 @@ pub struct ReconcilerTimingArgs {
     /// A host silent this long becomes `lost`.
     #[arg(long, env = "BERTH_HOST_LOST_AFTER", default_value_t = pass::DEFAULT_HOST_LOST_AFTER.into())]
     pub host_lost_after: Duration,
-    /// Sandboxes on a host `lost` this much longer become `failed-start` (`host_lost`).
+    /// Sandboxes on a host `lost` this much longer fail over: restored from their newest backup
+    /// on another host, or `failed-start` (`host_lost`) without one.
     #[arg(long, env = "BERTH_FAILOVER_AFTER", default_value_t = pass::DEFAULT_FAILOVER_AFTER.into())]
     pub failover_after: Duration,
     /// A failover deferred pass after pass (no host has room for the sandbox's backup, or the

@@ -142,7 +142,8 @@ pub struct PassConfig {
     pub interval: Duration,
     /// A host silent this long becomes `lost`.
     pub host_lost_after: Duration,
-    /// Sandboxes on a host `lost` this much longer become `failed-start` (`host_lost`).
+    /// Sandboxes on a host `lost` this much longer fail over: restored from their newest backup
+    /// on another host, or `failed-start` (`host_lost`) without one.
     pub failover_after: Duration,
     /// How long past [`PassConfig::failover_after`] a failover that each pass defers (no host
     /// has room for the sandbox's backup, or the backup is being deleted or not ready) is

@@ -170,10 +170,33 @@ fn judged_sql() -> String {
     )
 }
 
-/// The SQL condition (aliases `s`, `h`) of a guest the inventory does not list as running.
-const NOT_LISTED_RUNNING: &str = "NOT EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
-                                   WHERE i->>'sandbox_id' = s.id::text
-                                     AND i->>'status' = 'running')";
+/// The SQL of `listed(host_id, sandbox_id)`: each host in service and the sandboxes its
+/// newest inventory lists as running, expanded once per query (a `WITH` item; `$hosts` narrows
+/// it). Joined to the sandboxes (`LEFT JOIN listed l ON l.host_id = s.host_id AND l.sandbox_id
+/// = s.id::text`, `l.sandbox_id IS NULL`: not listed running), rather than a `NOT EXISTS` over
+/// `jsonb_array_elements(h.inventory)` per sandbox, which detoasted and expanded the host's
+/// whole inventory once for each of its sandboxes: 5.7–6.4 s at 1,000 hosts × 100 running
+/// sandboxes, against 0.34–0.42 s this way (`tests/bench/RESULTS.md`, sim run 9).
+fn listed_running_sql(hosts: &str) -> String {
+    format!(
+        "listed AS (
+           SELECT DISTINCT h.id AS host_id, i->>'sandbox_id' AS sandbox_id
+             FROM hosts h CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
+            WHERE h.state <> '{LOST}' {hosts} AND i->>'status' = 'running')"
+    )
+}
+
+/// Turns off JIT compilation for the rest of the caller's transaction. The guest queries'
+/// estimated cost counts the per-sandbox `commands` probe of [`judged_sql`] for every running
+/// sandbox (it runs only for those not listed running), which puts them above
+/// `jit_above_cost`; compiling them took 0.4–0.7 s, longer than the query itself.
+async fn without_jit(conn: &mut PgConnection) -> Result<(), StoreError> {
+    sqlx::query("SET LOCAL jit = off")
+        .execute(conn)
+        .await
+        .map_err(StoreError::database(Op::SandboxGuestTally))?;
+    Ok(())
+}
 
 /// One host's `running` sandboxes and how many of them the pass would fail on the evidence it
 /// has ([`lock_failed_guests`]'s conditions): what the circuit breaker weighs.
@@ -196,14 +219,20 @@ pub async fn guest_tallies(
     conn: &mut PgConnection,
     judging: Judging,
 ) -> Result<Vec<GuestTally>, StoreError> {
+    without_jit(&mut *conn).await?;
     let rows: Vec<(HostId, i64, i64, i64)> = timed(
         Op::SandboxGuestTally,
         sqlx::query_as(&format!(
-            "SELECT s.host_id, h.heartbeat_seq, count(*)::int8,
-                    sum(CASE WHEN {judged} AND {NOT_LISTED_RUNNING} THEN 1 ELSE 0 END)::int8
+            // Not listed first: `AND` in a `CASE` is evaluated in order, so the `commands`
+            // probe of `judged` runs only for the few sandboxes not listed running.
+            "WITH {listed}
+             SELECT s.host_id, h.heartbeat_seq, count(*)::int8,
+                    sum(CASE WHEN l.sandbox_id IS NULL AND {judged} THEN 1 ELSE 0 END)::int8
                FROM sandboxes s JOIN hosts h ON h.id = s.host_id
+               LEFT JOIN listed l ON l.host_id = s.host_id AND l.sandbox_id = s.id::text
               WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> '{LOST}'
               GROUP BY s.host_id, h.heartbeat_seq",
+            listed = listed_running_sql(""),
             judged = judged_sql()
         ))
         .bind(secs(judging.grace))
@@ -231,19 +260,23 @@ pub async fn lock_failed_guests(
     hosts: &[HostId],
     batch: i64,
 ) -> Result<Vec<(SandboxRow, GuestFailure)>, StoreError> {
+    without_jit(&mut *conn).await?;
     let hosts: Vec<uuid::Uuid> = hosts.iter().map(|h| h.as_uuid()).collect();
     let found = timed(
         Op::SandboxUnhealthy,
         sqlx::query(&format!(
-            "SELECT {cols},
+            "WITH {listed}
+             SELECT {cols},
                     EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
                              WHERE i->>'sandbox_id' = s.id::text) AS listed
                FROM sandboxes s JOIN hosts h ON h.id = s.host_id
+               LEFT JOIN listed l ON l.host_id = s.host_id AND l.sandbox_id = s.id::text
               WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> '{LOST}'
                 AND s.host_id = ANY($4)
-                AND {judged} AND {NOT_LISTED_RUNNING}
+                AND l.sandbox_id IS NULL AND {judged}
               LIMIT $3
               FOR UPDATE OF s SKIP LOCKED",
+            listed = listed_running_sql("AND h.id = ANY($4)"),
             cols = columns_of("s"),
             judged = judged_sql()
         ))
