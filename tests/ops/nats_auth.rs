@@ -24,10 +24,12 @@ use crate::support::stack::NatsTarget;
 use crate::support::{eventually, nats_url, unique_subjects, Stack, SETTLE_TIMEOUT};
 
 /// The next message of `sub`, or a panic naming `what` after [`SETTLE_TIMEOUT`]: a message the
-/// server never delivers fails the test instead of hanging it (this test once hung for 20
-/// minutes in a full run on the loaded machine; alone it passes in 10 s, cause not found).
-/// The panic carries `context()` (the clients' connection events and the server's log), so a
-/// lost message says whether a connection dropped on the way.
+/// server never delivers fails the test instead of hanging it. The panic carries `context()`
+/// (the clients' connection events and the server's log), so a lost message says whether a
+/// connection dropped on the way.
+///
+/// The cause of this test's hangs on a loaded machine (once for 20 minutes, once for 120 s in
+/// CI) was a subscription the server had not taken yet: see [`processed`].
 async fn next_within(
     sub: &mut async_nats::Subscriber,
     what: &str,
@@ -41,6 +43,21 @@ async fn next_within(
             context()
         ),
     }
+}
+
+/// Returns once the server has handled everything `client` sent before (its subscriptions
+/// among it): a JetStream request answered on the same connection, since the server handles
+/// one connection's protocol in order. async-nats's `flush` only writes the socket (no PING
+/// round trip), so without this a message another connection publishes next can reach the
+/// server before this connection's `SUB` does, and is never delivered to it.
+async fn processed(client: &async_nats::Client, subjects: &Subjects) {
+    client
+        .request(
+            format!("$JS.API.STREAM.INFO.{}", subjects.cmd_stream()),
+            "".into(),
+        )
+        .await
+        .expect("the server answers a stream info request");
 }
 
 fn connect_spec(server: &NatsServer, creds: Option<&Creds>) -> NatsConnect {
@@ -171,7 +188,7 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
         .subscribe(format!("{}.>", subjects.prefix()))
         .await
         .unwrap();
-    cp.flush().await.unwrap();
+    processed(&cp, &subjects).await;
     let forged = [
         subjects.result(b),
         subjects.heartbeat(b),
@@ -224,7 +241,7 @@ async fn a_hosts_credentials_cannot_speak_for_or_read_another_host() {
         stolen.push(host_a.subscribe(subject.clone()).await.unwrap());
     }
     let mut own = host_a.subscribe(subjects.agent(a)).await.unwrap();
-    host_a.flush().await.unwrap();
+    processed(&host_a, &subjects).await;
     for subject in &forbidden {
         reported(
             &errors,
