@@ -57,25 +57,8 @@ async fn the_failover_mode_measures_a_real_failover_and_leaves_nothing_behind() 
         stdout.contains("Figures run from the moment the failover is due"),
         "{stdout}"
     );
-    let rows: Vec<Vec<&str>> = stdout
-        .lines()
-        .filter(|l| l.starts_with("| ") && !l.starts_with("| operation"))
-        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
-        .collect();
-    assert_eq!(rows.len(), ROWS.len(), "{stdout}");
-    for ((name, floored), row) in ROWS.iter().zip(&rows) {
-        assert_eq!(row.len(), 8, "{row:?}");
-        assert!(row[0].starts_with(name), "{row:?} is not {name}");
-        assert_eq!(row[1], "1", "one sample: {row:?}");
-        assert!(row[2].parse::<f64>().unwrap() > 0.0, "p50: {row:?}");
-        assert_eq!(row[3], "—", "no p90 below 10 samples: {row:?}");
-        if *floored {
-            assert_eq!((row[4], row[5]), ("raw runc run", "1"), "{row:?}");
-            assert!(row[6].parse::<f64>().unwrap() > 0.0, "floor p50: {row:?}");
-            assert!(row[7].ends_with('x'), "ratio: {row:?}");
-        } else {
-            assert_eq!((row[4], row[7]), ("—", "n/a"), "{row:?}");
-        }
+    for floor in crate::assert_one_sample_table(&stdout, ROWS) {
+        assert_eq!(floor, "raw runc run");
     }
 
     // Nothing left: no database, no streams, no hostd process, no state dir.

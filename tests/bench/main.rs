@@ -7,3 +7,37 @@ mod support;
 
 mod failover;
 mod storage;
+
+/// Checks the table `berth bench` printed on `stdout` against `expected` (each row's name
+/// prefix, and whether it has a floor), every row with one sample: `| name | n | p50 | p90 |
+/// floor | floor n | floor p50 | ratio |`, n 1, a positive p50, no p90 below 10 samples; a
+/// floored row one floor sample, a positive floor p50 and a ratio; the others neither. Returns
+/// the floor names of the floored rows, in order.
+pub(crate) fn assert_one_sample_table<'a>(
+    stdout: &'a str,
+    expected: &[(&str, bool)],
+) -> Vec<&'a str> {
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| operation"))
+        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
+        .collect();
+    assert_eq!(rows.len(), expected.len(), "{stdout}");
+    let mut floors = Vec::new();
+    for ((name, floored), row) in expected.iter().zip(&rows) {
+        assert_eq!(row.len(), 8, "{row:?}");
+        assert!(row[0].starts_with(name), "{row:?} is not {name}");
+        assert_eq!(row[1], "1", "one sample: {row:?}");
+        assert!(row[2].parse::<f64>().unwrap() > 0.0, "p50: {row:?}");
+        assert_eq!(row[3], "—", "no p90 below 10 samples: {row:?}");
+        if *floored {
+            assert_eq!(row[5], "1", "one floor sample: {row:?}");
+            assert!(row[6].parse::<f64>().unwrap() > 0.0, "floor p50: {row:?}");
+            assert!(row[7].ends_with('x'), "ratio: {row:?}");
+            floors.push(row[4]);
+        } else {
+            assert_eq!((row[4], row[7]), ("—", "n/a"), "{row:?}");
+        }
+    }
+    floors
+}

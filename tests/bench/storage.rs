@@ -63,26 +63,7 @@ async fn the_storage_mode_prints_each_figure_beside_its_floor(db: PgPool) {
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    let rows: Vec<Vec<&str>> = stdout
-        .lines()
-        .filter(|l| l.starts_with("| ") && !l.starts_with("| operation"))
-        .map(|l| l.trim_matches('|').split(" | ").map(str::trim).collect())
-        .collect();
-    assert_eq!(rows.len(), ROWS.len(), "{stdout}");
-    for ((name, floored), row) in ROWS.iter().zip(&rows) {
-        assert_eq!(row.len(), 8, "{row:?}");
-        assert!(row[0].starts_with(name), "{row:?} is not {name}");
-        assert_eq!(row[1], "1", "one sample: {row:?}");
-        assert!(row[2].parse::<f64>().unwrap() > 0.0, "p50: {row:?}");
-        assert_eq!(row[3], "—", "no p90 below 10 samples: {row:?}");
-        if *floored {
-            assert_eq!(row[5], "1", "one floor sample: {row:?}");
-            assert!(row[6].parse::<f64>().unwrap() > 0.0, "floor p50: {row:?}");
-            assert!(row[7].ends_with('x'), "ratio: {row:?}");
-        } else {
-            assert_eq!((row[4], row[7]), ("—", "n/a"), "{row:?}");
-        }
-    }
+    crate::assert_one_sample_table(&stdout, ROWS);
     // The floor's objects are gone from the store again; the bench's sandboxes are deleted.
     let floor_dir = stack.object_store_dir().join("berth-bench");
     assert_eq!(files_below(&floor_dir), 0, "{}", floor_dir.display());
