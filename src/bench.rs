@@ -92,6 +92,9 @@ pub struct BenchArgs {
     /// Scale mode: sandboxes taken through stop, start and delete for the throughput figure.
     #[arg(long, default_value_t = 5000)]
     lifecycle_sandboxes: usize,
+    /// Scale mode: host results the reconciler applies at once (its `--result-concurrency`).
+    #[arg(long, default_value_t = berth_reconciler::results::APPLY_CONCURRENCY)]
+    result_concurrency: usize,
     /// Scale mode: reconciler passes to time.
     #[arg(long, default_value_t = 5)]
     passes: usize,
@@ -462,6 +465,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 sim_boot: Duration::from_millis(args.sim_boot_ms),
                 heartbeat_interval: Duration::from_millis(args.heartbeat_ms),
                 lifecycle_sandboxes: args.lifecycle_sandboxes,
+                result_concurrency: args.result_concurrency,
                 passes: args.passes,
                 state_dir: args.state_dir,
                 sim_hosts_dir: args.sim_hosts_dir,

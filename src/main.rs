@@ -352,11 +352,27 @@ pub(crate) fn shutdown_on_signal() -> CancellationToken {
 }
 
 pub(crate) async fn connect_db(url: &str) -> anyhow::Result<sqlx::PgPool> {
+    connect_db_with(url, DB_POOL_SIZE).await
+}
+
+/// [`connect_db`] with a pool of `size` connections. Every connection runs with `jit = off`:
+/// the control plane's queries are short lookups and writes, and the pass's few large ones
+/// spent longer compiling than running (0.4–0.7 s at 100,000 sandboxes, `tests/bench/RESULTS.md`).
+pub(crate) async fn connect_db_with(url: &str, size: u32) -> anyhow::Result<sqlx::PgPool> {
+    let options: sqlx::postgres::PgConnectOptions = url
+        .parse()
+        .with_context(|| format!("parse the Postgres URL {}", redact(url)))?;
     PgPoolOptions::new()
-        .max_connections(DB_POOL_SIZE)
-        .connect(url)
+        .max_connections(size)
+        .connect_with(options.options([("jit", "off")]))
         .await
         .with_context(|| format!("connect to Postgres at {}", redact(url)))
+}
+
+/// The reconciler's pool: the usual size, or more when more results are applied at once than
+/// would leave 8 connections to the pass, the watermark and the gauges.
+fn reconciler_pool(timing: &berth::timing_args::ReconcilerTimingArgs) -> u32 {
+    DB_POOL_SIZE.max(u32::try_from(timing.result_concurrency).unwrap_or(u32::MAX) + 8)
 }
 
 pub(crate) async fn connect_nats(url: &str) -> anyhow::Result<async_nats::Client> {
@@ -490,7 +506,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
         } => {
             let shutdown = shutdown_on_signal();
             serve_metrics(metrics_addr, &shutdown).await?;
-            let db = connect_db(&conn.database_url).await?;
+            let db = connect_db_with(&conn.database_url, reconciler_pool(&timing)).await?;
             let nats = conn.nats.connect().await?;
             let mut config = berth_reconciler::ReconcilerConfig::new(conn.nats.subjects()?);
             timing.apply(&mut config);

@@ -36,9 +36,9 @@ const HOSTS_POLL: Duration = Duration::from_millis(200);
 pub enum Reconciler {
     /// The result consumer, the leader loop (the periodic pass) and the fleet gauges.
     Leader(Box<berth_reconciler::ReconcilerConfig>),
-    /// Only the result consumer (and the results watermark its progress gives): the caller runs
-    /// passes itself, e.g. to time them.
-    ResultsOnly,
+    /// Only the result consumer, applying at most this many results at once (and the results
+    /// watermark its progress gives): the caller runs passes itself, e.g. to time them.
+    ResultsOnly(usize),
 }
 
 /// One database pool per component, as when each runs as its own process; or one shared.
@@ -209,7 +209,7 @@ impl Stack {
                         .await
                         .context("reconciler")
                 }
-                Reconciler::ResultsOnly => {
+                Reconciler::ResultsOnly(concurrency) => {
                     let health = berth_reconciler::health::HealthConfig {
                         heartbeat_freshness: freshness,
                         ..Default::default()
@@ -227,6 +227,7 @@ impl Stack {
                         &db,
                         bus,
                         health,
+                        concurrency,
                         halt,
                     )
                     .await;

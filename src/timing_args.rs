@@ -108,6 +108,12 @@ pub struct ReconcilerTimingArgs {
     #[arg(long, env = "BERTH_DRAIN_PARALLEL", default_value_t = pass::DEFAULT_DRAIN_PARALLEL,
           value_parser = clap::value_parser!(i64).range(1..))]
     pub drain_parallel: i64,
+    /// Host results applied at once, each in its own transaction on its own database
+    /// connection (the process's pool has 16; the pass and the gauges use the same pool).
+    #[arg(long, env = "BERTH_RESULT_CONCURRENCY",
+          default_value_t = berth_reconciler::results::APPLY_CONCURRENCY,
+          value_parser = concurrency)]
+    pub result_concurrency: usize,
 }
 
 impl ReconcilerTimingArgs {
@@ -159,6 +165,15 @@ impl ReconcilerTimingArgs {
     pub fn apply(&self, config: &mut ReconcilerConfig) {
         config.pass = self.pass();
         config.lease_ttl = self.leader_lease.into();
+        config.result_concurrency = self.result_concurrency;
+    }
+}
+
+/// A number of results applied at once: 1 to 64.
+fn concurrency(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if (1..=64).contains(&n) => Ok(n),
+        _ => Err(format!("{s:?} is not a number from 1 to 64")),
     }
 }
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use berth_schemas::wire::{CommandResult, ResultOutcome};
 use berth_schemas::{HostCondition, HostState, SandboxState};
-use berth_store::{commands, host_health, hosts, orgs, sandboxes, StoreError};
+use berth_store::{host_health, hosts, orgs, sandboxes, StoreError};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
@@ -94,9 +94,10 @@ async fn record_conditions(db: &PgPool) -> Result<(), StoreError> {
 }
 
 /// Observes `berth_command_latency_seconds{kind,outcome}` for the command `result` answers:
-/// its outbox commit to its completion (set by the result's apply). Call once, after the
+/// `seconds` from its outbox commit to its completion, both on the database's clock (the apply
+/// that completed it returns them, [`berth_store::commands::Completion`]). Call once, after the
 /// result moved the row.
-pub async fn observe_command_latency(db: &PgPool, result: &CommandResult) {
+pub fn observe_command_latency(result: &CommandResult, seconds: f64) {
     let outcome = match result.outcome {
         ResultOutcome::Succeeded { .. }
         | ResultOutcome::StoppedOnDisk { .. }
@@ -105,13 +106,7 @@ pub async fn observe_command_latency(db: &PgPool, result: &CommandResult) {
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => "failed",
         ResultOutcome::RefusedStale { .. } => return,
     };
-    match commands::latency(db, result.command_id).await {
-        Ok(Some(seconds)) => {
-            metrics::histogram!("berth_command_latency_seconds",
-                "kind" => result.kind.as_str(), "outcome" => outcome)
-            .record(seconds.max(0.0));
-        }
-        Ok(None) => {}
-        Err(error) => debug!(%error, command_id = %result.command_id, "command latency not read"),
-    }
+    metrics::histogram!("berth_command_latency_seconds",
+        "kind" => result.kind.as_str(), "outcome" => outcome)
+    .record(seconds.max(0.0));
 }

@@ -67,6 +67,8 @@ pub struct ReconcilerConfig {
     pub lease_ttl: Duration,
     /// How often the fleet gauges ([`gauges`]) are recomputed.
     pub gauge_interval: Duration,
+    /// Results applied at once ([`results::APPLY_CONCURRENCY`] by default).
+    pub result_concurrency: usize,
 }
 
 impl ReconcilerConfig {
@@ -77,6 +79,7 @@ impl ReconcilerConfig {
             pass: pass::PassConfig::default(),
             lease_ttl: DEFAULT_LEASE_TTL,
             gauge_interval: gauges::DEFAULT_INTERVAL,
+            result_concurrency: results::APPLY_CONCURRENCY,
         }
     }
 }
@@ -118,6 +121,7 @@ pub async fn run(
         &db,
         nats,
         config.pass.health,
+        config.result_concurrency,
         shutdown.clone(),
     )
     .await;

@@ -19,7 +19,7 @@ use berth_schemas::state::{on_result, retries_elsewhere, Outcome, Reason, Result
 use berth_schemas::trace::{TraceParent, TRACEPARENT};
 use berth_schemas::wire::{self, Command, CommandResult, ResultOutcome, StopFallback, StopMode};
 use berth_schemas::{CommandId, CommandKind, SandboxId, SandboxState, Subjects};
-use berth_store::commands::{self, CommandOutcome};
+use berth_store::commands::{self, CommandOutcome, Completion, Issued};
 use berth_store::sandboxes::{self, ResultWrite};
 use berth_store::{SandboxRow, StoreError};
 use futures::StreamExt;
@@ -34,8 +34,9 @@ use crate::ReconcilerError;
 pub const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// How long JetStream waits for an ack before redelivering a result.
 pub const ACK_WAIT: Duration = Duration::from_secs(30);
-/// Results applied at once (each holds one database connection for its transaction). One at a
-/// time capped the control plane at about 200 results/s (`berth bench --runtime sim`).
+/// Results applied at once by default (each holds one database connection for its
+/// transaction; `--result-concurrency`). One at a time capped the control plane at about 200
+/// results/s (`berth bench --runtime sim`).
 pub const APPLY_CONCURRENCY: usize = 8;
 
 /// Makes the streams (if missing) and the reconciler's durable consumer, and opens its message
@@ -72,12 +73,14 @@ async fn subscribe(
 }
 
 /// Consumes results until `shutdown` fires, judging hosts' health and retrying failed
-/// creates as `health` says.
+/// creates as `health` says, applying at most `concurrency` at once (at least one; each holds
+/// one of `db`'s connections while it applies).
 pub async fn consume(
     subjects: &Subjects,
     db: &PgPool,
     nats: async_nats::Client,
     health: HealthConfig,
+    concurrency: usize,
     shutdown: CancellationToken,
 ) -> Result<(), ReconcilerError> {
     let js = jetstream::new(nats.clone());
@@ -106,7 +109,7 @@ pub async fn consume(
         nats: nats.clone(),
         subject: subjects.outbox_wake(),
     };
-    let limit = Arc::new(tokio::sync::Semaphore::new(APPLY_CONCURRENCY));
+    let limit = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
     let mut chains: HashMap<SandboxId, tokio::task::JoinHandle<()>> = HashMap::new();
     loop {
         let msg = tokio::select! {
@@ -238,7 +241,11 @@ async fn handle(
     wake: &OutboxWake,
 ) {
     let started = Instant::now();
-    let applied = apply_with(db, &result, health).await;
+    let applied = apply_timed(db, &result, health).await;
+    let (applied, latency) = match applied {
+        Ok((applied, latency)) => (Ok(applied), latency),
+        Err(error) => (Err(error), None),
+    };
     if let Ok(applied) = &applied {
         if wakes_relay(result.kind, *applied) {
             wake.wake().await;
@@ -254,8 +261,8 @@ async fn handle(
                 .record(started.elapsed().as_secs_f64());
             metrics::counter!("berth_results_total", "kind" => result.kind.as_str(), "applied" => applied.label())
                 .increment(1);
-            if let Applied::Transitioned { .. } = applied {
-                crate::gauges::observe_command_latency(db, &result).await;
+            if let (Applied::Transitioned { .. }, Some(seconds)) = (applied, latency) {
+                crate::gauges::observe_command_latency(&result, seconds);
             }
             if let Err(error) = msg.ack().await {
                 warn!(%error, "result ack failed; it will be redelivered and ignored");
@@ -392,6 +399,16 @@ pub async fn apply_with(
     result: &CommandResult,
     health: &HealthConfig,
 ) -> Result<Applied, StoreError> {
+    Ok(apply_timed(db, result, health).await?.0)
+}
+
+/// [`apply_with`], with the seconds from the command's insert to its completion when this
+/// apply completed it (for `berth_command_latency_seconds`).
+async fn apply_timed(
+    db: &PgPool,
+    result: &CommandResult,
+    health: &HealthConfig,
+) -> Result<(Applied, Option<f64>), StoreError> {
     berth_store::retry_transaction(|| apply_once(db, result, health)).await
 }
 
@@ -399,19 +416,8 @@ async fn apply_once(
     db: &PgPool,
     result: &CommandResult,
     health: &HealthConfig,
-) -> Result<Applied, StoreError> {
+) -> Result<(Applied, Option<f64>), StoreError> {
     let mut tx = db.begin().await?;
-    let Some(issued) = commands::issued(&mut tx, result.command_id).await? else {
-        return Ok(Applied::Rejected(Rejection::UnknownCommand));
-    };
-    if issued.host_id != result.host_id {
-        return Ok(Applied::Rejected(Rejection::WrongHost));
-    }
-    if (issued.sandbox_id, issued.generation, issued.kind)
-        != (result.sandbox_id, result.generation, result.kind)
-    {
-        return Ok(Applied::Rejected(Rejection::Mismatch));
-    }
     let completed = match &result.outcome {
         ResultOutcome::Succeeded { .. }
         | ResultOutcome::StoppedOnDisk { .. }
@@ -420,7 +426,40 @@ async fn apply_once(
         ResultOutcome::Failed { .. } | ResultOutcome::Rejected { .. } => CommandOutcome::Failed,
         ResultOutcome::RefusedStale { .. } => CommandOutcome::RefusedStale,
     };
-    commands::complete(&mut tx, result.command_id, completed, result.heartbeat_seq).await?;
+    let expected = Issued {
+        sandbox_id: result.sandbox_id,
+        host_id: result.host_id,
+        generation: result.generation,
+        kind: result.kind,
+    };
+    let completion = commands::complete_issued(
+        &mut tx,
+        result.command_id,
+        expected,
+        completed,
+        result.heartbeat_seq,
+    )
+    .await?;
+    match completion {
+        Completion::NotAsIssued(None) => Ok((Applied::Rejected(Rejection::UnknownCommand), None)),
+        Completion::NotAsIssued(Some(issued)) if issued.host_id != result.host_id => {
+            Ok((Applied::Rejected(Rejection::WrongHost), None))
+        }
+        Completion::NotAsIssued(Some(_)) => Ok((Applied::Rejected(Rejection::Mismatch), None)),
+        Completion::Completed { latency } => {
+            Ok((apply_issued(tx, result, health).await?, Some(latency)))
+        }
+        Completion::AlreadyCompleted => Ok((apply_issued(tx, result, health).await?, None)),
+    }
+}
+
+/// The rest of [`apply_once`], for a result whose command was issued as it says (and is
+/// completed now in `tx`): the row is fenced, decided and written, and `tx` committed.
+async fn apply_issued(
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    result: &CommandResult,
+    health: &HealthConfig,
+) -> Result<Applied, StoreError> {
     if result.kind == CommandKind::Snapshot {
         // A snapshot settles its own row; the sandbox's state and generation do not move.
         let applied = crate::snapshots::apply(&mut tx, result).await?;

@@ -74,6 +74,7 @@ pub struct ScaleArgs {
     pub sim_boot: Duration,
     pub heartbeat_interval: Duration,
     pub lifecycle_sandboxes: usize,
+    pub result_concurrency: usize,
     pub passes: usize,
     pub state_dir: PathBuf,
     pub sim_hosts_dir: PathBuf,
@@ -273,7 +274,11 @@ async fn measure(
     let pools = Pools {
         api: crate::connect_db(database_url).await?,
         scheduler: crate::connect_db(database_url).await?,
-        reconciler: crate::connect_db(database_url).await?,
+        reconciler: crate::connect_db_with(
+            database_url,
+            16.max(u32::try_from(args.result_concurrency)? + 4),
+        )
+        .await?,
     };
     let db = pools.api.clone();
     // Heartbeats rewrite every host row every few seconds: without autovacuum the `hosts`
@@ -288,7 +293,7 @@ async fn measure(
     let listen = "127.0.0.1:0".parse().expect("a socket address");
     let mut config = StackConfig::new(nats_url, subjects.clone(), listen);
     // No leader loop: the bench runs the passes (periodic while loading, then measured).
-    config.reconciler = Reconciler::ResultsOnly;
+    config.reconciler = Reconciler::ResultsOnly(args.result_concurrency);
     // One key from one address drives the whole fleet: no request rate limits.
     config.api.limits = berth_api::limits::LimitsConfig::without_rate_limits();
     for i in 0..args.hosts {

@@ -111,28 +111,66 @@ pub async fn issued(conn: &mut PgConnection, id: CommandId) -> Result<Option<Iss
     .transpose()
 }
 
-/// Marks the command completed with `outcome`, unless it already is, with `host_seq`: the
-/// host's heartbeat sequence when it applied the command (`CommandResult::heartbeat_seq`; the
-/// reconciler judges the sandbox only on a later heartbeat of that host).
-pub async fn complete(
+/// What [`complete_issued`] found of a command a result names.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Completion {
+    /// The command was issued exactly as the result says and was open: it is completed now,
+    /// `latency` seconds after its insert (both on the database's clock).
+    Completed {
+        /// Seconds from the command's insert to this completion.
+        latency: f64,
+    },
+    /// The command was issued as the result says but was already completed (a redelivered or
+    /// repeated result): nothing was written.
+    AlreadyCompleted,
+    /// No such command, or it differs from the result: `None` when the outbox has no such
+    /// command (never issued, or purged with its sandbox); otherwise how it was issued.
+    NotAsIssued(Option<Issued>),
+}
+
+/// Checks a result against the command it names and completes the command in one statement on
+/// the common path: when the outbox issued `id` to `expected.host_id` for
+/// `expected.sandbox_id` at `expected.generation` as `expected.kind`, and it is open, it is
+/// marked completed with `outcome` and `host_seq`: the host's heartbeat
+/// sequence when it applied the command (`CommandResult::heartbeat_seq`; the reconciler judges
+/// the sandbox only on a later heartbeat of that host). Otherwise nothing is
+/// written and the command is read to tell the caller why ([`Completion`]). The result
+/// consumer runs this once per result, so it replaces reading the command, completing it
+/// and reading its latency (three round trips) with one.
+///
+/// Errors: [`StoreError::Corrupt`] when the command's kind is not one this build knows.
+pub async fn complete_issued(
     conn: &mut PgConnection,
     id: CommandId,
+    expected: Issued,
     outcome: CommandOutcome,
     host_seq: u64,
-) -> Result<(), StoreError> {
-    timed(
+) -> Result<Completion, StoreError> {
+    let latency: Option<f64> = timed(
         Op::CommandComplete,
-        sqlx::query(
-            "UPDATE commands SET completed_at = now(), outcome = $2, host_seq = $3
-              WHERE id = $1 AND completed_at IS NULL",
+        sqlx::query_scalar(
+            "UPDATE commands SET completed_at = now(), outcome = $6, host_seq = $7
+              WHERE id = $1 AND host_id = $2 AND sandbox_id = $3 AND generation = $4
+                AND kind = $5 AND completed_at IS NULL
+          RETURNING EXTRACT(EPOCH FROM completed_at - created_at)::float8",
         )
         .bind(id)
+        .bind(expected.host_id)
+        .bind(expected.sandbox_id)
+        .bind(expected.generation)
+        .bind(expected.kind.as_str())
         .bind(outcome.as_str())
         .bind(i64::try_from(host_seq).unwrap_or(i64::MAX))
-        .execute(conn),
+        .fetch_optional(&mut *conn),
     )
     .await?;
-    Ok(())
+    if let Some(latency) = latency {
+        return Ok(Completion::Completed { latency });
+    }
+    Ok(match issued(conn, id).await? {
+        Some(found) if found == expected => Completion::AlreadyCompleted,
+        found => Completion::NotAsIssued(found),
+    })
 }
 
 /// Completes, as timed out, every open command of the sandbox up to `generation`.
@@ -210,20 +248,6 @@ pub async fn creates_issued(
     )
     .await?;
     Ok(u32::try_from(n).unwrap_or(u32::MAX))
-}
-
-/// Seconds from a completed command's insert to its completion, or `None` while it is open.
-pub async fn latency(db: impl PgExecutor<'_>, id: CommandId) -> Result<Option<f64>, StoreError> {
-    timed(
-        Op::CommandLatency,
-        sqlx::query_scalar(
-            "SELECT EXTRACT(EPOCH FROM completed_at - created_at)::float8
-               FROM commands WHERE id = $1 AND completed_at IS NOT NULL",
-        )
-        .bind(id)
-        .fetch_optional(db),
-    )
-    .await
 }
 
 /// The database's clock (`now()`, microseconds since the Unix epoch): the clock every

@@ -551,6 +551,8 @@ pub async fn unwanted_containers(
         GuestStatus::Running.as_str(),
         GuestStatus::Unhealthy.as_str(),
     ];
+    // Every listed container of every host joined with its row: JIT's compile costs more.
+    crate::without_jit(&mut *conn, Op::HostUnwantedInventory).await?;
     let rows = timed(
         Op::HostUnwantedInventory,
         sqlx::query(&format!(

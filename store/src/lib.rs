@@ -123,3 +123,20 @@ where
         })
         .await
 }
+
+/// Turns off JIT compilation for the rest of the caller's transaction (`SET LOCAL jit = off`).
+/// The pass's queries over every host inventory and every running sandbox have estimated costs
+/// above `jit_above_cost`, and compiling them took 0.4–0.7 s at 100,000 sandboxes, longer than
+/// the queries themselves (`tests/bench/RESULTS.md`). `op` names the query it is for.
+///
+/// Errors: [`StoreError::Database`] labelled `op`.
+pub(crate) async fn without_jit(
+    conn: &mut sqlx::PgConnection,
+    op: op::Op,
+) -> Result<(), StoreError> {
+    sqlx::query("SET LOCAL jit = off")
+        .execute(conn)
+        .await
+        .map_err(StoreError::database(op))?;
+    Ok(())
+}

@@ -167,7 +167,7 @@ ops! {
     ChunkRemoval => "chunk_removal",
     /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
-    /// [`crate::commands::complete`]: sets a command's outcome.
+    /// [`crate::commands::complete_issued`]: checks a result's command and sets its outcome.
     CommandComplete => "command_complete",
     /// [`crate::commands::time_out_open`]: completes open commands as `timeout`.
     CommandTimeOut => "command_time_out",
@@ -177,8 +177,6 @@ ops! {
     CommandIssued => "command_issued",
     /// [`crate::commands::purge_completed`]: deletes the completed commands of purged sandboxes.
     CommandPurge => "command_purge",
-    /// [`crate::commands::latency`]: seconds from a command's insert to its completion.
-    CommandLatency => "command_latency",
     /// [`crate::commands::claim_publishable`]: the command relay's batch.
     CommandClaim => "command_claim",
     /// [`crate::commands::mark_published`]: acked commands marked, failed ones counted.

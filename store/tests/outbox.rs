@@ -98,3 +98,94 @@ async fn a_host_at_its_boot_cap_holds_back_only_its_own_boots(db: PgPool) {
         .collect();
     assert_eq!(claimed, [stop, partial_queued[0]]);
 }
+
+/// A result's command is checked and completed in one statement: completed once (with its
+/// latency on the database's clock), then found already completed; a result naming another
+/// host, sandbox, generation or kind, or no command at all, writes nothing and says how the
+/// command was issued.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_results_command_is_completed_once_and_only_as_issued(db: PgPool) {
+    use berth_schemas::{CommandKind, Generation};
+    use commands::{CommandOutcome, Completion, Issued};
+
+    let (host, other_host) = (host(&db).await, host(&db).await);
+    let id = command(&db, host, "sandbox.stop", 3, true).await;
+    let sandbox: berth_schemas::SandboxId =
+        sqlx::query_scalar("SELECT sandbox_id FROM commands WHERE id = $1")
+            .bind(id.0)
+            .fetch_one(&db)
+            .await
+            .unwrap();
+    let issued = Issued {
+        sandbox_id: sandbox,
+        host_id: host,
+        generation: Generation(1),
+        kind: CommandKind::Stop,
+    };
+    let mut conn = db.acquire().await.unwrap();
+    let outcome = CommandOutcome::Succeeded;
+
+    // Not as issued: nothing is written, and the command as issued comes back.
+    for wrong in [
+        Issued {
+            host_id: other_host,
+            ..issued
+        },
+        Issued {
+            sandbox_id: berth_schemas::SandboxId::new(),
+            ..issued
+        },
+        Issued {
+            generation: Generation(2),
+            ..issued
+        },
+        Issued {
+            kind: CommandKind::Delete,
+            ..issued
+        },
+    ] {
+        let found = commands::complete_issued(&mut conn, id, wrong, outcome, 7)
+            .await
+            .unwrap();
+        assert_eq!(found, Completion::NotAsIssued(Some(issued)), "{wrong:?}");
+    }
+    let open: bool = sqlx::query_scalar("SELECT completed_at IS NULL FROM commands WHERE id = $1")
+        .bind(id.0)
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert!(open, "a result not matching its command completes nothing");
+    let unknown = commands::complete_issued(&mut conn, CommandId::new(), issued, outcome, 7)
+        .await
+        .unwrap();
+    assert_eq!(unknown, Completion::NotAsIssued(None));
+
+    // As issued: completed, 3 s (and a little) after its insert, with the host's sequence.
+    let Completion::Completed { latency } =
+        commands::complete_issued(&mut conn, id, issued, outcome, 7)
+            .await
+            .unwrap()
+    else {
+        panic!("the command as issued is completed");
+    };
+    assert!((3.0..60.0).contains(&latency), "latency {latency}");
+    let (seq, written): (i64, String) =
+        sqlx::query_as("SELECT host_seq, outcome FROM commands WHERE id = $1")
+            .bind(id.0)
+            .fetch_one(&db)
+            .await
+            .unwrap();
+    assert_eq!((seq, written.as_str()), (7, outcome.as_str()));
+
+    // Again (a redelivered result): already completed, and the first completion stands.
+    let again = commands::complete_issued(&mut conn, id, issued, CommandOutcome::Failed, 9)
+        .await
+        .unwrap();
+    assert_eq!(again, Completion::AlreadyCompleted);
+    let seq: i64 = sqlx::query_scalar("SELECT host_seq FROM commands WHERE id = $1")
+        .bind(id.0)
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(seq, 7);
+}

@@ -188,7 +188,15 @@ async fn a_result_published_on_another_hosts_subject_is_not_applied(db: PgPool) 
         let (subjects, db, shutdown) = (subjects.clone(), plane.db.clone(), shutdown.clone());
         async move {
             let health = berth_reconciler::health::HealthConfig::default();
-            results::consume(&subjects, &db, nats, health, shutdown).await
+            results::consume(
+                &subjects,
+                &db,
+                nats,
+                health,
+                results::APPLY_CONCURRENCY,
+                shutdown,
+            )
+            .await
         }
     });
 

@@ -103,7 +103,17 @@ async fn a_command_is_not_timed_out_while_its_result_waits_in_the_consumers_back
     // The consumer applies the backlog; the watermark then passes both deadlines.
     let consumer = tokio::spawn({
         let (subjects, db, shutdown) = (subjects.clone(), plane.db.clone(), shutdown.clone());
-        async move { results::consume(&subjects, &db, nats, Default::default(), shutdown).await }
+        async move {
+            results::consume(
+                &subjects,
+                &db,
+                nats,
+                Default::default(),
+                results::APPLY_CONCURRENCY,
+                shutdown,
+            )
+            .await
+        }
     });
     eventually("the queued result is applied", || async {
         inproc::row(&plane.db, answered).await.state == "running"

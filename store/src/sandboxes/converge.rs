@@ -186,18 +186,6 @@ fn listed_running_sql(hosts: &str) -> String {
     )
 }
 
-/// Turns off JIT compilation for the rest of the caller's transaction. The guest queries'
-/// estimated cost counts the per-sandbox `commands` probe of [`judged_sql`] for every running
-/// sandbox (it runs only for those not listed running), which puts them above
-/// `jit_above_cost`; compiling them took 0.4–0.7 s, longer than the query itself.
-async fn without_jit(conn: &mut PgConnection) -> Result<(), StoreError> {
-    sqlx::query("SET LOCAL jit = off")
-        .execute(conn)
-        .await
-        .map_err(StoreError::database(Op::SandboxGuestTally))?;
-    Ok(())
-}
-
 /// One host's `running` sandboxes and how many of them the pass would fail on the evidence it
 /// has ([`lock_failed_guests`]'s conditions): what the circuit breaker weighs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,7 +207,7 @@ pub async fn guest_tallies(
     conn: &mut PgConnection,
     judging: Judging,
 ) -> Result<Vec<GuestTally>, StoreError> {
-    without_jit(&mut *conn).await?;
+    crate::without_jit(&mut *conn, Op::SandboxGuestTally).await?;
     let rows: Vec<(HostId, i64, i64, i64)> = timed(
         Op::SandboxGuestTally,
         sqlx::query_as(&format!(
@@ -260,7 +248,7 @@ pub async fn lock_failed_guests(
     hosts: &[HostId],
     batch: i64,
 ) -> Result<Vec<(SandboxRow, GuestFailure)>, StoreError> {
-    without_jit(&mut *conn).await?;
+    crate::without_jit(&mut *conn, Op::SandboxGuestTally).await?;
     let hosts: Vec<uuid::Uuid> = hosts.iter().map(|h| h.as_uuid()).collect();
     let found = timed(
         Op::SandboxUnhealthy,
