@@ -500,7 +500,8 @@ async fn run_stack(
             url
         }
     };
-    let db = crate::connect_db(&database_url).await?;
+    // One pool for every component: room for the result consumer's applies and 8 more.
+    let db = crate::connect_db_with(&database_url, crate::reconciler_pool(&args.timing)).await?;
     let subjects = berth_schemas::Subjects::new(&args.subject_prefix)?;
     let host_dirs: Vec<PathBuf> = (0..args.hosts)
         .map(|i| state_dir.join("hosts").join(i.to_string()))

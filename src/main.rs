@@ -371,7 +371,7 @@ pub(crate) async fn connect_db_with(url: &str, size: u32) -> anyhow::Result<sqlx
 
 /// The reconciler's pool: the usual size, or more when more results are applied at once than
 /// would leave 8 connections to the pass, the watermark and the gauges.
-fn reconciler_pool(timing: &berth::timing_args::ReconcilerTimingArgs) -> u32 {
+pub(crate) fn reconciler_pool(timing: &berth::timing_args::ReconcilerTimingArgs) -> u32 {
     DB_POOL_SIZE.max(u32::try_from(timing.result_concurrency).unwrap_or(u32::MAX) + 8)
 }
 

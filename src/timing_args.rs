@@ -109,7 +109,8 @@ pub struct ReconcilerTimingArgs {
           value_parser = clap::value_parser!(i64).range(1..))]
     pub drain_parallel: i64,
     /// Host results applied at once, each in its own transaction on its own database
-    /// connection (the process's pool has 16; the pass and the gauges use the same pool).
+    /// connection (the process's pool grows to this plus 8, for the pass, the gauges and, in
+    /// `berth dev`, the API).
     #[arg(long, env = "BERTH_RESULT_CONCURRENCY",
           default_value_t = berth_reconciler::results::APPLY_CONCURRENCY,
           value_parser = concurrency)]

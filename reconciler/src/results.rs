@@ -36,8 +36,9 @@ pub const RETRY_DELAY: Duration = Duration::from_secs(1);
 pub const ACK_WAIT: Duration = Duration::from_secs(30);
 /// Results applied at once by default (each holds one database connection for its
 /// transaction; `--result-concurrency`). One at a time capped the control plane at about 200
-/// results/s (`berth bench --runtime sim`).
-pub const APPLY_CONCURRENCY: usize = 8;
+/// results/s (`berth bench --runtime sim`); at 200 sim hosts, 24 at once sustained 263
+/// lifecycle commands/s where 8 sustained 199 (`tests/bench/RESULTS.md`, 2026-12-06).
+pub const APPLY_CONCURRENCY: usize = 24;
 
 /// Makes the streams (if missing) and the reconciler's durable consumer, and opens its message
 /// stream.

@@ -276,7 +276,7 @@ async fn measure(
         scheduler: crate::connect_db(database_url).await?,
         reconciler: crate::connect_db_with(
             database_url,
-            16.max(u32::try_from(args.result_concurrency)? + 4),
+            16.max(u32::try_from(args.result_concurrency)? + 8),
         )
         .await?,
     };
