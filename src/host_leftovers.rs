@@ -1,8 +1,9 @@
 //! What a `berth hostd` child process leaves on this machine, and its removal: its containers
 //! (runc and runsc roots in its state dir), the networks marked as its own, the mounts below
 //! its state dir and its nftables table; and a free /16 for the sandbox addresses of a new one.
-//! The end-to-end tests' hosts and `berth bench --failover`'s hosts are such children; both
-//! clean up through here, synchronously (from `Drop` too).
+//! The end-to-end tests' hosts and `berth bench --failover`'s hosts are such children
+//! ([`crate::hostd_child::HostdChild`]); both clean up through here, synchronously (from `Drop`
+//! too).
 
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;

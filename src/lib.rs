@@ -5,6 +5,7 @@
 
 pub mod breaker_admin;
 pub mod host_leftovers;
+pub mod hostd_child;
 pub mod image_puller;
 pub mod nats_access;
 pub mod org_admin;

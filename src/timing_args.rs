@@ -27,9 +27,11 @@ pub struct ReconcilerTimingArgs {
     /// on another host, or `failed-start` (`host_lost`) without one.
     #[arg(long, env = "BERTH_FAILOVER_AFTER", default_value_t = pass::DEFAULT_FAILOVER_AFTER.into())]
     pub failover_after: Duration,
-    /// A failover deferred pass after pass (no host has room for the sandbox's backup, or the
-    /// backup is being deleted or not ready) is tried this much longer past
-    /// `--failover-after`; then the sandbox becomes `failed-start` (`host_lost`) saying why.
+    /// A failover a pass defers (no host in service has room for the sandbox's backup, the
+    /// hosts with room are stale or degraded, or the backup is being deleted or not ready) is
+    /// tried again by each pass for this long, counted from the first pass that deferred it;
+    /// the first pass after that which still cannot restore it makes the sandbox
+    /// `failed-start` (`host_lost`), saying why.
     #[arg(long, env = "BERTH_FAILOVER_RETRY_FOR", default_value_t = pass::DEFAULT_FAILOVER_RETRY_FOR.into())]
     pub failover_retry_for: Duration,
     /// How long a `sandbox.create` may go unanswered before the sandbox is `failed-start`.

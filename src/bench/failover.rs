@@ -38,22 +38,20 @@
 //!
 //! Everything is removed afterwards, also when a step fails: the hostd children are killed
 //! (on drop too), what they left on the machine (containers, networks, mounts, nftables
-//! tables: [`berth::host_leftovers`]) and their state dirs removed, the streams deleted and
-//! the database dropped. After a failure the hostd logs stay in the run dir (printed).
+//! tables: [`berth::hostd_child`], [`berth::host_leftovers`]) and their state dirs removed, the
+//! streams deleted and the database dropped. After a failure the hostd logs stay in the run dir (printed).
 //!
 //! Errors: a service or a hostd that does not start, a sandbox that does not land on the host
 //! to silence, fails over to nowhere (`failed-start`) or without its file, a host that does
 //! not come back, any step past its timeout.
 
-use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use berth::host_leftovers::{
-    free_address_pool, release_address_pool, remove_dir_unless_mounted, remove_host_leftovers,
-};
+use berth::host_leftovers::{free_address_pool, remove_dir_unless_mounted};
+use berth::hostd_child::{HostdChild, StateDir};
 use berth::stack::{Pools, Reconciler, Stack, StackConfig};
 use berth_reconciler::pass::PassConfig;
 use berth_schemas::HostId;
@@ -71,8 +69,6 @@ use super::{floors, Client, Row, Samples, TRANSITION_TIMEOUT};
 const HOSTS: usize = 2;
 /// How long the bench waits for every hostd's first heartbeat.
 const HOSTS_READY_TIMEOUT: Duration = Duration::from_secs(120);
-/// How long a hostd gets to exit after SIGTERM before SIGKILL.
-const HOST_STOP_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often the database and the hosts' state dirs are looked at while waiting. The figures
 /// come from the database's timestamps, not from when a poll saw them.
 const POLL: Duration = Duration::from_millis(100);
@@ -301,12 +297,12 @@ impl Sample<'_> {
         let (client, db) = (self.client, self.db);
         let id = cordoned(
             self.operator,
-            &other.id.to_string(),
+            &other.id().to_string(),
             running(client, self.template),
         )
         .await?;
-        if host_of(db, &id).await? != Some(silenced.id.as_uuid()) {
-            bail!("sandbox {id} did not land on host {}", silenced.id);
+        if host_of(db, &id).await? != Some(silenced.id().as_uuid()) {
+            bail!("sandbox {id} did not land on host {}", silenced.id());
         }
         exec(client, &id, &format!("echo {KEPT} > /root/kept")).await?;
         take(client, &id, "backup").await?;
@@ -326,13 +322,13 @@ impl Sample<'_> {
                     .bind(&id)
                     .fetch_one(db)
                     .await?;
-            if state == "running" && host == Some(other.id.as_uuid()) {
+            if state == "running" && host == Some(other.id().as_uuid()) {
                 break;
             }
             if state == "failed-start" || state == "deleted" || Instant::now() > deadline {
                 bail!(
                     "sandbox {id} did not fail over to host {}: {state}",
-                    other.id
+                    other.id()
                 );
             }
             self.pause().await?;
@@ -347,7 +343,7 @@ impl Sample<'_> {
                 AND n.snapshot_id IS NULL
               ORDER BY r.id DESC, n.id LIMIT 1",
         )
-        .bind(silenced.id.as_uuid())
+        .bind(silenced.id().as_uuid())
         .bind(&id)
         .bind(self.due_after.as_secs_f64())
         .fetch_optional(db)
@@ -371,11 +367,11 @@ impl Sample<'_> {
         let since: chrono::DateTime<chrono::Utc> =
             sqlx::query_scalar("SELECT now()").fetch_one(db).await?;
         let deadline = thawed + TRANSITION_TIMEOUT;
-        while silenced.holds(&id) || !ready_since(db, silenced.id, since).await? {
+        while silenced.holds(&id) || !ready_since(db, silenced.id(), since).await? {
             if Instant::now() > deadline {
                 bail!(
                     "host {} did not destroy its copy of {id} and come back",
-                    silenced.id
+                    silenced.id()
                 );
             }
             self.pause().await?;
@@ -385,7 +381,7 @@ impl Sample<'_> {
         let deadline = Instant::now() + TRANSITION_TIMEOUT;
         while other.holds(&id) {
             if Instant::now() > deadline {
-                bail!("host {} kept its copy of the deleted {id}", other.id);
+                bail!("host {} kept its copy of the deleted {id}", other.id());
             }
             self.pause().await?;
         }
@@ -428,14 +424,9 @@ async fn ready_since(
     Ok(ready == Some(true))
 }
 
-/// A `berth hostd` child process. Dropping it kills the process (SIGKILL, by the PID started)
-/// and removes what it left on the machine and its state dir.
-struct Host {
-    id: HostId,
-    state_dir: PathBuf,
-    address_pool: Ipv4Addr,
-    child: Option<tokio::process::Child>,
-}
+/// A `berth hostd` child process of the bench. Dropping it kills the process and removes what
+/// it left on the machine and its state dir ([`HostdChild`]).
+struct Host(HostdChild);
 
 impl Host {
     /// Registers host `index` in `hosts` (its id made in its state dir, `<run dir>/host<index>`)
@@ -451,22 +442,23 @@ impl Host {
         let state_dir = run_dir.join(format!("host{index}"));
         std::fs::create_dir_all(&state_dir)?;
         let address_pool = free_address_pool().context("no free /16 in 10.64.0.0/10")?;
-        let mut host = Host {
-            id: HostId::new(),
+        // Made before anything can fail, so the pool is given back on every path.
+        let mut host = Host(HostdChild::new(
+            HostId::new(),
             state_dir,
             address_pool,
-            child: None,
-        };
-        host.id = berth_hostd::host_id(&host.state_dir)?;
-        berth_store::hosts::register(db, host.id, None).await?;
+            StateDir::Remove,
+        ));
+        host.0.host_id = berth_hostd::host_id(&host.0.state_dir)?;
+        berth_store::hosts::register(db, host.id(), None).await?;
         let log = std::fs::File::create(run_dir.join(format!("host{index}.log")))?;
         let mut command = tokio::process::Command::new(std::env::current_exe()?);
         command
             .arg("hostd")
             .arg("--state-dir")
-            .arg(&host.state_dir)
+            .arg(&host.0.state_dir)
             .arg("--address-pool")
-            .arg(host.address_pool.to_string())
+            .arg(host.0.address_pool.to_string())
             .arg("--name")
             .arg(format!("bench-failover-{index}"))
             .env("NATS_URL", &private.nats_url)
@@ -475,7 +467,7 @@ impl Host {
         if let Location::Local(dir) = location {
             command.env(berth_storage::store::OBJECT_STORE_ENV, dir);
         }
-        host.child = Some(
+        host.0.child = Some(
             command
                 .stdin(Stdio::null())
                 .stdout(log.try_clone()?)
@@ -487,52 +479,24 @@ impl Host {
         Ok(host)
     }
 
+    /// The host it runs as.
+    fn id(&self) -> HostId {
+        self.0.host_id
+    }
+
     /// Sends `signal` to the process.
     fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
-        let pid = self
-            .child
-            .as_ref()
-            .and_then(|c| c.id())
-            .with_context(|| format!("hostd of host {} is not running", self.id))?;
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)?;
-        Ok(())
+        Ok(self.0.signal(signal)?)
     }
 
     /// Whether the host still holds a directory of sandbox `id`.
     fn holds(&self, id: &str) -> bool {
-        self.state_dir.join("sandboxes").join(id).exists()
+        self.0.state_dir.join("sandboxes").join(id).exists()
     }
 
-    /// Stops the process with SIGTERM (thawed first), SIGKILL after [`HOST_STOP_TIMEOUT`].
+    /// Stops the process with SIGTERM (thawed first), SIGKILL after
+    /// [`berth::hostd_child::HOSTD_STOP_TIMEOUT`].
     async fn stop(&mut self) {
-        use nix::sys::signal::Signal;
-        if self.signal(Signal::SIGCONT).is_ok() {
-            let _ = self.signal(Signal::SIGTERM);
-        }
-        if let Some(mut child) = self.child.take() {
-            if tokio::time::timeout(HOST_STOP_TIMEOUT, child.wait())
-                .await
-                .is_err()
-            {
-                let _ = child.kill().await;
-            }
-        }
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-            if let Some(pid) = child.id() {
-                // Reaped, so its runc children are not mid-create while what it left is removed.
-                let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None);
-            }
-        }
-        release_address_pool(self.address_pool);
-        for what in remove_host_leftovers(self.id, &self.state_dir) {
-            eprintln!("bench: host {}: removed {what}", self.id);
-        }
-        remove_dir_unless_mounted(&self.state_dir);
+        self.0.stop(nix::sys::signal::Signal::SIGTERM).await;
     }
 }

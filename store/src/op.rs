@@ -63,6 +63,9 @@ ops! {
     SandboxUnhealthy => "sandbox_unhealthy",
     /// [`crate::sandboxes::lock_stranded`]: rows on a host that was lost.
     SandboxStranded => "sandbox_stranded",
+    /// [`crate::sandboxes::note_failover_deferred`]: the first deferral of a stranded row's
+    /// failover recorded.
+    SandboxFailoverDeferred => "sandbox_failover_deferred",
     /// [`crate::sandboxes::lock_due`] with `Due::AutoStop`: `running` rows idle past `auto_stop_minutes`.
     SandboxAutoStop => "sandbox_auto_stop",
     /// [`crate::sandboxes::lock_due`] with `Due::AutoDelete`: `stopped`/`failed-start` rows past

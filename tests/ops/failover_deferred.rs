@@ -1,12 +1,14 @@
 //! Deferred failovers, in process (the real reconciler pass, store and API router on the test's
 //! Postgres; host results synthesized, no hostd): a stranded sandbox whose backup no host has
-//! room for, or whose backup is not ready, is left `running` by each pass until its host has
-//! been silent past the lost and failover delays plus `failover_retry_for`, then fails
-//! `host_lost` saying why, releasing its capacity on the lost host once; and more deferred
-//! sandboxes than a pass's batch never keep the others on the lost host from failing over.
+//! room for, whose hosts with room are stale or degraded, or whose backup is not ready, is left
+//! `running` by each pass until `failover_retry_for` after the first pass that deferred it,
+//! then fails `host_lost` saying which, releasing its capacity on the lost host once; the bound
+//! counts from that first deferral, not from the host's silence, and a deferral from an earlier
+//! silence or another host counts for nothing; and more deferred sandboxes than a pass's batch
+//! never keep the others on the lost host from failing over.
 //!
-//! Time is not waited for: the test moves the lost host's last heartbeat back (database clock)
-//! past each threshold, minutes apart.
+//! Time is not waited for: the test moves the lost host's last heartbeat and the recorded
+//! deferrals back (database clock) past each threshold, minutes apart.
 
 use std::time::Duration;
 
@@ -17,11 +19,11 @@ use berth_store::leases::Lease;
 use sqlx::PgPool;
 
 use crate::support::inproc::{
-    heartbeat, lease, lifecycle_only_health, reserved, row, succeeded, Plane,
+    heartbeat, lease, lifecycle_only_health, reserved, row, succeeded, Plane, HOST_CAPACITY,
 };
 
 /// Passes with minutes-long delays: lost after 60 s of silence, failed over 60 s later, a
-/// deferred failover given up 600 s after that (a silence of 720 s).
+/// deferred failover given up 600 s after its first deferral.
 fn minutes(batch: i64) -> PassConfig {
     PassConfig {
         host_lost_after: Duration::from_secs(60),
@@ -35,10 +37,12 @@ fn minutes(batch: i64) -> PassConfig {
     }
 }
 
-/// Due for failover, not yet overdue.
+/// Due for failover.
 const DUE: f64 = 180.0;
-/// Past the bound on deferred failovers.
-const OVERDUE: f64 = 800.0;
+/// Within the bound on deferred failovers (600 s), counted from the first deferral.
+const WITHIN: f64 = 540.0;
+/// Past that bound, once added to [`WITHIN`].
+const PAST: f64 = 120.0;
 
 /// A `running` sandbox of `vcpus` and `memory_mib` on the plane's host; with `backup`, it names
 /// a `ready` backup of its own as its newest (`last_backup_id`).
@@ -84,6 +88,26 @@ async fn lost_since(db: &PgPool, host: HostId, silent: f64) {
     )
     .bind(host)
     .bind(silent)
+    .execute(db)
+    .await
+    .unwrap();
+}
+
+/// `secs` seconds pass for `host` (lost): its last heartbeat and every failover deferral recorded
+/// on its sandboxes move back by that much (database clock).
+async fn time_passes(db: &PgPool, host: HostId, secs: f64) {
+    sqlx::query("UPDATE hosts SET last_seen = last_seen - make_interval(secs => $2) WHERE id = $1")
+        .bind(host)
+        .bind(secs)
+        .execute(db)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE sandboxes SET failover_deferred_at = failover_deferred_at - make_interval(secs => $2)
+          WHERE host_id = $1 AND failover_deferred_at IS NOT NULL",
+    )
+    .bind(host)
+    .bind(secs)
     .execute(db)
     .await
     .unwrap();
@@ -159,10 +183,11 @@ async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lo
     let held = reserved(&db, plane.host).await;
     assert_eq!(held, (2, 4352));
 
-    // Due for failover, within the bound: both deferred, still `running` on the lost host,
-    // holding their capacity there.
+    // Due for failover, and until the bound after the first deferral: both deferred, still
+    // `running` on the lost host, holding their capacity there.
     lost_since(&db, plane.host, DUE).await;
-    for _ in 0..2 {
+    for wait in [0.0, 0.0, WITHIN] {
+        time_passes(&db, plane.host, wait).await;
         let report = pass_once(&plane, &lease, &config, other, small_host).await;
         assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
         assert_eq!(report.count(Action::FailoverRestored), 0, "{report:?}");
@@ -175,7 +200,7 @@ async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lo
     }
 
     // Past the bound: both fail `host_lost`, each saying why, and release what they held.
-    lost_since(&db, plane.host, OVERDUE).await;
+    time_passes(&db, plane.host, PAST).await;
     let report = pass_once(&plane, &lease, &config, other, small_host).await;
     assert_eq!(report.count(Action::HostLostFailover), 2, "{report:?}");
     let (state, reason) = state_reason(&db, big).await;
@@ -241,7 +266,7 @@ async fn more_deferred_failovers_than_a_batch_do_not_keep_the_rest_of_a_lost_hos
     assert_no_drift(&db).await;
 
     // Past the bound the deferred ones fail, a batch (two) per pass.
-    lost_since(&db, plane.host, OVERDUE).await;
+    time_passes(&db, plane.host, WITHIN + PAST).await;
     let report = pass_once(&plane, &lease, &config, other, small_host).await;
     assert_eq!(report.count(Action::HostLostFailover), 2, "{report:?}");
     let report = pass_once(&plane, &lease, &config, other, small_host).await;
@@ -257,5 +282,202 @@ async fn more_deferred_failovers_than_a_batch_do_not_keep_the_rest_of_a_lost_hos
         (1, 256),
         "the restore keeps its own"
     );
+    assert_no_drift(&db).await;
+}
+
+/// The sandbox's recorded first deferral: `(seconds ago, on its own host)`, if any.
+async fn deferral(db: &PgPool, id: SandboxId) -> Option<(f64, bool)> {
+    sqlx::query_as(
+        "SELECT EXTRACT(EPOCH FROM now() - failover_deferred_at)::float8,
+                failover_deferred_on = host_id
+           FROM sandboxes WHERE id = $1 AND failover_deferred_at IS NOT NULL",
+    )
+    .bind(id)
+    .fetch_optional(db)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_failover_first_deferred_long_after_it_was_due_is_still_retried_for_its_whole_bound(
+    db: PgPool,
+) {
+    let plane = Plane::start(db.clone()).await;
+    let lease = lease(&db).await;
+    let config = minutes(500);
+    let big = running(&plane, 1, 4096, true).await;
+    let other = HostId::new();
+    let small_host = Resources {
+        vcpus: 4,
+        memory_mib: 2048,
+    };
+
+    // No pass ran while the host was silent for an hour (the reconciler was down): its failover
+    // has been due for far longer than the bound when a pass first reaches it. It is deferred,
+    // not given up at once.
+    lost_since(&db, plane.host, 3600.0).await;
+    for wait in [0.0, 0.0, WITHIN] {
+        time_passes(&db, plane.host, wait).await;
+        let report = pass_once(&plane, &lease, &config, other, small_host).await;
+        assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
+        assert_eq!(row(&db, big).await.state, "running", "deferred, not failed");
+        let (ago, on_its_host) = deferral(&db, big).await.expect("first deferral recorded");
+        assert!(on_its_host);
+        assert!(
+            (wait..wait + 60.0).contains(&ago),
+            "the first deferral stays the one counted from: {ago}"
+        );
+    }
+
+    // The bound after that first deferral: given up, saying why.
+    time_passes(&db, plane.host, PAST).await;
+    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
+    let (state, reason) = state_reason(&db, big).await;
+    assert_eq!(state, "failed-start");
+    assert!(
+        reason.contains("600s its failover was retried for")
+            && reason.contains("no host had room for its backup"),
+        "{reason}"
+    );
+    assert_eq!(last_reason(&db, big).await, "host_lost");
+    assert_eq!(reserved(&db, plane.host).await, (0, 0));
+    assert_no_drift(&db).await;
+}
+
+/// Records a first deferral of `id`'s failover 700 s ago (past the bound), on `on` (or on the
+/// host recorded already).
+async fn overdue_deferral(db: &PgPool, id: SandboxId, on: Option<HostId>) {
+    sqlx::query(
+        "UPDATE sandboxes
+            SET failover_deferred_at = now() - interval '700 seconds',
+                failover_deferred_on = COALESCE($2, failover_deferred_on)
+          WHERE id = $1",
+    )
+    .bind(id)
+    .bind(on)
+    .execute(db)
+    .await
+    .unwrap();
+}
+
+/// Makes `host`'s last heartbeat older than placement's freshness window (15 s), though not old
+/// enough (60 s) to be lost.
+async fn stale_again(db: &PgPool, host: HostId) {
+    sqlx::query("UPDATE hosts SET last_seen = now() - interval '30 seconds' WHERE id = $1")
+        .bind(host)
+        .execute(db)
+        .await
+        .unwrap();
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_deferral_from_an_earlier_silence_or_on_another_host_counts_for_nothing(db: PgPool) {
+    let plane = Plane::start(db.clone()).await;
+    let lease = lease(&db).await;
+    let config = minutes(500);
+    let big = running(&plane, 1, 4096, true).await;
+    let other = HostId::new();
+    let small_host = Resources {
+        vcpus: 4,
+        memory_mib: 2048,
+    };
+    // Deferred while lost; then the host comes back: the sandbox runs on there.
+    lost_since(&db, plane.host, DUE).await;
+    pass_once(&plane, &lease, &config, other, small_host).await;
+    assert!(deferral(&db, big).await.is_some());
+    heartbeat(&db, plane.host, HOST_CAPACITY).await;
+    pass_once(&plane, &lease, &config, other, small_host).await;
+    assert_eq!(row(&db, big).await.state, "running");
+
+    // Lost again: the deferral recorded in its earlier silence (older than the bound, but from
+    // before its last heartbeat) is not counted; the first deferral of this silence replaces it.
+    overdue_deferral(&db, big, None).await;
+    lost_since(&db, plane.host, DUE).await;
+    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
+    assert_eq!(
+        row(&db, big).await.state,
+        "running",
+        "deferred, not given up"
+    );
+    let (ago, on_its_host) = deferral(&db, big).await.unwrap();
+    assert!(ago < 60.0 && on_its_host, "replaced: {ago}");
+
+    // A deferral recorded on another host (the sandbox has moved since) is not counted either,
+    // though newer than this host's last heartbeat.
+    lost_since(&db, plane.host, 3600.0).await;
+    overdue_deferral(&db, big, Some(HostId::new())).await;
+    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
+    assert_eq!(
+        row(&db, big).await.state,
+        "running",
+        "deferred, not given up"
+    );
+    let (ago, on_its_host) = deferral(&db, big).await.unwrap();
+    assert!(ago < 60.0 && on_its_host, "replaced: {ago}");
+
+    // One of this silence, on its host, past the bound is.
+    time_passes(&db, plane.host, WITHIN + PAST).await;
+    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
+    assert_eq!(state_reason(&db, big).await.0, "failed-start");
+    assert_no_drift(&db).await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_failover_deferred_because_the_hosts_with_room_are_stale_or_degraded_says_so_not_no_room(
+    db: PgPool,
+) {
+    let plane = Plane::start(db.clone()).await;
+    let lease = lease(&db).await;
+    let config = minutes(500);
+    // Fits on either other host, with a ready backup.
+    let small = running(&plane, 1, 256, true).await;
+    let roomy = Resources {
+        vcpus: 4,
+        memory_mib: 2048,
+    };
+    // One host with room, heard from each pass, but degraded and not due its probe for an hour.
+    let degraded = HostId::new();
+    heartbeat(&db, degraded, roomy).await;
+    sqlx::query(
+        "UPDATE hosts SET health = 'degraded', probe_at = now() + interval '1 hour' WHERE id = $1",
+    )
+    .bind(degraded)
+    .execute(&db)
+    .await
+    .unwrap();
+    // One host with room whose last heartbeat is stale (made so before each pass).
+    let stale = HostId::new();
+    heartbeat(&db, stale, roomy).await;
+    lost_since(&db, plane.host, DUE).await;
+    for _ in 0..2 {
+        stale_again(&db, stale).await;
+        let report = pass_once(&plane, &lease, &config, degraded, roomy).await;
+        assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
+        assert_eq!(report.count(Action::FailoverRestored), 0, "{report:?}");
+        assert_eq!(row(&db, small).await.state, "running", "deferred");
+        assert_eq!(reserved(&db, degraded).await, (0, 0));
+        assert_eq!(reserved(&db, stale).await, (0, 0));
+    }
+
+    time_passes(&db, plane.host, WITHIN + PAST).await;
+    stale_again(&db, stale).await;
+    let report = pass_once(&plane, &lease, &config, degraded, roomy).await;
+    assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
+    let (state, reason) = state_reason(&db, small).await;
+    assert_eq!(state, "failed-start");
+    assert!(
+        reason.ends_with(
+            "the hosts with room for its backup could not be used: 1 with a stale heartbeat, \
+             1 degraded and not due a probe"
+        ),
+        "{reason}"
+    );
+    assert!(!reason.contains("no host had room"), "{reason}");
+    assert_eq!(last_reason(&db, small).await, "host_lost");
+    assert_eq!(reserved(&db, plane.host).await, (0, 0));
     assert_no_drift(&db).await;
 }

@@ -7,28 +7,25 @@
 //! are killed, their containers, networks, mounts and nftables tables removed
 //! ([`super::cleanup`]), the streams deleted and the state dir removed.
 
-use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
+use berth::hostd_child::{HostdChild, StateDir};
 use berth_schemas::{HostId, Subjects};
+use nix::sys::signal::Signal;
 use sqlx::PgPool;
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use super::cleanup::{self, delete_streams_blocking, remove_dir_unless_mounted};
 use super::env::{init_tracing, nats_url, unique, HTTP_TIMEOUT, SETTLE_TIMEOUT};
 
-/// How long a hostd gets to exit after SIGTERM before SIGKILL.
-const HOST_STOP_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// A `berth hostd` child process.
+/// A `berth hostd` child process ([`HostdChild`]: signals and stop by the PID started; on
+/// drop, killed and what it left removed) and how to start it again. It reads as the
+/// [`HostdChild`] it holds (`host.child`, `host.host_id`, `host.state_dir`).
 pub struct HostProcess {
-    pub state_dir: PathBuf,
-    pub child: Option<Child>,
-    pub host_id: HostId,
-    pub address_pool: Ipv4Addr,
+    pub process: HostdChild,
     /// `--vcpus` / `--memory-mib` given to the process, if any.
     pub capacity: (Option<u32>, Option<u32>),
     /// Extra `berth hostd` flags, given again on a restart.
@@ -40,6 +37,20 @@ pub struct HostProcess {
     pub env: Vec<(String, String)>,
 }
 
+impl std::ops::Deref for HostProcess {
+    type Target = HostdChild;
+
+    fn deref(&self) -> &HostdChild {
+        &self.process
+    }
+}
+
+impl std::ops::DerefMut for HostProcess {
+    fn deref_mut(&mut self) -> &mut HostdChild {
+        &mut self.process
+    }
+}
+
 impl HostProcess {
     /// The runc root of this host (where its containers are listed).
     pub fn runc_root(&self) -> PathBuf {
@@ -48,68 +59,31 @@ impl HostProcess {
 
     /// Freezes the process (SIGSTOP): it neither consumes commands nor heartbeats.
     pub fn freeze(&self) {
-        self.signal(nix::sys::signal::Signal::SIGSTOP);
+        self.process
+            .signal(Signal::SIGSTOP)
+            .expect("freeze the host");
     }
 
     /// Sends SIGCONT if the process runs (harmless when it is not frozen).
     pub fn thaw_if_frozen(&self) {
-        if self.child.as_ref().and_then(|c| c.id()).is_some() {
+        if self.pid().is_some() {
             self.thaw();
         }
     }
 
     /// Thaws a frozen process (SIGCONT).
     pub fn thaw(&self) {
-        self.signal(nix::sys::signal::Signal::SIGCONT);
-    }
-
-    fn signal(&self, sig: nix::sys::signal::Signal) {
-        let pid = self
-            .child
-            .as_ref()
-            .and_then(|c| c.id())
-            .expect("host is running");
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
+        self.process.signal(Signal::SIGCONT).expect("thaw the host");
     }
 
     /// Stops it with SIGTERM (or SIGKILL when `kill`), by the PID we started.
     pub async fn stop(&mut self, kill: bool) {
-        if let Some(mut child) = self.child.take() {
-            if let Some(pid) = child.id() {
-                let pid = nix::unistd::Pid::from_raw(pid as i32);
-                let sig = if kill {
-                    nix::sys::signal::Signal::SIGKILL
-                } else {
-                    nix::sys::signal::Signal::SIGTERM
-                };
-                // A frozen process would not act on SIGTERM.
-                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
-                let _ = nix::sys::signal::kill(pid, sig);
-            }
-            if tokio::time::timeout(HOST_STOP_TIMEOUT, child.wait())
-                .await
-                .is_err()
-            {
-                let _ = child.kill().await;
-            }
-        }
-    }
-}
-
-impl Drop for HostProcess {
-    /// Kills the process (by the PID we started) and removes what it left on the machine.
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-            if let Some(pid) = child.id() {
-                // Reap it, so its runc children are not mid-create while we clean up.
-                let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None);
-            }
-        }
-        berth::host_leftovers::release_address_pool(self.address_pool);
-        for what in cleanup::remove_host_leftovers(self.host_id, &self.state_dir) {
-            eprintln!("cleanup of host {}: removed {what}", self.host_id);
-        }
+        let signal = if kill {
+            Signal::SIGKILL
+        } else {
+            Signal::SIGTERM
+        };
+        self.process.stop(signal).await;
     }
 }
 
@@ -366,10 +340,7 @@ impl Stack {
         let address_pool =
             berth::host_leftovers::free_address_pool().expect("a free /16 in 10.64.0.0/10");
         let mut host = HostProcess {
-            state_dir,
-            child: None,
-            host_id: HostId::new(),
-            address_pool,
+            process: HostdChild::new(HostId::new(), state_dir, address_pool, StateDir::Keep),
             capacity,
             extra_args: extra_args.to_vec(),
             creds_file,

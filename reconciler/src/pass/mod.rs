@@ -145,10 +145,13 @@ pub struct PassConfig {
     /// Sandboxes on a host `lost` this much longer fail over: restored from their newest backup
     /// on another host, or `failed-start` (`host_lost`) without one.
     pub failover_after: Duration,
-    /// How long past [`PassConfig::failover_after`] a failover that each pass defers (no host
-    /// has room for the sandbox's backup, or the backup is being deleted or not ready) is
-    /// tried again; then the sandbox becomes `failed-start` (`host_lost`, the message saying
-    /// why) instead of staying `running` on a lost host. Default
+    /// How long a failover a pass defers (no host in service has room for the sandbox's
+    /// backup, the hosts with room are stale or degraded, or the backup is being deleted or not
+    /// ready) is tried again by each pass, counted from the first pass that deferred it while
+    /// its host is lost (not from the host's last heartbeat: a pass may first reach it long
+    /// after it was due); the first pass after that which still cannot restore it makes the
+    /// sandbox `failed-start` (`host_lost`, the message saying why) instead of leaving it
+    /// `running` on a lost host. Default
     /// [`DEFAULT_FAILOVER_RETRY_FOR`], the default create timeout: the restore is a boot like a
     /// create, and a create that finds nothing to run on within that long fails too. By then
     /// the sandbox has been down for the lost and failover delays already; `failed-start` tells
@@ -310,7 +313,7 @@ async fn run_actions(
     .await?;
     report.actions.push((
         Action::HostLostFailover,
-        failed_over.failed + failed_over.gave_up,
+        failed_over.failed + failed_over.gave_up.total(),
     ));
     report
         .actions

@@ -14,8 +14,8 @@ pub enum Action {
     /// `running` sandboxes failed because their guest stopped answering or vanished.
     GuestUnhealthy,
     /// Sandboxes failed because their host stayed `lost` past [`PassConfig::failover_after`]
-    /// (no backup to restore, or not running), or past [`PassConfig::failover_retry_for`] more
-    /// while their restore was deferred.
+    /// (no backup to restore, or not running), or because their restore was still deferred
+    /// [`PassConfig::failover_retry_for`] after its first deferral.
     HostLostFailover,
     /// Sandboxes restored from their backup on another host because theirs stayed `lost` past
     /// [`PassConfig::failover_after`].

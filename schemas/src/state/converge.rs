@@ -5,6 +5,8 @@
 //!
 //! Source: the seed lifecycle doc, "Let the reconciler converge" (`shared/reference/003_…`).
 
+use std::fmt;
+
 use super::{Capacity, CommandKind, Reason, SandboxState};
 
 /// The commands the pass times out, each with the state its sandbox waits in while the command
@@ -182,26 +184,61 @@ const HOST_LOST_FAILURE: Failure = Failure {
 /// Why a pass could not restore a sandbox [`on_host_lost`] would restore from its backup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Deferral {
-    /// No host in service had room for it (placement found none).
+    /// No host in service would fit it, even with fresh data and good health (placement's
+    /// `NoCapacity`): the fleet is full.
     NoRoom,
+    /// Hosts in service would fit it, but placement could use none of them now (placement's
+    /// `Unavailable`): their last heartbeat is older than the freshness window, or they are
+    /// degraded and not due a probe.
+    HostsUnavailable {
+        /// Hosts with room whose last heartbeat is stale.
+        stale: u32,
+        /// Hosts with room, heard from, that are degraded (or probing) and not due a probe.
+        unhealthy: u32,
+    },
     /// Its backup is being deleted (a delete holds it) or is not `ready`.
     BackupUnavailable,
 }
 
 impl Deferral {
-    /// Says why, for the `state_reason` of a failover given up.
-    pub const fn as_str(self) -> &'static str {
+    /// Every [`Deferral::label`], in declaration order.
+    pub const LABELS: [&'static str; 3] = ["no_room", "hosts_unavailable", "backup_unavailable"];
+
+    /// The `reason` label of `berth_failovers_total{result="deferred"|"gave_up"}` and the
+    /// `reason` field of the pass's log lines.
+    pub const fn label(self) -> &'static str {
+        Self::LABELS[self.index()]
+    }
+
+    /// Its position in [`Deferral::LABELS`].
+    pub const fn index(self) -> usize {
         match self {
-            Deferral::NoRoom => "no host had room for its backup",
-            Deferral::BackupUnavailable => "its backup was being deleted or not ready",
+            Deferral::NoRoom => 0,
+            Deferral::HostsUnavailable { .. } => 1,
+            Deferral::BackupUnavailable => 2,
+        }
+    }
+}
+
+/// Says why, for the `state_reason` of a failover given up.
+impl fmt::Display for Deferral {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Deferral::NoRoom => f.write_str("no host had room for its backup"),
+            Deferral::HostsUnavailable { stale, unhealthy } => write!(
+                f,
+                "the hosts with room for its backup could not be used: {stale} with a stale \
+                 heartbeat, {unhealthy} degraded and not due a probe"
+            ),
+            Deferral::BackupUnavailable => f.write_str("its backup was being deleted or not ready"),
         }
     }
 }
 
 /// A failover a pass deferred ([`Deferral`], whatever the cause): `None` while it is not
-/// `overdue` (the next pass tries again); once its host has been silent past the failover
-/// delay plus the bound on deferred failovers, the sandbox fails `host_lost` like one without a
-/// backup, so a deferral never keeps it `running` on a lost host for good.
+/// `overdue` (the next pass tries again); once its first deferral while its host is lost is
+/// older than the bound on deferred failovers, the sandbox fails `host_lost` like one without
+/// a backup, so a deferral never keeps it `running` on a lost host for good.
 pub fn on_failover_deferred(overdue: bool) -> Option<Failure> {
     overdue.then_some(HOST_LOST_FAILURE)
 }
@@ -252,6 +289,30 @@ mod tests {
             HostLoss::Fail(failure),
             on_host_lost(S::Running, false),
             "the same failure as a sandbox without a backup"
+        );
+    }
+
+    #[test]
+    fn each_deferral_has_its_own_label_and_says_why_in_its_own_words() {
+        let all = [
+            Deferral::NoRoom,
+            Deferral::HostsUnavailable {
+                stale: 2,
+                unhealthy: 1,
+            },
+            Deferral::BackupUnavailable,
+        ];
+        let labels: Vec<&str> = all.iter().map(|d| d.label()).collect();
+        assert_eq!(labels, Deferral::LABELS);
+        let messages: Vec<String> = all.iter().map(|d| d.to_string()).collect();
+        for (i, m) in messages.iter().enumerate() {
+            assert_eq!(messages.iter().filter(|o| *o == m).count(), 1, "{m}");
+            assert_eq!(m.contains("no host had room"), i == 0, "{m}");
+        }
+        assert_eq!(
+            messages[1],
+            "the hosts with room for its backup could not be used: 2 with a stale heartbeat, \
+             1 degraded and not due a probe"
         );
     }
 

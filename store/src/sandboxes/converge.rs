@@ -296,21 +296,29 @@ pub async fn lock_failed_guests(
 pub struct Stranded {
     /// The sandbox (locked).
     pub row: SandboxRow,
-    /// Its host has been silent longer than the failover delay plus the bound on deferred
-    /// failovers (`overdue_after` of [`lock_stranded`]): a failover still deferred now is
-    /// given up.
+    /// A pass first deferred its failover, during this silence of its host, longer ago than
+    /// the bound on deferred failovers (`retry_for` of [`lock_stranded`]): a failover still
+    /// deferred now is given up.
     pub overdue: bool,
 }
+
+/// The SQL condition (sandbox alias `s`, its host `h`) that the sandbox's recorded first
+/// deferral ([`note_failover_deferred`]) belongs to its host's current silence: recorded on
+/// the host it is on, after that host's last heartbeat. An older one (the host came back since)
+/// or one recorded on another host counts for nothing.
+const DEFERRED_IN_THIS_SILENCE: &str =
+    "(s.failover_deferred_on = s.host_id AND s.failover_deferred_at > h.last_seen)";
 
 /// Locks up to `batch` sandboxes living on a host that has been silent for `silent_for` and is
 /// `lost` ([`STRANDED_ON_LOST_HOST`] states), leaving out the sandboxes in `skip` (those the
 /// caller already deferred in this transaction, so the next call reaches the rows behind them).
-/// Oldest silence first, then by id: a stable order, so the rows a pass defers are those that
-/// reach `overdue_after` (seconds of silence; [`Stranded::overdue`]) first.
+/// Oldest silence first, then by id: a stable order, so a pass reaches the same rows first
+/// again. [`Stranded::overdue`]: the failover was first deferred during this silence more than
+/// `retry_for` ago (database clock).
 pub async fn lock_stranded(
     conn: &mut PgConnection,
     silent_for: Duration,
-    overdue_after: Duration,
+    retry_for: Duration,
     skip: &[SandboxId],
     batch: i64,
 ) -> Result<Vec<Stranded>, StoreError> {
@@ -319,7 +327,10 @@ pub async fn lock_stranded(
     let found = timed(
         Op::SandboxStranded,
         sqlx::query(&format!(
-            "SELECT {cols}, h.last_seen < now() - make_interval(secs => $5) AS overdue
+            "SELECT {cols},
+                    COALESCE({DEFERRED_IN_THIS_SILENCE}
+                             AND s.failover_deferred_at < now() - make_interval(secs => $5),
+                             false) AS overdue
                FROM sandboxes s JOIN hosts h ON h.id = s.host_id
               WHERE h.state = '{LOST}' AND s.deleted_at IS NULL
                 AND h.last_seen < now() - make_interval(secs => $1)
@@ -334,7 +345,7 @@ pub async fn lock_stranded(
         .bind(&states)
         .bind(batch)
         .bind(&skip)
-        .bind(secs(overdue_after))
+        .bind(secs(retry_for))
         .fetch_all(conn),
     )
     .await?;
@@ -349,6 +360,30 @@ pub async fn lock_stranded(
             })
         })
         .collect()
+}
+
+/// Records that a pass deferred the failover of `id` (locked by [`lock_stranded`]) now
+/// (database clock), unless a deferral during its host's current silence is recorded already:
+/// the first one stays, and [`Stranded::overdue`] counts from it. Not fenced by generation:
+/// the caller holds the row's lock, and the pair is judged only against the row's host.
+pub async fn note_failover_deferred(
+    conn: &mut PgConnection,
+    id: SandboxId,
+) -> Result<(), StoreError> {
+    timed(
+        Op::SandboxFailoverDeferred,
+        sqlx::query(&format!(
+            "UPDATE sandboxes s
+                SET failover_deferred_at = now(), failover_deferred_on = s.host_id
+               FROM hosts h
+              WHERE s.id = $1 AND h.id = s.host_id
+                AND NOT COALESCE({DEFERRED_IN_THIS_SILENCE}, false)"
+        ))
+        .bind(id)
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
 }
 
 /// An automatic request a sandbox can be due for.

@@ -597,8 +597,8 @@ pub use backup::{restore_from_backup, vacate_for_backup, BackupRestore};
 pub use compat::{execd_token, find_with_execd_token, list_in_states};
 pub use converge::{
     capacity_drift, count_by_state, guest_tallies, lock_due, lock_failed_guests, lock_stranded,
-    lock_timed_out, purge_tombstones, CommandTimeouts, Due, GuestTally, Judging, Stranded,
-    TimedOut,
+    lock_timed_out, note_failover_deferred, purge_tombstones, CommandTimeouts, Due, GuestTally,
+    Judging, Stranded, TimedOut,
 };
 pub use migrate::{leave_old_host, migrate};
 pub use settings::{clear_expiry, lock_expired, update_settings, SettingsChange};
