@@ -24,8 +24,8 @@ pub const CRASH_AT_ENV: &str = "BERTH_HOSTD_CRASH_AT";
 /// `Unmounted`, and then, in its background upload, `Uploading`; a snapshot passes
 /// `Captured`; a restore, clone, unarchive or migrate passes `Fetched` while it seeds the disk
 /// and `Seeded` before its bring-up; an archive passes
-/// `Uploading`, `Captured` (its copy confirmed and its tombstone written) and `TornDown`; a
-/// delete passes `TornDown`; every command passes `Recorded` once its record is written,
+/// `Uploading` and `Captured` (its copy confirmed whole and recorded, the disk kept); a delete
+/// (also the one that frees an archived sandbox's disk) passes `TornDown`; every command passes `Recorded` once its record is written,
 /// before its result is published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
@@ -60,7 +60,8 @@ pub enum Step {
     /// Restore, clone, unarchive or migrate, mid-download: the disk tree is fetched beside its
     /// place (a partial tree), not renamed into place yet.
     Fetched,
-    /// Delete (and an archive freeing the disk): the container, network and address are gone;
+    /// Delete (also the one freeing an archived sandbox's disk): the container, network and
+    /// address are gone;
     /// the sandbox dir (its disk image and record) is not removed yet.
     TornDown,
 }

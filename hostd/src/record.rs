@@ -109,6 +109,11 @@ pub struct SandboxRecord {
     /// before it read as `None`.
     #[serde(default)]
     pub durable: Option<StopDurable>,
+    /// The `sandbox.archive` that uploaded `durable` (`None`: a stop's background upload did):
+    /// a redelivery of that archive after a crash reuses it instead of storing the disk again
+    /// as a copy no row names. Records written before it read as `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub durable_by: Option<CommandId>,
 }
 
 impl SandboxRecord {
@@ -129,6 +134,7 @@ impl SandboxRecord {
             results: Vec::new(),
             updated_at: Utc::now(),
             durable: None,
+            durable_by: None,
         }
     }
 

@@ -1,6 +1,7 @@
 //! A host's report that a stop snapshot is stored in the object store (issue 14,
 //! [`ResultOutcome::Durable`]): the second result of a `sandbox.stop`, sent once its background
-//! upload is confirmed, and the success of a `sandbox.archive`. `durable_at` is written only
+//! upload is confirmed, and the success of a `sandbox.archive` (whose host keeps the disk until
+//! the control plane, having recorded it here, sends the delete that frees it). `durable_at` is written only
 //! from such a report (DESIGN.md guarantee 9), and only while the sandbox is still at the
 //! generation the snapshot was taken at: a late report for a sandbox that moved on (started,
 //! deleted) changes nothing (the fence, guarantee 4 of the issue) but handing the snapshot it
@@ -67,11 +68,11 @@ pub(crate) async fn apply_stop(
     }
 }
 
-/// A stored stop snapshot the sandbox will never name (its report came late, or lost chunks)
-/// goes to the collector like a superseded one, so what its upload stored does not stay in the
+/// A stored stop snapshot the sandbox will never name (its report came late, or lost chunks;
+/// an archive's that came late or was refused) goes to the collector (never one a row names) like a superseded one, so what its upload stored does not stay in the
 /// object store for good (a start cancels a stop's upload only before it stores anything; once
 /// staged, the upload finishes and reports).
-async fn forget(
+pub(crate) async fn forget(
     conn: &mut PgConnection,
     row: &SandboxRow,
     durable: &StopDurable,

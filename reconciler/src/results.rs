@@ -233,6 +233,12 @@ fn wakes_relay(kind: CommandKind, applied: Applied) -> bool {
     wrote || matches!(kind, CommandKind::Create | CommandKind::Start)
 }
 
+/// Why an archive failed when the control plane's chunk check refused its stop snapshot (a
+/// chunk its upload skipped as stored was claimed by a concurrent chunk removal): the user
+/// reads it as the event's message and `state_reason`.
+pub const ARCHIVE_LOST_CHUNKS: &str = "archive's upload lost chunks to a concurrent snapshot \
+     delete; the sandbox keeps its disk; archive again";
+
 /// Applies one result, then acks it (or naks it for a retry when the database failed).
 async fn handle(
     db: &PgPool,
@@ -481,7 +487,7 @@ async fn apply_issued(
         tx.commit().await?;
         return Ok(Applied::Rejected(Rejection::NotPlacement));
     }
-    let (outcome, address, last_stop, message) = match &result.outcome {
+    let (mut outcome, address, last_stop, mut message) = match &result.outcome {
         ResultOutcome::Succeeded { address, last_stop } => {
             (Outcome::Succeeded, address.as_deref(), *last_stop, None)
         }
@@ -489,7 +495,8 @@ async fn apply_issued(
         ResultOutcome::StoppedOnDisk { .. } => {
             (Outcome::Succeeded, None, Some(StopMode::Disk), None)
         }
-        // An archive's success: its stop snapshot is stored and its local disk freed.
+        // An archive's success: its stop snapshot is stored whole, its disk still on its host
+        // until the delete queued with `archived` frees it (below).
         ResultOutcome::Durable(_) => (Outcome::Succeeded, None, None, None),
         ResultOutcome::Failed { reason } | ResultOutcome::Rejected { reason } => {
             (Outcome::Failed, None, None, Some(reason.as_str()))
@@ -507,10 +514,38 @@ async fn apply_issued(
     };
     if result.generation != row.generation {
         debug!(row_generation = %row.generation, "stale result ignored");
+        if let ResultOutcome::Durable(durable) = &result.outcome {
+            // A late archive (timed out, or its sandbox moved on): what it stored no row names.
+            crate::durable::forget(&mut tx, &row, durable).await?;
+        }
         tx.commit().await?;
         return Ok(Applied::Stale);
     }
-    let decision = on_result(row.state, row.deleting(), result.kind, outcome);
+    let mut decision = on_result(row.state, row.deleting(), result.kind, outcome);
+    // Whether `archived` is written: its host's copy is then freed.
+    let mut archived = false;
+    if let ResultOutcome::Durable(durable) = &result.outcome {
+        match decision {
+            // `archived` only with its durable stop snapshot recorded (guarantee 9). The host
+            // kept the disk: a copy the chunk check refuses fails the archive, and the sandbox
+            // stays `stopped` there with its disk (issue 14, rule 1).
+            ResultDecision::Apply { .. } => {
+                if crate::durable::record(&mut tx, &row, row.generation, durable).await? {
+                    archived = true;
+                } else {
+                    crate::durable::forget(&mut tx, &row, durable).await?;
+                    outcome = Outcome::Failed;
+                    message = Some(ARCHIVE_LOST_CHUNKS);
+                    decision = on_result(row.state, row.deleting(), result.kind, outcome);
+                }
+            }
+            // A duplicate, or an archive whose sandbox is being deleted: named by no row (a
+            // duplicate's is, and is kept), it goes to the collector.
+            ResultDecision::Compensate(_) | ResultDecision::Ignore => {
+                crate::durable::forget(&mut tx, &row, durable).await?;
+            }
+        }
+    }
     if let ResultDecision::Apply { .. } = decision {
         // The first time this boot's result moves the row: it counts for its host's health.
         health::record_result(&mut tx, result, &health.policy).await?;
@@ -527,12 +562,6 @@ async fn apply_issued(
                 return Ok(Applied::Retried { to });
             }
         }
-    }
-    if let (ResultDecision::Apply { .. }, ResultOutcome::Durable(durable)) =
-        (decision, &result.outcome)
-    {
-        // `archived` only with its durable stop snapshot recorded (guarantee 9).
-        crate::durable::record(&mut tx, &row, row.generation, durable).await?;
     }
     let applied = match decision {
         ResultDecision::Apply { to, capacity } => {
@@ -561,6 +590,11 @@ async fn apply_issued(
                 },
             )
             .await?;
+            if archived {
+                // Two-phase free: the host's disk goes only now, by the control plane's word.
+                let free = sandboxes::free_archived_copy(&mut tx, &row, result.host_id).await?;
+                info!(delete_id = %free, "archived; the host's copy is freed");
+            }
             info!(from = %row.state, to = %to, "result applied");
             Applied::Transitioned { to }
         }

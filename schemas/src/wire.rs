@@ -191,7 +191,9 @@ pub struct Command {
     /// container whose row was purged (the host reported it, so it has its own record).
     pub spec: Option<SandboxSpec>,
     /// For a [`CommandKind::Snapshot`]: which snapshot to take; for a [`CommandKind::Restore`]
-    /// or [`CommandKind::Clone`]: which snapshot to boot from (`parent` is `None`); `None` for
+    /// or [`CommandKind::Clone`]: which snapshot to boot from (`parent` is `None`); for a
+    /// [`CommandKind::Archive`]: the durable stop snapshot the control plane recorded, the only
+    /// earlier stop the host may reuse (else `None`: it uploads the disk anew); `None` for
     /// every other kind.
     pub snapshot: Option<SnapshotOrder>,
 }

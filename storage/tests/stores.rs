@@ -11,8 +11,9 @@ use std::sync::Arc;
 
 use berth_storage::manifest::{EntryKind, CHUNK_BYTES, MANIFEST_FORMAT, MANIFEST_FORMAT_V1};
 use berth_storage::{
-    delete_snapshot, fetch_manifest, is_durable, materialize, stage, upload, ChunkCache, Holds,
-    Manifest, Objects, RetrySettings, StorageError, StoreOp, TreeKind, TreeSource, UploadReport,
+    delete_snapshot, fetch_manifest, is_durable, materialize, missing_chunks, stage, upload,
+    ChunkCache, Holds, Manifest, Objects, RetrySettings, StorageError, StoreOp, TreeKind,
+    TreeSource, UploadReport,
 };
 use support::{describe, info, random, Backend, S3Server};
 
@@ -335,6 +336,22 @@ async fn deleting_a_snapshot_removes_only_content_no_other_snapshot_references(b
     assert_eq!(again.chunks_deleted, 1, "a repeated delete is harmless");
 }
 
+/// A snapshot whose manifest reads back may still lack a chunk (removed since its upload
+/// skipped it): `missing_chunks` names exactly the ones gone.
+async fn a_snapshot_whose_chunk_was_removed_names_it_missing(b: Backend) {
+    let upper = b.path("upper");
+    fs::create_dir_all(&upper).unwrap();
+    fs::write(upper.join("a"), random(100_000)).unwrap();
+    fs::write(upper.join("b"), random(100_000)).unwrap();
+    let (m, _) = snapshot(&b, disk(upper), None, None).await.unwrap();
+    assert_eq!(m.distinct_chunks().len(), 2);
+    assert!(missing_chunks(&b.objects, &m).await.unwrap().is_empty());
+    let (gone, _) = m.distinct_chunks()[1].clone();
+    b.objects.delete(&Objects::chunk_key(&gone)).await.unwrap();
+    assert!(is_durable(&b.objects, m.info.snapshot_id).await.unwrap());
+    assert_eq!(missing_chunks(&b.objects, &m).await.unwrap(), [gone]);
+}
+
 async fn a_damaged_chunk_or_manifest_in_the_store_is_refused(b: Backend) {
     let upper = b.path("upper");
     fs::create_dir_all(&upper).unwrap();
@@ -471,6 +488,7 @@ on_both_stores!(
     a_clone_on_another_host_fetches_only_what_its_cache_lacks,
     deleting_a_snapshot_removes_only_content_no_other_snapshot_references,
     a_damaged_chunk_or_manifest_in_the_store_is_refused,
+    a_snapshot_whose_chunk_was_removed_names_it_missing,
     hard_links_within_the_tree_come_back_as_one_inode,
 );
 

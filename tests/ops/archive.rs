@@ -1,6 +1,8 @@
 //! Durable stops, archive and unarchive on the real stack (issue 14, first slice): a stop
-//! becomes durable in the object store in the background; an archived sandbox frees its disk
-//! and comes back with its files on the other host; auto-archive; an S3 server killed
+//! becomes durable in the object store in the background; an archived sandbox's disk is freed
+//! by the delete the control plane sends with `archived`, and it comes back with its files on
+//! the other host; an archive whose chunk check finds a lost chunk, or that finds its recorded
+//! stop lacking a chunk, never loses the disk; auto-archive; an S3 server killed
 //! mid-archive leaves the sandbox stopped with its disk, and a later archive succeeds; a
 //! delete during `archiving` and `archived`.
 
@@ -32,6 +34,16 @@ pub(crate) async fn stop_durably(stack: &Stack, id: &str) -> Value {
     })
     .await;
     get(stack, id).await
+}
+
+/// Waits until the host's copy of the archived `id` is freed: the delete the control plane
+/// queued with `archived` landed (the two-phase free; hostd never frees it on its own).
+pub(crate) async fn freed(stack: &Stack, id: &str) {
+    eventually(
+        "the archived sandbox's disk is freed on its host",
+        || async { stack.leftovers(id).is_empty() },
+    )
+    .await;
 }
 
 /// `(to_state, reason, message)` of each event of the sandbox, oldest first.
@@ -73,11 +85,7 @@ async fn an_archived_sandbox_frees_its_disk_and_unarchives_on_the_other_host_wit
         "archive again: {status} {body}"
     );
     stack.wait_state(&id, "archived").await;
-    assert!(
-        stack.leftovers(&id).is_empty(),
-        "archived frees the local disk: {:?}",
-        stack.leftovers(&id)
-    );
+    freed(&stack, &id).await;
     let archived = get(&stack, &id).await;
     assert!(!archived["durable_at"].is_null(), "{archived}");
     // Requests an archived sandbox refuses.
@@ -175,7 +183,7 @@ async fn a_stopped_sandbox_is_auto_archived_after_its_interval(db: PgPool) {
         reasons.contains(&("archiving".to_owned(), "auto_archive".to_owned())),
         "{reasons:?}"
     );
-    assert!(stack.leftovers(&id).is_empty());
+    freed(&stack, &id).await;
     assert_eq!(stack.request(&id, "start").await.0, 202);
     stack.wait_state(&id, "running").await;
     assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
@@ -315,7 +323,7 @@ async fn an_s3_server_killed_mid_archive_leaves_it_stopped_with_its_disk_and_a_l
     let s3 = S3Server::start_on(&root, port);
     assert_eq!(stack.request(&id, "archive").await.0, 202);
     stack.wait_state(&id, "archived").await;
-    assert!(stack.leftovers(&id).is_empty());
+    freed(&stack, &id).await;
     assert_eq!(stack.request(&id, "start").await.0, 202);
     stack.wait_state(&id, "running").await;
     assert_eq!(
@@ -350,7 +358,7 @@ async fn a_gvisor_sandbox_archived_after_a_memory_stop_continues_its_processes_o
     assert_eq!(stopped["last_stop"], "memory", "{stopped}");
     assert_eq!(stack.request(&id, "archive").await.0, 202);
     stack.wait_state(&id, "archived").await;
-    assert!(stack.leftovers(&id).is_empty());
+    freed(&stack, &id).await;
 
     let filler = running_sandbox(&stack).await;
     assert_eq!(host_of(&stack, &filler).await, first_host);
@@ -370,7 +378,7 @@ async fn a_gvisor_sandbox_archived_after_a_memory_stop_continues_its_processes_o
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn an_archive_whose_host_never_answers_times_out_to_stopped_and_its_late_archive_loses_nothing(
+async fn an_archive_whose_host_never_answers_times_out_to_stopped_and_its_late_archive_keeps_the_disk(
     db: PgPool,
 ) {
     let config = PassConfig {
@@ -391,13 +399,23 @@ async fn an_archive_whose_host_never_answers_times_out_to_stopped_and_its_late_a
         "{stopped}"
     );
     stack.hosts[0].thaw();
-    // The host archives late (its result is fenced: the row stays stopped)...
-    eventually("the late archive frees the disk", || async {
-        stack.leftovers(&id).is_empty()
+    // The host archives late (its result is fenced: the row stays stopped, and what it
+    // stored goes to the collector) and, never freeing a disk on its own, keeps the disk...
+    let record = stack.hosts[0]
+        .state_dir
+        .join("sandboxes")
+        .join(&id)
+        .join("record.json");
+    eventually("the late archive is recorded on its host", || async {
+        std::fs::read_to_string(&record).is_ok_and(|r| r.contains("durable_by"))
     })
     .await;
     assert_eq!(stack.state_of(&id).await, "stopped");
-    // ...and a start still finds its files: the host unarchives it from its own copy.
+    assert!(
+        !stack.leftovers(&id).is_empty(),
+        "the disk stays on its host"
+    );
+    // ...so a start boots it there with its files.
     assert_eq!(stack.request(&id, "start").await.0, 202);
     stack.wait_state(&id, "running").await;
     assert_eq!(run(&stack, &id, "cat /root/f").await, "kept\n");
@@ -463,5 +481,152 @@ async fn an_unarchive_whose_host_never_answers_fails_start_releasing_capacity_an
     })
     .await;
     stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+/// The object of chunk `hash` in the stack's object store.
+fn chunk_object(stack: &Stack, hash: &str) -> std::path::PathBuf {
+    stack
+        .object_store_dir()
+        .join("chunks")
+        .join(&hash[..2])
+        .join(format!("{hash}.zst"))
+}
+
+/// Removes from the object store the biggest chunk of `id`'s recorded durable stop (as a chunk
+/// removal would have); returns its hash.
+pub(crate) async fn remove_a_chunk_of(stack: &Stack, id: &str) -> String {
+    let hash: String = sqlx::query_scalar(
+        "SELECT sha256 FROM durable_chunks WHERE sandbox_id = $1::uuid
+          ORDER BY stored DESC, sha256 LIMIT 1",
+    )
+    .bind(id)
+    .fetch_one(&stack.db)
+    .await
+    .unwrap();
+    std::fs::remove_file(chunk_object(stack, &hash)).expect("the chunk is stored");
+    hash
+}
+
+/// The stop snapshots of `id` handed to the collector and not collected yet.
+async fn awaiting_collection(db: &PgPool, id: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM durable_superseded WHERE sandbox_id = $1::uuid")
+        .bind(id)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_skipped_chunk_a_removal_claimed_stays_stopped_with_its_disk_and_archives_again(
+    db: PgPool,
+) {
+    use crate::crash14::delete_leaves_nothing;
+    use crate::migrate::{CHECK, FILES};
+    let stack = Stack::start(db.clone(), 1).await;
+    let id = running_sandbox(&stack).await;
+    // A file of one chunk whose hash the test knows: its content is the sandbox's id.
+    run(
+        &stack,
+        &id,
+        &format!("{FILES} && printf %s {id} > /root/tag"),
+    )
+    .await;
+    let chunk = berth_storage::chunk::sha256_hex(id.as_bytes());
+    // A snapshot delete queued that chunk, and a remover claimed it (nothing references it)
+    // and has not removed its object yet.
+    let mut conn = db.acquire().await.unwrap();
+    berth_store::chunks::queue(&mut conn, std::slice::from_ref(&chunk))
+        .await
+        .unwrap();
+    assert!(berth_store::chunks::claim(&mut conn, &chunk).await.unwrap());
+    // The stop's upload stores the chunk; its report is refused (the claimed removal may take
+    // the chunk) and its snapshot handed to the collector.
+    assert_eq!(stack.request(&id, "stop").await.0, 202);
+    stack.wait_state(&id, "stopped").await;
+    eventually("the stop's refused snapshot awaits collection", || async {
+        awaiting_collection(&db, &id).await == 1
+    })
+    .await;
+    assert!(chunk_object(&stack, &chunk).is_file());
+    assert!(get(&stack, &id).await["durable_at"].is_null());
+
+    // The archive's upload skips the stored chunk and its host finds every chunk there; the
+    // control plane's check finds the claim: the archive fails and the disk stays.
+    let (status, body) = stack.request(&id, "archive").await;
+    assert_eq!((status, body["state"].as_str()), (202, Some("archiving")));
+    let stopped = stack.wait_state(&id, "stopped").await;
+    let (to, reason, message) = events(&db, &id).await.pop().unwrap();
+    assert_eq!((to.as_str(), reason.as_str()), ("stopped", "runtime_error"));
+    let message = message.unwrap_or_default();
+    assert!(
+        message.contains("lost chunks") && message.contains("keeps its disk"),
+        "{message}"
+    );
+    assert_eq!(stopped["state_reason"], message.as_str(), "{stopped}");
+    assert!(stopped["durable_at"].is_null(), "{stopped}");
+    assert!(
+        !stack.leftovers(&id).is_empty(),
+        "the disk stays on its host"
+    );
+    assert_eq!(
+        awaiting_collection(&db, &id).await,
+        2,
+        "the refused archive's snapshot goes to the collector too"
+    );
+    stack.assert_no_capacity_drift().await;
+
+    // The remover finishes: the chunk's object is gone.
+    std::fs::remove_file(chunk_object(&stack, &chunk)).unwrap();
+    berth_store::chunks::finish(&mut conn, &chunk)
+        .await
+        .unwrap();
+    drop(conn);
+    // Archived again: its host stores the disk anew (the chunk too), the check passes, and the
+    // delete queued with `archived` frees the disk.
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    freed(&stack, &id).await;
+    assert!(chunk_object(&stack, &chunk).is_file(), "stored again");
+    stack.assert_no_capacity_drift().await;
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    assert_eq!(run(&stack, &id, "cat /root/tag").await, id);
+    delete_leaves_nothing(&stack, &id).await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_recorded_stop_lacks_a_chunk_uploads_again_and_unarchives_with_its_files(
+    db: PgPool,
+) {
+    use crate::crash14::{delete_leaves_nothing, durable_snapshot};
+    use crate::migrate::{CHECK, FILES};
+    let stack = Stack::start(db.clone(), 1).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, FILES).await;
+    stop_durably(&stack, &id).await;
+    let stop = durable_snapshot(&stack, &id).await.unwrap();
+    // Its manifest still reads back; one of its chunks does not.
+    let gone = remove_a_chunk_of(&stack, &id).await;
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    stack.wait_state(&id, "archived").await;
+    let archived = durable_snapshot(&stack, &id).await.unwrap();
+    assert_ne!(
+        archived, stop,
+        "the disk was stored anew, not the stop reused"
+    );
+    assert!(
+        chunk_object(&stack, &gone).is_file(),
+        "the chunk is stored again"
+    );
+    freed(&stack, &id).await;
+    stack.assert_no_capacity_drift().await;
+    // Unarchived on the same host, after the delete that freed its disk there.
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    delete_leaves_nothing(&stack, &id).await;
     stack.teardown().await;
 }

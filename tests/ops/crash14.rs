@@ -2,14 +2,14 @@
 //! issue 14's transfers, each converging with the sandbox's files and nothing left over: the
 //! background upload of a stop's snapshot (resumed when hostd starts again, so the stop still
 //! becomes durable and a start elsewhere is no longer refused), an archive's upload, an archive
-//! freeing the disk (the stored copy is recorded before anything is freed), and an unarchive's
-//! download. Races of start and delete against the transitional states are in `race14.rs`.
+//! that recorded its copy but did not report it (redelivered, it reports that copy), the delete
+//! that frees an archived sandbox's disk, and an unarchive's download. Races of start and delete against the transitional states are in `race14.rs`.
 
 use berth_hostd::fault::{crash_at, Step, CRASH_AT_ENV};
 use berth_schemas::CommandKind;
 use sqlx::PgPool;
 
-use crate::archive::{get, stop_durably, walk};
+use crate::archive::{freed, get, remove_a_chunk_of, stop_durably, walk};
 use crate::collect::{collected, manifest_stored};
 use crate::migrate::{copy_on, cordon, start_as, CHECK, FILES};
 use crate::resume::run;
@@ -192,11 +192,7 @@ async fn hostd_killed_mid_archive_upload_ends_archived_with_its_files_and_never_
     assert!(!archived["durable_at"].is_null(), "{archived}");
     let snapshot = durable_snapshot(&stack, &id).await.unwrap();
     assert!(manifest_stored(&stack, snapshot));
-    assert!(
-        stack.leftovers(&id).is_empty(),
-        "archived frees the local disk: {:?}",
-        stack.leftovers(&id)
-    );
+    freed(&stack, &id).await;
     stack.assert_no_capacity_drift().await;
     assert_eq!(stack.request(&id, "start").await.0, 202);
     stack.wait_state(&id, "running").await;
@@ -206,24 +202,56 @@ async fn hostd_killed_mid_archive_upload_ends_archived_with_its_files_and_never_
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn hostd_killed_while_an_archive_frees_the_disk_ends_archived_from_the_copy_it_recorded_first(
+async fn hostd_killed_after_an_archive_recorded_its_copy_reports_that_copy_when_redelivered(
     db: PgPool,
 ) {
-    let mut stack = crashing_stack(db.clone(), CommandKind::Archive, Step::TornDown).await;
+    let mut stack = crashing_stack(db.clone(), CommandKind::Archive, Step::Captured).await;
+    let id = running_sandbox(&stack).await;
+    run(&stack, &id, FILES).await;
+    stop_durably(&stack, &id).await;
+    let stop = durable_snapshot(&stack, &id).await.unwrap();
+    // The recorded stop lacks a chunk, so the archive stores the disk anew; hostd dies with
+    // that copy whole and recorded, before it reports.
+    remove_a_chunk_of(&stack, &id).await;
+    assert_eq!(stack.request(&id, "archive").await.0, 202);
+    crashed_then_restart(&mut stack, 0, "archive:captured", None).await;
+    // The redelivered archive reports the copy it recorded instead of storing a third one.
+    stack.wait_state(&id, "archived").await;
+    let archived = durable_snapshot(&stack, &id).await.unwrap();
+    assert_ne!(archived, stop, "stored anew");
+    freed(&stack, &id).await;
+    eventually("only the archived copy is left in the store", || async {
+        manifests_of(&stack, &id).len() == 1
+    })
+    .await;
+    assert!(manifest_stored(&stack, archived));
+    assert_eq!(stack.request(&id, "start").await.0, 202);
+    stack.wait_state(&id, "running").await;
+    assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
+    delete_leaves_nothing(&stack, &id).await;
+    stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn hostd_killed_while_the_delete_frees_an_archived_disk_converges_and_unarchives_with_its_files(
+    db: PgPool,
+) {
+    let mut stack = crashing_stack(db.clone(), CommandKind::Delete, Step::TornDown).await;
     let id = running_sandbox(&stack).await;
     run(&stack, &id, FILES).await;
     stop_durably(&stack, &id).await;
     assert_eq!(stack.request(&id, "archive").await.0, 202);
+    // `archived` is written with the delete that frees the disk; hostd dies in that delete.
+    stack.wait_state(&id, "archived").await;
     let child = stack.hosts[0].child.as_mut().unwrap();
     assert!(
         tokio::time::timeout(SETTLE_TIMEOUT, child.wait())
             .await
             .is_ok(),
-        "hostd never crashed at archive:torn-down"
+        "hostd never crashed at delete:torn-down"
     );
     // The worst place to die: the removal of the sandbox dir got past its record and its disk
-    // image. A redelivered archive that captured what is left would store an empty disk, and
-    // one that found no record would leave the sandbox with no copy at all.
+    // image. The redelivered delete removes what is left by derived names.
     let dir = stack.hosts[0].state_dir.join("sandboxes").join(&id);
     for gone in ["record.json", "disk.img"] {
         std::fs::remove_file(dir.join(gone)).unwrap();
@@ -232,11 +260,9 @@ async fn hostd_killed_while_an_archive_frees_the_disk_ends_archived_from_the_cop
     host.child = None;
     host.env.retain(|(k, _)| k != CRASH_AT_ENV);
     stack.restart_host(0).await;
-    stack.wait_state(&id, "archived").await;
-    eventually("the half-removed dir is gone", || async {
-        stack.leftovers(&id).is_empty()
-    })
-    .await;
+    freed(&stack, &id).await;
+    assert_eq!(stack.state_of(&id).await, "archived");
+    // The unarchive lands on the same host: the delete (older) never undoes it.
     assert_eq!(stack.request(&id, "start").await.0, 202);
     stack.wait_state(&id, "running").await;
     assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");

@@ -10,12 +10,12 @@
 //!   and an upload already staged finishes off the chain ([`StopReport::Later`]). A hostd
 //!   that died during that upload starts it again when it starts ([`StopRef::pending_in`],
 //!   `nats::commands`), so a stop a crash interrupted still becomes durable.
-//! - An archive ([`archive`]) makes sure the stop snapshot is durable (its manifest is in the
-//!   store, else it uploads now), and only then frees the local disk (the container's files,
-//!   network, address and dir, as a delete does), leaving a tombstone record, written (with
-//!   the live record, both naming the stored copy) before anything is freed. A failed upload
-//!   leaves the sandbox as it was, with its disk, and fails the archive with the reason
-//!   (DESIGN.md guarantee 9).
+//! - An archive ([`archive`]) makes sure the stop snapshot is durable and whole (its manifest
+//!   reads back and every chunk it names is in the store; else it uploads the disk now),
+//!   records it, and reports it, keeping the disk: the control plane checks the chunks once
+//!   more against concurrent chunk removals and only then, with `archived`, queues the
+//!   `sandbox.delete` that frees the disk (two-phase free, DESIGN.md guarantee 9). A failed
+//!   upload leaves the sandbox as it was, with its disk, and fails the archive with the reason.
 //!
 //! An unarchive is a clone of the stop snapshot onto this host under the sandbox's own id
 //! (`resume.rs`): a new disk seeded from the store, its memory image put where a memory stop
@@ -213,6 +213,7 @@ pub async fn durable_after_stop(
     }
     if current.durable.as_ref() != Some(&durable) {
         current.durable = Some(durable.clone());
+        current.durable_by = None;
         if let Err(error) = host.put(&current) {
             tracing::warn!(error = %error.report(), "durable stop not recorded");
         }
@@ -343,35 +344,25 @@ pub async fn upload_staged(
     })
 }
 
-/// Applies a `sandbox.archive`: the stop snapshot durable first (its manifest read back from
-/// the store, or uploaded now), then the local disk freed. Returns the tombstone and
-/// [`ResultOutcome::Durable`], or the record untouched and `Failed` with why. `archived_here`:
-/// this host already archived the sandbox (an earlier archive the control plane timed out):
-/// answered from its stored copy once the manifest reads back.
+/// Applies a `sandbox.archive` (issue 14, two-phase free): makes the stop snapshot durable and
+/// whole in the store, records it, and reports it; the disk stays. Returns the record naming
+/// the stored copy and [`ResultOutcome::Durable`], or the record untouched and `Failed` with
+/// why. The disk is freed only by the `sandbox.delete` the control plane queues in the
+/// transaction that writes `archived` — after its own check of the chunks
+/// (`chunks::check_for_ready`), whose verdict may still refuse the copy and leave the sandbox
+/// `stopped` here with its disk.
+///
+/// A stop snapshot this host recorded earlier is reused only when the control plane recorded
+/// it (the command's [`Command::snapshot`] names it) or this very archive stored it (a
+/// redelivery after a crash, [`SandboxRecord::durable_by`]), and only when every chunk it names
+/// is still in the store ([`whole`]); otherwise the disk is captured and uploaded anew, as a
+/// new snapshot.
 pub async fn archive(
     host: &Arc<Host>,
     cmd: &Command,
     live: Option<SandboxRecord>,
-    archived_here: Option<StopDurable>,
 ) -> (Option<SandboxRecord>, ResultOutcome) {
     let Some(mut record) = live else {
-        if let Some(durable) = archived_here {
-            return match berth_storage::fetch_manifest(&host.snapshots.objects, durable.snapshot_id)
-                .await
-            {
-                Ok(_) => {
-                    // What an archive that died while freeing left is removed now (idempotent).
-                    if let Err(error) = super::delete::delete(host, cmd, None).await {
-                        tracing::warn!(error = %error.report(), "archived here; its local leftovers were not all removed");
-                    }
-                    (None, ResultOutcome::Durable(durable))
-                }
-                Err(error) => {
-                    let reason = format!("archived here, but its copy does not read back: {error}");
-                    (None, ResultOutcome::Failed { reason })
-                }
-            };
-        }
         let reason = "no such sandbox on this host".to_owned();
         return (None, ResultOutcome::Failed { reason });
     };
@@ -379,70 +370,91 @@ pub async fn archive(
         let reason = format!("cannot archive a sandbox that is {:?} here", record.phase);
         return (Some(record), ResultOutcome::Failed { reason });
     }
-    let stored = match &record.durable {
-        Some(d) => berth_storage::fetch_manifest(&host.snapshots.objects, d.snapshot_id)
-            .await
-            .is_ok(),
-        None => false,
-    };
-    let durable = match (stored, record.durable.clone()) {
-        (true, Some(durable)) => durable,
-        _ => match upload_stop(host, &record).await {
-            Ok(Some(durable)) => durable,
-            Ok(None) => {
-                let reason = "a sim host keeps no files to archive".to_owned();
-                return (Some(record), ResultOutcome::Rejected { reason });
-            }
-            Err(error) => {
-                // The user reads the reason: what failed, never the host's paths or the
-                // store's raw error (those go to this log).
-                let reason = format!(
-                    "archive upload failed; the sandbox keeps its disk on its host: {}",
-                    error.public_reason()
-                );
-                tracing::warn!(error = %error.report(), "archive failed");
-                return (Some(record), ResultOutcome::Failed { reason });
+    let named = cmd.snapshot.map(|order| order.snapshot_id);
+    let recorded = record
+        .durable
+        .clone()
+        .filter(|d| Some(d.snapshot_id) == named || (record.durable_by == Some(cmd.id)));
+    let reused = match recorded {
+        Some(durable) => match whole(host, durable.snapshot_id).await {
+            Ok(()) => Some(durable),
+            Err(why) => {
+                tracing::info!(snapshot_id = %durable.snapshot_id, %why,
+                    "the recorded stop snapshot is not whole; uploading the disk again");
+                None
             }
         },
+        None => None,
     };
-    // Confirmed: the manifest (written last) reads back and checks.
-    if let Err(error) =
-        berth_storage::fetch_manifest(&host.snapshots.objects, durable.snapshot_id).await
-    {
-        tracing::warn!(%error, snapshot_id = %durable.snapshot_id, "archive not confirmed");
-        let reason = "archive not confirmed: its manifest did not read back from the object \
-                      store; the sandbox keeps its disk"
-            .to_owned();
-        return (Some(record), ResultOutcome::Failed { reason });
-    }
-    // Confirmed, so the disk may go; but first the record says where its copy is, live and as
-    // the tombstone, both written before anything is freed: a hostd that dies while freeing
-    // finds, when the archive is redelivered, either the live record naming the stored copy
-    // (never capturing a half-freed disk again, which would store an empty one) or the
-    // tombstone that answers it (`archived_here`), never neither.
+    let durable = match reused {
+        Some(durable) => durable,
+        None => {
+            let durable = match upload_stop(host, &record).await {
+                Ok(Some(durable)) => durable,
+                Ok(None) => {
+                    let reason = "a sim host keeps no files to archive".to_owned();
+                    return (Some(record), ResultOutcome::Rejected { reason });
+                }
+                Err(error) => {
+                    // The user reads the reason: what failed, never the host's paths or the
+                    // store's raw error (those go to this log).
+                    let reason = format!(
+                        "archive upload failed; the sandbox keeps its disk on its host: {}",
+                        error.public_reason()
+                    );
+                    tracing::warn!(error = %error.report(), "archive failed");
+                    return (Some(record), ResultOutcome::Failed { reason });
+                }
+            };
+            // Confirmed only when the manifest (written last) reads back and every chunk it
+            // names, including those the upload skipped as stored, is there.
+            if let Err(why) = whole(host, durable.snapshot_id).await {
+                tracing::warn!(snapshot_id = %durable.snapshot_id, %why, "archive not confirmed");
+                let reason = format!("archive not confirmed: {why}; the sandbox keeps its disk");
+                return (Some(record), ResultOutcome::Failed { reason });
+            }
+            durable
+        }
+    };
+    // Recorded before it is reported: a redelivered archive reuses it (`durable_by`).
     record.durable = Some(durable.clone());
-    let mut tombstone = record.clone();
-    tombstone.phase = Phase::Deleted;
-    tombstone.link = None;
-    if let Err(error) = host.put(&record).and_then(|()| host.store.bury(&tombstone)) {
+    record.durable_by = Some(cmd.id);
+    if let Err(error) = host.put(&record) {
         tracing::warn!(error = %error.report(), "archive not recorded; the sandbox keeps its disk");
         let reason = "archive not recorded on its host; the sandbox keeps its disk".to_owned();
         return (Some(record), ResultOutcome::Failed { reason });
     }
     crate::fault::crash_point(crate::fault::Step::Captured);
-    match super::delete::delete(host, cmd, Some(record.clone())).await {
-        Ok((tombstone, _)) => {
-            tracing::info!(snapshot_id = %durable.snapshot_id, "sandbox archived; local disk freed");
-            (tombstone, ResultOutcome::Durable(durable))
-        }
-        Err(error) => {
-            // The store holds the whole sandbox: it is archived; what is left here is
-            // garbage the next delete or sweep removes.
-            tracing::warn!(error = %error.report(), "archived, but its local files were not all removed");
-            record.phase = Phase::Deleted;
-            record.link = None;
-            (Some(record), ResultOutcome::Durable(durable))
-        }
+    tracing::info!(snapshot_id = %durable.snapshot_id,
+        "stop snapshot stored whole; the disk stays until the control plane frees it");
+    (Some(record), ResultOutcome::Durable(durable))
+}
+
+/// Whether the stop snapshot `id` is whole in the object store: its manifest reads back and
+/// every chunk it names exists ([`berth_storage::missing_chunks`]). `Err` says, for the user,
+/// what is not (never a path or the store's raw error; those are logged).
+async fn whole(host: &Host, id: SnapshotId) -> Result<(), String> {
+    let objects = &host.snapshots.objects;
+    let manifest = berth_storage::fetch_manifest(objects, id)
+        .await
+        .map_err(|error| {
+            tracing::warn!(%error, snapshot_id = %id, "stop snapshot manifest not read back");
+            "its manifest did not read back from the object store".to_owned()
+        })?;
+    let missing = berth_storage::missing_chunks(objects, &manifest)
+        .await
+        .map_err(|error| {
+            tracing::warn!(%error, snapshot_id = %id, "stop snapshot chunks not looked up");
+            "its chunks could not be looked up in the object store".to_owned()
+        })?;
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        tracing::warn!(snapshot_id = %id, missing = missing.len(), "stop snapshot lacks chunks");
+        Err(format!(
+            "{} of its chunks are missing from the object store",
+            missing.len()
+        ))
     }
 }
 

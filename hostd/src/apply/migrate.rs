@@ -5,7 +5,9 @@
 //! This host may hold a copy of the sandbox from an earlier stay (it was stopped here, then
 //! started elsewhere, and the delete of that copy has not reached this host yet). That copy is
 //! stale: the sandbox ran and stopped elsewhere since. It is removed first, as a delete
-//! would, so the bring-up seeds from the stored snapshot and never boots the stale disk.
+//! would, so the bring-up seeds from the stored snapshot and never boots the stale disk. An
+//! unarchive does the same: the sandbox may have been archived from this host, and the delete
+//! that frees that disk (queued with `archived`) may not have come yet.
 //!
 //! # Crash safety
 //! A record at the migrate's own generation is this command's (a redelivery after a crash):
@@ -41,6 +43,7 @@ pub async fn forget_stale_copy(
     if let Some(mut tombstone) = tombstone {
         // Its stop snapshot is not this host's to answer a start from (`archived_here`).
         tombstone.durable = None;
+        tombstone.durable_by = None;
         host.store.bury(&tombstone)?;
         host.forget(cmd.sandbox_id);
     }

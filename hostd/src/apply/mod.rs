@@ -2,7 +2,7 @@
 //! record. [`up`] makes a sandbox run (create and start), [`stop`] stops it, [`delete`]
 //! removes it, [`snapshot`] stores it in the object store while it runs, [`resume`] rebuilds
 //! it (restore) or builds a new one (clone) from a stored snapshot, [`archive`] stores a stopped
-//! one and frees its disk, [`migrate`] takes in a sandbox moved from another host (after
+//! one whole (its disk freed by the delete the control plane sends once `archived`), [`migrate`] takes in a sandbox moved from another host (after
 //! dropping a stale copy of its own); what a real host and a sim host do differently is the host's
 //! [`Backend`](crate::host::Backend).
 //!
@@ -165,10 +165,10 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     // API), not an agent fault.
     let _closed = matches!(cmd.kind, CommandKind::Stop | CommandKind::Delete)
         .then(|| host.gates.close_while(cmd.sandbox_id));
-    // A sandbox this host archived: its tombstone remembers where its disk went. A start that
-    // still comes here (its archive timed out in the control plane but finished on this host)
-    // unarchives it from there instead of booting a fresh template, and another archive is
-    // answered from there (issue 14: a late archive never loses the disk).
+    // A sandbox a hostd before the two-phase free archived on its own: its tombstone remembers
+    // where its disk went, and a start that still comes here unarchives it from there instead
+    // of booting a fresh template. A hostd now never frees an archived disk but by the
+    // control plane's delete, whose tombstone names no stop snapshot (`changes_the_disk`).
     let archived_here = record
         .as_ref()
         .filter(|r| r.is_tombstone() && r.phase == crate::record::Phase::Deleted)
@@ -191,19 +191,20 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         CommandKind::Create | CommandKind::Start => up::up(host, cmd, live).await,
         CommandKind::Stop => stop::stop(host, live).await,
         CommandKind::Snapshot => snapshot::snapshot(host, cmd, live).await,
-        // An unarchive is a clone of its stop snapshot under the sandbox's own id.
-        CommandKind::Restore | CommandKind::Clone | CommandKind::Unarchive => {
-            resume::resume(host, cmd, live).await
-        }
-        // So is a migration, and never from a copy this host kept of an earlier stay.
-        CommandKind::Migrate => match migrate::forget_stale_copy(host, cmd, live).await {
-            Ok(live) => resume::resume(host, cmd, live).await,
-            Err(error) => {
-                tracing::warn!(error = %error.report(), "stale copy not removed; will retry");
-                return Applied::Retry { error };
+        CommandKind::Restore | CommandKind::Clone => resume::resume(host, cmd, live).await,
+        // An unarchive is a clone of its stop snapshot under the sandbox's own id, and so is a
+        // migration; neither boots a copy this host kept of an earlier stay (an archived
+        // sandbox's disk whose freeing delete has not come yet, a stale stop).
+        CommandKind::Unarchive | CommandKind::Migrate => {
+            match migrate::forget_stale_copy(host, cmd, live).await {
+                Ok(live) => resume::resume(host, cmd, live).await,
+                Err(error) => {
+                    tracing::warn!(error = %error.report(), "stale copy not removed; will retry");
+                    return Applied::Retry { error };
+                }
             }
-        },
-        CommandKind::Archive => archive::archive(host, cmd, live, archived_here).await,
+        }
+        CommandKind::Archive => archive::archive(host, cmd, live).await,
         CommandKind::Delete => match delete::delete(host, cmd, record).await {
             Ok(done) => done,
             Err(error) => {
@@ -221,6 +222,7 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
     if let Some(mut record) = after {
         if changes_the_disk(cmd.kind) {
             record.durable = None;
+            record.durable_by = None;
         }
         record.remember(stored.clone());
         let persisted = if record.is_tombstone() {

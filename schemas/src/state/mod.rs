@@ -47,11 +47,15 @@
 //! `(P)`: placement picks a host (any host, not the one it was archived from) and reserves the
 //! sandbox's capacity there in the same transaction, as a create does; the unarchive fetches
 //! its stop snapshot from the object store and boots it (on gVisor from its memory). `(T)`: an
-//! archived sandbox holds nothing on a host, so its delete writes the tombstone at once (the
-//! old host's delete only buries its record). A start during `archiving` is refused (409): the
+//! archived sandbox holds no capacity, so its delete writes the tombstone at once (the old
+//! host's delete only buries its record, or frees a disk the delete queued with `archived` has
+//! not freed yet). A start during `archiving` is refused (409): the
 //! upload is not cancelled; once `archived`, a start unarchives. `archiving` settles `archived`
-//! on the host's confirmation that the upload is stored and the disk freed, or back to
-//! `stopped` (with its disk, the reason in the event) when the upload failed or timed out.
+//! on the host's confirmation that the stop snapshot is stored whole (the host keeps the disk;
+//! the control plane, having checked the chunks against concurrent removals, queues the
+//! `sandbox.delete` that frees it with `archived`), or back to `stopped` (with its disk, the
+//! reason in the event) when the upload failed or timed out, or when that check refused the
+//! copy (a host success applied as a failure: `archiving` + failed → `stopped`).
 //! `unarchiving` settles `running`, or `archived` (capacity released) when the host failed
 //! it, or `failed-start` (capacity released) when it timed out.
 //!
@@ -140,9 +144,11 @@ pub enum SandboxState {
     /// then booted (a start, issue 14); it holds capacity there.
     Migrating,
     /// A stopped sandbox's stop snapshot is being made durable in object storage; its local
-    /// disk is freed once the upload is confirmed (`POST …/archive`, auto-archive).
+    /// disk is freed once the control plane accepts the stored copy and writes `archived`
+    /// (`POST …/archive`, auto-archive).
     Archiving,
-    /// Stored only in object storage: no host holds its disk or its capacity.
+    /// Stored only in object storage: no host holds its capacity, and the delete queued with
+    /// this state frees the disk its host kept until then.
     Archived,
     /// Being fetched from object storage onto the host placement picked, then booted (a start
     /// of an archived sandbox); it holds capacity there.
@@ -293,8 +299,10 @@ pub enum CommandKind {
     /// [`crate::wire::Command::snapshot`] names it), from the host's cached chunks or the
     /// object store. The sandbox is `resuming`.
     Clone,
-    /// Make a stopped sandbox's stop snapshot durable (upload it unless it already is), then
-    /// free its local disk (issue 14). The sandbox is `archiving`; success is
+    /// Make a stopped sandbox's stop snapshot durable and whole (reuse the one
+    /// [`crate::wire::Command::snapshot`] names when every chunk of it is stored, else upload
+    /// the disk anew), keeping the local disk (issue 14): the control plane frees it with a
+    /// `sandbox.delete` once it writes `archived`. The sandbox is `archiving`; success is
     /// [`crate::wire::ResultOutcome::Durable`].
     Archive,
     /// Fetch an archived sandbox's stop snapshot ([`crate::wire::Command::snapshot`] names it)

@@ -64,8 +64,10 @@ pub fn on_result(
         (K::Restore | K::Clone, S::Resuming, Failed, false) => {
             apply(S::FailedStart, Capacity::Release)
         }
-        // An archive's upload was confirmed and its local disk freed; a failed one left the
-        // sandbox stopped on its host with its disk. A stopped sandbox holds no capacity.
+        // An archive's stop snapshot was confirmed stored whole (its host frees the disk only
+        // on the delete queued with `archived`); a failed one, or one whose copy the chunk
+        // check refused, left the sandbox stopped on its host with its disk. A stopped sandbox
+        // holds no capacity.
         (K::Archive, S::Archiving, Succeeded, false) => apply(S::Archived, Capacity::Keep),
         (K::Archive, S::Archiving, Failed, false) => apply(S::Stopped, Capacity::Keep),
         (K::Unarchive, S::Unarchiving, Succeeded, false) => apply(S::Running, Capacity::Keep),

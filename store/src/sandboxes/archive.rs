@@ -1,5 +1,7 @@
 //! The writes of durable stops and archives (issue 14): [`write_durable`] records a stop
 //! snapshot the host confirmed stored, fenced on the generation it was taken at;
+//! [`free_archived_copy`] sends the archiving host the delete that frees its disk, once
+//! `archived` is written;
 //! [`unarchive`] moves an archived sandbox to the host placement chose and queues its
 //! `sandbox.unarchive` there.
 
@@ -80,6 +82,20 @@ pub async fn write_durable(
     )
     .await?;
     Ok(true)
+}
+
+/// For the locked sandbox `row` whose archive's success is being written `archived` (issue 14,
+/// two-phase free): queues on `host`, the host that reported it, a `sandbox.delete` of its copy
+/// at `row.generation` — the archive's own, which that host applied last, so its fence lets it
+/// through, and older than any unarchive (the next generation), so an unarchive that lands on
+/// the same host is never undone by it (it comes first; a late one is refused as stale). Its
+/// result changes nothing (`archived` ignores a delete's). Returns its id.
+pub async fn free_archived_copy(
+    conn: &mut PgConnection,
+    row: &SandboxRow,
+    host: HostId,
+) -> Result<CommandId, StoreError> {
+    super::migrate::delete_copy_on(conn, host, row, row.generation).await
 }
 
 /// Moves the locked `archived` sandbox `row` to `to`, where placement already reserved its

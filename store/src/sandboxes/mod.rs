@@ -592,7 +592,9 @@ mod settings;
 mod superseded;
 mod write;
 
-pub use archive::{deleted_with_durable, take_durable, unarchive, write_durable};
+pub use archive::{
+    deleted_with_durable, free_archived_copy, take_durable, unarchive, write_durable,
+};
 pub use backup::{restore_from_backup, vacate_for_backup, BackupRestore};
 pub use compat::{execd_token, find_with_execd_token, list_in_states};
 pub use converge::{

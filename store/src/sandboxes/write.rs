@@ -38,7 +38,8 @@ pub struct Transition<'a> {
     /// The limits a [`Capacity::Reserve`] reserves within.
     pub overcommit: Overcommit,
     /// For a `sandbox.restore`: the snapshot it boots from, carried in the command's order;
-    /// `None` for every other command.
+    /// `None` for every other command (a `sandbox.archive` names the row's durable stop
+    /// snapshot by itself).
     pub snapshot: Option<SnapshotId>,
 }
 
@@ -126,8 +127,15 @@ pub async fn write_transition(
     })?;
     let mut command_id = None;
     if let (Some(kind), Some(host)) = (transition.command, row.host_id) {
+        // An archive names the durable stop snapshot the row recorded, the only earlier stop
+        // its host may reuse (issue 14): one the control plane refused, or never heard of,
+        // is uploaded again.
+        let snapshot = match kind {
+            CommandKind::Archive => row.durable_at.and(row.durable_snapshot),
+            _ => transition.snapshot,
+        };
         let command = Command {
-            snapshot: transition.snapshot.map(|snapshot_id| SnapshotOrder {
+            snapshot: snapshot.map(|snapshot_id| SnapshotOrder {
                 snapshot_id,
                 parent: None,
                 disk_only: false,
