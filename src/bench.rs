@@ -150,7 +150,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "5s")]
     failover_after: humantime::Duration,
     /// Failover mode: below it, a dir per run holds the hostd children's state dirs, their
-    /// logs and the local object store; removed afterwards.
+    /// logs and the local object store; removed afterwards (also when interrupted), but for
+    /// the hostd logs after a failure (they say why).
     #[arg(long, default_value = "/var/tmp/berth-bench-failover")]
     failover_dir: PathBuf,
     /// The PID of the stack's process, for its CPU per create; default `BERTH_DEV_PID` from
