@@ -150,7 +150,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "5s")]
     failover_after: humantime::Duration,
     /// Failover mode: below it, a dir per run holds the hostd children's state dirs, their
-    /// logs and the local object store; removed afterwards.
+    /// logs and the local object store; removed afterwards (also when interrupted), but for
+    /// the hostd logs after a failure (they say why).
     #[arg(long, default_value = "/var/tmp/berth-bench-failover")]
     failover_dir: PathBuf,
     /// The PID of the stack's process, for its CPU per create; default `BERTH_DEV_PID` from
@@ -273,6 +274,27 @@ struct Client {
 
 /// The metadata key that marks a bench run's sandboxes.
 const RUN_TAG_KEY: &str = "berth-bench";
+/// How long the clean-up of a run (also of an interrupted one) waits for its sandboxes to be
+/// deleted before it gives up and says which are left.
+const CLEAN_UP_TIMEOUT: Duration = Duration::from_secs(60);
+/// The pause before the clean-up lists a run's sandboxes again.
+const CLEAN_UP_SETTLE: Duration = Duration::from_millis(500);
+
+/// The error of a bench stopped by SIGINT or SIGTERM (after its clean-up): `main` prints it as
+/// one line, without a backtrace, and exits with 130.
+#[derive(Debug)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted (SIGINT or SIGTERM)")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// The exit code of an interrupted bench (128 + SIGINT, as a shell reports one).
+pub const INTERRUPTED_EXIT: i32 = 130;
 
 impl Client {
     async fn send(
@@ -365,36 +387,67 @@ impl Client {
         Ok(())
     }
 
-    /// Deletes every sandbox of this run that is not deleted yet (a phase that failed leaves
-    /// some behind; they would hold the stack's capacity). Best effort: errors are printed.
+    /// Deletes every sandbox of this run that is not deleted yet (a phase that failed or was
+    /// interrupted leaves some behind; they would hold the stack's capacity) and waits, up to
+    /// [`CLEAN_UP_TIMEOUT`], until they are `deleted`. The list is taken again after each
+    /// round: a create that was in flight when the run ended commits after the first list.
+    /// Best effort: what is not deleted in time is printed.
     async fn clean_up(&self) {
+        let deadline = Instant::now() + CLEAN_UP_TIMEOUT;
+        let done = async {
+            loop {
+                let left = self.left_over().await?;
+                if left.is_empty() {
+                    return anyhow::Ok(());
+                }
+                futures::future::join_all(left.iter().map(|id| async move {
+                    let path = format!("/v1/sandboxes/{id}");
+                    match self.send(reqwest::Method::DELETE, &path, None).await {
+                        Ok((200 | 202, _)) => {}
+                        other => eprintln!("bench: sandbox {id} not deleted: {other:?}"),
+                    }
+                    let secs = deadline
+                        .saturating_duration_since(Instant::now())
+                        .as_secs()
+                        .clamp(1, MAX_WAIT_SECS);
+                    let path = format!("/v1/sandboxes/{id}/wait?state=deleted&timeout={secs}s");
+                    let _ = self.send(reqwest::Method::GET, &path, None).await;
+                }))
+                .await;
+                // A list right after the last create may not see it yet.
+                tokio::time::sleep(CLEAN_UP_SETTLE).await;
+            }
+        };
+        match tokio::time::timeout_at(deadline.into(), done).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("bench: could not list this run's sandboxes to clean up: {e:#}"),
+            Err(_) => match tokio::time::timeout(CLEAN_UP_SETTLE, self.left_over()).await {
+                Ok(Ok(left)) if left.is_empty() => {}
+                left => eprintln!(
+                    "bench: sandboxes of this run (metadata {RUN_TAG_KEY}={}) not deleted within {CLEAN_UP_TIMEOUT:?}: {left:?}",
+                    self.run_tag
+                ),
+            },
+        }
+    }
+
+    /// The ids of this run's sandboxes that are not `deleted`.
+    async fn left_over(&self) -> anyhow::Result<Vec<String>> {
         let path = format!(
             "/v1/sandboxes?metadata.{RUN_TAG_KEY}={}&limit=500",
             self.run_tag
         );
-        let listed = match self.send(reqwest::Method::GET, &path, None).await {
-            Ok((200, listed)) => listed,
-            other => {
-                eprintln!("bench: could not list this run's sandboxes to clean up: {other:?}");
-                return;
-            }
-        };
-        for sandbox in listed["sandboxes"].as_array().into_iter().flatten() {
-            if sandbox["deleted_at"].is_null() {
-                if let Some(id) = sandbox["id"].as_str() {
-                    let gone = self
-                        .send(
-                            reqwest::Method::DELETE,
-                            &format!("/v1/sandboxes/{id}"),
-                            None,
-                        )
-                        .await;
-                    if !matches!(gone, Ok((200 | 202, _))) {
-                        eprintln!("bench: sandbox {id} not deleted: {gone:?}");
-                    }
-                }
-            }
+        let (status, listed) = self.send(reqwest::Method::GET, &path, None).await?;
+        if status != 200 {
+            bail!("{status} {listed}");
         }
+        Ok(listed["sandboxes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|s| s["deleted_at"].is_null() && s["state"] != "deleted")
+            .filter_map(|s| s["id"].as_str().map(str::to_owned))
+            .collect())
     }
 
     /// Deletes a sandbox and waits until it is `deleted`.
@@ -498,12 +551,24 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         throttled: Default::default(),
         run_tag: format!("{}-{}", std::process::id(), chrono::Utc::now().timestamp()),
     };
-    let outcome = if args.snapshots {
-        snapshots::run(&client, args.sandboxes()).await
-    } else if args.storage {
-        storage::run(&client, &args, &lookup).await
-    } else {
-        real::measure(&args, &client, &lookup).await
+    let shutdown = crate::shutdown_on_signal();
+    let measured = async {
+        if args.snapshots {
+            snapshots::run(&client, args.sandboxes()).await
+        } else if args.storage {
+            storage::run(&client, &args, &lookup).await
+        } else {
+            real::measure(&args, &client, &lookup).await
+        }
+    };
+    // On a signal the measuring stops where it is: dropping it removes its bundle and scratch
+    // dirs and the raw containers it made (their guards' `Drop`), and kills its commands.
+    let outcome = tokio::select! {
+        outcome = measured => outcome,
+        _ = shutdown.cancelled() => {
+            eprintln!("bench: interrupted, deleting this run's sandboxes…");
+            Err(Interrupted.into())
+        }
     };
     client.clean_up().await;
     outcome

@@ -572,7 +572,16 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             unreachable!("handled before the runtime starts")
         }
         Cmd::Dev(args) => dev::run(args).await?,
-        Cmd::Bench(args) => bench::run(args).await?,
+        Cmd::Bench(args) => {
+            if let Err(e) = bench::run(args).await {
+                // A signal is the user's choice, not a failure to explain with a backtrace.
+                if e.chain().any(|c| c.is::<bench::Interrupted>()) {
+                    eprintln!("berth bench: {e}");
+                    std::process::exit(bench::INTERRUPTED_EXIT);
+                }
+                return Err(e);
+            }
+        }
         Cmd::Template {
             command: TemplateCmd::Build { name, cache_dir },
         } => {

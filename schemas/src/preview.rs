@@ -77,6 +77,11 @@ pub enum VerifyError {
     Expired,
 }
 
+/// The TCP port of Berth's agent inside every sandbox (hostd's exec, files and shell channel,
+/// not authenticated). Never a preview port: the API refuses it in preview tokens and
+/// `public_ports`, the proxy never forwards to it, and a forwarder refuses a preamble naming it.
+pub const AGENT_PORT: u16 = 18047;
+
 /// The line that opens a forwarded connection: which sandbox port, until when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Preamble {
@@ -125,6 +130,8 @@ impl Preamble {
             })
         })()
         .filter(|_| words.next().is_none())
+        // A forwarder never opens the agent's port, whoever signed the line.
+        .filter(|p| p.port != AGENT_PORT)
         .ok_or(VerifyError::Malformed)?;
         if parsed.expires < now {
             return Err(VerifyError::Expired);

@@ -39,7 +39,9 @@
 //! Everything is removed afterwards, also when a step fails: the hostd children are killed
 //! (on drop too), what they left on the machine (containers, networks, mounts, nftables
 //! tables: [`berth::hostd_child`], [`berth::host_leftovers`]) and their state dirs removed, the
-//! streams deleted and the database dropped. After a failure the hostd logs stay in the run dir (printed).
+//! streams deleted and the database dropped, and the run dir removed — also on SIGINT or
+//! SIGTERM, which end the run as [`super::Interrupted`]. After a failure only the hostd logs
+//! stay in the run dir (printed): they say why.
 //!
 //! Errors: a service or a hostd that does not start, a sandbox that does not land on the host
 //! to silence, fails over to nowhere (`failed-start`) or without its file, a host that does
@@ -102,17 +104,40 @@ pub(super) async fn run(args: FailoverArgs) -> anyhow::Result<()> {
         args.nats_url.as_deref(),
         &shutdown,
     )
-    .await?;
+    .await;
+    let private = match private {
+        Err(_) if shutdown.is_cancelled() => return Err(super::Interrupted.into()),
+        private => private?,
+    };
     let run_dir = std::path::absolute(args.dir.join(&private.tag))?;
     let outcome = measure(&args, &private, &run_dir, &shutdown).await;
     private.close(false).await;
-    match &outcome {
-        Ok(()) => {
-            remove_dir_unless_mounted(&run_dir);
-            // The parent only when this run was its last user.
-            let _ = std::fs::remove_dir(&args.dir);
+    // A step that failed because of the signal is an interruption, not a failure to explain.
+    let outcome = match outcome {
+        Err(_) if shutdown.is_cancelled() => Err(super::Interrupted.into()),
+        outcome => outcome,
+    };
+    let failed = outcome
+        .as_ref()
+        .is_err_and(|e| !e.chain().any(|c| c.is::<super::Interrupted>()));
+    if failed {
+        // The hostd logs explain the failure: they stay, the rest (the object store) goes.
+        for entry in std::fs::read_dir(&run_dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "log") {
+                continue;
+            }
+            if path.is_dir() {
+                remove_dir_unless_mounted(&path);
+            } else {
+                let _ = std::fs::remove_file(&path);
+            }
         }
-        Err(_) => eprintln!("bench: the hostd logs are in {}", run_dir.display()),
+        eprintln!("bench: the hostd logs are in {}", run_dir.display());
+    } else {
+        remove_dir_unless_mounted(&run_dir);
+        // The parent only when this run was its last user.
+        let _ = std::fs::remove_dir(&args.dir);
     }
     outcome
 }
@@ -312,7 +337,7 @@ impl Sample<'_> {
         // and make the wait for the next pass read almost a whole interval every time.
         tokio::select! {
             _ = tokio::time::sleep(self.pass_interval.mul_f64(rand::random::<f64>())) => {}
-            _ = self.shutdown.cancelled() => bail!("interrupted"),
+            _ = self.shutdown.cancelled() => return Err(super::Interrupted.into()),
         }
         silenced.signal(nix::sys::signal::Signal::SIGSTOP)?;
         let deadline = Instant::now() + self.timeout;
@@ -394,7 +419,7 @@ impl Sample<'_> {
     async fn pause(&self) -> anyhow::Result<()> {
         tokio::select! {
             _ = tokio::time::sleep(POLL) => Ok(()),
-            _ = self.shutdown.cancelled() => bail!("interrupted"),
+            _ = self.shutdown.cancelled() => Err(super::Interrupted.into()),
         }
     }
 }

@@ -78,6 +78,16 @@ impl Drop for Bundle {
     }
 }
 
+/// A file or directory removed when this is dropped.
+pub struct RemoveOnDrop(pub PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Runs `program args`, stdin and stdout closed, and returns how long it took. Its stderr
 /// goes to a file, not a pipe: a detached container (`runsc restore --detach`) inherits it
 /// and would hold a pipe open long after the command returned.
@@ -90,6 +100,8 @@ pub async fn timed(program: &str, args: &[&str]) -> anyhow::Result<Duration> {
         uuid::Uuid::now_v7().simple()
     ));
     let err_file = std::fs::File::create(&err_path)?;
+    // Removed on drop too (an interrupted bench drops this future mid-command).
+    let _remove = RemoveOnDrop(err_path.clone());
     let t = Instant::now();
     let run = tokio::process::Command::new(program)
         .args(args)
@@ -107,7 +119,6 @@ pub async fn timed(program: &str, args: &[&str]) -> anyhow::Result<Duration> {
     };
     let elapsed = t.elapsed();
     let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
-    let _ = std::fs::remove_file(&err_path);
     let status = status?;
     if !status.success() {
         bail!("{program} {}: {status}: {}", args.join(" "), stderr.trim());
@@ -169,7 +180,10 @@ pub async fn runsc(samples: usize) -> anyhow::Result<RunscFloors> {
     let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let (short_dir, long_dir) = (path_str(short.dir()), path_str(long.dir()));
     let mut floors = RunscFloors::default();
-    let mut made = Vec::new();
+    let mut made = RunscMade {
+        global: global.iter().map(|s| s.to_string()).collect(),
+        ids: Vec::new(),
+    };
     let outcome = async {
         for i in 0..samples {
             let id = format!("floor{i}");
@@ -177,7 +191,7 @@ pub async fn runsc(samples: usize) -> anyhow::Result<RunscFloors> {
                 .run
                 .push(runsc(s(&["run", "--bundle", &short_dir, &id])).await?);
             let id = format!("cycle{i}");
-            made.push(id.clone());
+            made.ids.push(id.clone());
             let image = path_str(&long.dir().join(format!("image{i}")));
             floors
                 .run_detached
@@ -200,15 +214,37 @@ pub async fn runsc(samples: usize) -> anyhow::Result<RunscFloors> {
                 .await?,
             );
             runsc(s(&["delete", "--force", &id])).await?;
-            made.pop();
+            made.ids.pop();
         }
         anyhow::Ok(())
     }
     .await;
-    for id in made {
+    for id in std::mem::take(&mut made.ids) {
         let _ = runsc(s(&["delete", "--force", &id])).await;
     }
     outcome.map(|()| floors)
+}
+
+/// The detached runsc sandboxes of a floor run not deleted yet: deleted on drop too, so an
+/// interrupted bench (its future dropped) leaves no gVisor sandbox running.
+struct RunscMade {
+    /// runsc's global flags (`--root …`).
+    global: Vec<String>,
+    ids: Vec<String>,
+}
+
+impl Drop for RunscMade {
+    fn drop(&mut self) {
+        for id in &self.ids {
+            let _ = std::process::Command::new("runsc")
+                .args(&self.global)
+                .args(["delete", "--force", id])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
 }
 
 fn path_str(p: &Path) -> String {

@@ -31,6 +31,31 @@ pub struct Podman {
     image: String,
     tag: String,
     _bundle: Bundle,
+    /// Set by [`Podman::remove`]; else `Drop` removes the run's containers and image (an
+    /// interrupted bench drops this mid-cycle).
+    removed: bool,
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        if self.removed {
+            return;
+        }
+        let quiet = |args: &[&str]| {
+            std::process::Command::new("podman")
+                .args(args)
+                .stdin(Stdio::null())
+                .stderr(Stdio::null())
+                .output()
+        };
+        let filter = format!("name=berth-bench-{}-", self.tag);
+        if let Ok(out) = quiet(&["ps", "-aq", "--filter", &filter]) {
+            for id in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = quiet(&["rm", "-f", "-t", "0", id]);
+            }
+        }
+        let _ = quiet(&["rmi", "-f", &self.image]);
+    }
 }
 
 /// The times of one Podman cycle.
@@ -79,6 +104,7 @@ impl Podman {
             image,
             tag,
             _bundle: bundle,
+            removed: false,
         })
     }
 
@@ -117,9 +143,10 @@ impl Podman {
     }
 
     /// Removes the image.
-    pub async fn remove(self) {
+    pub async fn remove(mut self) {
         if let Err(e) = timed("podman", &["rmi", "-f", &self.image]).await {
             eprintln!("bench: podman image {} not removed: {e:#}", self.image);
         }
+        self.removed = true;
     }
 }

@@ -44,8 +44,11 @@ pub(super) async fn run(client: &Client, samples: usize) -> anyhow::Result<()> {
         );
     };
     let scratch = PathBuf::from(format!("/var/tmp/berth-bench-snap-{}", std::process::id()));
-    let floors = Floors::measure(&scratch, samples).await;
-    let _ = std::fs::remove_dir_all(&scratch);
+    let floors = {
+        // Removed also when an interrupted bench drops this future.
+        let _scratch = super::floors::RemoveOnDrop(scratch.clone());
+        Floors::measure(&scratch, samples).await
+    };
     let floors = floors?;
     for (template, runtime) in [("base", "runc"), ("base-gvisor", "gVisor")] {
         let figures = per_runtime(client, template, samples).await?;

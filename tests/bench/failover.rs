@@ -105,3 +105,70 @@ fn processes_naming(dir: &Path) -> Vec<String> {
         .filter(|cmdline| cmdline.contains(&needle))
         .collect()
 }
+
+/// SIGINT (a terminal's Ctrl-C) while the hostd children run: the run ends with one line and
+/// exit 130 (no backtrace, even with `RUST_BACKTRACE=1`), and leaves nothing: no run dir (logs
+/// and object store included), no database, no hostd.
+#[tokio::test]
+async fn an_interrupted_failover_run_says_so_in_one_line_and_leaves_nothing() {
+    let database_url = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let dir = fresh_dir("failbench-int");
+    let runs = dir.join("runs");
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["bench", "--failover", "--sandboxes", "1"])
+        .args(["--failover-pass-interval", "200ms"])
+        .arg("--failover-dir")
+        .arg(&runs)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("DATABASE_URL", &database_url)
+        .env("NATS_URL", nats_url())
+        .env("RUST_BACKTRACE", "1")
+        .env_remove("BERTH_OBJECT_STORE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    let tag = format!("benchfail{pid}");
+    let last_log = runs.join(&tag).join("host1.log");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !last_log.exists() {
+        assert!(std::time::Instant::now() < deadline, "no hostd started");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        child.wait_with_output(),
+    )
+    .await
+    .expect("the bench exits after SIGINT")
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert_eq!(
+        stderr.lines().last(),
+        Some("berth bench: interrupted (SIGINT or SIGTERM)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("backtrace"), "{stderr}");
+    assert!(!runs.exists(), "the run dir is removed: {stderr}");
+    assert_eq!(processes_naming(&runs), Vec::<String>::new());
+    let db = sqlx::PgPool::connect(&database_url).await.unwrap();
+    let databases: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
+        .bind(&tag)
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(databases, 0, "database {tag} is dropped");
+    db.close().await;
+    assert_eq!(files_below(&dir), 0, "nothing is left in {}", dir.display());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -6,6 +6,7 @@
 mod support;
 
 mod failover;
+mod interrupt;
 mod storage;
 
 /// Checks the table `berth bench` printed on `stdout` against `expected` (each row's name

@@ -487,3 +487,81 @@ async fn with_auto_resume_patched_off_a_request_gets_409_and_the_sandbox_stays_s
     stack.wait_state(&id, "deleted").await;
     stack.teardown().await;
 }
+
+/// The agent's port (Berth's own, unauthenticated channel into the sandbox) is never exposed:
+/// no preview token, no `public_ports` on create or PATCH, no compat endpoint (400 naming the
+/// field), and the proxy (by host name and by path, even for the owner) and the host's
+/// forwarder (even with a preamble signed by its own key) never open it.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn the_agents_port_is_refused_everywhere_a_port_is_exposed(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let id = create_running(
+        &stack,
+        json!({"template": "base", "vcpus": 1, "memory_mib": 128}),
+    )
+    .await;
+    let agent = preview::AGENT_PORT;
+    let refused = |(status, body): (u16, serde_json::Value), field: &str| {
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_request", "{body}");
+        assert_eq!(body["error"]["field"], field, "{body}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains("agent"),
+            "{body}"
+        );
+    };
+    let token = format!("/v1/sandboxes/{id}/ports/{agent}/token");
+    refused(
+        stack.call(Method::POST, &token, Some(json!({}))).await,
+        "port",
+    );
+    let patch = json!({"public_ports": [8000, agent]});
+    let path = format!("/v1/sandboxes/{id}");
+    refused(
+        stack.call(Method::PATCH, &path, Some(patch)).await,
+        "public_ports",
+    );
+    let create = json!({"template": "base", "public_ports": [agent]});
+    refused(
+        stack
+            .call(Method::POST, "/v1/sandboxes", Some(create))
+            .await,
+        "public_ports",
+    );
+    let (_, row) = stack.call(Method::GET, &path, None).await;
+    assert_eq!(row["public_ports"], json!([]), "{row}");
+    let compat = stack
+        .http
+        .get(stack.url(&format!(
+            "/compat/opensandbox/v1/sandboxes/{id}/endpoints/{agent}"
+        )))
+        .header("OPEN-SANDBOX-API-KEY", &stack.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(compat.status().as_u16(), 400);
+    let body = compat.text().await.unwrap();
+    assert!(body.contains("port") && body.contains("agent"), "{body}");
+
+    // The owner's key opens every other port through the proxy, never this one.
+    let (status, page, _) = get_by_host(&stack, &id, agent, "/", Some(&stack.key)).await;
+    assert_eq!(status, 403, "{page}");
+    assert!(page.contains("agent"), "{page}");
+    let by_path = stack.url(&format!("/v1/sandboxes/{id}/ports/{agent}/"));
+    assert_eq!(get(&stack, &by_path, Some(&stack.key)).await.0, 403);
+    let host: uuid::Uuid = crate::support::http::host_of(&stack, &id).await;
+    let host_key = preview::forwarder_key(PREVIEW_SECRET, berth_schemas::HostId(host));
+    let preamble = Preamble {
+        sandbox: id.parse().unwrap(),
+        port: agent,
+        expires: chrono::Utc::now().timestamp() + 30,
+    };
+    let forwarder = forwarder_of(&stack, &id).await;
+    assert_eq!(
+        forwarder_reply(&forwarder, &preamble.encode(&host_key)).await,
+        "ERR unauthorized\n"
+    );
+    stack.delete(&id).await;
+    stack.wait_state(&id, "deleted").await;
+    stack.teardown().await;
+}

@@ -381,6 +381,50 @@ async fn post_templates_honours_idempotency_key_in_the_operators_scope(db: PgPoo
     assert_worded_400(&garbage, "an array");
 }
 
+/// An `Idempotency-Key` compares bodies as JSON: the same fields in another order, with other
+/// whitespace or other string escapes replay the first answer; another value or another field
+/// is `422 idempotency_key_reused`, and registers nothing.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_idempotency_key_replays_the_same_json_in_any_spelling_and_refuses_another(db: PgPool) {
+    let operator = berth_api::auth::create_admin_key(&db).await.unwrap();
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = Api::with_state(
+        db.clone(),
+        nats,
+        inproc::unique_subjects(),
+        |_| {},
+        |state| state.with_images(std::sync::Arc::new(NeverPulls)),
+    );
+    let first = r#"{"name":"node","image":"registry.invalid/node:22"}"#;
+    let first = post_raw(&api, &operator, "/v1/templates", &["j1"], first).await;
+    assert_eq!(first.status, 202, "{}", first.body);
+    for same in [
+        "{ \"image\" : \"registry.invalid/node:22\",\n  \"name\": \"node\" }",
+        r#"{"name":"\u006eode","image":"registry.invalid/node:22"}"#,
+    ] {
+        let again = post_raw(&api, &operator, "/v1/templates", &["j1"], same).await;
+        assert_eq!((again.status, &again.body), (202, &first.body), "{same}");
+    }
+    for other in [
+        r#"{"image":"registry.invalid/node:23","name":"node"}"#,
+        r#"{"name":"node","image":"registry.invalid/node:22","description":"x"}"#,
+    ] {
+        let reused = post_raw(&api, &operator, "/v1/templates", &["j1"], other).await;
+        assert_eq!(
+            (reused.status, reused.code()),
+            (422, "idempotency_key_reused"),
+            "{other}: {}",
+            reused.body
+        );
+    }
+    let templates: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM templates WHERE image IS NOT NULL")
+            .fetch_one(&db)
+            .await
+            .unwrap();
+    assert_eq!(templates, 1);
+}
+
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn an_org_keeps_its_last_key_and_has_at_most_max_active_keys(db: PgPool) {
     let org = inproc::org(&db).await;

@@ -539,6 +539,16 @@ async fn a_webhook_pointing_at_a_private_address_is_refused_at_create(db: PgPool
         "http://169.254.169.254/latest/meta-data",
         "http://10.0.0.1/hook",
         "http://[fd00::1]/hook",
+        // RFC 6761: `localhost` and every name under it, with or without the trailing dot,
+        // whatever this machine's resolver makes of them; literals with a trailing dot.
+        "http://localhost./hook",
+        "http://LOCALHOST.:9/hook",
+        "http://foo.localhost:18999/hook",
+        "http://foo.localhost./hook",
+        "http://127.0.0.1./hook",
+        "http://2130706433./hook",
+        "http://0x7f.1./hook",
+        "http://10.0.0.1./hook",
     ] {
         let reply = api
             .call(

@@ -322,6 +322,12 @@ pub async fn endpoint(
         .ok()
         .filter(|p| *p != 0)
         .ok_or_else(|| CompatError::invalid("port", "must be 1 to 65535"))?;
+    if port == berth_schemas::preview::AGENT_PORT {
+        return Err(CompatError::invalid(
+            "port",
+            "is Berth's agent's port: it has no endpoint",
+        ));
+    }
     let row = row(&app, &caller, id).await?;
     if row.deleting() {
         return Err(ApiError::NotFound(format!("sandbox {id}")).into());

@@ -7,7 +7,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use berth_schemas::preview::PreviewToken;
+use berth_schemas::preview::{PreviewToken, AGENT_PORT};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
@@ -71,6 +71,12 @@ pub async fn token(
         .ok()
         .filter(|p| *p != 0)
         .ok_or_else(|| ApiError::invalid("port", "port must be 1 to 65535"))?;
+    if port == AGENT_PORT {
+        return Err(ApiError::invalid(
+            "port",
+            format!("port {AGENT_PORT} is Berth's agent's port: it has no preview"),
+        ));
+    }
     let req: TokenRequest = super::body::json_or_empty(&body)?;
     let config = app.preview.config();
     let ttl = match req.ttl_seconds {

@@ -5,6 +5,7 @@ pub mod settings;
 pub mod snapshot;
 
 use berth_schemas::network::Network;
+use berth_schemas::preview::AGENT_PORT;
 use berth_schemas::state::ExpiryAction;
 use berth_schemas::wire::Resources;
 use berth_schemas::{Generation, HostId, SandboxId, SandboxState};
@@ -153,7 +154,8 @@ pub fn valid_env_and_entrypoint(
 /// At most this many `public_ports`.
 pub const MAX_PUBLIC_PORTS: usize = 16;
 
-/// `public_ports` checked (1 to 65535, at most [`MAX_PUBLIC_PORTS`]), sorted and deduplicated.
+/// `public_ports` checked (1 to 65535, not the agent's [`AGENT_PORT`], at most
+/// [`MAX_PUBLIC_PORTS`]), sorted and deduplicated.
 ///
 /// Errors: [`ApiError::InvalidRequest`] naming `public_ports`.
 pub fn valid_public_ports(ports: Vec<u16>) -> Result<Vec<u16>, ApiError> {
@@ -161,6 +163,12 @@ pub fn valid_public_ports(ports: Vec<u16>) -> Result<Vec<u16>, ApiError> {
         return Err(ApiError::invalid(
             "public_ports",
             "public_ports are 1 to 65535",
+        ));
+    }
+    if ports.contains(&AGENT_PORT) {
+        return Err(ApiError::invalid(
+            "public_ports",
+            format!("public_ports may not hold {AGENT_PORT}: it is Berth's agent's port"),
         ));
     }
     let mut ports = ports;

@@ -224,6 +224,13 @@ impl Preview {
         target: &mut Target,
         peer: Option<IpAddr>,
     ) -> Result<Response, page::Page> {
+        if target.port == berth_schemas::preview::AGENT_PORT {
+            // Berth's own channel into the sandbox: no token or public port opens it.
+            return Err(page::Page::new(
+                StatusCode::FORBIDDEN,
+                "This port is Berth's agent's: it is never previewed.",
+            ));
+        }
         let Some(secret) = self.config.secret.clone() else {
             return Err(page::Page::new(
                 StatusCode::SERVICE_UNAVAILABLE,

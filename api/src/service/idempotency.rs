@@ -19,7 +19,9 @@ use super::ServiceError;
 /// The scope of the operator's keys (`POST /v1/templates`): an operator key has no org.
 pub const OPERATOR: Option<OrgId> = None;
 
-/// A request's key and the fingerprint of what it asked (method, path, body bytes).
+/// A request's key and the fingerprint of what it asked: method, path, and the body's canonical
+/// JSON ([`canonical_json`]: the same JSON with other key order or whitespace is the same
+/// request), or its bytes when it is not JSON.
 #[derive(Debug, Clone)]
 pub struct IdempotencyKey {
     /// The key as the client sent it.
@@ -30,8 +32,24 @@ pub struct IdempotencyKey {
 impl IdempotencyKey {
     /// The key `key` of a request `method path` with `body`.
     pub fn new(key: String, method: &str, path: &str, body: &[u8]) -> Self {
+        let canonical = serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .map(|v| canonical_json(&v));
+        // Tagged, so a JSON body and a non-JSON one of the same bytes never match.
+        let (kind, body): (&[u8], &[u8]) = match &canonical {
+            Some(c) => (b"json", c.as_bytes()),
+            None => (b"raw", body),
+        };
         let mut h = Sha256::new();
-        for part in [method.as_bytes(), b"\0", path.as_bytes(), b"\0", body] {
+        for part in [
+            method.as_bytes(),
+            b"\0",
+            path.as_bytes(),
+            b"\0",
+            kind,
+            b"\0",
+            body,
+        ] {
             h.update(part);
         }
         Self {
@@ -39,6 +57,45 @@ impl IdempotencyKey {
             fingerprint: h.finalize().to_vec(),
         }
     }
+}
+
+/// `value` as compact JSON with every object's keys in byte order, whatever order the client
+/// sent them in (and whichever order `serde_json`'s map keeps: this does not depend on its
+/// `preserve_order` feature).
+pub fn canonical_json(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    let mut out = String::new();
+    fn write(v: &Value, out: &mut String) {
+        match v {
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+                out.push('{');
+                for (i, (k, v)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&Value::String(k.clone()).to_string());
+                    out.push(':');
+                    write(v, out);
+                }
+                out.push('}');
+            }
+            Value::Array(items) => {
+                out.push('[');
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    write(v, out);
+                }
+                out.push(']');
+            }
+            scalar => out.push_str(&scalar.to_string()),
+        }
+    }
+    write(value, &mut out);
+    out
 }
 
 /// A response as a key keeps it: the HTTP status code and the JSON body, rendered by the HTTP

@@ -112,10 +112,19 @@ pub fn literal_is_refused(url: &reqwest::Url) -> bool {
     }
 }
 
-/// Whether a new webhook's URL may be refused at once: its host is a refused literal, or a name
-/// every address of which is refused (`localhost`). A name that does not resolve now passes:
-/// deliveries resolve again each time through [`GuardedResolver`], which stays the authority
-/// (a name may point elsewhere later).
+/// Whether `name` is loopback by name, whatever a resolver says: `localhost` or a name under
+/// it (`foo.localhost`), in any case, with or without the root's trailing dot (RFC 6761 §6.3).
+pub fn is_loopback_name(name: &str) -> bool {
+    let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+    name == "localhost" || name.ends_with(".localhost")
+}
+
+/// Whether a new webhook's URL may be refused at once: its host is a refused literal (a
+/// trailing dot included: the URL parser reads `127.0.0.1.` as `127.0.0.1`), a loopback name
+/// ([`is_loopback_name`]), or a name every address of which is refused as it resolves now
+/// (`127.0.0.1.nip.io`). A name that does not resolve now passes: deliveries resolve again
+/// each time through [`GuardedResolver`], which stays the authority (a name may point
+/// elsewhere later).
 pub async fn refused_at_create(url: &reqwest::Url) -> bool {
     if literal_is_refused(url) {
         return true;
@@ -123,6 +132,9 @@ pub async fn refused_at_create(url: &reqwest::Url) -> bool {
     let Some(url::Host::Domain(name)) = url.host() else {
         return false;
     };
+    if is_loopback_name(name) {
+        return true;
+    }
     match tokio::net::lookup_host((name, 0)).await {
         Ok(addrs) => {
             let addrs: Vec<SocketAddr> = addrs.collect();
@@ -141,6 +153,9 @@ impl Resolve for GuardedResolver {
     fn resolve(&self, name: Name) -> Resolving {
         Box::pin(async move {
             let host = name.as_str().to_owned();
+            if is_loopback_name(&host) {
+                return Err(REFUSED_TARGET.into());
+            }
             let found: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
                 .await?
                 .filter(|addr| !is_refused(addr.ip()))
@@ -208,6 +223,21 @@ mod tests {
                 !literal_is_refused(&reqwest::Url::parse(url).unwrap()),
                 "{url}"
             );
+        }
+    }
+
+    #[test]
+    fn localhost_and_names_under_it_are_loopback_in_any_spelling() {
+        for name in ["localhost", "LocalHost.", "foo.localhost", "a.b.LOCALHOST."] {
+            assert!(is_loopback_name(name), "{name}");
+        }
+        for name in [
+            "localhost.example",
+            "notlocalhost",
+            "example.com.",
+            "localhostx",
+        ] {
+            assert!(!is_loopback_name(name), "{name}");
         }
     }
 

@@ -39,7 +39,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The TCP port the agent listens on inside every sandbox.
-pub const AGENT_PORT: u16 = 18047;
+pub const AGENT_PORT: u16 = berth_schemas::preview::AGENT_PORT;
 
 /// The longest request or response line either side accepts, in bytes. Responses carry at most
 /// two [`MAX_CAPTURED_OUTPUT`] buffers, base64-inflated by 4/3.
