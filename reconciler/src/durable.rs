@@ -17,12 +17,15 @@ use crate::results::{Applied, Rejection};
 
 /// Records `durable` for the locked `row` at `generation` in the caller's transaction;
 /// whether it was written. A stop snapshot with a chunk a snapshot delete's claimed removal
-/// may have taken from under its upload is not recorded (the next archive uploads again).
+/// may have taken from under its upload is not recorded (the next archive uploads again):
+/// `requested_at` is a time no later than the upload's first look at the store (a removal
+/// finished before it could not be skipped), on the database's clock.
 pub(crate) async fn record(
     conn: &mut PgConnection,
     row: &SandboxRow,
     generation: berth_schemas::Generation,
     durable: &StopDurable,
+    requested_at: chrono::DateTime<chrono::Utc>,
 ) -> Result<bool, StoreError> {
     let chunks: Vec<(String, i64)> = durable
         .chunks
@@ -30,7 +33,7 @@ pub(crate) async fn record(
         .map(|(h, n)| (h.clone(), i64::from(*n)))
         .collect();
     let hashes: Vec<String> = chunks.iter().map(|(h, _)| h.clone()).collect();
-    let lost = chunks::check_for_ready(conn, durable.snapshot_id, row.updated_at, &hashes).await?;
+    let lost = chunks::check_for_ready(conn, durable.snapshot_id, requested_at, &hashes).await?;
     if !lost.is_empty() {
         warn!(lost = lost.len(), snapshot_id = %durable.snapshot_id,
             "a stop snapshot lost chunks to a snapshot delete; not recorded as durable");
@@ -58,7 +61,9 @@ pub(crate) async fn apply_stop(
         forget(conn, &row, durable).await?;
         return Ok(Applied::Stale);
     }
-    if record(conn, &row, result.generation, durable).await? {
+    // The row's last change (issue 14: a `stopped` applied late or a settings change can put
+    // it after the upload's look; the precise bound needs the chunks the upload skipped).
+    if record(conn, &row, result.generation, durable, row.updated_at).await? {
         info!(snapshot_id = %durable.snapshot_id, stored_bytes = durable.stored_bytes,
             "stop snapshot durable");
         Ok(Applied::Durable)

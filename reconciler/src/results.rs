@@ -484,6 +484,10 @@ async fn apply_issued(
         return Ok(Applied::Unknown);
     };
     if row.host_id != Some(result.host_id) {
+        if let ResultOutcome::Durable(durable) = &result.outcome {
+            // A late archive from a host the sandbox has left: what it stored no row names.
+            crate::durable::forget(&mut tx, &row, durable).await?;
+        }
         tx.commit().await?;
         return Ok(Applied::Rejected(Rejection::NotPlacement));
     }
@@ -530,7 +534,14 @@ async fn apply_issued(
             // kept the disk: a copy the chunk check refuses fails the archive, and the sandbox
             // stays `stopped` there with its disk (issue 14, rule 1).
             ResultDecision::Apply { .. } => {
-                if crate::durable::record(&mut tx, &row, row.generation, durable).await? {
+                // Checked against the archive command's insert: the host looked at the store
+                // after it, and no settings change moves it (the row's `updated_at` does).
+                let requested_at = commands::inserted_at(&mut tx, result.command_id)
+                    .await?
+                    .unwrap_or(row.updated_at);
+                if crate::durable::record(&mut tx, &row, row.generation, durable, requested_at)
+                    .await?
+                {
                     archived = true;
                 } else {
                     crate::durable::forget(&mut tx, &row, durable).await?;

@@ -16,7 +16,7 @@ use crate::state::CommandKind;
 
 /// The envelope version this build writes and reads.
 ///
-/// Version 16 (this one): a [`SnapshotOrder`] ends with `disk_only` (a backup, issue 14).
+/// Version 16: a [`SnapshotOrder`] ends with `disk_only` (a backup, issue 14).
 /// Version 15: a command kind, [`CommandKind::Migrate`] (whose
 /// [`Command::snapshot`] names the durable stop snapshot to fetch onto another host).
 /// Version 14: two command kinds, [`CommandKind::Archive`] and
@@ -39,8 +39,13 @@ use crate::state::CommandKind;
 /// request's fault, not the host's). Version 3: a sandbox's spec carries its disk limit
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
+/// Version 17 (this one): no change of bytes, but of meaning: a `sandbox.archive`'s
+/// [`Command::snapshot`] names the stop snapshot the control plane recorded durable, the only
+/// one the host may reuse, and the host keeps the disk until the control plane's
+/// `sandbox.delete` frees it (a host of version 16 frees it on its own, before the chunk check,
+/// so it must not meet this control plane).
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 16;
+pub const WIRE_VERSION: u16 = 17;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -194,6 +194,21 @@ pub async fn time_out_open(
     Ok(())
 }
 
+/// When the command `id` was inserted (the database's clock), or `None` when the outbox has
+/// no such command.
+pub async fn inserted_at(
+    conn: &mut PgConnection,
+    id: CommandId,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>, StoreError> {
+    timed(
+        Op::CommandIssued,
+        sqlx::query_scalar("SELECT created_at FROM commands WHERE id = $1")
+            .bind(id)
+            .fetch_optional(conn),
+    )
+    .await
+}
+
 /// Whether a `kind` command for the sandbox at `generation` was already queued (a
 /// compensation is queued once per generation).
 pub async fn exists(

@@ -6,6 +6,7 @@
 mod support;
 
 mod api;
+mod archive_check;
 mod atomic_create;
 mod capacity;
 mod evidence;

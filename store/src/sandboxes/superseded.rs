@@ -155,9 +155,10 @@ pub struct Superseded {
 /// given) that may be collected now: its sandbox (if its row is still there) is being deleted
 /// (and, when a boot may still fetch it, `deleted`), or is neither `stopping` nor
 /// `stopped`/`archiving` without a durable stop (the next stop's upload), and that its row does
-/// not name as its durable stop again (a host that recorded a stop whose report came late
-/// reuses it for its next archive); rows another collector holds are skipped. Forgets it and its chunk references; commit only once its manifest is removed
-/// from the store (a rollback leaves it for the next look).
+/// not name as its durable stop again (an archive of a host older than wire version 17 could
+/// report a stop whose report came late as its copy); rows another collector holds are skipped.
+/// Forgets it and its chunk references; commit only once its manifest is removed from the
+/// store (a rollback leaves it for the next look).
 pub async fn take_superseded(
     conn: &mut PgConnection,
     sandbox: Option<SandboxId>,
