@@ -16,6 +16,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde_json::{json, Value};
 
+mod cleanup;
 mod failover;
 mod floors;
 mod podman;
@@ -270,15 +271,13 @@ struct Client {
     /// Every sandbox this run creates carries the metadata `berth-bench: <run_tag>`, so the run
     /// deletes what it made however it ends ([`Client::clean_up`]).
     run_tag: String,
+    /// What this run made that [`Client::clean_up`] must undo (hosts cordoned, sandboxes made
+    /// by clones and forks), shared by every client of the run.
+    made: cleanup::RunMade,
 }
 
 /// The metadata key that marks a bench run's sandboxes.
 const RUN_TAG_KEY: &str = "berth-bench";
-/// How long the clean-up of a run (also of an interrupted one) waits for its sandboxes to be
-/// deleted before it gives up and says which are left.
-const CLEAN_UP_TIMEOUT: Duration = Duration::from_secs(60);
-/// The pause before the clean-up lists a run's sandboxes again.
-const CLEAN_UP_SETTLE: Duration = Duration::from_millis(500);
 
 /// The error of a bench stopped by SIGINT or SIGTERM (after its clean-up): `main` prints it as
 /// one line, without a backtrace, and exits with 130.
@@ -331,6 +330,9 @@ impl Client {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse::<u64>().ok());
             let value = resp.json().await.unwrap_or(Value::Null);
+            if method == reqwest::Method::POST && (200..300).contains(&status) {
+                self.record_made(path, &value);
+            }
             match (status, retry_after) {
                 (429, Some(secs)) => {
                     self.throttled
@@ -385,69 +387,6 @@ impl Client {
             bail!("sandbox {id} never reached {state}: {status} {s}");
         }
         Ok(())
-    }
-
-    /// Deletes every sandbox of this run that is not deleted yet (a phase that failed or was
-    /// interrupted leaves some behind; they would hold the stack's capacity) and waits, up to
-    /// [`CLEAN_UP_TIMEOUT`], until they are `deleted`. The list is taken again after each
-    /// round: a create that was in flight when the run ended commits after the first list.
-    /// Best effort: what is not deleted in time is printed.
-    async fn clean_up(&self) {
-        let deadline = Instant::now() + CLEAN_UP_TIMEOUT;
-        let done = async {
-            loop {
-                let left = self.left_over().await?;
-                if left.is_empty() {
-                    return anyhow::Ok(());
-                }
-                futures::future::join_all(left.iter().map(|id| async move {
-                    let path = format!("/v1/sandboxes/{id}");
-                    match self.send(reqwest::Method::DELETE, &path, None).await {
-                        Ok((200 | 202, _)) => {}
-                        other => eprintln!("bench: sandbox {id} not deleted: {other:?}"),
-                    }
-                    let secs = deadline
-                        .saturating_duration_since(Instant::now())
-                        .as_secs()
-                        .clamp(1, MAX_WAIT_SECS);
-                    let path = format!("/v1/sandboxes/{id}/wait?state=deleted&timeout={secs}s");
-                    let _ = self.send(reqwest::Method::GET, &path, None).await;
-                }))
-                .await;
-                // A list right after the last create may not see it yet.
-                tokio::time::sleep(CLEAN_UP_SETTLE).await;
-            }
-        };
-        match tokio::time::timeout_at(deadline.into(), done).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("bench: could not list this run's sandboxes to clean up: {e:#}"),
-            Err(_) => match tokio::time::timeout(CLEAN_UP_SETTLE, self.left_over()).await {
-                Ok(Ok(left)) if left.is_empty() => {}
-                left => eprintln!(
-                    "bench: sandboxes of this run (metadata {RUN_TAG_KEY}={}) not deleted within {CLEAN_UP_TIMEOUT:?}: {left:?}",
-                    self.run_tag
-                ),
-            },
-        }
-    }
-
-    /// The ids of this run's sandboxes that are not `deleted`.
-    async fn left_over(&self) -> anyhow::Result<Vec<String>> {
-        let path = format!(
-            "/v1/sandboxes?metadata.{RUN_TAG_KEY}={}&limit=500",
-            self.run_tag
-        );
-        let (status, listed) = self.send(reqwest::Method::GET, &path, None).await?;
-        if status != 200 {
-            bail!("{status} {listed}");
-        }
-        Ok(listed["sandboxes"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|s| s["deleted_at"].is_null() && s["state"] != "deleted")
-            .filter_map(|s| s["id"].as_str().map(str::to_owned))
-            .collect())
     }
 
     /// Deletes a sandbox and waits until it is `deleted`.
@@ -544,13 +483,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .trim()
             .to_owned(),
     };
-    let client = Client {
-        http: reqwest::Client::new(),
-        api,
-        key,
-        throttled: Default::default(),
-        run_tag: format!("{}-{}", std::process::id(), chrono::Utc::now().timestamp()),
-    };
+    let run_tag = format!("{}-{}", std::process::id(), chrono::Utc::now().timestamp());
+    let client = Client::new(api, key, run_tag);
     let shutdown = crate::shutdown_on_signal();
     let measured = async {
         if args.snapshots {

@@ -186,8 +186,8 @@ async fn measure(
             .wait_for_hosts(HOSTS, HOSTS_READY_TIMEOUT, shutdown)
             .await?;
         let (_, key) = berth_api::auth::create_org(&db, "bench").await?;
-        let client = client(&stack, key, "failover");
-        let operator = client_of(&client, berth_api::auth::create_admin_key(&db).await?);
+        let client = Client::new(stack.api_url(), key, "failover".into());
+        let operator = client.with_key(berth_api::auth::create_admin_key(&db).await?);
         eprintln!("bench: raw runc run, {n} times");
         let floor = floors::runc_run(n).await?;
         let mut figures = Figures::default();
@@ -223,28 +223,6 @@ async fn measure(
     stack.stop().await;
     db.close().await;
     outcome
-}
-
-/// A client of the bench's API.
-fn client(stack: &Stack, key: String, run_tag: &str) -> Client {
-    Client {
-        http: reqwest::Client::new(),
-        api: stack.api_url(),
-        key,
-        throttled: Default::default(),
-        run_tag: run_tag.into(),
-    }
-}
-
-/// `client` with another key.
-fn client_of(client: &Client, key: String) -> Client {
-    Client {
-        http: client.http.clone(),
-        api: client.api.clone(),
-        key,
-        throttled: Default::default(),
-        run_tag: client.run_tag.clone(),
-    }
 }
 
 fn print(args: &FailoverArgs, due_after: Duration, figures: &Figures, floor: &Samples) {

@@ -285,7 +285,8 @@ pub async fn js_publish(url: &str, creds: Option<&str>, samples: usize) -> anyho
     let client = crate::connect_with(&spec).await?;
     let js = async_nats::jetstream::new(client);
     let tag = uuid::Uuid::now_v7().simple().to_string();
-    let name = format!("BENCH_FLOOR_{tag}");
+    // Named by the process too, so a test can tell a run's stream from another's.
+    let name = format!("BENCH_FLOOR_{}_{tag}", std::process::id());
     js.create_stream(async_nats::jetstream::stream::Config {
         name: name.clone(),
         subjects: vec![format!("bench.floor.{tag}")],
@@ -293,6 +294,11 @@ pub async fn js_publish(url: &str, creds: Option<&str>, samples: usize) -> anyho
         ..Default::default()
     })
     .await?;
+    // Deleted on drop too: an interrupted bench drops this future mid-publish.
+    let _stream = FloorStream {
+        js: js.clone(),
+        name,
+    };
     let mut out = Samples::default();
     for _ in 0..samples {
         let t = Instant::now();
@@ -301,6 +307,38 @@ pub async fn js_publish(url: &str, creds: Option<&str>, samples: usize) -> anyho
             .await?;
         out.push(t.elapsed());
     }
-    let _ = js.delete_stream(&name).await;
     Ok(out)
+}
+
+/// The JetStream floor's own stream, deleted when this is dropped (the floor ended, failed or
+/// was interrupted), waiting at most [`FLOOR_STREAM_DELETE`] for the server's answer.
+struct FloorStream {
+    js: async_nats::jetstream::Context,
+    name: String,
+}
+
+/// How long dropping a [`FloorStream`] waits for its deletion.
+const FLOOR_STREAM_DELETE: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Drop for FloorStream {
+    fn drop(&mut self) {
+        let (js, name) = (self.js.clone(), std::mem::take(&mut self.name));
+        let delete = async move {
+            match tokio::time::timeout(FLOOR_STREAM_DELETE, js.delete_stream(&name)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => eprintln!("bench: the JetStream floor's stream {name}: {e}"),
+                Err(_) => eprintln!(
+                    "bench: the JetStream floor's stream {name} not deleted within {FLOOR_STREAM_DELETE:?}"
+                ),
+            }
+        };
+        let handle = tokio::runtime::Handle::current();
+        match handle.runtime_flavor() {
+            // Waits here, so a bench that exits right after the drop leaves no stream.
+            tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| handle.block_on(delete))
+            }
+            _ => drop(handle.spawn(delete)),
+        }
+    }
 }

@@ -312,13 +312,7 @@ async fn measure(
     let setup_started = Instant::now();
     let mut stack = Stack::start(config, pools, shutdown).await?;
     let (_, key) = berth_api::auth::create_org(&db, "bench").await?;
-    let client = Arc::new(Client {
-        http: reqwest::Client::new(),
-        api: stack.api_url(),
-        key,
-        throttled: Default::default(),
-        run_tag: "scale".into(),
-    });
+    let client = Arc::new(Client::new(stack.api_url(), key, "scale".into()));
 
     let outcome = async {
         // Every host heard from.

@@ -194,13 +194,7 @@ async fn operator(
             key
         }
     };
-    Ok(Client {
-        http: client.http.clone(),
-        api: client.api.clone(),
-        key,
-        throttled: Default::default(),
-        run_tag: client.run_tag.clone(),
-    })
+    Ok(client.with_key(key))
 }
 
 /// The stack's object store: `BERTH_OBJECT_STORE`, else `<state dir>/objects` (`berth dev`'s),
@@ -278,23 +272,16 @@ impl StoreFloors {
     }
 }
 
-/// Runs `step` with `host` cordoned, and uncordons it afterwards whatever `step` did.
+/// Runs `step` with `host` cordoned, and uncordons it afterwards whatever `step` did (an
+/// interrupted step's host is uncordoned by the run's clean-up, [`Client::clean_up`]).
 pub(super) async fn cordoned<T>(
     operator: &Client,
     host: &str,
     step: impl Future<Output = anyhow::Result<T>>,
 ) -> anyhow::Result<T> {
-    let action = |what: &'static str| async move {
-        let path = format!("/v1/hosts/{host}/{what}");
-        let (status, body) = operator.send(reqwest::Method::POST, &path, None).await?;
-        if !(200..300).contains(&status) {
-            bail!("{what} host {host}: {status} {body}");
-        }
-        anyhow::Ok(())
-    };
-    action("cordon").await?;
+    operator.cordon_action(host, "cordon").await?;
     let outcome = step.await;
-    let uncordoned = action("uncordon").await;
+    let uncordoned = operator.cordon_action(host, "uncordon").await;
     let value = outcome?;
     uncordoned?;
     Ok(value)

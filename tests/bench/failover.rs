@@ -30,20 +30,8 @@ async fn the_failover_mode_measures_a_real_failover_and_leaves_nothing_behind() 
     let database_url = std::env::var("DATABASE_URL").expect("DATABASE_URL");
     let dir = fresh_dir("failbench");
     let runs = dir.join("runs");
-    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"))
-        .args(["bench", "--failover", "--sandboxes", "1"])
-        .args(["--failover-pass-interval", "200ms"])
+    let child = failover_bench(&dir, &database_url)
         .args(["--failover-host-lost-after", "3s", "--failover-after", "2s"])
-        .arg("--failover-dir")
-        .arg(&runs)
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .env("DATABASE_URL", &database_url)
-        .env("NATS_URL", nats_url())
-        .env_remove("BERTH_OBJECT_STORE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let tag = format!("benchfail{}", child.id().unwrap());
@@ -62,14 +50,7 @@ async fn the_failover_mode_measures_a_real_failover_and_leaves_nothing_behind() 
     }
 
     // Nothing left: no database, no streams, no hostd process, no state dir.
-    let db = sqlx::PgPool::connect(&database_url).await.unwrap();
-    let databases: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
-        .bind(&tag)
-        .fetch_one(&db)
-        .await
-        .unwrap();
-    assert_eq!(databases, 0, "database {tag} is dropped");
-    db.close().await;
+    assert_dropped(&database_url, &tag).await;
     let nats = async_nats::connect(nats_url()).await.unwrap();
     let streams: Vec<String> = {
         use futures::TryStreamExt;
@@ -94,6 +75,38 @@ async fn the_failover_mode_measures_a_real_failover_and_leaves_nothing_behind() 
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `berth bench --failover` with one sample and a pass every 200 ms, its run dirs in
+/// `dir/runs` and its state dir `dir/state`, on `database_url`'s server; output piped.
+fn failover_bench(dir: &Path, database_url: &str) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"));
+    command
+        .args(["bench", "--failover", "--sandboxes", "1"])
+        .args(["--failover-pass-interval", "200ms"])
+        .arg("--failover-dir")
+        .arg(dir.join("runs"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("DATABASE_URL", database_url)
+        .env("NATS_URL", nats_url())
+        .env_remove("BERTH_OBJECT_STORE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    command
+}
+
+/// Asserts the run's database `tag` was dropped from `database_url`'s server.
+async fn assert_dropped(database_url: &str, tag: &str) {
+    let db = sqlx::PgPool::connect(database_url).await.unwrap();
+    let databases: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
+        .bind(tag)
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(databases, 0, "database {tag} is dropped");
+    db.close().await;
+}
+
 /// The command lines of the processes that name `dir` in theirs.
 fn processes_naming(dir: &Path) -> Vec<String> {
     let needle = dir.to_string_lossy().into_owned();
@@ -114,20 +127,8 @@ async fn an_interrupted_failover_run_says_so_in_one_line_and_leaves_nothing() {
     let database_url = std::env::var("DATABASE_URL").expect("DATABASE_URL");
     let dir = fresh_dir("failbench-int");
     let runs = dir.join("runs");
-    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"))
-        .args(["bench", "--failover", "--sandboxes", "1"])
-        .args(["--failover-pass-interval", "200ms"])
-        .arg("--failover-dir")
-        .arg(&runs)
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .env("DATABASE_URL", &database_url)
-        .env("NATS_URL", nats_url())
+    let child = failover_bench(&dir, &database_url)
         .env("RUST_BACKTRACE", "1")
-        .env_remove("BERTH_OBJECT_STORE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -139,36 +140,10 @@ async fn an_interrupted_failover_run_says_so_in_one_line_and_leaves_nothing() {
         assert!(std::time::Instant::now() < deadline, "no hostd started");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid as i32),
-        nix::sys::signal::Signal::SIGINT,
-    )
-    .unwrap();
-    let out = tokio::time::timeout(
-        std::time::Duration::from_secs(120),
-        child.wait_with_output(),
-    )
-    .await
-    .expect("the bench exits after SIGINT")
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(130), "{stderr}");
-    assert_eq!(
-        stderr.lines().last(),
-        Some("berth bench: interrupted (SIGINT or SIGTERM)"),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("backtrace"), "{stderr}");
+    let stderr = crate::interrupt(child, std::time::Duration::from_secs(120)).await;
     assert!(!runs.exists(), "the run dir is removed: {stderr}");
     assert_eq!(processes_naming(&runs), Vec::<String>::new());
-    let db = sqlx::PgPool::connect(&database_url).await.unwrap();
-    let databases: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
-        .bind(&tag)
-        .fetch_one(&db)
-        .await
-        .unwrap();
-    assert_eq!(databases, 0, "database {tag} is dropped");
-    db.close().await;
+    assert_dropped(&database_url, &tag).await;
     assert_eq!(files_below(&dir), 0, "nothing is left in {}", dir.display());
     std::fs::remove_dir_all(&dir).unwrap();
 }

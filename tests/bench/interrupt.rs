@@ -7,8 +7,6 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
 use sqlx::PgPool;
 
 use crate::support::Stack;
@@ -40,26 +38,12 @@ async fn interrupt_when(
     child: tokio::process::Child,
     mut ready: impl AsyncFnMut() -> bool,
 ) -> String {
-    let pid = Pid::from_raw(child.id().unwrap() as i32);
     let deadline = Instant::now() + PATIENCE;
     while !ready().await {
         assert!(Instant::now() < deadline, "the bench never got there");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    kill(pid, Signal::SIGINT).unwrap();
-    let out = tokio::time::timeout(PATIENCE, child.wait_with_output())
-        .await
-        .expect("the bench exits after SIGINT")
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(130), "{stderr}");
-    assert_eq!(
-        stderr.lines().last(),
-        Some("berth bench: interrupted (SIGINT or SIGTERM)"),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("backtrace"), "{stderr}");
-    stderr
+    crate::interrupt(child, PATIENCE).await
 }
 
 /// Sandboxes of the stack not deleted.
@@ -78,6 +62,24 @@ fn files_of(pid: u32) -> Vec<PathBuf> {
         .flat_map(|dir| std::fs::read_dir(dir).into_iter().flatten().flatten())
         .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
         .map(|e| e.path())
+        .collect()
+}
+
+/// The JetStream floor's streams of the bench `pid` still on the server.
+async fn floor_streams(pid: u32) -> Vec<String> {
+    use futures::TryStreamExt;
+    let nats = async_nats::connect(crate::support::nats_url())
+        .await
+        .unwrap();
+    let names: Vec<String> = async_nats::jetstream::new(nats)
+        .stream_names()
+        .try_collect()
+        .await
+        .unwrap();
+    let prefix = format!("BENCH_FLOOR_{pid}_");
+    names
+        .into_iter()
+        .filter(|n| n.starts_with(&prefix))
         .collect()
 }
 
@@ -107,5 +109,6 @@ async fn an_interrupted_bench_deletes_its_sandboxes_and_dirs_and_says_so(db: PgP
     let stderr = interrupt_when(child, async || bundle.join("config.json").exists()).await;
     assert_eq!(files_of(pid), Vec::<PathBuf>::new(), "{stderr}");
     assert_eq!(left(&db).await, 0, "{stderr}");
+    assert_eq!(floor_streams(pid).await, Vec::<String>::new(), "{stderr}");
     stack.teardown().await;
 }

@@ -42,3 +42,28 @@ pub(crate) fn assert_one_sample_table<'a>(
     }
     floors
 }
+
+/// Sends `child` (a `berth bench`) SIGINT, as a terminal's Ctrl-C does, and waits at most
+/// `patience` for it to exit; asserts it exited 130 with the one-line message as its last and
+/// no backtrace (the caller sets `RUST_BACKTRACE=1`). Returns its stderr.
+pub(crate) async fn interrupt(
+    child: tokio::process::Child,
+    patience: std::time::Duration,
+) -> String {
+    use nix::sys::signal::{kill, Signal};
+    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    kill(pid, Signal::SIGINT).unwrap();
+    let out = tokio::time::timeout(patience, child.wait_with_output())
+        .await
+        .expect("the bench exits after SIGINT")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert_eq!(
+        stderr.lines().last(),
+        Some("berth bench: interrupted (SIGINT or SIGTERM)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("backtrace"), "{stderr}");
+    stderr
+}

@@ -113,19 +113,45 @@ async fn time_passes(db: &PgPool, host: HostId, secs: f64) {
     .unwrap();
 }
 
-/// One pass as the lease holder, with the other host (of `capacity`) heard from just before it
-/// (placement only picks fresh hosts).
-async fn pass_once(
-    plane: &Plane,
-    lease: &Lease,
-    config: &PassConfig,
+/// A plane with its host, the pass's lease and config, and another host of [`SMALL_HOST`]
+/// capacity that is heard from before each pass (placement only picks fresh hosts).
+struct Fixture {
+    plane: Plane,
+    lease: Lease,
+    config: PassConfig,
     other: HostId,
-    capacity: Resources,
-) -> PassReport {
-    heartbeat(&plane.db, other, capacity).await;
-    let report = pass::run_pass(&plane.db, config, lease).await.unwrap();
-    assert!(!report.all_hosts_silent && !report.deposed, "{report:?}");
-    report
+}
+
+/// The other host's capacity: room for a small sandbox's backup, not for a 4 GiB one.
+const SMALL_HOST: Resources = Resources {
+    vcpus: 4,
+    memory_mib: 2048,
+};
+
+impl Fixture {
+    async fn start(db: &PgPool, batch: i64) -> Self {
+        Self {
+            plane: Plane::start(db.clone()).await,
+            lease: lease(db).await,
+            config: minutes(batch),
+            other: HostId::new(),
+        }
+    }
+
+    /// One pass as the lease holder, with the other host heard from just before it.
+    async fn pass(&self) -> PassReport {
+        self.pass_with(self.other, SMALL_HOST).await
+    }
+
+    /// One pass, with `other` (of `capacity`) heard from just before it.
+    async fn pass_with(&self, other: HostId, capacity: Resources) -> PassReport {
+        heartbeat(&self.plane.db, other, capacity).await;
+        let report = pass::run_pass(&self.plane.db, &self.config, &self.lease)
+            .await
+            .unwrap();
+        assert!(!report.all_hosts_silent && !report.deposed, "{report:?}");
+        report
+    }
 }
 
 async fn state_reason(db: &PgPool, id: SandboxId) -> (String, String) {
@@ -159,14 +185,13 @@ async fn assert_no_drift(db: &PgPool) {
 async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lost_after_its_bound_and_not_before(
     db: PgPool,
 ) {
-    let plane = Plane::start(db.clone()).await;
-    let lease = lease(&db).await;
-    let config = minutes(500);
+    let fx = Fixture::start(&db, 500).await;
+    let plane = &fx.plane;
     // Needs more memory than the other host has (memory is never overcommitted); its backup is
     // ready.
-    let big = running(&plane, 1, 4096, true).await;
+    let big = running(plane, 1, 4096, true).await;
     // Fits on the other host, but its backup is not ready (a failed upload it still names).
-    let unready = running(&plane, 1, 256, true).await;
+    let unready = running(plane, 1, 256, true).await;
     sqlx::query(
         "UPDATE snapshots SET state = 'failed', reason = 'upload failed (test)'
           WHERE id = (SELECT last_backup_id FROM sandboxes WHERE id = $1)",
@@ -175,11 +200,6 @@ async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lo
     .execute(&db)
     .await
     .unwrap();
-    let other = HostId::new();
-    let small_host = Resources {
-        vcpus: 4,
-        memory_mib: 2048,
-    };
     let held = reserved(&db, plane.host).await;
     assert_eq!(held, (2, 4352));
 
@@ -188,20 +208,20 @@ async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lo
     lost_since(&db, plane.host, DUE).await;
     for wait in [0.0, 0.0, WITHIN] {
         time_passes(&db, plane.host, wait).await;
-        let report = pass_once(&plane, &lease, &config, other, small_host).await;
+        let report = fx.pass().await;
         assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
         assert_eq!(report.count(Action::FailoverRestored), 0, "{report:?}");
         for id in [big, unready] {
             assert_eq!(row(&db, id).await.state, "running", "deferred, not failed");
         }
         assert_eq!(reserved(&db, plane.host).await, held, "released nothing");
-        assert_eq!(reserved(&db, other).await, (0, 0), "reserved nothing");
+        assert_eq!(reserved(&db, fx.other).await, (0, 0), "reserved nothing");
         assert_no_drift(&db).await;
     }
 
     // Past the bound: both fail `host_lost`, each saying why, and release what they held.
     time_passes(&db, plane.host, PAST).await;
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 2, "{report:?}");
     let (state, reason) = state_reason(&db, big).await;
     assert_eq!(state, "failed-start");
@@ -220,11 +240,11 @@ async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lo
         assert!(!row(&db, id).await.holds_capacity);
     }
     assert_eq!(reserved(&db, plane.host).await, (0, 0));
-    assert_eq!(reserved(&db, other).await, (0, 0));
+    assert_eq!(reserved(&db, fx.other).await, (0, 0));
     assert_no_drift(&db).await;
 
     // Released once: a further pass changes nothing.
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
     assert_eq!(reserved(&db, plane.host).await, (0, 0));
     assert_no_drift(&db).await;
@@ -234,29 +254,23 @@ async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lo
 async fn more_deferred_failovers_than_a_batch_do_not_keep_the_rest_of_a_lost_host_from_failing_over(
     db: PgPool,
 ) {
-    let plane = Plane::start(db.clone()).await;
-    let lease = lease(&db).await;
     // Two sandboxes acted on per pass; three deferred ones come first (ids are time-ordered).
-    let config = minutes(2);
+    let fx = Fixture::start(&db, 2).await;
+    let plane = &fx.plane;
     let mut big = Vec::new();
     for _ in 0..3 {
-        big.push(running(&plane, 1, 4096, true).await);
+        big.push(running(plane, 1, 4096, true).await);
     }
-    let small = running(&plane, 1, 256, true).await;
-    let bare = running(&plane, 1, 256, false).await;
-    let other = HostId::new();
-    let small_host = Resources {
-        vcpus: 4,
-        memory_mib: 2048,
-    };
+    let small = running(plane, 1, 256, true).await;
+    let bare = running(plane, 1, 256, false).await;
 
     lost_since(&db, plane.host, DUE).await;
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::FailoverRestored), 1, "{report:?}");
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
     let restored = row(&db, small).await;
     assert_eq!(restored.state, "restoring", "the one that fits failed over");
-    assert_eq!(reserved(&db, other).await, (1, 256));
+    assert_eq!(reserved(&db, fx.other).await, (1, 256));
     assert_eq!(state_reason(&db, bare).await.0, "failed-start");
     assert_eq!(last_reason(&db, bare).await, "host_lost");
     for id in &big {
@@ -267,9 +281,9 @@ async fn more_deferred_failovers_than_a_batch_do_not_keep_the_rest_of_a_lost_hos
 
     // Past the bound the deferred ones fail, a batch (two) per pass.
     time_passes(&db, plane.host, WITHIN + PAST).await;
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 2, "{report:?}");
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
     for id in &big {
         let (state, reason) = state_reason(&db, *id).await;
@@ -278,7 +292,7 @@ async fn more_deferred_failovers_than_a_batch_do_not_keep_the_rest_of_a_lost_hos
     }
     assert_eq!(reserved(&db, plane.host).await, (0, 0));
     assert_eq!(
-        reserved(&db, other).await,
+        reserved(&db, fx.other).await,
         (1, 256),
         "the restore keeps its own"
     );
@@ -302,15 +316,9 @@ async fn deferral(db: &PgPool, id: SandboxId) -> Option<(f64, bool)> {
 async fn a_failover_first_deferred_long_after_it_was_due_is_still_retried_for_its_whole_bound(
     db: PgPool,
 ) {
-    let plane = Plane::start(db.clone()).await;
-    let lease = lease(&db).await;
-    let config = minutes(500);
-    let big = running(&plane, 1, 4096, true).await;
-    let other = HostId::new();
-    let small_host = Resources {
-        vcpus: 4,
-        memory_mib: 2048,
-    };
+    let fx = Fixture::start(&db, 500).await;
+    let plane = &fx.plane;
+    let big = running(plane, 1, 4096, true).await;
 
     // No pass ran while the host was silent for an hour (the reconciler was down): its failover
     // has been due for far longer than the bound when a pass first reaches it. It is deferred,
@@ -318,7 +326,7 @@ async fn a_failover_first_deferred_long_after_it_was_due_is_still_retried_for_it
     lost_since(&db, plane.host, 3600.0).await;
     for wait in [0.0, 0.0, WITHIN] {
         time_passes(&db, plane.host, wait).await;
-        let report = pass_once(&plane, &lease, &config, other, small_host).await;
+        let report = fx.pass().await;
         assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
         assert_eq!(row(&db, big).await.state, "running", "deferred, not failed");
         let (ago, on_its_host) = deferral(&db, big).await.expect("first deferral recorded");
@@ -331,7 +339,7 @@ async fn a_failover_first_deferred_long_after_it_was_due_is_still_retried_for_it
 
     // The bound after that first deferral: given up, saying why.
     time_passes(&db, plane.host, PAST).await;
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
     let (state, reason) = state_reason(&db, big).await;
     assert_eq!(state, "failed-start");
@@ -373,28 +381,22 @@ async fn stale_again(db: &PgPool, host: HostId) {
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_deferral_from_an_earlier_silence_or_on_another_host_counts_for_nothing(db: PgPool) {
-    let plane = Plane::start(db.clone()).await;
-    let lease = lease(&db).await;
-    let config = minutes(500);
-    let big = running(&plane, 1, 4096, true).await;
-    let other = HostId::new();
-    let small_host = Resources {
-        vcpus: 4,
-        memory_mib: 2048,
-    };
+    let fx = Fixture::start(&db, 500).await;
+    let plane = &fx.plane;
+    let big = running(plane, 1, 4096, true).await;
     // Deferred while lost; then the host comes back: the sandbox runs on there.
     lost_since(&db, plane.host, DUE).await;
-    pass_once(&plane, &lease, &config, other, small_host).await;
+    fx.pass().await;
     assert!(deferral(&db, big).await.is_some());
     heartbeat(&db, plane.host, HOST_CAPACITY).await;
-    pass_once(&plane, &lease, &config, other, small_host).await;
+    fx.pass().await;
     assert_eq!(row(&db, big).await.state, "running");
 
     // Lost again: the deferral recorded in its earlier silence (older than the bound, but from
     // before its last heartbeat) is not counted; the first deferral of this silence replaces it.
     overdue_deferral(&db, big, None).await;
     lost_since(&db, plane.host, DUE).await;
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
     assert_eq!(
         row(&db, big).await.state,
@@ -408,7 +410,7 @@ async fn a_deferral_from_an_earlier_silence_or_on_another_host_counts_for_nothin
     // though newer than this host's last heartbeat.
     lost_since(&db, plane.host, 3600.0).await;
     overdue_deferral(&db, big, Some(HostId::new())).await;
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
     assert_eq!(
         row(&db, big).await.state,
@@ -420,7 +422,7 @@ async fn a_deferral_from_an_earlier_silence_or_on_another_host_counts_for_nothin
 
     // One of this silence, on its host, past the bound is.
     time_passes(&db, plane.host, WITHIN + PAST).await;
-    let report = pass_once(&plane, &lease, &config, other, small_host).await;
+    let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
     assert_eq!(state_reason(&db, big).await.0, "failed-start");
     assert_no_drift(&db).await;
@@ -430,11 +432,10 @@ async fn a_deferral_from_an_earlier_silence_or_on_another_host_counts_for_nothin
 async fn a_failover_deferred_because_the_hosts_with_room_are_stale_or_degraded_says_so_not_no_room(
     db: PgPool,
 ) {
-    let plane = Plane::start(db.clone()).await;
-    let lease = lease(&db).await;
-    let config = minutes(500);
+    let fx = Fixture::start(&db, 500).await;
+    let plane = &fx.plane;
     // Fits on either other host, with a ready backup.
-    let small = running(&plane, 1, 256, true).await;
+    let small = running(plane, 1, 256, true).await;
     let roomy = Resources {
         vcpus: 4,
         memory_mib: 2048,
@@ -455,7 +456,7 @@ async fn a_failover_deferred_because_the_hosts_with_room_are_stale_or_degraded_s
     lost_since(&db, plane.host, DUE).await;
     for _ in 0..2 {
         stale_again(&db, stale).await;
-        let report = pass_once(&plane, &lease, &config, degraded, roomy).await;
+        let report = fx.pass_with(degraded, roomy).await;
         assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
         assert_eq!(report.count(Action::FailoverRestored), 0, "{report:?}");
         assert_eq!(row(&db, small).await.state, "running", "deferred");
@@ -465,7 +466,7 @@ async fn a_failover_deferred_because_the_hosts_with_room_are_stale_or_degraded_s
 
     time_passes(&db, plane.host, WITHIN + PAST).await;
     stale_again(&db, stale).await;
-    let report = pass_once(&plane, &lease, &config, degraded, roomy).await;
+    let report = fx.pass_with(degraded, roomy).await;
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
     let (state, reason) = state_reason(&db, small).await;
     assert_eq!(state, "failed-start");

@@ -337,18 +337,23 @@ impl ImagePuller for NeverPulls {
     }
 }
 
-#[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn post_templates_honours_idempotency_key_in_the_operators_scope(db: PgPool) {
-    let operator = berth_api::auth::create_admin_key(&db).await.unwrap();
-    let other_operator = berth_api::auth::create_admin_key(&db).await.unwrap();
+/// The API on `db` with an image puller that never finishes (templates stay `pulling`).
+async fn never_pulling_api(db: &PgPool) -> Api {
     let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
-    let api = Api::with_state(
+    Api::with_state(
         db.clone(),
         nats,
         inproc::unique_subjects(),
         |_| {},
         |state| state.with_images(std::sync::Arc::new(NeverPulls)),
-    );
+    )
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn post_templates_honours_idempotency_key_in_the_operators_scope(db: PgPool) {
+    let operator = berth_api::auth::create_admin_key(&db).await.unwrap();
+    let other_operator = berth_api::auth::create_admin_key(&db).await.unwrap();
+    let api = never_pulling_api(&db).await;
     let body = r#"{"name": "node", "image": "registry.invalid/node:22"}"#;
     let first = post_raw(&api, &operator, "/v1/templates", &["t1"], body).await;
     assert_eq!(first.status, 202, "{}", first.body);
@@ -387,14 +392,7 @@ async fn post_templates_honours_idempotency_key_in_the_operators_scope(db: PgPoo
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn an_idempotency_key_replays_the_same_json_in_any_spelling_and_refuses_another(db: PgPool) {
     let operator = berth_api::auth::create_admin_key(&db).await.unwrap();
-    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
-    let api = Api::with_state(
-        db.clone(),
-        nats,
-        inproc::unique_subjects(),
-        |_| {},
-        |state| state.with_images(std::sync::Arc::new(NeverPulls)),
-    );
+    let api = never_pulling_api(&db).await;
     let first = r#"{"name":"node","image":"registry.invalid/node:22"}"#;
     let first = post_raw(&api, &operator, "/v1/templates", &["j1"], first).await;
     assert_eq!(first.status, 202, "{}", first.body);
