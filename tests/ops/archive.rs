@@ -496,6 +496,21 @@ fn chunk_object(stack: &Stack, hash: &str) -> std::path::PathBuf {
 /// Removes from the object store the biggest chunk of `id`'s recorded durable stop (as a chunk
 /// removal would have); returns its hash.
 pub(crate) async fn remove_a_chunk_of(stack: &Stack, id: &str) -> String {
+    damage_a_chunk_of(stack, id, Damage::Removed).await
+}
+
+/// What happens to a stored chunk of a recorded durable stop.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Damage {
+    /// Its object is removed (as a chunk removal would).
+    Removed,
+    /// Its object is cut to half its length (a torn write, a replaced object).
+    Truncated,
+}
+
+/// Damages in the object store the biggest chunk of `id`'s recorded durable stop; returns its
+/// hash.
+pub(crate) async fn damage_a_chunk_of(stack: &Stack, id: &str, damage: Damage) -> String {
     let hash: String = sqlx::query_scalar(
         "SELECT sha256 FROM durable_chunks WHERE sandbox_id = $1::uuid
           ORDER BY stored DESC, sha256 LIMIT 1",
@@ -504,7 +519,14 @@ pub(crate) async fn remove_a_chunk_of(stack: &Stack, id: &str) -> String {
     .fetch_one(&stack.db)
     .await
     .unwrap();
-    std::fs::remove_file(chunk_object(stack, &hash)).expect("the chunk is stored");
+    let path = chunk_object(stack, &hash);
+    match damage {
+        Damage::Removed => std::fs::remove_file(path).expect("the chunk is stored"),
+        Damage::Truncated => {
+            let body = std::fs::read(&path).expect("the chunk is stored");
+            std::fs::write(&path, &body[..body.len() / 2]).unwrap();
+        }
+    }
     hash
 }
 
@@ -601,6 +623,20 @@ async fn an_archive_whose_skipped_chunk_a_removal_claimed_stays_stopped_with_its
 async fn an_archive_whose_recorded_stop_lacks_a_chunk_uploads_again_and_unarchives_with_its_files(
     db: PgPool,
 ) {
+    archive_with_a_damaged_recorded_stop(db, Damage::Removed).await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_recorded_stop_has_a_truncated_chunk_uploads_again_and_unarchives_with_its_files(
+    db: PgPool,
+) {
+    archive_with_a_damaged_recorded_stop(db, Damage::Truncated).await;
+}
+
+/// A recorded durable stop whose manifest reads back and one of whose chunks is `damage`d:
+/// the archive does not reuse it, stores the disk anew (the chunk whole again), frees the
+/// disk, and the sandbox unarchives on the same host with its files.
+async fn archive_with_a_damaged_recorded_stop(db: PgPool, damage: Damage) {
     use crate::crash14::{delete_leaves_nothing, durable_snapshot};
     use crate::migrate::{CHECK, FILES};
     let stack = Stack::start(db.clone(), 1).await;
@@ -608,18 +644,27 @@ async fn an_archive_whose_recorded_stop_lacks_a_chunk_uploads_again_and_unarchiv
     run(&stack, &id, FILES).await;
     stop_durably(&stack, &id).await;
     let stop = durable_snapshot(&stack, &id).await.unwrap();
-    // Its manifest still reads back; one of its chunks does not.
-    let gone = remove_a_chunk_of(&stack, &id).await;
+    let stored: i64 = sqlx::query_scalar(
+        "SELECT max(stored)::int8 FROM durable_chunks WHERE sandbox_id = $1::uuid",
+    )
+    .bind(&id)
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    // Its manifest still reads back; one of its chunks does not, whole.
+    let damaged = damage_a_chunk_of(&stack, &id, damage).await;
     assert_eq!(stack.request(&id, "archive").await.0, 202);
     stack.wait_state(&id, "archived").await;
     let archived = durable_snapshot(&stack, &id).await.unwrap();
     assert_ne!(
         archived, stop,
-        "the disk was stored anew, not the stop reused"
+        "the disk was stored anew, not the stop reused ({damage:?})"
     );
-    assert!(
-        chunk_object(&stack, &gone).is_file(),
-        "the chunk is stored again"
+    let object = chunk_object(&stack, &damaged);
+    assert_eq!(
+        std::fs::metadata(&object).map(|m| m.len() as i64).ok(),
+        Some(stored),
+        "the chunk is stored again, whole"
     );
     freed(&stack, &id).await;
     stack.assert_no_capacity_drift().await;
