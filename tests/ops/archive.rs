@@ -4,7 +4,7 @@
 //! the other host; an archive whose chunk check finds a lost chunk, or that finds its recorded
 //! stop lacking a chunk, never loses the disk; auto-archive; an S3 server killed
 //! mid-archive leaves the sandbox stopped with its disk, and a later archive succeeds; a
-//! delete during `archiving` and `archived`.
+//! delete during `archiving` and `archived`; an archived sandbox shows no host.
 
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use sqlx::PgPool;
 
 use crate::resume::{count, run, COUNTER};
 use crate::support::http::{host_of, running_sandbox};
+use crate::support::inproc::{self, Plane};
 use crate::support::{eventually, Stack};
 
 pub(crate) async fn get(stack: &Stack, id: &str) -> Value {
@@ -674,4 +675,110 @@ async fn archive_with_a_damaged_recorded_stop(db: PgPool, damage: Damage) {
     assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
     delete_leaves_nothing(&stack, &id).await;
     stack.teardown().await;
+}
+
+/// A sandbox of `plane` created, stopped and archived by hand (each host report delivered
+/// through the reconciler's result apply; no hostd): `archived`, on the plane's host.
+pub(crate) async fn archived_by_hand(plane: &Plane) -> berth_schemas::SandboxId {
+    use berth_schemas::wire::{ResultOutcome, StopDurable};
+    use berth_schemas::CommandKind;
+    let id = plane.create().await;
+    let create = plane.latest(id).await;
+    plane
+        .deliver(&create, inproc::succeeded(CommandKind::Create))
+        .await;
+    plane.request(id, "stop").await;
+    let stop = plane.latest(id).await;
+    plane
+        .deliver(&stop, inproc::succeeded(CommandKind::Stop))
+        .await;
+    plane.request(id, "archive").await;
+    let archive = plane.latest(id).await;
+    let copy = StopDurable {
+        snapshot_id: berth_schemas::ids::SnapshotId::new(),
+        memory: false,
+        stored_bytes: 1,
+        chunks: vec![("7".repeat(64), 1)],
+    };
+    plane.deliver(&archive, ResultOutcome::Durable(copy)).await;
+    assert_eq!(inproc::row(&plane.db, id).await.state, "archived");
+    id
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archived_sandbox_shows_no_host_until_a_start_places_it(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let id = plane.create().await;
+    let shown = |id: berth_schemas::SandboxId| {
+        let (api, key) = (plane.api.clone(), plane.org.key.clone());
+        async move {
+            let one = api
+                .call(
+                    &key,
+                    Method::GET,
+                    &format!("/v1/sandboxes/{id}"),
+                    None,
+                    None,
+                )
+                .await;
+            assert_eq!(one.status, 200, "{}", one.body);
+            let list = api
+                .call(&key, Method::GET, "/v1/sandboxes", None, None)
+                .await;
+            let listed = list.body["sandboxes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["id"] == id.to_string())
+                .cloned()
+                .unwrap();
+            assert_eq!(listed["host_id"], one.body["host_id"], "{listed}");
+            one.body
+        }
+    };
+    let host = plane.host.to_string();
+    assert_eq!(
+        shown(id).await["host_id"],
+        host.as_str(),
+        "placed: its host"
+    );
+
+    let archived = archived_by_hand(&plane).await;
+    let body = shown(archived).await;
+    assert_eq!(body["state"], "archived");
+    assert!(
+        body["host_id"].is_null(),
+        "an archived sandbox holds no host: {body}"
+    );
+    // The row still names the host its disk was on (its freeing delete goes there).
+    assert_eq!(
+        inproc::commands_of(&plane.db, archived)
+            .await
+            .last()
+            .map(|c| (c.kind, c.host_id)),
+        Some((berth_schemas::CommandKind::Delete, plane.host))
+    );
+    // The OpenSandbox surface shows no host at all, archived or not.
+    let compat = plane
+        .api
+        .send(
+            axum::http::Request::get(format!("/compat/opensandbox/v1/sandboxes/{archived}"))
+                .header("OPEN-SANDBOX-API-KEY", &plane.org.key)
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(compat.status, 200, "{}", compat.body);
+    assert_eq!(
+        compat.body["status"]["reason"], "archived",
+        "{}",
+        compat.body
+    );
+    assert!(!compat.body.to_string().contains(&host), "{}", compat.body);
+
+    // A start places it again: it shows the host it is placed on.
+    plane.request(archived, "start").await;
+    let body = shown(archived).await;
+    assert_eq!(body["state"], "unarchiving");
+    assert_eq!(body["host_id"], host.as_str(), "{body}");
 }
