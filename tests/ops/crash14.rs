@@ -325,7 +325,11 @@ async fn an_unarchive_that_reaches_the_host_before_the_freeing_delete_drops_the_
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|name| name.contains(&id))
         .collect();
-    assert_eq!(entries, [id.clone()], "no copy beside the running one");
+    assert_eq!(
+        entries,
+        std::slice::from_ref(&id),
+        "no copy beside the running one"
+    );
     let disk = sandboxes.join(&id).join("disk");
     assert!(disk.join("upper").is_dir() && !disk.join("upper.partial").exists());
     // Capacity: the host holds exactly the running sandbox.

@@ -405,6 +405,14 @@ async fn a_placement_with_every_host_cordoned_or_draining_is_unavailable_and_a_f
     assert_eq!(body["host_id"], b.to_string());
 }
 
+/// `GET /v1/hosts/{id}` of `plane`'s host with the operator key `admin`.
+async fn host_shown(plane: &Plane, admin: &str) -> serde_json::Value {
+    let path = format!("/v1/hosts/{}", plane.host);
+    let (status, one, _) = call(plane, admin, Method::GET, &path, "").await;
+    assert_eq!(status, 200, "{one}");
+    one
+}
+
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn hosts_show_the_schedulable_capacity_placement_reserves_against(db: PgPool) {
     let plane = Plane::start(db).await;
@@ -412,15 +420,7 @@ async fn hosts_show_the_schedulable_capacity_placement_reserves_against(db: PgPo
     plane.create().await;
     let (status, hosts, _) = call(&plane, &admin, Method::GET, "/v1/hosts", "").await;
     assert_eq!(status, 200, "{hosts}");
-    let (status, one, _) = call(
-        &plane,
-        &admin,
-        Method::GET,
-        &format!("/v1/hosts/{}", plane.host),
-        "",
-    )
-    .await;
-    assert_eq!(status, 200, "{one}");
+    let one = host_shown(&plane, &admin).await;
     for host in [&hosts[0], &one] {
         let cap = inproc::HOST_CAPACITY;
         assert_eq!(host["capacity_vcpus"], cap.vcpus, "physical: {host}");
@@ -457,14 +457,7 @@ async fn hosts_show_the_schedulable_capacity_placement_reserves_against(db: PgPo
         (503, Some("no_capacity")),
         "{body}"
     );
-    let (_, one, _) = call(
-        &plane,
-        &admin,
-        Method::GET,
-        &format!("/v1/hosts/{}", plane.host),
-        "",
-    )
-    .await;
+    let one = host_shown(&plane, &admin).await;
     assert_eq!(one["reserved_vcpus"], one["schedulable_vcpus"], "{one}");
     // Operators only.
     let (status, _, _) = call(&plane, &plane.org.key, Method::GET, "/v1/hosts", "").await;
