@@ -105,6 +105,7 @@ passes first.
         model::snapshot::Fork,
         crate::http::keys::ApiKey,
         crate::http::keys::CreatedKey,
+        crate::http::keys::KeyList,
         berth_schemas::state::snapshot::SnapshotState,
         crate::http::preview::TokenRequest,
         crate::http::preview::PreviewTokenResponse,
@@ -121,6 +122,7 @@ passes first.
         model::CreateTemplate,
         crate::service::hosts::Host,
         crate::service::hosts::HostHealth,
+        crate::service::hosts::HostOvercommit,
         crate::service::hosts::Drain,
         crate::service::hosts::DrainFailure,
         crate::http::hosts::DrainBody,
@@ -187,6 +189,37 @@ pub fn document() -> utoipa::openapi::OpenApi {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_document_pages_keys_and_shows_hosts_schedulable_capacity() {
+        let doc = serde_json::to_value(document()).unwrap();
+        let params: Vec<&str> = doc["paths"]["/v1/keys"]["get"]["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p["name"].as_str())
+            .collect();
+        assert_eq!(params, ["limit", "cursor"]);
+        let ok = &doc["paths"]["/v1/keys"]["get"]["responses"]["200"];
+        assert!(ok.to_string().contains("KeyList"), "{ok}");
+        let schemas = &doc["components"]["schemas"];
+        for field in ["keys", "next_cursor"] {
+            assert!(
+                schemas["KeyList"]["properties"][field].is_object(),
+                "{field}"
+            );
+        }
+        for field in [
+            "capacity_vcpus",
+            "schedulable_vcpus",
+            "schedulable_memory_mib",
+            "overcommit",
+        ] {
+            assert!(schemas["Host"]["properties"][field].is_object(), "{field}");
+        }
+        let host_id = schemas["Sandbox"]["properties"]["host_id"]["description"].to_string();
+        assert!(host_id.contains("archived"), "{host_id}");
+    }
 
     #[test]
     fn the_document_lists_every_lifecycle_route_and_the_state_table() {

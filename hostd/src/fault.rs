@@ -8,6 +8,10 @@
 //! `<command>:<step>` (`create:network`, `stop:checkpointed`; see [`Step`]); without it
 //! [`crash_point`] is an empty inline function and the variable is never read.
 //!
+//! [`FAIL_AT_ENV`] names a failure point the same way: the command fails there with an
+//! injected error every time it passes it, and is retried as any failed apply is (nak'd and
+//! redelivered), which holds one kind of command back while later ones go through.
+//!
 //! The command kind comes from a task-local that [`scope`] sets around one apply, so the
 //! shared bring-up of a create and a start can tell them apart.
 
@@ -18,6 +22,13 @@ use berth_schemas::CommandKind;
 /// `stop`, `delete`) and the step as [`Step::as_str`].
 pub const CRASH_AT_ENV: &str = "BERTH_HOSTD_CRASH_AT";
 
+/// The environment variable naming a failure point (read only with the `fault-injection`
+/// feature), `<command>:<step>` as in [`CRASH_AT_ENV`]: every apply of such a command that
+/// reaches that step fails there ([`fail_point`]) and is retried later, as a failing disk or
+/// runtime would make it. `delete:fenced` holds every delete back before it touches anything,
+/// until its fence refuses it as stale (a later command of the sandbox was applied).
+pub const FAIL_AT_ENV: &str = "BERTH_HOSTD_FAIL_AT";
+
 /// A step of applying a command after which a crash can be injected. Bring-up (create and
 /// start) passes `Address`, `Network`, `Mounted`, `Container`, `Agent`; a stop passes
 /// `Stopping`, `Checkpointed` (only on a runtime with memory snapshots), `Destroyed`,
@@ -25,8 +36,9 @@ pub const CRASH_AT_ENV: &str = "BERTH_HOSTD_CRASH_AT";
 /// `Captured`; a restore, clone, unarchive or migrate passes `Fetched` while it seeds the disk
 /// and `Seeded` before its bring-up; an archive passes
 /// `Uploading` and `Captured` (its copy confirmed whole and recorded, the disk kept); a delete
-/// (also the one that frees an archived sandbox's disk) passes `TornDown`; every command passes `Recorded` once its record is written,
-/// before its result is published.
+/// (also the one that frees an archived sandbox's disk) passes `TornDown`; every command passes
+/// `Fenced` once its fence let it through, before it touches anything, and `Recorded` once its
+/// record is written, before its result is published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     /// Bring-up: the address is reserved and the record written with it.
@@ -49,6 +61,8 @@ pub enum Step {
     Unmounted,
     /// Any command: its record is written, its result not yet published.
     Recorded,
+    /// Any command: its fence let it through (not a replay, not stale); nothing is applied yet.
+    Fenced,
     /// Snapshot: the capture is staged and the sandbox thawed; nothing is uploaded yet.
     Captured,
     /// Restore or clone: the disk (and memory image) is seeded from the snapshot; nothing is
@@ -68,7 +82,7 @@ pub enum Step {
 
 impl Step {
     /// Every step, in the order a create, a stop and then any command pass them.
-    pub const ALL: [Step; 15] = [
+    pub const ALL: [Step; 16] = [
         Step::Address,
         Step::Network,
         Step::Mounted,
@@ -79,6 +93,7 @@ impl Step {
         Step::Destroyed,
         Step::Unmounted,
         Step::Recorded,
+        Step::Fenced,
         Step::Captured,
         Step::Seeded,
         Step::Uploading,
@@ -99,6 +114,7 @@ impl Step {
             Step::Destroyed => "destroyed",
             Step::Unmounted => "unmounted",
             Step::Recorded => "recorded",
+            Step::Fenced => "fenced",
             Step::Captured => "captured",
             Step::Seeded => "seeded",
             Step::Uploading => "uploading",
@@ -130,26 +146,53 @@ mod enabled {
 
     use berth_schemas::CommandKind;
 
-    use super::{kind_name, Step, CRASH_AT_ENV};
+    use super::{kind_name, Step, CRASH_AT_ENV, FAIL_AT_ENV};
 
     tokio::task_local! {
         static COMMAND: CommandKind;
     }
 
+    /// The point `<command>:<step>` named by the environment variable `var`, if any.
+    fn point_of(var: &str) -> Option<(String, Step)> {
+        let value = std::env::var(var).ok()?;
+        let (kind, step) = value.split_once(':')?;
+        let parsed = Step::parse(step);
+        if parsed.is_none() {
+            tracing::error!(%var, %value, "unknown fault step; no fault will happen");
+        }
+        Some((kind.to_owned(), parsed?))
+    }
+
     /// The crash point read once from the environment: (command kind name, step).
     fn armed() -> Option<&'static (String, Step)> {
         static ARMED: OnceLock<Option<(String, Step)>> = OnceLock::new();
-        ARMED
-            .get_or_init(|| {
-                let value = std::env::var(CRASH_AT_ENV).ok()?;
-                let (kind, step) = value.split_once(':')?;
-                let parsed = Step::parse(step);
-                if parsed.is_none() {
-                    tracing::error!(%value, "unknown crash step; no crash will happen");
-                }
-                Some((kind.to_owned(), parsed?))
-            })
-            .as_ref()
+        ARMED.get_or_init(|| point_of(CRASH_AT_ENV)).as_ref()
+    }
+
+    /// The failure point read once from the environment: (command kind name, step).
+    fn failing() -> Option<&'static (String, Step)> {
+        static FAILING: OnceLock<Option<(String, Step)>> = OnceLock::new();
+        FAILING.get_or_init(|| point_of(FAIL_AT_ENV)).as_ref()
+    }
+
+    /// Whether `point` names `step` of the command being applied.
+    fn here(point: Option<&'static (String, Step)>, step: Step) -> Option<&'static str> {
+        let (kind, at) = point?;
+        let current = COMMAND.try_with(|k| kind_name(*k)).ok();
+        (*at == step && current == Some(kind.as_str())).then_some(kind.as_str())
+    }
+
+    pub fn fail_point(step: Step) -> std::io::Result<()> {
+        match here(failing(), step) {
+            Some(kind) => {
+                tracing::warn!(command = %kind, step = step.as_str(), "fault injection: failing the command");
+                Err(std::io::Error::other(format!(
+                    "injected failure at {kind}:{}",
+                    step.as_str()
+                )))
+            }
+            None => Ok(()),
+        }
     }
 
     pub async fn scope<F: std::future::Future>(kind: CommandKind, work: F) -> F::Output {
@@ -157,11 +200,7 @@ mod enabled {
     }
 
     pub fn crash_point(step: Step) {
-        let Some((kind, armed)) = armed() else {
-            return;
-        };
-        let current = COMMAND.try_with(|k| kind_name(*k)).ok();
-        if *armed == step && current == Some(kind.as_str()) {
+        if let Some(kind) = here(armed(), step) {
             tracing::error!(command = %kind, step = step.as_str(), "fault injection: killing hostd");
             // SIGKILL, not abort(): nothing runs after it, no core file is written.
             let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
@@ -194,6 +233,23 @@ pub fn crash_point(step: Step) {
 #[inline(always)]
 pub fn crash_point(step: Step) {
     let _ = step;
+}
+
+/// Fails (an injected I/O error) when [`FAIL_AT_ENV`] names `step` of the command being
+/// applied; the caller returns it as the apply's error, so the command is retried later.
+///
+/// Errors: the injected error, `injected failure at <command>:<step>`.
+#[cfg(feature = "fault-injection")]
+pub fn fail_point(step: Step) -> std::io::Result<()> {
+    enabled::fail_point(step)
+}
+
+/// Never fails: fault injection is not compiled in.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub fn fail_point(step: Step) -> std::io::Result<()> {
+    let _ = step;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -13,7 +13,9 @@
 //! whether it comes back; a probe that fails is retried on another host by the reconciler).
 //! When nothing fits, [`place`] tells a fleet that is really full ([`Placement::NoCapacity`])
 //! from one whose hosts with room could not be used now ([`Placement::Unavailable`]: stale
-//! heartbeats — a control-plane outage leaves every host stale — or degraded hosts).
+//! heartbeats — a control-plane outage leaves every host stale — or degraded hosts), and from
+//! one an operator took out of service ([`Placement::HeldOut`]: every host that is not lost is
+//! cordoned or draining).
 
 use std::time::Duration;
 
@@ -118,7 +120,20 @@ pub enum Placement {
         /// When a retry may succeed: the earliest probe, or [`UNAVAILABLE_RETRY_AFTER`].
         retry_after: Duration,
     },
+    /// No host takes new sandboxes: every host that is not lost is cordoned or draining (an
+    /// operator's doing, not a full fleet). The client should retry after `retry_after`
+    /// ([`HELD_OUT_RETRY_AFTER`]).
+    HeldOut {
+        /// How many hosts there are of each state.
+        hosts: hosts_health::InService,
+        /// When a retry may succeed.
+        retry_after: Duration,
+    },
 }
+
+/// How long a placement refused because every host is cordoned or draining should wait before
+/// retrying: an operator's action ends that, so no host's data says when; a retry is cheap.
+pub const HELD_OUT_RETRY_AFTER: Duration = Duration::from_secs(30);
 
 /// How long a create refused because the hosts' data is stale should wait before retrying:
 /// about a heartbeat interval, after which fresh heartbeats will have been written.
@@ -128,8 +143,8 @@ pub const UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(5);
 /// hosts that are healthy or due a probe and reserves on the first that still fits (another
 /// transaction may have taken the headroom meanwhile; then the next is tried); a host placed
 /// on as its probe becomes `probing`. `avoid` is never chosen (the host a failed create is
-/// being retried away from). When nothing fits, says whether the fleet is full or only
-/// unusable now (see [`Placement`]).
+/// being retried away from). When nothing fits, says whether the fleet is full, only unusable
+/// now, or taken out of service (see [`Placement`]).
 ///
 /// A host whose row another transaction holds right now (a concurrent placement on it, or its
 /// heartbeat) is passed over for the next in rank rather than waited for: concurrent creates
@@ -177,6 +192,13 @@ pub async fn place(
     }
     let why = hosts_health::room_elsewhere(conn, need, freshness, overcommit).await?;
     if !why.any() {
+        let hosts = hosts_health::in_service(conn).await?;
+        if hosts.held_out() {
+            return Ok(Placement::HeldOut {
+                hosts,
+                retry_after: HELD_OUT_RETRY_AFTER,
+            });
+        }
         return Ok(Placement::NoCapacity);
     }
     let retry_after = match (why.stale, why.next_probe_in) {

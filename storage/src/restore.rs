@@ -58,23 +58,29 @@ pub async fn fetch_manifest(objects: &Objects, id: SnapshotId) -> Result<Manifes
     Manifest::from_json(id, &body)
 }
 
-/// The chunks `manifest` names that the store does not hold (one `HEAD` per distinct chunk,
-/// [`crate::upload::UPLOAD_CONCURRENCY`] at once), in the manifest's order; empty when the
-/// snapshot is whole. A manifest that reads back proves only that its upload finished: a
-/// chunk the upload skipped because the store held it may have been removed since (a snapshot
-/// delete's chunk removal, issue 14), and only this look says so before a host frees the disk
-/// it was captured from or reuses it.
+/// The chunks `manifest` names that the store does not hold whole: missing, or of another
+/// size than the manifest's `stored` length for it (truncated or replaced), one `HEAD` per
+/// distinct chunk, [`crate::upload::UPLOAD_CONCURRENCY`] at once, in the manifest's order;
+/// empty when the snapshot is whole. A manifest that reads back proves only that its upload
+/// finished: a chunk the upload skipped because the store held it may have been removed or
+/// damaged since (a snapshot delete's chunk removal, issue 14), and only this look says so
+/// before a host frees the disk it was captured from or reuses it. The size is what the store
+/// confirms without reading the object; a chunk of the right size but wrong bytes is caught
+/// by the hash check of every read ([`materialize`]).
 ///
 /// Errors: [`StorageError::Store`].
 pub async fn missing_chunks(objects: &Objects, manifest: &Manifest) -> Result<Vec<String>> {
     use futures::StreamExt;
-    let looks = manifest.distinct_chunks().into_iter().map(|(hash, _)| {
-        let objects = objects.clone();
-        async move {
-            let held = objects.exists(&Objects::chunk_key(&hash)).await?;
-            Ok::<_, StorageError>((!held).then_some(hash))
-        }
-    });
+    let looks = manifest
+        .distinct_chunks()
+        .into_iter()
+        .map(|(hash, stored)| {
+            let objects = objects.clone();
+            async move {
+                let size = objects.size(&Objects::chunk_key(&hash)).await?;
+                Ok::<_, StorageError>((size != Some(u64::from(stored))).then_some(hash))
+            }
+        });
     let found: Vec<Option<String>> = futures::stream::iter(looks)
         .buffered(crate::upload::UPLOAD_CONCURRENCY)
         .collect::<Vec<_>>()

@@ -258,9 +258,15 @@ impl Objects {
 
     /// Whether an object exists.
     pub async fn exists(&self, key: &Key) -> Result<bool> {
+        Ok(self.size(key).await?.is_some())
+    }
+
+    /// An object's size in bytes as the store reports it (one `HEAD`); `None` when it does
+    /// not exist.
+    pub async fn size(&self, key: &Key) -> Result<Option<u64>> {
         match self.inner.head(key).await {
-            Ok(_) => Ok(true),
-            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Ok(meta) => Ok(Some(meta.size)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(StorageError::store(StoreOp::Head, key)(e)),
         }
     }

@@ -1,5 +1,5 @@
 //! Making a staged snapshot durable: upload each new chunk (skipping one the store already
-//! holds), then the manifest, last. Until the manifest is stored the snapshot does not exist
+//! holds at its compressed size), then the manifest, last. Until the manifest is stored the snapshot does not exist
 //! for anyone reading the store; a failure at any point leaves no manifest behind, so nothing
 //! is ever reported ready that is not durable (DESIGN.md guarantee 9). Chunks uploaded before
 //! a failure stay: they are content-addressed, so a retry skips them, and a sweep of chunks no
@@ -22,7 +22,7 @@ pub struct UploadReport {
     pub chunks_uploaded: u64,
     /// Compressed bytes sent (chunks only).
     pub bytes_uploaded: u64,
-    /// New chunks the store already held (another sandbox's snapshot had them).
+    /// New chunks the store already held whole (another sandbox's snapshot had them).
     pub chunks_already_stored: u64,
     /// Bytes of the manifest.
     pub manifest_bytes: u64,
@@ -50,15 +50,17 @@ pub async fn upload(
 ) -> Result<UploadReport> {
     let total = staged.new_chunks.len() as u64;
     // Owned jobs: the futures borrow nothing, so the upload can run inside a spawned task.
-    let jobs: Vec<(object_store::path::Path, std::path::PathBuf)> = staged
+    let jobs: Vec<(object_store::path::Path, std::path::PathBuf, u64)> = staged
         .new_chunks
         .iter()
-        .map(|(hash, _)| (Objects::chunk_key(hash), staged.chunk_path(hash)))
+        .map(|(hash, stored)| (Objects::chunk_key(hash), staged.chunk_path(hash), *stored))
         .collect();
-    let mut pending = futures::stream::iter(jobs.into_iter().map(|(key, path)| {
+    let mut pending = futures::stream::iter(jobs.into_iter().map(|(key, path, stored)| {
         let objects = objects.clone();
         async move {
-            if objects.exists(&key).await? {
+            // Skipped only when held whole: an object of another size (truncated, replaced)
+            // is written again, so a check of the stored copy (`missing_chunks`) can pass.
+            if objects.size(&key).await? == Some(stored) {
                 return Ok::<_, StorageError>(None);
             }
             let body = tokio::fs::read(&path)

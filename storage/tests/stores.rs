@@ -336,20 +336,60 @@ async fn deleting_a_snapshot_removes_only_content_no_other_snapshot_references(b
     assert_eq!(again.chunks_deleted, 1, "a repeated delete is harmless");
 }
 
-/// A snapshot whose manifest reads back may still lack a chunk (removed since its upload
-/// skipped it): `missing_chunks` names exactly the ones gone.
-async fn a_snapshot_whose_chunk_was_removed_names_it_missing(b: Backend) {
+/// A snapshot of two files of one chunk each, stored whole: the setup of the chunk checks.
+async fn two_chunk_snapshot(b: &Backend) -> Manifest {
     let upper = b.path("upper");
     fs::create_dir_all(&upper).unwrap();
     fs::write(upper.join("a"), random(100_000)).unwrap();
     fs::write(upper.join("b"), random(100_000)).unwrap();
-    let (m, _) = snapshot(&b, disk(upper), None, None).await.unwrap();
+    let (m, _) = snapshot(b, disk(upper), None, None).await.unwrap();
     assert_eq!(m.distinct_chunks().len(), 2);
     assert!(missing_chunks(&b.objects, &m).await.unwrap().is_empty());
+    m
+}
+
+/// A snapshot whose manifest reads back may still lack a chunk (removed since its upload
+/// skipped it): `missing_chunks` names exactly the ones gone.
+async fn a_snapshot_whose_chunk_was_removed_names_it_missing(b: Backend) {
+    let m = two_chunk_snapshot(&b).await;
     let (gone, _) = m.distinct_chunks()[1].clone();
     b.objects.delete(&Objects::chunk_key(&gone)).await.unwrap();
     assert!(is_durable(&b.objects, m.info.snapshot_id).await.unwrap());
     assert_eq!(missing_chunks(&b.objects, &m).await.unwrap(), [gone]);
+}
+
+/// A chunk object that is there but not of the manifest's `stored` length (truncated, or
+/// replaced by other bytes) is named as `missing_chunks` names a removed one; and a new upload
+/// of the same content writes it again rather than skipping it as held, so the copy is whole.
+async fn a_snapshot_whose_chunk_was_truncated_names_it_missing(b: Backend) {
+    let m = two_chunk_snapshot(&b).await;
+    let (cut, stored) = m.distinct_chunks()[0].clone();
+    let key = Objects::chunk_key(&cut);
+    let body = b.objects.get(&key).await.unwrap().unwrap();
+    assert_eq!(body.len() as u64, u64::from(stored));
+    b.objects
+        .put(&key, body.slice(..body.len() / 2))
+        .await
+        .unwrap();
+    assert_eq!(
+        missing_chunks(&b.objects, &m).await.unwrap(),
+        std::slice::from_ref(&cut)
+    );
+    let longer = [body.as_ref(), b"tail"].concat();
+    b.objects.put(&key, longer.into()).await.unwrap();
+    assert_eq!(
+        missing_chunks(&b.objects, &m).await.unwrap(),
+        std::slice::from_ref(&cut)
+    );
+
+    let (again, report) = snapshot(&b, disk(b.path("upper")), None, None)
+        .await
+        .unwrap();
+    assert_eq!(report.chunks_uploaded, 1, "only the damaged chunk travels");
+    assert_eq!(report.chunks_already_stored, 1);
+    assert!(missing_chunks(&b.objects, &again).await.unwrap().is_empty());
+    assert!(missing_chunks(&b.objects, &m).await.unwrap().is_empty());
+    assert_eq!(b.objects.size(&key).await.unwrap(), Some(u64::from(stored)));
 }
 
 async fn a_damaged_chunk_or_manifest_in_the_store_is_refused(b: Backend) {
@@ -489,6 +529,7 @@ on_both_stores!(
     deleting_a_snapshot_removes_only_content_no_other_snapshot_references,
     a_damaged_chunk_or_manifest_in_the_store_is_refused,
     a_snapshot_whose_chunk_was_removed_names_it_missing,
+    a_snapshot_whose_chunk_was_truncated_names_it_missing,
     hard_links_within_the_tree_come_back_as_one_inode,
 );
 

@@ -96,6 +96,35 @@ pub async fn list(db: impl PgExecutor<'_>, org: OrgId) -> Result<Vec<KeyRow>, St
     .await
 }
 
+/// One page of the org's keys, revoked ones included, oldest first (by `created_at`, then
+/// id): at most `limit` of those after the org's key `after` (all from the first without it).
+/// A key `after` that is not the org's gives an empty page; the caller checks it first
+/// ([`get`]).
+pub async fn list_page(
+    db: impl PgExecutor<'_>,
+    org: OrgId,
+    after: Option<ApiKeyId>,
+    limit: i64,
+) -> Result<Vec<KeyRow>, StoreError> {
+    timed(
+        Op::ApiKeyList,
+        sqlx::query_as(
+            "SELECT k.id, k.prefix, k.created_at, k.revoked_at FROM api_keys k
+              WHERE k.org_id = $1
+                AND ($2::uuid IS NULL OR (k.created_at, k.id) >
+                     (SELECT c.created_at, c.id FROM api_keys c
+                       WHERE c.org_id = $1 AND c.id = $2))
+              ORDER BY k.created_at, k.id
+              LIMIT $3",
+        )
+        .bind(org)
+        .bind(after)
+        .bind(limit)
+        .fetch_all(db),
+    )
+    .await
+}
+
 /// The org's key `id`, revoked or not; `None` when `org` has no such key.
 pub async fn get(
     db: impl PgExecutor<'_>,

@@ -208,6 +208,51 @@ pub async fn room_elsewhere(
     })
 }
 
+/// How many hosts take new sandboxes, and how many an operator holds out of placement, of the
+/// hosts not `lost`: tells a fleet taken out of service (every host cordoned or draining) from
+/// one that is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InService {
+    /// Hosts whose state admits new sandboxes (`ready`), fresh or not, full or not.
+    pub admitting: i64,
+    /// `cordoned` hosts.
+    pub cordoned: i64,
+    /// `draining` hosts.
+    pub draining: i64,
+}
+
+impl InService {
+    /// Whether no host takes new sandboxes because an operator cordoned or drained every host
+    /// there is (not `lost`).
+    pub fn held_out(&self) -> bool {
+        self.admitting == 0 && self.cordoned + self.draining > 0
+    }
+}
+
+/// Counts the hosts by whether they take new sandboxes ([`InService`]). Called only once
+/// placement found nothing and no host with room ([`room_elsewhere`]).
+pub async fn in_service(conn: &mut PgConnection) -> Result<InService, StoreError> {
+    let (admitting, cordoned, draining): (i64, i64, i64) = timed(
+        Op::HostInService,
+        sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE state = ANY($1)),
+                    count(*) FILTER (WHERE state = $2),
+                    count(*) FILTER (WHERE state = $3)
+               FROM hosts",
+        )
+        .bind(Admit::NewSandbox.states())
+        .bind(berth_schemas::HostState::Cordoned.as_str())
+        .bind(berth_schemas::HostState::Draining.as_str())
+        .fetch_one(conn),
+    )
+    .await?;
+    Ok(InService {
+        admitting,
+        cordoned,
+        draining,
+    })
+}
+
 /// A host's health as operators see it (`GET /v1/hosts`) and the gauges count it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HealthView {

@@ -131,6 +131,9 @@ ops! {
     /// [`crate::host_health::room_elsewhere`]: hosts with room that placement could not use
     /// (stale heartbeat, degraded), when nothing was placeable.
     HostRoomElsewhere => "host_room_elsewhere",
+    /// [`crate::host_health::in_service`]: how many hosts take new sandboxes and how many an
+    /// operator holds out (cordoned, draining), when nothing was placeable.
+    HostInService => "host_in_service",
     /// [`crate::host_health::conditions`]: every host's health (operators, gauges).
     HostHealthList => "host_health_list",
     /// [`crate::host_health::backdate_heartbeats`]: ages hosts' `last_seen` (tests, drills).

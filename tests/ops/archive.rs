@@ -4,7 +4,7 @@
 //! the other host; an archive whose chunk check finds a lost chunk, or that finds its recorded
 //! stop lacking a chunk, never loses the disk; auto-archive; an S3 server killed
 //! mid-archive leaves the sandbox stopped with its disk, and a later archive succeeds; a
-//! delete during `archiving` and `archived`.
+//! delete during `archiving` and `archived`; an archived sandbox shows no host.
 
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use sqlx::PgPool;
 
 use crate::resume::{count, run, COUNTER};
 use crate::support::http::{host_of, running_sandbox};
+use crate::support::inproc::{self, Plane};
 use crate::support::{eventually, Stack};
 
 pub(crate) async fn get(stack: &Stack, id: &str) -> Value {
@@ -496,6 +497,21 @@ fn chunk_object(stack: &Stack, hash: &str) -> std::path::PathBuf {
 /// Removes from the object store the biggest chunk of `id`'s recorded durable stop (as a chunk
 /// removal would have); returns its hash.
 pub(crate) async fn remove_a_chunk_of(stack: &Stack, id: &str) -> String {
+    damage_a_chunk_of(stack, id, Damage::Removed).await
+}
+
+/// What happens to a stored chunk of a recorded durable stop.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Damage {
+    /// Its object is removed (as a chunk removal would).
+    Removed,
+    /// Its object is cut to half its length (a torn write, a replaced object).
+    Truncated,
+}
+
+/// Damages in the object store the biggest chunk of `id`'s recorded durable stop; returns its
+/// hash.
+pub(crate) async fn damage_a_chunk_of(stack: &Stack, id: &str, damage: Damage) -> String {
     let hash: String = sqlx::query_scalar(
         "SELECT sha256 FROM durable_chunks WHERE sandbox_id = $1::uuid
           ORDER BY stored DESC, sha256 LIMIT 1",
@@ -504,7 +520,14 @@ pub(crate) async fn remove_a_chunk_of(stack: &Stack, id: &str) -> String {
     .fetch_one(&stack.db)
     .await
     .unwrap();
-    std::fs::remove_file(chunk_object(stack, &hash)).expect("the chunk is stored");
+    let path = chunk_object(stack, &hash);
+    match damage {
+        Damage::Removed => std::fs::remove_file(path).expect("the chunk is stored"),
+        Damage::Truncated => {
+            let body = std::fs::read(&path).expect("the chunk is stored");
+            std::fs::write(&path, &body[..body.len() / 2]).unwrap();
+        }
+    }
     hash
 }
 
@@ -601,6 +624,20 @@ async fn an_archive_whose_skipped_chunk_a_removal_claimed_stays_stopped_with_its
 async fn an_archive_whose_recorded_stop_lacks_a_chunk_uploads_again_and_unarchives_with_its_files(
     db: PgPool,
 ) {
+    archive_with_a_damaged_recorded_stop(db, Damage::Removed).await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_recorded_stop_has_a_truncated_chunk_uploads_again_and_unarchives_with_its_files(
+    db: PgPool,
+) {
+    archive_with_a_damaged_recorded_stop(db, Damage::Truncated).await;
+}
+
+/// A recorded durable stop whose manifest reads back and one of whose chunks is `damage`d:
+/// the archive does not reuse it, stores the disk anew (the chunk whole again), frees the
+/// disk, and the sandbox unarchives on the same host with its files.
+async fn archive_with_a_damaged_recorded_stop(db: PgPool, damage: Damage) {
     use crate::crash14::{delete_leaves_nothing, durable_snapshot};
     use crate::migrate::{CHECK, FILES};
     let stack = Stack::start(db.clone(), 1).await;
@@ -608,18 +645,27 @@ async fn an_archive_whose_recorded_stop_lacks_a_chunk_uploads_again_and_unarchiv
     run(&stack, &id, FILES).await;
     stop_durably(&stack, &id).await;
     let stop = durable_snapshot(&stack, &id).await.unwrap();
-    // Its manifest still reads back; one of its chunks does not.
-    let gone = remove_a_chunk_of(&stack, &id).await;
+    let stored: i64 = sqlx::query_scalar(
+        "SELECT max(stored)::int8 FROM durable_chunks WHERE sandbox_id = $1::uuid",
+    )
+    .bind(&id)
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    // Its manifest still reads back; one of its chunks does not, whole.
+    let damaged = damage_a_chunk_of(&stack, &id, damage).await;
     assert_eq!(stack.request(&id, "archive").await.0, 202);
     stack.wait_state(&id, "archived").await;
     let archived = durable_snapshot(&stack, &id).await.unwrap();
     assert_ne!(
         archived, stop,
-        "the disk was stored anew, not the stop reused"
+        "the disk was stored anew, not the stop reused ({damage:?})"
     );
-    assert!(
-        chunk_object(&stack, &gone).is_file(),
-        "the chunk is stored again"
+    let object = chunk_object(&stack, &damaged);
+    assert_eq!(
+        std::fs::metadata(&object).map(|m| m.len() as i64).ok(),
+        Some(stored),
+        "the chunk is stored again, whole"
     );
     freed(&stack, &id).await;
     stack.assert_no_capacity_drift().await;
@@ -629,4 +675,110 @@ async fn an_archive_whose_recorded_stop_lacks_a_chunk_uploads_again_and_unarchiv
     assert_eq!(run(&stack, &id, CHECK).await, "kept\nintact\n");
     delete_leaves_nothing(&stack, &id).await;
     stack.teardown().await;
+}
+
+/// A sandbox of `plane` created, stopped and archived by hand (each host report delivered
+/// through the reconciler's result apply; no hostd): `archived`, on the plane's host.
+pub(crate) async fn archived_by_hand(plane: &Plane) -> berth_schemas::SandboxId {
+    use berth_schemas::wire::{ResultOutcome, StopDurable};
+    use berth_schemas::CommandKind;
+    let id = plane.create().await;
+    let create = plane.latest(id).await;
+    plane
+        .deliver(&create, inproc::succeeded(CommandKind::Create))
+        .await;
+    plane.request(id, "stop").await;
+    let stop = plane.latest(id).await;
+    plane
+        .deliver(&stop, inproc::succeeded(CommandKind::Stop))
+        .await;
+    plane.request(id, "archive").await;
+    let archive = plane.latest(id).await;
+    let copy = StopDurable {
+        snapshot_id: berth_schemas::ids::SnapshotId::new(),
+        memory: false,
+        stored_bytes: 1,
+        chunks: vec![("7".repeat(64), 1)],
+    };
+    plane.deliver(&archive, ResultOutcome::Durable(copy)).await;
+    assert_eq!(inproc::row(&plane.db, id).await.state, "archived");
+    id
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archived_sandbox_shows_no_host_until_a_start_places_it(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let id = plane.create().await;
+    let shown = |id: berth_schemas::SandboxId| {
+        let (api, key) = (plane.api.clone(), plane.org.key.clone());
+        async move {
+            let one = api
+                .call(
+                    &key,
+                    Method::GET,
+                    &format!("/v1/sandboxes/{id}"),
+                    None,
+                    None,
+                )
+                .await;
+            assert_eq!(one.status, 200, "{}", one.body);
+            let list = api
+                .call(&key, Method::GET, "/v1/sandboxes", None, None)
+                .await;
+            let listed = list.body["sandboxes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["id"] == id.to_string())
+                .cloned()
+                .unwrap();
+            assert_eq!(listed["host_id"], one.body["host_id"], "{listed}");
+            one.body
+        }
+    };
+    let host = plane.host.to_string();
+    assert_eq!(
+        shown(id).await["host_id"],
+        host.as_str(),
+        "placed: its host"
+    );
+
+    let archived = archived_by_hand(&plane).await;
+    let body = shown(archived).await;
+    assert_eq!(body["state"], "archived");
+    assert!(
+        body["host_id"].is_null(),
+        "an archived sandbox holds no host: {body}"
+    );
+    // The row still names the host its disk was on (its freeing delete goes there).
+    assert_eq!(
+        inproc::commands_of(&plane.db, archived)
+            .await
+            .last()
+            .map(|c| (c.kind, c.host_id)),
+        Some((berth_schemas::CommandKind::Delete, plane.host))
+    );
+    // The OpenSandbox surface shows no host at all, archived or not.
+    let compat = plane
+        .api
+        .send(
+            axum::http::Request::get(format!("/compat/opensandbox/v1/sandboxes/{archived}"))
+                .header("OPEN-SANDBOX-API-KEY", &plane.org.key)
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(compat.status, 200, "{}", compat.body);
+    assert_eq!(
+        compat.body["status"]["reason"], "archived",
+        "{}",
+        compat.body
+    );
+    assert!(!compat.body.to_string().contains(&host), "{}", compat.body);
+
+    // A start places it again: it shows the host it is placed on.
+    plane.request(archived, "start").await;
+    let body = shown(archived).await;
+    assert_eq!(body["state"], "unarchiving");
+    assert_eq!(body["host_id"], host.as_str(), "{body}");
 }

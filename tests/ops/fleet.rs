@@ -1,5 +1,7 @@
 //! Running a fleet: reconciler leadership and takeover, operators draining and cordoning
-//! hosts, the per-host start cap, and automatic stop and delete of idle sandboxes.
+//! hosts (and a fleet they took out of service answering `unavailable`, not `no_capacity`),
+//! the hosts' schedulable capacity, the per-host start cap, and automatic stop and delete of
+//! idle sandboxes.
 
 use std::time::Duration;
 
@@ -13,6 +15,8 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::archive::archived_by_hand;
+use crate::support::inproc::{self, Plane};
 use crate::support::{eventually, Stack};
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
@@ -121,8 +125,13 @@ async fn operators_drain_cordon_and_uncordon_hosts_and_org_keys_cannot(db: PgPoo
             .await;
         assert_eq!(
             (status, &body["error"]["code"]),
-            (503, &json!("no_capacity")),
-            "no new placements when {state}"
+            (503, &json!("unavailable")),
+            "no new placements when {state}: {body}"
+        );
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("no host accepts new sandboxes"),
+            "{message}"
         );
     }
     // Its own stopped sandbox still starts there: its disk lives there.
@@ -317,4 +326,140 @@ async fn reading_or_writing_files_counts_as_activity_for_auto_stop(db: PgPool) {
         );
     }
     stack.teardown().await;
+}
+
+/// `(status, body, Retry-After)` of `method path` (JSON `body`) with `key` on `plane`'s API.
+async fn call(
+    plane: &Plane,
+    key: &str,
+    method: Method,
+    path: &str,
+    body: &str,
+) -> (u16, serde_json::Value, Option<String>) {
+    let (reply, retry_after) = plane
+        .api
+        .call_with_retry_after(key, method, path, body)
+        .await;
+    (reply.status, reply.body, retry_after)
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_placement_with_every_host_cordoned_or_draining_is_unavailable_and_a_full_fleet_no_capacity(
+    db: PgPool,
+) {
+    let plane = Plane::start(db).await;
+    let archived = archived_by_hand(&plane).await;
+    let small = berth_schemas::wire::Resources {
+        vcpus: 1,
+        memory_mib: 256,
+    };
+    let (b, c) = (berth_schemas::HostId::new(), berth_schemas::HostId::new());
+    for host in [b, c] {
+        inproc::heartbeat(&plane.db, host, small).await;
+    }
+    let admin = berth_api::auth::create_admin_key(&plane.db).await.unwrap();
+    for (host, action) in [(plane.host, "cordon"), (b, "cordon"), (c, "drain")] {
+        let path = format!("/v1/hosts/{host}/{action}");
+        let (status, body, _) = call(&plane, &admin, Method::POST, &path, "{}").await;
+        assert_eq!(status, 200, "{body}");
+    }
+
+    // Nothing takes new sandboxes: a start of the archived sandbox (it must be placed) and a
+    // create both say so, with when to retry; nothing is written or reserved.
+    let start = format!("/v1/sandboxes/{archived}/start");
+    for (path, body) in [(start.as_str(), "{}"), ("/v1/sandboxes", inproc::SANDBOX)] {
+        let (status, body, retry_after) =
+            call(&plane, &plane.org.key, Method::POST, path, body).await;
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (503, Some("unavailable")),
+            "{path}: {body}"
+        );
+        assert_eq!(retry_after.as_deref(), Some("30"), "{path}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("no host accepts new sandboxes: 2 cordoned, 1 draining"),
+            "{message}"
+        );
+    }
+    assert_eq!(inproc::row(&plane.db, archived).await.state, "archived");
+    plane.assert_capacity_released().await;
+
+    // A host that takes new sandboxes but has no room for this one: `no_capacity`, as before.
+    let path = format!("/v1/hosts/{b}/uncordon");
+    assert_eq!(call(&plane, &admin, Method::POST, &path, "{}").await.0, 200);
+    let big = r#"{"vcpus":1,"memory_mib":512}"#;
+    let (status, body, _) = call(&plane, &plane.org.key, Method::POST, "/v1/sandboxes", big).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("no_capacity")),
+        "{body}"
+    );
+    // The archived sandbox fits there: its start places it.
+    let (status, body, _) = call(&plane, &plane.org.key, Method::POST, &start, "{}").await;
+    assert_eq!(
+        (status, body["state"].as_str()),
+        (202, Some("unarchiving")),
+        "{body}"
+    );
+    assert_eq!(body["host_id"], b.to_string());
+}
+
+/// `GET /v1/hosts/{id}` of `plane`'s host with the operator key `admin`.
+async fn host_shown(plane: &Plane, admin: &str) -> serde_json::Value {
+    let path = format!("/v1/hosts/{}", plane.host);
+    let (status, one, _) = call(plane, admin, Method::GET, &path, "").await;
+    assert_eq!(status, 200, "{one}");
+    one
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn hosts_show_the_schedulable_capacity_placement_reserves_against(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let admin = berth_api::auth::create_admin_key(&plane.db).await.unwrap();
+    plane.create().await;
+    let (status, hosts, _) = call(&plane, &admin, Method::GET, "/v1/hosts", "").await;
+    assert_eq!(status, 200, "{hosts}");
+    let one = host_shown(&plane, &admin).await;
+    for host in [&hosts[0], &one] {
+        let cap = inproc::HOST_CAPACITY;
+        assert_eq!(host["capacity_vcpus"], cap.vcpus, "physical: {host}");
+        assert_eq!(host["capacity_memory_mib"], cap.memory_mib, "{host}");
+        assert_eq!(host["schedulable_vcpus"], cap.vcpus * 4, "vCPUs ×4: {host}");
+        assert_eq!(
+            host["schedulable_memory_mib"], cap.memory_mib,
+            "memory ×1: {host}"
+        );
+        assert_eq!(
+            host["overcommit"],
+            json!({"cpu": 4.0, "memory": 1.0}),
+            "{host}"
+        );
+        assert_eq!(host["reserved_vcpus"], 1, "{host}");
+    }
+    // Placement reserves up to the schedulable figure, not the physical one.
+    for _ in 1..inproc::HOST_CAPACITY.vcpus * 4 {
+        plane
+            .api
+            .create(&plane.org.key, r#"{"vcpus":1,"memory_mib":64}"#)
+            .await;
+    }
+    let (status, body, _) = call(
+        &plane,
+        &plane.org.key,
+        Method::POST,
+        "/v1/sandboxes",
+        inproc::SANDBOX,
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("no_capacity")),
+        "{body}"
+    );
+    let one = host_shown(&plane, &admin).await;
+    assert_eq!(one["reserved_vcpus"], one["schedulable_vcpus"], "{one}");
+    // Operators only.
+    let (status, _, _) = call(&plane, &plane.org.key, Method::GET, "/v1/hosts", "").await;
+    assert_eq!(status, 403);
 }

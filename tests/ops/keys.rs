@@ -1,7 +1,8 @@
 //! Key management and org deletion (an attack run's finding: no key could be revoked and no org
 //! deleted): an org key lists, creates and revokes its own org's keys; a revoked key is refused
 //! at once in every process, whatever its key cache holds; `berth admin delete-org` deletes an
-//! org's sandboxes through their lifecycle and then refuses its keys.
+//! org's sandboxes through their lifecycle and then refuses its keys; the list comes a page at a
+//! time.
 
 use std::time::Duration;
 
@@ -10,6 +11,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 
 use crate::support::api_process::database_url;
+use crate::support::inproc::{self, Api};
 use crate::support::{eventually, Stack};
 
 /// Long enough that only a revocation's notification, never the TTL, can clear a cached key.
@@ -66,8 +68,9 @@ async fn an_org_key_manages_its_own_keys_and_a_revoked_key_is_refused_at_once(db
     // The list shows both keys, never a secret or a hash.
     let (status, list) = stack.call(Method::GET, "/v1/keys", None).await;
     assert_eq!(status, 200, "{list}");
-    let keys = list.as_array().unwrap();
+    let keys = list["keys"].as_array().unwrap();
     assert_eq!(keys.len(), 2, "{list}");
+    assert!(list["next_cursor"].is_null(), "one page: {list}");
     assert!(keys.iter().any(|k| k["id"] == id2.as_str()), "{list}");
     let text = list.to_string();
     assert!(
@@ -87,7 +90,7 @@ async fn an_org_key_manages_its_own_keys_and_a_revoked_key_is_refused_at_once(db
         .1;
     let (status, theirs) = stack.call_as(&other, Method::GET, "/v1/keys", None).await;
     assert_eq!(status, 200);
-    assert_eq!(theirs.as_array().unwrap().len(), 1, "{theirs}");
+    assert_eq!(theirs["keys"].as_array().unwrap().len(), 1, "{theirs}");
     let (status, body) = stack
         .call_as(&other, Method::DELETE, &format!("/v1/keys/{id2}"), None)
         .await;
@@ -148,7 +151,7 @@ async fn an_org_key_manages_its_own_keys_and_a_revoked_key_is_refused_at_once(db
     assert_eq!(status_of(&stack, &key4).await, 401);
     assert_eq!(status_of(&stack, &stack.key).await, 200);
     let (_, list) = stack.call(Method::GET, "/v1/keys", None).await;
-    let revoked: Vec<&Value> = list
+    let revoked: Vec<&Value> = list["keys"]
         .as_array()
         .unwrap()
         .iter()
@@ -166,9 +169,9 @@ async fn an_org_key_manages_its_own_keys_and_a_revoked_key_is_refused_at_once(db
     let (status, body) = stack.call(Method::POST, "/v1/keys", None).await;
     assert_eq!(status, 429, "{body}");
     assert_eq!(body["error"]["code"], "quota_exceeded");
-    let (_, list) = stack.call(Method::GET, "/v1/keys", None).await;
+    let (_, list) = stack.call(Method::GET, "/v1/keys?limit=500", None).await;
     assert_eq!(
-        list.as_array().unwrap().len(),
+        list["keys"].as_array().unwrap().len(),
         cap + 3,
         "a refused create wrote a key"
     );
@@ -332,4 +335,85 @@ async fn one_orgs_revocations_never_cost_another_orgs_cached_key_a_lookup(db: Pg
         );
     }
     stack.teardown().await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn the_key_list_comes_a_page_at_a_time_and_refuses_a_cursor_it_did_not_give(db: PgPool) {
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = Api::new(db.clone(), nats, inproc::unique_subjects());
+    let (org, other) = (inproc::org(&db).await, inproc::org(&db).await);
+    let get = |key: &str, query: &str| {
+        let (api, key, path) = (api.clone(), key.to_owned(), format!("/v1/keys{query}"));
+        async move { api.call(&key, Method::GET, &path, None, None).await }
+    };
+    for _ in 0..4 {
+        let made = api
+            .call(&org.key, Method::POST, "/v1/keys", None, None)
+            .await;
+        assert_eq!(made.status, 201, "{}", made.body);
+    }
+    let all = get(&org.key, "").await;
+    assert_eq!(all.status, 200, "{}", all.body);
+    let ids = |page: &Value| -> Vec<String> {
+        page["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let every = ids(&all.body);
+    assert_eq!(every.len(), 5, "{}", all.body);
+    assert!(all.body["next_cursor"].is_null());
+
+    // Pages of two, oldest first, each starting after the last: every key once.
+    let (mut seen, mut cursor) = (Vec::new(), None::<String>);
+    let mut sizes = Vec::new();
+    loop {
+        let query = match &cursor {
+            Some(c) => format!("?limit=2&cursor={c}"),
+            None => "?limit=2".to_owned(),
+        };
+        let page = get(&org.key, &query).await;
+        assert_eq!(page.status, 200, "{}", page.body);
+        sizes.push(ids(&page.body).len());
+        seen.extend(ids(&page.body));
+        match page.body["next_cursor"].as_str() {
+            Some(next) => {
+                assert_eq!(Some(next), seen.last().map(String::as_str));
+                cursor = Some(next.to_owned());
+            }
+            None => break,
+        }
+    }
+    assert_eq!(sizes, [2, 2, 1]);
+    assert_eq!(seen, every);
+    let exact = get(&org.key, &format!("?limit=1&cursor={}", every[3])).await;
+    assert_eq!(ids(&exact.body), [every[4].clone()]);
+    assert!(exact.body["next_cursor"].is_null(), "the last page says so");
+
+    // A cursor this API did not give the org: 400 naming it; so is a bad limit.
+    let theirs = ids(&get(&other.key, "").await.body).remove(0);
+    for (query, field) in [
+        ("?cursor=nope".to_owned(), "cursor"),
+        (format!("?cursor={}", uuid::Uuid::now_v7()), "cursor"),
+        (format!("?cursor={theirs}"), "cursor"),
+        ("?limit=0".to_owned(), "limit"),
+        ("?limit=501".to_owned(), "limit"),
+        ("?limit=two".to_owned(), "limit"),
+        ("?page=2".to_owned(), "page"),
+    ] {
+        let reply = get(&org.key, &query).await;
+        assert_eq!(reply.status, 400, "{query}: {}", reply.body);
+        assert_eq!(reply.code(), "invalid_request", "{query}");
+        assert_eq!(
+            reply.body["error"]["field"], field,
+            "{query}: {}",
+            reply.body
+        );
+    }
+    // The other org pages only its own key, with the org's cursor refused there too.
+    let mine = get(&other.key, &format!("?cursor={}", every[0])).await;
+    assert_eq!(mine.status, 400, "{}", mine.body);
+    assert_eq!(ids(&get(&other.key, "?limit=1").await.body), [theirs]);
 }

@@ -19,6 +19,9 @@ use crate::AppState;
 
 /// `GET /v1/hosts`
 #[utoipa::path(get, path = "/v1/hosts",
+    description = "Every host: its physical capacity (`capacity_*`, from its heartbeats), what \
+        placement reserves against (`schedulable_*` = capacity × `overcommit`, rounded down; \
+        vCPUs ×4 by default), what is reserved, its health and its drain's progress.",
     responses((status = 200, body = [Host]), (status = 403, description = "`forbidden`: not an operator key")),
     security(("bearer" = [])))]
 pub async fn list(
@@ -26,12 +29,13 @@ pub async fn list(
     _admin: Admin,
     _query: super::extract::StrictQuery<super::extract::NoParams>,
 ) -> Result<Json<Vec<Host>>, ApiError> {
-    Ok(Json(hosts::list(&app.db).await?))
+    Ok(Json(hosts::list(&app.db, app.config.overcommit).await?))
 }
 
 /// `GET /v1/hosts/{id}`
 #[utoipa::path(get, path = "/v1/hosts/{id}", params(("id" = String, Path)),
-    description = "One host, with its health and its drain's progress (`drain`).",
+    description = "One host, with its physical and schedulable capacity (see `GET /v1/hosts`), \
+        its health and its drain's progress (`drain`).",
     responses((status = 200, body = Host), (status = 404, description = "`not_found`"),
         (status = 403, description = "`forbidden`: not an operator key")),
     security(("bearer" = [])))]
@@ -42,7 +46,7 @@ pub async fn get(
     _query: super::extract::StrictQuery<super::extract::NoParams>,
 ) -> Result<Json<Host>, ApiError> {
     let id: HostId = parse_path_id(&id, "host")?;
-    Ok(Json(hosts::get(&app.db, id).await?))
+    Ok(Json(hosts::get(&app.db, id, app.config.overcommit).await?))
 }
 
 async fn set_state(
@@ -52,7 +56,9 @@ async fn set_state(
     live: bool,
 ) -> Result<Json<Host>, ApiError> {
     let id: HostId = parse_path_id(id, "host")?;
-    Ok(Json(hosts::set_state(&app.db, id, action, live).await?))
+    Ok(Json(
+        hosts::set_state(&app.db, id, action, live, app.config.overcommit).await?,
+    ))
 }
 
 /// The body of `POST /v1/hosts/{id}/drain` (`{}` or none: not live).

@@ -1,5 +1,5 @@
-//! Key routes: an org key manages its own org's keys. `GET /v1/keys` lists them (never a
-//! secret or a hash), `POST /v1/keys` makes one (the key is in that answer only),
+//! Key routes: an org key manages its own org's keys. `GET /v1/keys` lists them a page at a
+//! time, as `GET /v1/sandboxes` does (`limit`, `cursor`; never a secret or a hash), `POST /v1/keys` makes one (the key is in that answer only),
 //! `DELETE /v1/keys/{id}` revokes one ([`crate::service::keys`] runs them).
 //!
 //! # Guarantees
@@ -30,12 +30,13 @@ use axum::Json;
 use berth_schemas::ApiKeyId;
 use berth_store::api_keys::KeyRow;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
-use utoipa::ToSchema;
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use super::body::{json_or_empty, NoFields};
-use super::extract::{parse_path_id, NoParams, StrictQuery};
+use super::extract::{parse_path_id, KnownParams, NoParams, StrictQuery};
 use super::idempotency::{render, stored, Idempotency};
+use super::sandboxes::{DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::service::idempotency::Replayable;
@@ -78,18 +79,62 @@ pub struct CreatedKey {
     pub key: Option<String>,
 }
 
-/// `GET /v1/keys`: the caller's org's keys, revoked ones included, oldest first.
-#[utoipa::path(get, path = "/v1/keys", tag = "keys",
-    responses((status = 200, body = [ApiKey]), (status = 400, description = "`invalid_request`: a query parameter"),
+/// The query of `GET /v1/keys`: the page, as `GET /v1/sandboxes` takes it.
+#[derive(Debug, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct KeyListQuery {
+    /// Page size, 1 to [`MAX_PAGE_SIZE`] (500); default [`DEFAULT_PAGE_SIZE`] (50).
+    pub limit: Option<u32>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+impl KnownParams for KeyListQuery {
+    const NAMES: &'static [&'static str] = &["limit", "cursor"];
+}
+
+/// `GET /v1/keys` response: one page of the org's keys, oldest first.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct KeyList {
+    /// One page of the caller's org's keys, revoked ones included, oldest first.
+    pub keys: Vec<ApiKey>,
+    /// Pass as `cursor` for the next page; `null` on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// `GET /v1/keys`: the caller's org's keys, revoked ones included, oldest first,
+/// cursor-paginated.
+#[utoipa::path(get, path = "/v1/keys", tag = "keys", params(KeyListQuery),
+    responses((status = 200, body = KeyList),
+        (status = 400, description = "`invalid_request`: an unknown query parameter, a `limit` out of 1–500, or a `cursor` this API did not return for the org (`field` names it)"),
         (status = 401, description = "`unauthorized`")),
     security(("bearer" = [])))]
 pub async fn list(
     State(app): State<AppState>,
     caller: Caller,
-    _query: StrictQuery<NoParams>,
-) -> Result<Json<Vec<ApiKey>>, ApiError> {
-    let rows = keys::list_keys(&app.db, caller.org_id).await?;
-    Ok(Json(rows.into_iter().map(ApiKey::from).collect()))
+    StrictQuery(query): StrictQuery<KeyListQuery>,
+) -> Result<Json<KeyList>, ApiError> {
+    let limit = query.limit.unwrap_or(DEFAULT_PAGE_SIZE);
+    if !(1..=MAX_PAGE_SIZE).contains(&limit) {
+        return Err(ApiError::invalid(
+            "limit",
+            format!("limit must be between 1 and {MAX_PAGE_SIZE}"),
+        ));
+    }
+    let bad_cursor = || ApiError::invalid("cursor", "cursor is not one this API returned");
+    let after = query
+        .cursor
+        .as_deref()
+        .map(str::parse::<ApiKeyId>)
+        .transpose()
+        .map_err(|_| bad_cursor())?;
+    let page = keys::list_keys(&app.db, caller.org_id, after, limit)
+        .await?
+        .ok_or_else(bad_cursor)?;
+    Ok(Json(KeyList {
+        keys: page.keys.into_iter().map(ApiKey::from).collect(),
+        next_cursor: page.next.map(|id| id.to_string()),
+    }))
 }
 
 /// `POST /v1/keys`: another key of the caller's org. Takes `{}` or no body.

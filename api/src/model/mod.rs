@@ -463,7 +463,9 @@ pub struct Sandbox {
     pub state_reason: Option<String>,
     /// The template it was created from.
     pub template: String,
-    /// The host it is placed on; `None` before placement.
+    /// The host it is placed on; `null` before placement and while `archived` (it holds no
+    /// host then: its copy is in the object store, and a start places it on whatever host has
+    /// room).
     #[schema(value_type = Option<String>, format = Uuid)]
     pub host_id: Option<HostId>,
     /// The fencing generation, bumped by every state-changing request.
@@ -550,7 +552,9 @@ impl From<SandboxRow> for Sandbox {
             state: row.state,
             state_reason: row.state_reason,
             template: row.template,
-            host_id: row.host_id,
+            // An archived sandbox holds no host: the row still names the host its disk was on
+            // until the delete that frees it lands (two-phase free), which is no placement.
+            host_id: row.host_id.filter(|_| row.state != SandboxState::Archived),
             generation: row.generation,
             vcpus: row.resources.vcpus,
             memory_mib: row.resources.memory_mib,

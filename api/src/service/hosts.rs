@@ -16,7 +16,7 @@ use berth_schemas::host_state::HostRefusal;
 use berth_schemas::{HostEvent, HostId};
 use berth_store::drain::{self, Progress};
 use berth_store::host_health::{self, HealthView};
-use berth_store::hosts::{self, HostChange, HostRow};
+use berth_store::hosts::{self, HostChange, HostRow, Overcommit};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -34,10 +34,19 @@ pub struct Host {
     pub name: String,
     /// `ready`, `draining`, `cordoned` or `lost`.
     pub state: String,
-    /// Whole vCPUs the host offers to sandboxes.
+    /// Whole vCPUs the host offers to sandboxes (its heartbeat's: physical).
     pub capacity_vcpus: i32,
-    /// MiB of memory the host offers to sandboxes.
+    /// MiB of memory the host offers to sandboxes (its heartbeat's: physical).
     pub capacity_memory_mib: i64,
+    /// Whole vCPUs placement reserves against: `capacity_vcpus` × `overcommit.cpu`, rounded
+    /// down. A sandbox fits while `reserved_vcpus` plus its vCPUs stays within it.
+    pub schedulable_vcpus: i64,
+    /// MiB placement reserves against: `capacity_memory_mib` × `overcommit.memory`, rounded
+    /// down.
+    pub schedulable_memory_mib: i64,
+    /// The overcommit ratios this API places with (the control plane's configuration: CPU 4.0
+    /// and memory 1.0, `berth_scheduler::placement::DEFAULT_*_OVERCOMMIT`).
+    pub overcommit: HostOvercommit,
     /// Whole vCPUs reserved by sandboxes placed here (the control plane's count).
     pub reserved_vcpus: i32,
     /// MiB of memory reserved by sandboxes placed here.
@@ -57,6 +66,17 @@ pub struct Host {
     /// The progress of its drain: present while it is `draining`, and while moves of an ended
     /// drain are still in flight; `null` otherwise.
     pub drain: Option<Drain>,
+}
+
+/// How far placement reserves beyond a host's physical capacity: reservable = physical ×
+/// ratio, rounded down.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, ToSchema)]
+pub struct HostOvercommit {
+    /// vCPUs reserved per physical vCPU (4.0 by default: sandboxes rarely use all theirs at
+    /// once).
+    pub cpu: f64,
+    /// MiB reserved per physical MiB (1.0 by default: no memory overcommit).
+    pub memory: f64,
 }
 
 /// A host's drain progress: how many of its sandboxes the reconciler still has to move, is
@@ -152,8 +172,9 @@ fn health_of(id: HostId, health: &[HealthView], at: DateTime<Utc>) -> HostHealth
 }
 
 impl Host {
-    fn new(h: HostRow, health: &[HealthView], drains: &[Progress]) -> Self {
+    fn new(h: HostRow, health: &[HealthView], drains: &[Progress], overcommit: Overcommit) -> Self {
         let (capacity, reserved) = (h.capacity, h.reserved);
+        let schedulable = overcommit.limit(capacity);
         Host {
             drain: drains
                 .iter()
@@ -166,6 +187,12 @@ impl Host {
             state: h.state.as_str().to_owned(),
             capacity_vcpus: i32::try_from(capacity.vcpus).unwrap_or(i32::MAX),
             capacity_memory_mib: i64::from(capacity.memory_mib),
+            schedulable_vcpus: i64::from(schedulable.vcpus),
+            schedulable_memory_mib: i64::from(schedulable.memory_mib),
+            overcommit: HostOvercommit {
+                cpu: overcommit.cpu,
+                memory: overcommit.memory,
+            },
             reserved_vcpus: i32::try_from(reserved.vcpus).unwrap_or(i32::MAX),
             reserved_memory_mib: i64::from(reserved.memory_mib),
             runtimes: h.runtimes,
@@ -177,36 +204,37 @@ impl Host {
     }
 }
 
-/// Every host, by name, with its health and drain progress.
-pub async fn list(db: &PgPool) -> Result<Vec<Host>, ServiceError> {
+/// Every host, by name, with its health and drain progress; its schedulable capacity under
+/// `overcommit`.
+pub async fn list(db: &PgPool, overcommit: Overcommit) -> Result<Vec<Host>, ServiceError> {
     let mut conn = db.acquire().await?;
     let rows = hosts::list(&mut *conn).await?;
     let health = host_health::conditions(&mut *conn, None).await?;
     let drains = drain::progress(&mut conn, None).await?;
     Ok(rows
         .into_iter()
-        .map(|h| Host::new(h, &health, &drains))
+        .map(|h| Host::new(h, &health, &drains, overcommit))
         .collect())
 }
 
-/// One host, with its health and drain progress.
+/// One host, with its health and drain progress; its schedulable capacity under `overcommit`.
 ///
 /// Errors: [`ServiceError::NotFound`].
-pub async fn get(db: &PgPool, id: HostId) -> Result<Host, ServiceError> {
+pub async fn get(db: &PgPool, id: HostId, overcommit: Overcommit) -> Result<Host, ServiceError> {
     let mut conn = db.acquire().await?;
     let Some(row) = hosts::get(&mut *conn, id).await? else {
         return Err(ServiceError::NotFound(format!("host {id}")));
     };
     let health = host_health::conditions(&mut *conn, Some(id)).await?;
     let drains = drain::progress(&mut conn, Some(id)).await?;
-    Ok(Host::new(row, &health, &drains))
+    Ok(Host::new(row, &health, &drains, overcommit))
 }
 
 /// Applies an operator action ([`HostEvent::Drain`], [`HostEvent::Cordon`] or
 /// [`HostEvent::Uncordon`]) as the host state machine decides; repeating one changes nothing.
 /// A drain records whether it is `live` and forgets the host's failed moves (so they are tried
 /// again); a cordon or uncordon ends the drive (moves in flight finish). `live` is read only
-/// for a drain. Returns the host as it is now.
+/// for a drain. Returns the host as it is now (its schedulable capacity under `overcommit`).
 ///
 /// Errors: [`ServiceError::NotFound`]; [`ServiceError::HostConflict`] when the host's state
 /// refuses the action (it is `lost`).
@@ -215,6 +243,7 @@ pub async fn set_state(
     id: HostId,
     action: HostEvent,
     live: bool,
+    overcommit: Overcommit,
 ) -> Result<Host, ServiceError> {
     let mut tx = db.begin().await?;
     let changed = hosts::apply_event(&mut tx, id, action).await?;
@@ -229,7 +258,7 @@ pub async fn set_state(
     tx.commit().await?;
     match changed {
         None => Err(ServiceError::NotFound(format!("host {id}"))),
-        Some(HostChange::Applied(host)) => Ok(Host::new(host, &health, &drains)),
+        Some(HostChange::Applied(host)) => Ok(Host::new(host, &health, &drains, overcommit)),
         Some(HostChange::Refused(host)) => Err(ServiceError::HostConflict {
             message: HostRefusal {
                 state: host.state,

@@ -136,9 +136,37 @@ pub async fn issue_key(
     Ok(Replayable::Fresh((row, key), answered))
 }
 
-/// The org's keys, revoked ones included, oldest first; never a secret or a hash.
-pub async fn list_keys(db: &PgPool, org: OrgId) -> Result<Vec<KeyRow>, StoreError> {
-    api_keys::list(db, org).await
+/// One page of an org's keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyPage {
+    /// At most the page size, oldest first.
+    pub keys: Vec<KeyRow>,
+    /// The last key of this page when another page follows: the next page's cursor.
+    pub next: Option<ApiKeyId>,
+}
+
+/// One page of the org's keys, revoked ones included, oldest first; never a secret or a
+/// hash: at most `limit` keys after the org's key `after` (the previous page's
+/// [`KeyPage::next`]), from the first without it. `None` when `after` is not a key of `org`
+/// (unknown, or another org's: the same answer).
+pub async fn list_keys(
+    db: &PgPool,
+    org: OrgId,
+    after: Option<ApiKeyId>,
+    limit: u32,
+) -> Result<Option<KeyPage>, StoreError> {
+    let mut conn = db.acquire().await?;
+    if let Some(after) = after {
+        if api_keys::get(&mut *conn, org, after).await?.is_none() {
+            return Ok(None);
+        }
+    }
+    // One more than asked: whether another page follows.
+    let mut keys = api_keys::list_page(&mut *conn, org, after, i64::from(limit) + 1).await?;
+    let more = keys.len() > limit as usize;
+    keys.truncate(limit as usize);
+    let next = more.then(|| keys.last().map(|k| k.id)).flatten();
+    Ok(Some(KeyPage { keys, next }))
 }
 
 /// Revokes the org's key `id` (again: a no-op that keeps the first revocation's time). Every

@@ -93,9 +93,10 @@ pub async fn create(
 /// Places a new sandbox of `resources` in the caller's transaction (reserving capacity on the
 /// chosen host), as a create does: used by create, clone and fork.
 ///
-/// Errors: [`ServiceError::NoCapacity`] (every host is full), [`ServiceError::Unavailable`]
-/// (hosts with room are stale or degraded); nothing is reserved then, and the caller's
-/// transaction is to be dropped.
+/// Errors: [`ServiceError::NoCapacity`] (every host that takes new sandboxes is full),
+/// [`ServiceError::Unavailable`] (hosts with room are stale or degraded, or every host is
+/// cordoned or draining); nothing is reserved then, and the caller's transaction is to be
+/// dropped.
 pub(crate) async fn place_new(
     tx: &mut sqlx::PgConnection,
     policy: PlacementPolicy,
@@ -143,6 +144,19 @@ pub(crate) async fn place_avoiding(
                      heartbeats and {} are degraded; retry after {} s",
                     why.stale,
                     why.unhealthy,
+                    retry_after.as_secs_f64().ceil()
+                ),
+                retry_after,
+            });
+        }
+        placement::Placement::HeldOut { hosts, retry_after } => {
+            metrics::counter!("berth_creates_unavailable_total", "why" => "held_out_hosts")
+                .increment(1);
+            return Err(ServiceError::Unavailable {
+                message: format!(
+                    "no host accepts new sandboxes: {} cordoned, {} draining; retry after {} s",
+                    hosts.cordoned,
+                    hosts.draining,
                     retry_after.as_secs_f64().ceil()
                 ),
                 retry_after,

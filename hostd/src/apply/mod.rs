@@ -159,6 +159,15 @@ async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
         }
         Fence::Apply => {}
     }
+    crate::fault::crash_point(Step::Fenced);
+    if let Err(source) = crate::fault::fail_point(Step::Fenced) {
+        let error = HostdError::Io {
+            context: "fault injection".into(),
+            source,
+        };
+        tracing::warn!(error = %error.report(), "command failed; will retry");
+        return Applied::Retry { error };
+    }
     let live = record.clone().filter(|r| !r.is_tombstone());
     // A stop or delete closes the sandbox's agent gate until its record is written: new agent
     // calls are refused, and one its teardown cuts reports the sandbox going away (409 at the

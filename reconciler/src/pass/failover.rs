@@ -234,7 +234,8 @@ async fn restore_elsewhere(
     .await?;
     let host = match placed {
         Placement::Placed { host, .. } => host,
-        Placement::NoCapacity => {
+        // Every host cordoned or draining: no room in service, as for a full fleet.
+        Placement::NoCapacity | Placement::HeldOut { .. } => {
             warn!(sandbox_id = %row.id, host_id = %lost, reason = Deferral::NoRoom.label(),
                 "failover deferred: no host in service has room for the sandbox's backup");
             return Ok(Some(Deferral::NoRoom));
