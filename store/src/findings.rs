@@ -65,7 +65,8 @@ pub(crate) fn live_statuses() -> [&'static str; 2] {
 /// The running rows are read per applied host through `sandboxes_running_on_host` (`LATERAL …
 /// OFFSET 0` keeps that a per-host index scan: the arrays' row estimates are guesses), and only
 /// the live items that are none of them are looked up by primary key (`unmatched`, materialized
-/// first). The previous findings of each applied host that are not found again are deleted and
+/// first; `OFFSET 0` keeps the lookup a per-item probe rather than a hash anti-join over every
+/// sandbox when the estimate of `unmatched` is off). The previous findings of each applied host that are not found again are deleted and
 /// the rest written, in this statement.
 pub(crate) fn judge_inventories_sql() -> String {
     let running = SandboxState::Running.as_str();
@@ -93,7 +94,8 @@ pub(crate) fn judge_inventories_sql() -> String {
               FROM unmatched u
              WHERE NOT EXISTS (SELECT 1 FROM sandboxes s
                                 WHERE s.id = u.sandbox_id AND s.host_id = u.host_id
-                                  AND s.state NOT IN {unwanted})
+                                  AND s.state NOT IN {unwanted}
+                               OFFSET 0)
             UNION ALL
             SELECT r.host_id, r.id, r.seq, true, i.generation, i.status
               FROM running r

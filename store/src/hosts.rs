@@ -559,7 +559,8 @@ pub async fn unwanted_containers(
                     s.host_id = h.id AS same_host
                FROM inventory_findings f
                JOIN hosts h ON h.id = f.host_id AND {current}
-               LEFT JOIN sandboxes s ON s.id = f.sandbox_id
+               LEFT JOIN LATERAL (SELECT * FROM sandboxes s WHERE s.id = f.sandbox_id OFFSET 0) s
+                      ON true
               WHERE NOT f.unlisted AND h.state <> $5 AND f.status = ANY($3)
                 AND (s.id IS NULL OR s.host_id IS DISTINCT FROM h.id OR s.state = ANY($4))
                 AND (s.id IS NULL
