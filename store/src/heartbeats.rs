@@ -48,7 +48,8 @@ fn sent_at(hb: &Heartbeat) -> DateTime<Utc> {
 /// nothing. The state follows [`HostEvent::Heartbeat`]: a `lost` host that speaks again is
 /// `ready`; `draining` and `cordoned` are operator decisions and stay. Each applied inventory
 /// is judged in the same statement and its host's findings rewritten ([`crate::findings`]).
-/// Returns what was applied (heartbeats superseded in the batch or by the stored row are left out).
+/// Returns what was applied (heartbeats superseded in the batch or by the stored row are left
+/// out).
 ///
 /// Errors: [`StoreError`].
 pub async fn upsert(
