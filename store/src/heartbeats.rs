@@ -8,6 +8,8 @@
 //!   older heartbeat never overwrites a newer inventory or refreshes `last_seen`.
 //! - `last_seen` is the database clock at the upsert; `heartbeat_sent_at` is the host's clock
 //!   when it began observing the inventory. Their difference is the ingest lag ([`Applied`]).
+//! - The statement that stores an inventory also judges it against the sandbox rows and
+//!   rewrites the host's findings ([`crate::findings`]): what the reconciler's pass acts on.
 //!
 //! # Assumptions
 //! Host clocks are kept within seconds of the database's (NTP). A host clock behind makes its
@@ -44,8 +46,10 @@ fn sent_at(hb: &Heartbeat) -> DateTime<Utc> {
 /// Upserts each host's row from its newest heartbeat in `batch` (by `seq`; of equal ones, the
 /// later in the slice), in one statement. A heartbeat older than the host's stored one changes
 /// nothing. The state follows [`HostEvent::Heartbeat`]: a `lost` host that speaks again is
-/// `ready`; `draining` and `cordoned` are operator decisions and stay. Returns what was
-/// applied (heartbeats superseded in the batch or by the stored row are left out).
+/// `ready`; `draining` and `cordoned` are operator decisions and stay. Each applied inventory
+/// is judged in the same statement and its host's findings rewritten ([`crate::findings`]).
+/// Returns what was applied (heartbeats superseded in the batch or by the stored row are left
+/// out).
 ///
 /// Errors: [`StoreError`].
 pub async fn upsert(
@@ -117,10 +121,24 @@ pub async fn upsert(
         .filter(|s| *s != HostState::Ready && s.on(HostEvent::Heartbeat) == Ok(HostState::Ready))
         .map(HostState::as_str)
         .collect();
+    // The applied heartbeats' inventories, flattened for the judgement (`crate::findings`).
+    let mut item_hosts = Vec::new();
+    let mut item_sandboxes = Vec::new();
+    let mut item_generations = Vec::new();
+    let mut item_statuses = Vec::new();
+    for hb in &hbs {
+        for item in &hb.inventory {
+            item_hosts.push(hb.host_id.as_uuid());
+            item_sandboxes.push(item.sandbox_id.as_uuid());
+            item_generations.push(item.generation.0);
+            item_statuses.push(item.status.as_str());
+        }
+    }
     let rows: Vec<(HostId, f64)> = timed(
         Op::HostUpsert,
-        sqlx::query_as(
-            "INSERT INTO hosts (id, name, capacity_vcpus, capacity_memory_mib, runtimes,
+        sqlx::query_as(&format!(
+            "WITH up AS (
+             INSERT INTO hosts (id, name, capacity_vcpus, capacity_memory_mib, runtimes,
                                 memory_snapshot, used_vcpus, used_memory_mib, heartbeat_seq,
                                 inventory, heartbeat_sent_at, last_seen, forwarder)
              SELECT b.id, b.name, b.cap_vcpus, b.cap_memory,
@@ -148,8 +166,12 @@ pub async fn upsert(
                  state_changed_at = CASE WHEN hosts.state = ANY($12) THEN now()
                                          ELSE hosts.state_changed_at END
               WHERE hosts.heartbeat_seq <= EXCLUDED.heartbeat_seq
-             RETURNING id, GREATEST(EXTRACT(EPOCH FROM now() - heartbeat_sent_at), 0)::float8",
-        )
+             RETURNING id, heartbeat_seq AS seq,
+                       GREATEST(EXTRACT(EPOCH FROM now() - heartbeat_sent_at), 0)::float8 AS lag)
+             {judge}
+             SELECT id, lag FROM up",
+            judge = crate::findings::judge_inventories_sql(),
+        ))
         .bind(&ids)
         .bind(&names)
         .bind(&cap_vcpus)
@@ -164,6 +186,10 @@ pub async fn upsert(
         .bind(&revived)
         .bind(HostState::Ready.as_str())
         .bind(&forwarders)
+        .bind(&item_hosts)
+        .bind(&item_sandboxes)
+        .bind(&item_generations)
+        .bind(&item_statuses)
         .fetch_all(db),
     )
     .await?;

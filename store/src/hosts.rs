@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use berth_schemas::state::UNWANTED_RUNNING_ON_ITS_HOST;
-use berth_schemas::wire::{GuestStatus, Heartbeat, Resources, SandboxSpec};
+use berth_schemas::wire::{Heartbeat, Resources, SandboxSpec};
 use berth_schemas::{Generation, HostEvent, HostId, HostState, SandboxId, SandboxState};
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
@@ -530,7 +530,9 @@ pub struct ReportedRow {
 }
 
 /// Up to `batch` running or unhealthy containers in the inventories of hosts in service whose
-/// row is missing, names another host, or is in [`UNWANTED_RUNNING_ON_ITS_HOST`] — only when
+/// row is missing, names another host, or is in [`UNWANTED_RUNNING_ON_ITS_HOST`] (read from the
+/// findings of each host's current inventory, [`crate::findings`], and checked again on the
+/// current rows; the inventories themselves are not expanded) — only when
 /// the host's evidence is younger than `max_age` ([`crate::heartbeats::EVIDENCE_AGE_SQL`]),
 /// its inventory was taken `grace` after the row's last change
 /// ([`crate::heartbeats::INVENTORY_TAKEN_SQL`]), and the host applied every command for that
@@ -547,34 +549,30 @@ pub async fn unwanted_containers(
         .iter()
         .map(|s| s.as_str())
         .collect();
-    let live = [
-        GuestStatus::Running.as_str(),
-        GuestStatus::Unhealthy.as_str(),
-    ];
-    // Every listed container of every host joined with its row: JIT's compile costs more.
-    crate::without_jit(&mut *conn, Op::HostUnwantedInventory).await?;
+    let live = crate::findings::live_statuses();
     let rows = timed(
         Op::HostUnwantedInventory,
         sqlx::query(&format!(
-            "SELECT h.id AS host_id, (i->>'sandbox_id')::uuid AS sandbox_id,
-                    (i->>'generation')::int8 AS item_generation,
+            "SELECT h.id AS host_id, f.sandbox_id, f.generation AS item_generation,
                     s.id IS NOT NULL AS known, s.state, s.generation, s.org_id, s.template,
                     s.vcpus, s.memory_mib, s.runtime, s.disk_mib, s.network, s.image,
                     s.host_id = h.id AS same_host
-               FROM hosts h
-              CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
-               LEFT JOIN sandboxes s ON s.id = (i->>'sandbox_id')::uuid
-              WHERE h.state <> $5 AND i->>'status' = ANY($3)
+               FROM inventory_findings f
+               JOIN hosts h ON h.id = f.host_id AND {current}
+               LEFT JOIN LATERAL (SELECT * FROM sandboxes s WHERE s.id = f.sandbox_id OFFSET 0) s
+                      ON true
+              WHERE NOT f.unlisted AND h.state <> $5 AND f.status = ANY($3)
                 AND (s.id IS NULL OR s.host_id IS DISTINCT FROM h.id OR s.state = ANY($4))
                 AND (s.id IS NULL
                      OR {INVENTORY_TAKEN_SQL} > s.updated_at + make_interval(secs => $1))
                 AND {EVIDENCE_AGE_SQL} < make_interval(secs => $6)
                 AND NOT EXISTS (SELECT 1 FROM commands c
-                                 WHERE c.sandbox_id = (i->>'sandbox_id')::uuid
+                                 WHERE c.sandbox_id = f.sandbox_id
                                    AND c.host_id = h.id
                                    AND (c.completed_at IS NULL
                                         OR c.host_seq >= h.heartbeat_seq))
-              LIMIT $2"
+              LIMIT $2",
+            current = crate::findings::CURRENT_SQL,
         ))
         .bind(grace.as_secs_f64())
         .bind(batch)

@@ -9,6 +9,8 @@
 //!   `probing`) and why placement found nothing (stale heartbeats or degraded hosts with room).
 //! - [`heartbeats`]: heartbeat ingest in batches (the newest per host wins) and how old each
 //!   host's evidence is.
+//! - [`findings`]: what each host's newest inventory disagrees with, judged at ingest; what the
+//!   reconciler's pass reads instead of every inventory.
 //! - [`breakers`]: the reconciler's circuit breaker trips and the host events they raise.
 //! - [`commands`]: the transactional outbox of host commands.
 //! - [`events`]: lifecycle event rows.
@@ -47,6 +49,7 @@ pub mod commands;
 pub mod drain;
 pub mod error;
 pub mod events;
+pub mod findings;
 pub mod heartbeats;
 pub mod host_health;
 pub mod hosts;
@@ -122,21 +125,4 @@ where
             warn!(%error, ?after, "transaction aborted by Postgres; running it again");
         })
         .await
-}
-
-/// Turns off JIT compilation for the rest of the caller's transaction (`SET LOCAL jit = off`).
-/// The pass's queries over every host inventory and every running sandbox have estimated costs
-/// above `jit_above_cost`, and compiling them took 0.4–0.7 s at 100,000 sandboxes, longer than
-/// the queries themselves (`tests/bench/RESULTS.md`). `op` names the query it is for.
-///
-/// Errors: [`StoreError::Database`] labelled `op`.
-pub(crate) async fn without_jit(
-    conn: &mut sqlx::PgConnection,
-    op: op::Op,
-) -> Result<(), StoreError> {
-    sqlx::query("SET LOCAL jit = off")
-        .execute(conn)
-        .await
-        .map_err(StoreError::database(op))?;
-    Ok(())
 }

@@ -43,6 +43,25 @@ async fn report(
     sent_at_ms: u64,
     running: &[SandboxId],
 ) -> bool {
+    let items = running
+        .iter()
+        .map(|id| InventoryItem {
+            sandbox_id: *id,
+            generation: Generation(1),
+            status: GuestStatus::Running,
+        })
+        .collect();
+    report_items(db, host, seq, sent_at_ms, items).await
+}
+
+/// [`report`] with the inventory's items as given.
+async fn report_items(
+    db: &PgPool,
+    host: HostId,
+    seq: u64,
+    sent_at_ms: u64,
+    inventory: Vec<InventoryItem>,
+) -> bool {
     let hb = Heartbeat {
         host_id: host,
         name: format!("test-{host}"),
@@ -53,14 +72,7 @@ async fn report(
             name: "runc".into(),
             memory_snapshot: false,
         }],
-        inventory: running
-            .iter()
-            .map(|id| InventoryItem {
-                sandbox_id: *id,
-                generation: Generation(1),
-                status: GuestStatus::Running,
-            })
-            .collect(),
+        inventory,
         forwarder: None,
         sent_at_ms,
     };
@@ -298,6 +310,71 @@ async fn an_orphan_is_judged_only_on_an_inventory_taken_after_its_stop_was_appli
     assert!(report(&plane.db, plane.host, 4, now_ms(), &[id]).await);
     let r = pass(&plane.db, &config(), &lease).await;
     assert_eq!(r.count(Action::OrphanStopped), 1);
+}
+
+/// An inventory is judged when its heartbeat is ingested (`store::findings`, issue 16), against
+/// the rows as they are then. A row written by a transaction that began before the inventory
+/// was taken and committed after that judgement is judged on the host's next heartbeat: the
+/// pass never acts on what the ingest did not see, and the next inventory (seconds later) is
+/// judged against the committed row. (The pass that expanded every inventory acted one
+/// heartbeat earlier here.)
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_row_committed_after_its_hosts_inventory_was_judged_is_judged_on_the_next_heartbeat(
+    db: PgPool,
+) {
+    let plane = Plane::start(db).await;
+    let lease = inproc::lease(&plane.db).await;
+    let id = running(&plane, 1).await;
+    assert!(report(&plane.db, plane.host, 2, now_ms(), &[id]).await);
+    // A long transaction stops the row (its `updated_at` is the transaction's start)...
+    let mut slow = plane.db.begin().await.unwrap();
+    sqlx::query(
+        "UPDATE sandboxes SET state = 'stopped', holds_capacity = false, updated_at = now()
+          WHERE id = $1",
+    )
+    .bind(id.0)
+    .execute(&mut *slow)
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // ... while the host's inventory, taken after it began, is ingested: the row still runs.
+    assert!(report(&plane.db, plane.host, 3, now_ms(), &[id]).await);
+    slow.commit().await.unwrap();
+    let r = pass(&plane.db, &config(), &lease).await;
+    assert_eq!(r.count(Action::OrphanStopped), 0, "{r:?}");
+    // The next heartbeat still lists it running: judged against the stopped row, stopped.
+    assert!(report(&plane.db, plane.host, 4, now_ms(), &[id]).await);
+    let r = pass(&plane.db, &config(), &lease).await;
+    assert_eq!(r.count(Action::OrphanStopped), 1, "{r:?}");
+    let stop = plane.latest(id).await;
+    assert_eq!(
+        (stop.kind, stop.host_id),
+        (CommandKind::Stop, plane.host),
+        "{stop:?}"
+    );
+}
+
+/// A host that lists one container twice (at two generations) is still ingested, and the
+/// container no row accounts for is destroyed once, at the newer generation (the host's fence
+/// lets that through).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_container_listed_twice_is_ingested_and_compensated_once_at_its_newest_generation(
+    db: PgPool,
+) {
+    let plane = Plane::start(db).await;
+    let lease = inproc::lease(&plane.db).await;
+    let stray = SandboxId::new();
+    let item = |generation: i64| InventoryItem {
+        sandbox_id: stray,
+        generation: Generation(generation),
+        status: GuestStatus::Running,
+    };
+    assert!(report_items(&plane.db, plane.host, 1, now_ms(), vec![item(2), item(5)]).await);
+    let r = pass(&plane.db, &config(), &lease).await;
+    assert_eq!(r.count(Action::OrphanDestroyed), 1, "{r:?}");
+    let commands = inproc::commands_of(&plane.db, stray).await;
+    let sent: Vec<_> = commands.iter().map(|c| (c.kind, c.generation)).collect();
+    assert_eq!(sent, [(CommandKind::Delete, Generation(5))]);
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]

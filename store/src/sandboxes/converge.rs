@@ -143,6 +143,12 @@ pub async fn lock_timed_out(
         .collect()
 }
 
+/// The SQL condition (aliases `s`, `h`) of a sandbox the pass may fail as a guest: `running`,
+/// not being deleted, on a host in service.
+fn running_on_a_host_in_service() -> String {
+    format!("s.state = 'running' AND s.deleted_at IS NULL AND h.state <> '{LOST}'")
+}
+
 /// When the pass may judge a `running` sandbox by its host's inventory.
 #[derive(Debug, Clone, Copy)]
 pub struct Judging {
@@ -170,22 +176,6 @@ fn judged_sql() -> String {
     )
 }
 
-/// The SQL of `listed(host_id, sandbox_id)`: each host in service and the sandboxes its
-/// newest inventory lists as running, expanded once per query (a `WITH` item; `$hosts` narrows
-/// it). Joined to the sandboxes (`LEFT JOIN listed l ON l.host_id = s.host_id AND l.sandbox_id
-/// = s.id::text`, `l.sandbox_id IS NULL`: not listed running), rather than a `NOT EXISTS` over
-/// `jsonb_array_elements(h.inventory)` per sandbox, which detoasted and expanded the host's
-/// whole inventory once for each of its sandboxes: 5.7–6.4 s at 1,000 hosts × 100 running
-/// sandboxes, against 0.34–0.42 s this way (`tests/bench/RESULTS.md`, sim run 9).
-fn listed_running_sql(hosts: &str) -> String {
-    format!(
-        "listed AS (
-           SELECT DISTINCT h.id AS host_id, i->>'sandbox_id' AS sandbox_id
-             FROM hosts h CROSS JOIN LATERAL jsonb_array_elements(h.inventory) i
-            WHERE h.state <> '{LOST}' {hosts} AND i->>'status' = 'running')"
-    )
-}
-
 /// One host's `running` sandboxes and how many of them the pass would fail on the evidence it
 /// has ([`lock_failed_guests`]'s conditions): what the circuit breaker weighs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,27 +190,45 @@ pub struct GuestTally {
     pub would_fail: i64,
 }
 
-/// [`GuestTally`] of every host in service that has `running` sandboxes (one scan).
+/// [`GuestTally`] of every host in service that has `running` sandboxes.
+///
+/// The running sandboxes are counted per host on the index `sandboxes_running_on_host`; the
+/// ones that would fail are read from the findings of each host's current inventory
+/// ([`crate::findings`]: running rows it does not list running) and judged on the current rows
+/// ([`judged_sql`]), never by expanding the inventories. Each finding's row is read by primary
+/// key in a `LATERAL … OFFSET 0` subquery, so the plan does not hang on an estimate of the
+/// findings' number, which swings between passes (thousands while a fleet is being created,
+/// none at rest): the plain join once took 25 s in a 20,000-sandbox sim run while creating.
 ///
 /// Errors: [`StoreError`].
 pub async fn guest_tallies(
     conn: &mut PgConnection,
     judging: Judging,
 ) -> Result<Vec<GuestTally>, StoreError> {
-    crate::without_jit(&mut *conn, Op::SandboxGuestTally).await?;
     let rows: Vec<(HostId, i64, i64, i64)> = timed(
         Op::SandboxGuestTally,
         sqlx::query_as(&format!(
-            // Not listed first: `AND` in a `CASE` is evaluated in order, so the `commands`
-            // probe of `judged` runs only for the few sandboxes not listed running.
-            "WITH {listed}
-             SELECT s.host_id, h.heartbeat_seq, count(*)::int8,
-                    sum(CASE WHEN l.sandbox_id IS NULL AND {judged} THEN 1 ELSE 0 END)::int8
-               FROM sandboxes s JOIN hosts h ON h.id = s.host_id
-               LEFT JOIN listed l ON l.host_id = s.host_id AND l.sandbox_id = s.id::text
-              WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> '{LOST}'
-              GROUP BY s.host_id, h.heartbeat_seq",
-            listed = listed_running_sql(""),
+            "WITH failing AS (
+               SELECT f.host_id, count(*) AS n
+                 FROM inventory_findings f
+                 JOIN hosts h ON h.id = f.host_id AND {current}
+                CROSS JOIN LATERAL (
+                      SELECT 1 FROM sandboxes s
+                       WHERE s.id = f.sandbox_id AND s.host_id = h.id AND {running_here}
+                         AND {judged}
+                      OFFSET 0) s
+                WHERE f.unlisted
+                GROUP BY f.host_id),
+             running AS (
+               SELECT s.host_id, count(*) AS n FROM sandboxes s
+                WHERE s.state = 'running' AND s.deleted_at IS NULL
+                GROUP BY s.host_id)
+             SELECT r.host_id, h.heartbeat_seq, r.n::int8, COALESCE(fl.n, 0)::int8
+               FROM running r JOIN hosts h ON h.id = r.host_id
+               LEFT JOIN failing fl ON fl.host_id = r.host_id
+              WHERE h.state <> '{LOST}'",
+            current = crate::findings::CURRENT_SQL,
+            running_here = running_on_a_host_in_service(),
             judged = judged_sql()
         ))
         .bind(secs(judging.grace))
@@ -240,32 +248,36 @@ pub async fn guest_tallies(
 }
 
 /// Locks up to `batch` `running` sandboxes on `hosts` (none of them lost) whose host inventory
-/// is evidence about them (see [`Judging`]) and does not list the guest as running; with how
-/// the guest failed.
+/// is evidence about them (see [`Judging`]) and does not list the guest as running (the
+/// findings of the host's current inventory, [`crate::findings`], each row read and locked by
+/// primary key with every condition inside the `LATERAL` subquery, so only rows acted on are
+/// locked); with how the guest failed:
+/// [`GuestFailure::Unhealthy`] when the inventory lists it otherwise, else
+/// [`GuestFailure::Missing`].
 pub async fn lock_failed_guests(
     conn: &mut PgConnection,
     judging: Judging,
     hosts: &[HostId],
     batch: i64,
 ) -> Result<Vec<(SandboxRow, GuestFailure)>, StoreError> {
-    crate::without_jit(&mut *conn, Op::SandboxGuestTally).await?;
     let hosts: Vec<uuid::Uuid> = hosts.iter().map(|h| h.as_uuid()).collect();
     let found = timed(
         Op::SandboxUnhealthy,
         sqlx::query(&format!(
-            "WITH {listed}
-             SELECT {cols},
-                    EXISTS (SELECT 1 FROM jsonb_array_elements(h.inventory) i
-                             WHERE i->>'sandbox_id' = s.id::text) AS listed
-               FROM sandboxes s JOIN hosts h ON h.id = s.host_id
-               LEFT JOIN listed l ON l.host_id = s.host_id AND l.sandbox_id = s.id::text
-              WHERE s.state = 'running' AND s.deleted_at IS NULL AND h.state <> '{LOST}'
-                AND s.host_id = ANY($4)
-                AND l.sandbox_id IS NULL AND {judged}
+            "SELECT {cols}, f.status IS NOT NULL AS listed
+               FROM inventory_findings f
+               JOIN hosts h ON h.id = f.host_id AND {current}
+              CROSS JOIN LATERAL (
+                    SELECT {cols} FROM sandboxes s
+                     WHERE s.id = f.sandbox_id AND s.host_id = h.id AND {running_here}
+                       AND {judged}
+                    OFFSET 0) s
+              WHERE f.unlisted AND f.host_id = ANY($4)
               LIMIT $3
               FOR UPDATE OF s SKIP LOCKED",
-            listed = listed_running_sql("AND h.id = ANY($4)"),
             cols = columns_of("s"),
+            current = crate::findings::CURRENT_SQL,
+            running_here = running_on_a_host_in_service(),
             judged = judged_sql()
         ))
         .bind(secs(judging.grace))
@@ -398,6 +410,10 @@ pub enum Due {
 }
 
 /// Locks up to `batch` sandboxes, not being deleted, that are `due` for an automatic request.
+///
+/// Each filter is read through a partial index whose predicate is its condition spelled the
+/// same way (`sandboxes_auto_stop`, `_auto_delete`, `_auto_archive`, migration 0042): change
+/// one and the other together, or the pass scans every sandbox again.
 pub async fn lock_due(
     conn: &mut PgConnection,
     due: Due,
@@ -436,9 +452,9 @@ pub async fn lock_due(
     rows(&found)
 }
 
-/// Deletes up to `batch` tombstones (`deleted` for longer than `retention`) whose events are
-/// all published and fanned out to every live webhook of the org (purging cascades to them);
-/// returns their ids.
+/// Deletes up to `batch` tombstones (`deleted` for longer than `retention`, found through the
+/// partial index `sandboxes_tombstones`) whose events are all published and fanned out to every
+/// live webhook of the org (purging cascades to them); returns their ids.
 pub async fn purge_tombstones(
     conn: &mut PgConnection,
     retention: Duration,
