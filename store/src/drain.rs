@@ -54,6 +54,10 @@ pub struct Progress {
     pub live: bool,
     /// Sandboxes still on the host that the drain is to move and has not begun to.
     pub left: i64,
+    /// Sandboxes on the host the drain does not move: `failed-start` ones (whose disk, when
+    /// they have one, stays on the host), and without `live` the running ones and those in a
+    /// transition. Not being deleted, not `archived`, no move recorded.
+    pub staying: i64,
     /// Moves in flight.
     pub moving: i64,
     /// Moves that failed (the sandbox stays), not retried until the host is drained again.
@@ -238,8 +242,8 @@ pub async fn forget(conn: &mut PgConnection, sandbox: SandboxId) -> Result<(), S
 ///
 /// `left` counts the sandboxes still on the host, not being deleted and without a move, that
 /// the drive is to move: `stopped` ones (and `stopping`, `archiving`), and with `live` every
-/// one but `archived` and `failed-start`. `failed` counts only moves whose sandbox is not being
-/// deleted.
+/// one but `archived` and `failed-start`; `staying` the rest of those (see [`Progress::staying`]).
+/// `failed` counts only moves whose sandbox is not being deleted.
 pub async fn progress(
     conn: &mut PgConnection,
     host: Option<HostId>,
@@ -254,6 +258,12 @@ pub async fn progress(
                         AND (s.state IN ('stopped', 'stopping', 'archiving')
                              OR (h.drain_live AND s.state NOT IN
                                  ('archived', 'failed-start', 'deleted')))) AS left_,
+                    (SELECT count(*) FROM sandboxes s
+                      WHERE s.host_id = h.id AND s.deleted_at IS NULL
+                        AND s.state NOT IN ('archived', 'deleted')
+                        AND NOT EXISTS (SELECT 1 FROM drain_moves m WHERE m.sandbox_id = s.id)
+                        AND NOT (s.state IN ('stopped', 'stopping', 'archiving')
+                                 OR (h.drain_live AND s.state <> 'failed-start'))) AS staying,
                     (SELECT count(*) FROM drain_moves m
                       WHERE m.host_id = h.id AND m.phase <> 'failed') AS moving,
                     (SELECT count(*) FROM drain_moves m JOIN sandboxes s ON s.id = m.sandbox_id
@@ -283,6 +293,7 @@ pub async fn progress(
             host: id,
             live: r.try_get("drain_live").map_err(get)?,
             left: r.try_get("left_").map_err(get)?,
+            staying: r.try_get("staying").map_err(get)?,
             moving: r.try_get("moving").map_err(get)?,
             failed,
             failures,

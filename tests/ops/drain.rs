@@ -219,6 +219,7 @@ async fn a_live_drain_moves_a_runc_sandbox_with_its_files_and_archives_a_stopped
 
     let answer = drain(&stack, 0, true).await;
     assert_eq!(answer["drain"]["left"], 2, "{answer}");
+    assert_eq!(answer["drain"]["staying"], 0, "{answer}");
     let progress = drained(&stack, 0).await;
     assert_eq!(progress["failed"], 0, "{progress}");
     stack.wait_state(&id, "running").await;
@@ -235,6 +236,37 @@ async fn a_live_drain_moves_a_runc_sandbox_with_its_files_and_archives_a_stopped
     stack.wait_state(&stopped, "running").await;
     assert_ne!(host_of(&stack, &stopped).await, first);
     assert_eq!(run(&stack, &stopped, "cat /root/f").await, "asleep\n");
+    stack.assert_no_capacity_drift().await;
+    stack.teardown().await;
+}
+
+/// A drain that is not live archives the stopped sandbox and leaves the running one where it
+/// is, counted as `staying` (the host is not empty when the drain is done).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_drain_that_is_not_live_archives_the_stopped_one_and_counts_the_running_one_staying(
+    db: PgPool,
+) {
+    let mut stack = Stack::start_with(db.clone(), 1, quick(4)).await;
+    let id = running_sandbox(&stack).await;
+    let stopped = running_sandbox(&stack).await;
+    assert_eq!(stack.request(&stopped, "stop").await.0, 202);
+    stack.wait_state(&stopped, "stopped").await;
+    let first = host_of(&stack, &id).await;
+    stack.add_host().await;
+
+    let answer = drain(&stack, 0, false).await;
+    assert_eq!(answer["drain"]["live"], false, "{answer}");
+    assert_eq!(
+        (&answer["drain"]["left"], &answer["drain"]["staying"]),
+        (&json!(1), &json!(1)),
+        "{answer}"
+    );
+    let progress = drained(&stack, 0).await;
+    assert_eq!(progress["failed"], 0, "{progress}");
+    assert_eq!(progress["staying"], 1, "the running one stays: {progress}");
+    stack.wait_state(&stopped, "archived").await;
+    assert_eq!(state(&stack, &id).await, "running");
+    assert_eq!(host_of(&stack, &id).await, first);
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
 }

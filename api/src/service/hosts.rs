@@ -90,6 +90,11 @@ pub struct Drain {
     /// ones (and `stopping`, `archiving`), and with `live` every one but `archived` and
     /// `failed-start`.
     pub left: i64,
+    /// Sandboxes on the host the drain does not move and that stay there when it is done:
+    /// `failed-start` ones (their disk, when they have one, is on this host: start or delete
+    /// them before the host is removed), and without `live` the running ones and those in a
+    /// transition.
+    pub staying: i64,
     /// Moves in flight (at most the reconciler's `--drain-parallel` per host): an archive, or
     /// a live move's stop, upload and start elsewhere.
     pub moving: i64,
@@ -117,6 +122,7 @@ impl From<Progress> for Drain {
         Drain {
             live: p.live,
             left: p.left,
+            staying: p.staying,
             moving: p.moving,
             failed: p.failed,
             failures: p
