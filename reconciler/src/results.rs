@@ -536,10 +536,7 @@ async fn apply_issued(
             ResultDecision::Apply { .. } => {
                 // Checked against the archive command's insert: the host looked at the store
                 // after it, and no settings change moves it (the row's `updated_at` does).
-                let requested_at = commands::inserted_at(&mut tx, result.command_id)
-                    .await?
-                    .unwrap_or(row.updated_at);
-                if crate::durable::record(&mut tx, &row, row.generation, durable, requested_at)
+                if crate::durable::record(&mut tx, &row, row.generation, durable, result.command_id)
                     .await?
                 {
                     archived = true;

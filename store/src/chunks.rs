@@ -20,6 +20,15 @@
 //!    looked after it and stored the chunk again.
 //!
 //! The row lock orders a claim and a settling snapshot: whichever is second sees the other.
+//!
+//! The store-wide sweep of orphans (`crate::sweep`, issue 14) removes chunks nothing names
+//! through the same three steps ([`queue_swept`], then [`claim`], [`finish`]): a chunk it lists
+//! may be one an upload in flight skipped because the store held it (its last-modified time is
+//! then old and says nothing), and only a claimed row tells that upload's check it may be gone.
+//! A claim whose remover died before [`finish`] is taken over ([`stale_claims`], [`reclaim`])
+//! and the object removed again: a claimed row already fails every snapshot or durable stop
+//! that references the chunk and was requested before it finishes, so nothing can have come to
+//! count on it meanwhile.
 
 use berth_schemas::ids::SnapshotId;
 use chrono::{DateTime, Utc};
@@ -43,6 +52,74 @@ pub async fn queue(conn: &mut PgConnection, hashes: &[String]) -> Result<(), Sto
     )
     .await?;
     Ok(())
+}
+
+/// Queues `hashes` (chunks the sweep found stored and named by nothing) for removal, in the
+/// caller's transaction, without disturbing a claim in progress: a row already queued stays as
+/// it is, a claimed row whose removal has not finished stays claimed (its remover, or
+/// [`reclaim`], finishes it; reset, a settling snapshot would take it back while the object is
+/// being removed), and a finished one (the chunk was stored again since) is queued afresh.
+pub async fn queue_swept(conn: &mut PgConnection, hashes: &[String]) -> Result<(), StoreError> {
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "INSERT INTO chunk_removals (sha256) SELECT unnest($1::text[])
+             ON CONFLICT (sha256) DO UPDATE
+                SET queued_at = clock_timestamp(), removing_at = NULL, removed_at = NULL
+              WHERE chunk_removals.removed_at IS NOT NULL",
+        )
+        .bind(hashes)
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Up to `limit` chunks whose removal was claimed more than `older_than` ago and never
+/// finished (the remover died, or its store failed), oldest first.
+pub async fn stale_claims(
+    conn: &mut PgConnection,
+    older_than: std::time::Duration,
+    limit: i64,
+) -> Result<Vec<String>, StoreError> {
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query_scalar(
+            "SELECT sha256 FROM chunk_removals
+              WHERE removing_at < clock_timestamp() - make_interval(secs => $1)
+                AND removed_at IS NULL
+              ORDER BY removing_at LIMIT $2",
+        )
+        .bind(older_than.as_secs_f64())
+        .bind(limit)
+        .fetch_all(conn),
+    )
+    .await
+}
+
+/// Takes over the stale claim of `hash` (claimed more than `older_than` ago, not finished);
+/// whether this caller holds it now (one of several retriers does). Commit, remove the object
+/// again, then [`finish`]. `older_than` must exceed the longest a live remover takes from its
+/// claim to its delete, or two would remove it at once, the second after an upload stored it
+/// again.
+pub async fn reclaim(
+    conn: &mut PgConnection,
+    hash: &str,
+    older_than: std::time::Duration,
+) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "UPDATE chunk_removals SET removing_at = clock_timestamp()
+              WHERE sha256 = $1 AND removed_at IS NULL
+                AND removing_at < clock_timestamp() - make_interval(secs => $2)",
+        )
+        .bind(hash)
+        .bind(older_than.as_secs_f64())
+        .execute(conn),
+    )
+    .await?;
+    Ok(done.rows_affected() > 0)
 }
 
 /// Claims the queued chunk `hash` for removal, if no snapshot references it and nobody claimed

@@ -1,12 +1,13 @@
 //! The delete-vs-upload race on shared chunks (issue 13 item 8), against a real Postgres: a
 //! chunk a snapshot delete orphans while another snapshot is being uploaded is either taken back
 //! by that snapshot (and never removed) or, once a remover claimed it, makes that snapshot fail;
-//! never both "removed" and "ready".
+//! never both "removed" and "ready". The store-wide sweep of orphans (issue 14) removes chunks
+//! through the same protocol, and claims manifests under the lock a durability report takes.
 
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::{CommandId, HostId, OrgId, SandboxId};
 use berth_store::snapshots::{self, NewSnapshot, Settled};
-use berth_store::{chunks, orgs};
+use berth_store::{chunks, orgs, sweep};
 use sqlx::PgPool;
 
 async fn creating(db: &PgPool, org: OrgId) -> (SnapshotId, chrono::DateTime<chrono::Utc>) {
@@ -193,4 +194,166 @@ async fn a_removal_finished_before_a_snapshot_was_requested_does_not_fail_it(db:
         .unwrap();
     assert!(lost.is_empty());
     assert!(!queued(&db, &x).await, "referenced again: no longer queued");
+}
+
+/// The store-wide sweep (issue 14) removes a chunk nothing references through the same
+/// protocol, so an upload in flight that skipped it (its last-modified time is old: it was
+/// stored by an upload cut before its manifest) is caught by its check.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_sweep_removing_a_chunk_an_upload_skipped_fails_that_snapshot(db: PgPool) {
+    let org = orgs::create(&db, "o").await.unwrap().unwrap();
+    let x = hash('e');
+    // Requested while `x`, an orphan, is in the store: its upload skips it.
+    let (uploading, requested_at) = creating(&db, org).await;
+    let mut tx = db.begin().await.unwrap();
+    let orphans = sweep::unreferenced_chunks(&mut tx, std::slice::from_ref(&x))
+        .await
+        .unwrap();
+    assert_eq!(
+        orphans,
+        std::slice::from_ref(&x),
+        "nothing references it yet"
+    );
+    chunks::queue_swept(&mut tx, &orphans).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut conn = db.acquire().await.unwrap();
+    assert!(chunks::claim(&mut conn, &x).await.unwrap());
+    // (the sweep deletes the object here)
+    chunks::finish(&mut conn, &x).await.unwrap();
+    let lost =
+        chunks::check_for_ready(&mut conn, uploading, requested_at, std::slice::from_ref(&x))
+            .await
+            .unwrap();
+    assert_eq!(lost, [x], "the snapshot must fail, not become ready");
+
+    // The sweep never resets a removal under way: a settling snapshot would take it back while
+    // its object is being removed.
+    let y = hash('f');
+    let (uploading, requested_at) = creating(&db, org).await;
+    chunks::queue(&mut conn, std::slice::from_ref(&y))
+        .await
+        .unwrap();
+    assert!(chunks::claim(&mut conn, &y).await.unwrap());
+    chunks::queue_swept(&mut conn, std::slice::from_ref(&y))
+        .await
+        .unwrap();
+    let lost =
+        chunks::check_for_ready(&mut conn, uploading, requested_at, std::slice::from_ref(&y))
+            .await
+            .unwrap();
+    assert_eq!(lost, std::slice::from_ref(&y), "still claimed");
+    // A finished removal of a chunk stored again since is queued afresh and claimed again.
+    chunks::finish(&mut conn, &y).await.unwrap();
+    chunks::queue_swept(&mut conn, std::slice::from_ref(&y))
+        .await
+        .unwrap();
+    assert!(chunks::claim(&mut conn, &y).await.unwrap());
+    // A referenced chunk is no orphan.
+    let z = hash('0');
+    let (kept, _) = creating(&db, org).await;
+    ready(&db, kept, std::slice::from_ref(&z)).await;
+    assert!(
+        sweep::unreferenced_chunks(&mut conn, std::slice::from_ref(&z))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_stale_claim_is_taken_over_by_one_retrier_and_a_live_one_is_left(db: PgPool) {
+    let stale = std::time::Duration::from_secs(3600);
+    let (x, live) = (hash('1'), hash('2'));
+    let mut conn = db.acquire().await.unwrap();
+    chunks::queue(&mut conn, &[x.clone(), live.clone()])
+        .await
+        .unwrap();
+    assert!(chunks::claim(&mut conn, &x).await.unwrap());
+    assert!(chunks::claim(&mut conn, &live).await.unwrap());
+    // `x`'s remover died two hours ago, between its claim and its finish.
+    sqlx::query(
+        "UPDATE chunk_removals SET removing_at = now() - interval '2 hours' WHERE sha256 = $1",
+    )
+    .bind(&x)
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        chunks::stale_claims(&mut conn, stale, 10).await.unwrap(),
+        std::slice::from_ref(&x)
+    );
+    assert!(!chunks::reclaim(&mut conn, &live, stale).await.unwrap());
+    let (first, second) = tokio::join!(
+        async {
+            let mut c = db.acquire().await.unwrap();
+            chunks::reclaim(&mut c, &x, stale).await.unwrap()
+        },
+        async {
+            let mut c = db.acquire().await.unwrap();
+            chunks::reclaim(&mut c, &x, stale).await.unwrap()
+        }
+    );
+    assert!(first ^ second, "one retrier takes it over");
+    chunks::finish(&mut conn, &x).await.unwrap();
+    assert!(chunks::stale_claims(&mut conn, stale, 10)
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+/// A manifest's claim and a durability report's check serialize on one lock: a report that
+/// comes after the sweep claimed its manifest is refused, and a manifest a report named first
+/// (here, the name it leaves: a superseded stop awaiting collection) is never claimed.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_swept_manifest_is_never_recorded_and_a_named_one_is_never_swept(db: PgPool) {
+    let org = orgs::create(&db, "o").await.unwrap().unwrap();
+    let (row, _) = creating(&db, org).await;
+    let (orphan, named) = (SnapshotId::new(), SnapshotId::new());
+    let mut conn = db.acquire().await.unwrap();
+    assert_eq!(
+        sweep::unnamed_manifests(&mut conn, &[row, orphan])
+            .await
+            .unwrap(),
+        [orphan]
+    );
+    let mut tx = db.begin().await.unwrap();
+    assert!(
+        !sweep::claim_manifest(&mut tx, row).await.unwrap(),
+        "a snapshot row's"
+    );
+    assert!(sweep::claim_manifest(&mut tx, orphan).await.unwrap());
+    tx.commit().await.unwrap();
+    sweep::finish_manifest(&mut conn, orphan).await.unwrap();
+    let mut tx = db.begin().await.unwrap();
+    assert!(
+        sweep::manifest_removed(&mut tx, orphan).await.unwrap(),
+        "a late report is refused"
+    );
+    tx.commit().await.unwrap();
+
+    // The report's transaction holds the lock; the sweep's claim waits and then sees the name.
+    let mut report = db.begin().await.unwrap();
+    assert!(!sweep::manifest_removed(&mut report, named).await.unwrap());
+    let claim = {
+        let db = db.clone();
+        tokio::spawn(async move {
+            let mut tx = db.begin().await.unwrap();
+            let claimed = sweep::claim_manifest(&mut tx, named).await.unwrap();
+            tx.commit().await.unwrap();
+            claimed
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(
+        !claim.is_finished(),
+        "the claim waits for the report's transaction"
+    );
+    sqlx::query("INSERT INTO durable_superseded (snapshot_id, sandbox_id) VALUES ($1, $2)")
+        .bind(named)
+        .bind(SandboxId::new())
+        .execute(&mut *report)
+        .await
+        .unwrap();
+    report.commit().await.unwrap();
+    assert!(!claim.await.unwrap(), "named first: never claimed");
 }
