@@ -16,7 +16,7 @@
 //!    stop's whose report is on its way, a failed or `creating` snapshot's), and removes each
 //!    chunk that none of them and no row references, through the `chunk_removals` queue,
 //!    claim and finish of a snapshot delete (`service::snapshots::remove_chunks`);
-//! 4. takes over the chunk removals claimed more than [`SweepConfig::stale_claim`] ago and
+//! 4. takes over the chunk removals claimed more than [`chunks::STALE_CLAIM`] ago and
 //!    never finished, and removes their objects again.
 //!
 //! # Why it never loses the last copy (DESIGN.md guarantee 9)
@@ -34,10 +34,13 @@
 //!   (`berth_store::sweep::claim_manifest`, `manifest_removed`): a report that comes after the
 //!   sweep removed its manifest is not recorded durable, and a manifest a report named first is
 //!   kept. Snapshot rows name theirs before the upload begins.
-//! - A stale claim is taken over only after [`SweepConfig::stale_claim`], far longer than a
-//!   live remover takes from its claim to its delete (one object delete, bounded by the store
-//!   client's retry timeout); a claimed row already fails every check that could come to count
-//!   on the chunk.
+//! - A stale claim is taken over only after [`chunks::STALE_CLAIM`], and every remover (a
+//!   snapshot delete's, the collector's, the sweep's, a takeover's) deletes only within its
+//!   `chunks::delete_budget`: not at all once half that age has passed since its claim, and
+//!   under a timeout of a quarter of it, so a stalled remover's delete never lands after a
+//!   takeover finished and an upload stored the chunk again; a claimed row already fails every
+//!   check that could come to count on the chunk. (A request the store already received when
+//!   its timeout cut it is beyond any client's reach; the margin is the other quarter.)
 //! - Several API processes: each look holds a Postgres advisory session lock on a connection
 //!   of its own (`berth_store::sweep::try_lock`; a second process skips its turn), and every
 //!   removal is claimed in the database anyway, so two sweeps never race on one object.
@@ -60,8 +63,6 @@ pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(15 * 60);
 /// How old an object must be before the sweep considers it: far longer than any upload takes
 /// from its first chunk to its report being applied.
 pub const DEFAULT_SWEEP_GRACE: Duration = Duration::from_secs(6 * 60 * 60);
-/// How long a chunk removal may stay claimed and unfinished before the sweep takes it over.
-pub const DEFAULT_STALE_CLAIM: Duration = Duration::from_secs(60 * 60);
 /// Stale claims taken over per look.
 const STALE_BATCH: i64 = 1_000;
 /// Names per database look.
@@ -77,9 +78,6 @@ pub struct SweepConfig {
     pub every: Duration,
     /// Objects written more recently are never considered ([`DEFAULT_SWEEP_GRACE`]).
     pub grace: Duration,
-    /// A chunk removal claimed longer ago and not finished is taken over
-    /// ([`DEFAULT_STALE_CLAIM`]); keep it far above one object delete's retry timeout.
-    pub stale_claim: Duration,
 }
 
 impl Default for SweepConfig {
@@ -87,7 +85,6 @@ impl Default for SweepConfig {
         SweepConfig {
             every: DEFAULT_SWEEP_EVERY,
             grace: DEFAULT_SWEEP_GRACE,
-            stale_claim: DEFAULT_STALE_CLAIM,
         }
     }
 }
@@ -202,6 +199,12 @@ async fn sweep_locked(
         .collect();
     let named = kept_chunks(db, objects, &kept).await?;
 
+    // Before the listing: a removal finished after this may have deleted a chunk the listing
+    // still showed, and must not be queued afresh (`chunks::queue_swept`).
+    let listed_at = {
+        let mut conn = db.acquire().await?;
+        chunks::clock(&mut conn).await?
+    };
     let listed = objects.list_chunks().await?;
     let old: Vec<String> = listed
         .into_iter()
@@ -212,7 +215,7 @@ async fn sweep_locked(
         let orphans = {
             let mut tx = db.begin().await?;
             let orphans = sweep::unreferenced_chunks(&mut tx, batch).await?;
-            chunks::queue_swept(&mut tx, &orphans).await?;
+            chunks::queue_swept(&mut tx, &orphans, listed_at).await?;
             tx.commit().await?;
             orphans
         };
@@ -223,7 +226,7 @@ async fn sweep_locked(
         metrics::counter!(REMOVED_METRIC, "kind" => "chunk").increment(n as u64);
     }
 
-    report.stale_claims = retry_stale_claims(db, objects, config.stale_claim).await?;
+    report.stale_claims = retry_stale_claims(db, objects).await?;
     Ok(report)
 }
 
@@ -278,25 +281,27 @@ async fn kept_chunks(
     Ok(named)
 }
 
-/// Takes over the chunk removals claimed more than `stale` ago and never finished, removes
-/// their objects again and finishes them; how many.
-async fn retry_stale_claims(
-    db: &PgPool,
-    objects: &Objects,
-    stale: Duration,
-) -> Result<u64, SweepError> {
+/// Takes over the chunk removals claimed more than [`chunks::STALE_CLAIM`] ago and never
+/// finished, removes their objects again (within the takeover's own delete budget) and
+/// finishes them; how many.
+async fn retry_stale_claims(db: &PgPool, objects: &Objects) -> Result<u64, SweepError> {
     let hashes = {
         let mut conn = db.acquire().await?;
-        chunks::stale_claims(&mut conn, stale, STALE_BATCH).await?
+        chunks::stale_claims(&mut conn, STALE_BATCH).await?
     };
     let mut n = 0;
     for hash in hashes {
         let mut conn = db.acquire().await?;
-        if !chunks::reclaim(&mut conn, &hash, stale).await? {
+        let claimed = std::time::Instant::now();
+        if !chunks::reclaim(&mut conn, &hash).await? {
             continue;
         }
-        objects.delete(&Objects::chunk_key(&hash)).await?;
-        chunks::finish(&mut conn, &hash).await?;
+        if !crate::service::snapshots::remove_claimed(&mut conn, objects, &hash, claimed)
+            .await
+            .map_err(SweepError::ChunkRemoval)?
+        {
+            continue;
+        }
         info!(sha256 = %hash, "a stale chunk removal retried");
         metrics::counter!(REMOVED_METRIC, "kind" => "stale_claim").increment(1);
         n += 1;

@@ -16,9 +16,22 @@ use tracing::{debug, info, warn};
 
 use crate::results::{Applied, Rejection};
 
+/// Why a stored copy was not recorded durable ([`record`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The object store sweep claimed its manifest first (it may be gone).
+    ManifestSwept,
+    /// No command row to judge its chunks against.
+    NoCommand,
+    /// A chunk removal may have taken one of its chunks from under its upload.
+    LostChunks,
+    /// The row's generation moved on (`sandboxes::write_durable` wrote nothing).
+    NotWritten,
+}
+
 /// Records `durable`, reported for the `command` (a stop or an archive) of the locked `row` at
-/// `generation`, in the caller's transaction; whether it was written. Not recorded (the next
-/// archive uploads again):
+/// `generation`, in the caller's transaction; `Ok(())` when written, else why not
+/// ([`Refused`]). Not recorded (the next archive uploads again):
 /// - a snapshot whose manifest the object store sweep claimed (it may be gone: a report that
 ///   came after the sweep's grace period, `berth_store::sweep::manifest_removed`);
 /// - a snapshot with a chunk a removal may have taken from under its upload
@@ -39,16 +52,16 @@ pub(crate) async fn record(
     generation: berth_schemas::Generation,
     durable: &StopDurable,
     command: CommandId,
-) -> Result<bool, StoreError> {
+) -> Result<Result<(), Refused>, StoreError> {
     if sweep::manifest_removed(conn, durable.snapshot_id).await? {
         warn!(snapshot_id = %durable.snapshot_id,
             "a stored stop's manifest was swept as an orphan before its report; not recorded as durable");
-        return Ok(false);
+        return Ok(Err(Refused::ManifestSwept));
     }
     let Some(requested_at) = commands::inserted_at(conn, command).await? else {
         warn!(snapshot_id = %durable.snapshot_id, command_id = %command,
             "no command to judge a stored stop's chunks against; not recorded as durable");
-        return Ok(false);
+        return Ok(Err(Refused::NoCommand));
     };
     let chunks: Vec<(String, i64)> = durable
         .chunks
@@ -60,9 +73,15 @@ pub(crate) async fn record(
     if !lost.is_empty() {
         warn!(lost = lost.len(), snapshot_id = %durable.snapshot_id,
             "a stop snapshot lost chunks to a chunk removal; not recorded as durable");
-        return Ok(false);
+        return Ok(Err(Refused::LostChunks));
     }
-    sandboxes::write_durable(conn, row.id, generation, durable.snapshot_id, &chunks).await
+    let written =
+        sandboxes::write_durable(conn, row.id, generation, durable.snapshot_id, &chunks).await?;
+    Ok(if written {
+        Ok(())
+    } else {
+        Err(Refused::NotWritten)
+    })
 }
 
 /// Applies a stop's durability report (the command already matched what was issued).
@@ -86,7 +105,10 @@ pub(crate) async fn apply_stop(
     }
     // Judged against the stop command's insert, never the row's `updated_at` (a `stopped`
     // applied late or a settings change moves it past the upload's look at the store).
-    if record(conn, &row, result.generation, durable, result.command_id).await? {
+    if record(conn, &row, result.generation, durable, result.command_id)
+        .await?
+        .is_ok()
+    {
         info!(snapshot_id = %durable.snapshot_id, stored_bytes = durable.stored_bytes,
             "stop snapshot durable");
         Ok(Applied::Durable)

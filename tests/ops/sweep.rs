@@ -143,7 +143,8 @@ async fn the_sweep_removes_what_a_crashed_upload_a_lost_report_and_a_dead_remove
         .put(&Objects::manifest_key(lost_report), body)
         .await
         .unwrap();
-    // ...and a chunk whose remover died two hours ago between its claim and its finish.
+    // ...and a chunk whose remover died two hours ago (past `chunks::STALE_CLAIM`) between its
+    // claim and its finish.
     let dead_claim = "ab".repeat(32);
     store
         .put(
@@ -178,16 +179,25 @@ async fn the_sweep_removes_what_a_crashed_upload_a_lost_report_and_a_dead_remove
             .unwrap()
     })
     .await;
-    let finished: bool =
-        sqlx::query_scalar("SELECT removed_at IS NOT NULL FROM chunk_removals WHERE sha256 = $1")
+    // The takeover deletes the object before it finishes the row and counts it: wait for both.
+    eventually(
+        "the dead remover's claim is taken over, finished and counted",
+        || async {
+            let finished: bool = sqlx::query_scalar(
+                "SELECT removed_at IS NOT NULL FROM chunk_removals WHERE sha256 = $1",
+            )
             .bind(&dead_claim)
             .fetch_one(&db)
             .await
             .unwrap();
-    assert!(
-        finished,
-        "the dead remover's claim was taken over and finished"
-    );
+            finished
+                && sweeper
+                    .metric(&format!("{REMOVED}{{kind=\"stale_claim\"}}"))
+                    .await
+                    >= 1.0
+        },
+    )
+    .await;
     assert!(manifests_of(&stack, &doomed).is_empty());
     for id in kept {
         assert!(
@@ -195,24 +205,18 @@ async fn the_sweep_removes_what_a_crashed_upload_a_lost_report_and_a_dead_remove
             "{id} is kept"
         );
     }
-    assert!(
+    // Each is counted after its object went (a chunk's after its whole batch).
+    eventually("the removed chunks and manifest are counted", || async {
         sweeper
             .metric(&format!("{REMOVED}{{kind=\"chunk\"}}"))
             .await
             >= orphans.len() as f64
-    );
-    assert!(
-        sweeper
-            .metric(&format!("{REMOVED}{{kind=\"manifest\"}}"))
-            .await
-            >= 1.0
-    );
-    assert!(
-        sweeper
-            .metric(&format!("{REMOVED}{{kind=\"stale_claim\"}}"))
-            .await
-            >= 1.0
-    );
+            && sweeper
+                .metric(&format!("{REMOVED}{{kind=\"manifest\"}}"))
+                .await
+                >= 1.0
+    })
+    .await;
 
     // What stayed restores from the store alone, byte for byte.
     let scratch = stack.root.join("restored");
