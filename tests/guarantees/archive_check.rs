@@ -3,9 +3,11 @@
 //! upload), a time no settings change moves. A chunk removal that finished after that command
 //! was requested may have taken a chunk the host's upload skipped; such a copy is not recorded
 //! durable (an archive's fails and the sandbox stays `stopped` with its disk), even when the row
-//! changed after the removal (its `updated_at`, the reference before). Results are synthesized
+//! changed after the removal (its `updated_at`, the reference before); a copy whose manifest the
+//! object store sweep claimed first is refused too, each saying why. Results are synthesized
 //! (no hostd), through `berth_reconciler::results` on the real Postgres.
 
+use berth_reconciler::results::{ARCHIVE_LOST_CHUNKS, ARCHIVE_MANIFEST_SWEPT};
 use berth_schemas::ids::{SandboxId, SnapshotId};
 use berth_schemas::wire::{ResultOutcome, StopDurable};
 use berth_schemas::CommandKind;
@@ -65,6 +67,33 @@ async fn removal_then_settings_change(
     (id, stop, reporting, copy)
 }
 
+/// The row's `state_reason` (an archive refused says why there and in its event).
+async fn state_reason(plane: &Plane, id: SandboxId) -> Option<String> {
+    sqlx::query_scalar("SELECT state_reason FROM sandboxes WHERE id = $1")
+        .bind(id.as_uuid())
+        .fetch_one(&plane.db)
+        .await
+        .unwrap()
+}
+
+/// The archive refused, `stopped` with its disk (no delete frees it), for `reason`.
+async fn archive_refused(plane: &Plane, id: SandboxId, reason: &str) {
+    let row = inproc::row(&plane.db, id).await;
+    assert_eq!(row.state, "stopped", "a refused copy is never `archived`");
+    assert_eq!(
+        durable_at(plane, id).await,
+        None,
+        "the refused copy is not recorded durable"
+    );
+    let frees = inproc::commands_of(&plane.db, id)
+        .await
+        .into_iter()
+        .filter(|c| c.kind == CommandKind::Delete)
+        .count();
+    assert_eq!(frees, 0, "the host keeps the disk: no delete frees it");
+    assert_eq!(state_reason(plane, id).await.as_deref(), Some(reason));
+}
+
 async fn durable_at(plane: &Plane, id: SandboxId) -> Option<chrono::DateTime<chrono::Utc>> {
     sqlx::query_scalar("SELECT durable_at FROM sandboxes WHERE id = $1")
         .bind(id.as_uuid())
@@ -80,23 +109,26 @@ async fn an_archive_whose_chunk_was_removed_after_it_was_requested_fails_though_
     let plane = Plane::start(db).await;
     let (id, _, archive, copy) = removal_then_settings_change(&plane, true).await;
     plane.deliver(&archive, ResultOutcome::Durable(copy)).await;
+    archive_refused(&plane, id, ARCHIVE_LOST_CHUNKS).await;
+}
 
-    let row = inproc::row(&plane.db, id).await;
-    assert_eq!(
-        row.state, "stopped",
-        "a copy missing a chunk is never `archived`"
+/// An archive's report that comes after the object store sweep claimed its manifest (the
+/// report came after the sweep's grace period) is refused under the sweep's lock, and says so,
+/// not that a snapshot delete took its chunks.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_manifest_was_swept_before_its_report_fails_saying_so(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let (id, _, archive, copy) = removal_then_settings_change(&plane, true).await;
+    let mut tx = plane.db.begin().await.unwrap();
+    assert!(
+        berth_store::sweep::claim_manifest(&mut tx, copy.snapshot_id)
+            .await
+            .unwrap(),
+        "nothing names it before its report"
     );
-    assert_eq!(
-        durable_at(&plane, id).await,
-        None,
-        "the refused copy is not recorded durable"
-    );
-    let frees = inproc::commands_of(&plane.db, id)
-        .await
-        .into_iter()
-        .filter(|c| c.kind == CommandKind::Delete)
-        .count();
-    assert_eq!(frees, 0, "the host keeps the disk: no delete frees it");
+    tx.commit().await.unwrap();
+    plane.deliver(&archive, ResultOutcome::Durable(copy)).await;
+    archive_refused(&plane, id, ARCHIVE_MANIFEST_SWEPT).await;
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
