@@ -88,6 +88,16 @@ enum Cmd {
         #[arg(long, env = "BERTH_TEMPLATE_CACHE",
               default_value = berth_hostd::template::DEFAULT_TEMPLATE_CACHE)]
         template_cache: PathBuf,
+        /// How often the collector tries the store-wide sweep of the object store's orphans
+        /// (one API process runs it at a time).
+        #[arg(long, env = "BERTH_OBJECT_SWEEP_EVERY",
+              default_value_t = berth_api::sweep::DEFAULT_SWEEP_EVERY.into())]
+        object_sweep_every: humantime::Duration,
+        /// The sweep removes only manifests and chunks older than this that nothing names;
+        /// keep it far above the longest an upload takes until its report is applied.
+        #[arg(long, env = "BERTH_OBJECT_SWEEP_GRACE",
+              default_value_t = berth_api::sweep::DEFAULT_SWEEP_GRACE.into())]
+        object_sweep_grace: humantime::Duration,
     },
     /// Serve preview URLs: forward HTTP, WebSocket and SSE to a port inside a sandbox,
     /// through its host's forwarder, waking stopped sandboxes.
@@ -426,6 +436,8 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             heartbeat_freshness,
             preview,
             template_cache,
+            object_sweep_every,
+            object_sweep_grace,
         } => {
             let disk_args_private = disk.sandbox_egress_allow_private;
             let disk = disk.limits()?;
@@ -449,6 +461,12 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
                 )),
                 _ => None,
             };
+            anyhow::ensure!(
+                !object_sweep_every.is_zero(),
+                "--object-sweep-every must be more than zero"
+            );
+            config.sweep.every = object_sweep_every.into();
+            config.sweep.grace = object_sweep_grace.into();
             let state =
                 berth_api::AppState::new(db, nats, subjects, config, berth_api::metrics::handle())
                     .with_images(std::sync::Arc::new(berth::image_puller::CachePuller::new(

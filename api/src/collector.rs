@@ -11,6 +11,10 @@
 //!
 //! Each look also deletes the backups past their org's retention (`backups_kept`,
 //! [`prune_backups`]), content first as a user's snapshot delete does.
+//!
+//! Beside it, every [`SweepConfig::every`], the store-wide sweep of what nothing names
+//! ([`crate::sweep`]): chunks of uploads cut before their manifest, manifests whose report was
+//! lost, removals whose remover died.
 
 use std::time::Duration;
 
@@ -20,6 +24,7 @@ use tracing::warn;
 
 use crate::service::sandboxes::collect_deleted;
 use crate::service::snapshots::prune_backups;
+use crate::sweep::SweepConfig;
 
 /// How often the collector looks for durable stop snapshots to collect.
 pub const COLLECT_EVERY: Duration = Duration::from_secs(2);
@@ -27,8 +32,19 @@ pub const COLLECT_EVERY: Duration = Duration::from_secs(2);
 /// Snapshots collected per look (a full batch looks again at once).
 const BATCH: i64 = 64;
 
-/// Runs the collector until `shutdown` fires.
-pub async fn run(db: PgPool, objects: berth_storage::Objects, shutdown: CancellationToken) {
+/// Runs the collector, and the sweep as `sweep` says, until `shutdown` fires.
+pub async fn run(
+    db: PgPool,
+    objects: berth_storage::Objects,
+    sweep: SweepConfig,
+    shutdown: CancellationToken,
+) {
+    let sweeper = tokio::spawn(crate::sweep::run(
+        db.clone(),
+        objects.clone(),
+        sweep,
+        shutdown.clone(),
+    ));
     let mut every = tokio::time::interval(COLLECT_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -50,4 +66,5 @@ pub async fn run(db: PgPool, objects: berth_storage::Objects, shutdown: Cancella
             }
         }
     }
+    let _ = sweeper.await;
 }

@@ -53,6 +53,9 @@ pub struct ApiConfig {
     /// snapshot removes its stored content; `None`: a delete removes the row and its chunk
     /// references only, leaving the content unreferenced.
     pub object_store: Option<berth_storage::StoreSettings>,
+    /// The collector's store-wide sweep of orphans in `object_store` (interval, grace period,
+    /// stale claims; see [`crate::sweep`]).
+    pub sweep: crate::sweep::SweepConfig,
 }
 
 impl ApiConfig {
@@ -60,7 +63,7 @@ impl ApiConfig {
     /// [`berth_scheduler::DEFAULT_HEARTBEAT_FRESHNESS`], the default overcommit,
     /// [`crate::outbox::relay::DEFAULT_MAX_CONCURRENT_STARTS`], and the defaults of the event
     /// stream and of webhook delivery, and [`LimitsConfig::default`]; `/metrics` on the API's
-    /// listener; [`DiskLimits::default`].
+    /// listener; [`DiskLimits::default`]; the sweep's defaults ([`crate::sweep::SweepConfig`]).
     pub fn new(listen: SocketAddr, subjects: Subjects) -> Self {
         Self {
             listen,
@@ -76,6 +79,7 @@ impl ApiConfig {
             sandbox_egress_private: false,
             preview: PreviewConfig::default(),
             object_store: None,
+            sweep: crate::sweep::SweepConfig::default(),
         }
     }
 }

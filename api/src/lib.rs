@@ -27,6 +27,7 @@ pub mod preview;
 pub mod revocations;
 pub mod server;
 pub mod service;
+pub mod sweep;
 pub mod watch;
 pub mod webhooks;
 
@@ -180,6 +181,7 @@ pub async fn serve(
             Ok(objects) => Some(tokio::spawn(collector::run(
                 state.db.clone(),
                 objects,
+                state.config.sweep,
                 shutdown.clone(),
             ))),
             Err(error) => {

@@ -8,25 +8,61 @@
 //! stored, which no row will name, to the collector.
 
 use berth_schemas::wire::{CommandResult, StopDurable};
+use berth_schemas::CommandId;
 use berth_schemas::SandboxState;
-use berth_store::{chunks, sandboxes, SandboxRow, StoreError};
+use berth_store::{chunks, commands, sandboxes, sweep, SandboxRow, StoreError};
 use sqlx::PgConnection;
 use tracing::{debug, info, warn};
 
 use crate::results::{Applied, Rejection};
 
-/// Records `durable` for the locked `row` at `generation` in the caller's transaction;
-/// whether it was written. A stop snapshot with a chunk a snapshot delete's claimed removal
-/// may have taken from under its upload is not recorded (the next archive uploads again):
-/// `requested_at` is a time no later than the upload's first look at the store (a removal
-/// finished before it could not be skipped), on the database's clock.
+/// Why a stored copy was not recorded durable ([`record`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The object store sweep claimed its manifest first (it may be gone).
+    ManifestSwept,
+    /// No command row to judge its chunks against.
+    NoCommand,
+    /// A chunk removal may have taken one of its chunks from under its upload.
+    LostChunks,
+    /// The row's generation moved on (`sandboxes::write_durable` wrote nothing).
+    NotWritten,
+}
+
+/// Records `durable`, reported for the `command` (a stop or an archive) of the locked `row` at
+/// `generation`, in the caller's transaction; `Ok(())` when written, else why not
+/// ([`Refused`]). Not recorded (the next archive uploads again):
+/// - a snapshot whose manifest the object store sweep claimed (it may be gone: a report that
+///   came after the sweep's grace period, `berth_store::sweep::manifest_removed`);
+/// - a snapshot with a chunk a removal may have taken from under its upload
+///   (`chunks::check_for_ready`), judged against the insert of `command`: the host looked at the
+///   store only after it was requested, so a removal that finished before it could not have
+///   been skipped, and no later write (a `stopped` applied late, a settings change) moves it.
+///   A chunk removed after that insert and stored again by the upload itself counts as lost too:
+///   the check errs only on the safe side.
+///
+/// Without the command row there is no time known to be before the upload's look, so nothing is
+/// recorded. That happens only for a sandbox purged as a tombstone (commands are deleted only
+/// with it, `commands::purge_completed`), whose report the result consumer already refuses as
+/// an unknown command before it comes here; the row's `updated_at` would be the wrong fallback,
+/// as it can come after the look.
 pub(crate) async fn record(
     conn: &mut PgConnection,
     row: &SandboxRow,
     generation: berth_schemas::Generation,
     durable: &StopDurable,
-    requested_at: chrono::DateTime<chrono::Utc>,
-) -> Result<bool, StoreError> {
+    command: CommandId,
+) -> Result<Result<(), Refused>, StoreError> {
+    if sweep::manifest_removed(conn, durable.snapshot_id).await? {
+        warn!(snapshot_id = %durable.snapshot_id,
+            "a stored stop's manifest was swept as an orphan before its report; not recorded as durable");
+        return Ok(Err(Refused::ManifestSwept));
+    }
+    let Some(requested_at) = commands::inserted_at(conn, command).await? else {
+        warn!(snapshot_id = %durable.snapshot_id, command_id = %command,
+            "no command to judge a stored stop's chunks against; not recorded as durable");
+        return Ok(Err(Refused::NoCommand));
+    };
     let chunks: Vec<(String, i64)> = durable
         .chunks
         .iter()
@@ -36,10 +72,16 @@ pub(crate) async fn record(
     let lost = chunks::check_for_ready(conn, durable.snapshot_id, requested_at, &hashes).await?;
     if !lost.is_empty() {
         warn!(lost = lost.len(), snapshot_id = %durable.snapshot_id,
-            "a stop snapshot lost chunks to a snapshot delete; not recorded as durable");
-        return Ok(false);
+            "a stop snapshot lost chunks to a chunk removal; not recorded as durable");
+        return Ok(Err(Refused::LostChunks));
     }
-    sandboxes::write_durable(conn, row.id, generation, durable.snapshot_id, &chunks).await
+    let written =
+        sandboxes::write_durable(conn, row.id, generation, durable.snapshot_id, &chunks).await?;
+    Ok(if written {
+        Ok(())
+    } else {
+        Err(Refused::NotWritten)
+    })
 }
 
 /// Applies a stop's durability report (the command already matched what was issued).
@@ -61,9 +103,12 @@ pub(crate) async fn apply_stop(
         forget(conn, &row, durable).await?;
         return Ok(Applied::Stale);
     }
-    // The row's last change (issue 14: a `stopped` applied late or a settings change can put
-    // it after the upload's look; the precise bound needs the chunks the upload skipped).
-    if record(conn, &row, result.generation, durable, row.updated_at).await? {
+    // Judged against the stop command's insert, never the row's `updated_at` (a `stopped`
+    // applied late or a settings change moves it past the upload's look at the store).
+    if record(conn, &row, result.generation, durable, result.command_id)
+        .await?
+        .is_ok()
+    {
         info!(snapshot_id = %durable.snapshot_id, stored_bytes = durable.stored_bytes,
             "stop snapshot durable");
         Ok(Applied::Durable)

@@ -239,6 +239,32 @@ fn wakes_relay(kind: CommandKind, applied: Applied) -> bool {
 pub const ARCHIVE_LOST_CHUNKS: &str = "archive's upload lost chunks to a concurrent snapshot \
      delete; the sandbox keeps its disk; archive again";
 
+/// Why an archive failed when its manifest was removed by the object store sweep before its
+/// report was applied (the report came after the sweep's grace period; the copy may be gone).
+pub const ARCHIVE_MANIFEST_SWEPT: &str = "archive's stored copy was removed from the object \
+     store as an orphan before its report was applied; the sandbox keeps its disk; archive again";
+
+/// Why an archive failed when its stored copy could not be judged: its command's row is gone,
+/// so no time is known to be before its upload's look at the store.
+pub const ARCHIVE_NO_COMMAND: &str = "archive's command is no longer known, so its stored copy \
+     cannot be checked; the sandbox keeps its disk; archive again";
+
+/// Why an archive failed when the sandbox's row no longer took its copy (its generation or
+/// state moved on in the same transaction).
+pub const ARCHIVE_NOT_RECORDED: &str = "archive's stored copy could not be recorded: the \
+     sandbox moved on; the sandbox keeps its disk; archive again";
+
+/// The reason an archive fails for a copy [`crate::durable::record`] refused.
+fn archive_refusal(refused: crate::durable::Refused) -> &'static str {
+    use crate::durable::Refused;
+    match refused {
+        Refused::LostChunks => ARCHIVE_LOST_CHUNKS,
+        Refused::ManifestSwept => ARCHIVE_MANIFEST_SWEPT,
+        Refused::NoCommand => ARCHIVE_NO_COMMAND,
+        Refused::NotWritten => ARCHIVE_NOT_RECORDED,
+    }
+}
+
 /// Applies one result, then acks it (or naks it for a retry when the database failed).
 async fn handle(
     db: &PgPool,
@@ -536,18 +562,22 @@ async fn apply_issued(
             ResultDecision::Apply { .. } => {
                 // Checked against the archive command's insert: the host looked at the store
                 // after it, and no settings change moves it (the row's `updated_at` does).
-                let requested_at = commands::inserted_at(&mut tx, result.command_id)
-                    .await?
-                    .unwrap_or(row.updated_at);
-                if crate::durable::record(&mut tx, &row, row.generation, durable, requested_at)
-                    .await?
+                match crate::durable::record(
+                    &mut tx,
+                    &row,
+                    row.generation,
+                    durable,
+                    result.command_id,
+                )
+                .await?
                 {
-                    archived = true;
-                } else {
-                    crate::durable::forget(&mut tx, &row, durable).await?;
-                    outcome = Outcome::Failed;
-                    message = Some(ARCHIVE_LOST_CHUNKS);
-                    decision = on_result(row.state, row.deleting(), result.kind, outcome);
+                    Ok(()) => archived = true,
+                    Err(refused) => {
+                        crate::durable::forget(&mut tx, &row, durable).await?;
+                        outcome = Outcome::Failed;
+                        message = Some(archive_refusal(refused));
+                        decision = on_result(row.state, row.deleting(), result.kind, outcome);
+                    }
                 }
             }
             // A duplicate, or an archive whose sandbox is being deleted: named by no row (a

@@ -27,5 +27,5 @@ pub use capture::{stage, Staged, TreeSource};
 pub use error::{StorageError, StoreOp};
 pub use manifest::{Holds, Manifest, SnapshotInfo, TreeKind};
 pub use restore::{delete_snapshot, fetch_manifest, is_durable, materialize, missing_chunks};
-pub use store::{Location, Objects, RetrySettings, StoreSettings};
+pub use store::{Listed, Location, Objects, RetrySettings, StoreSettings};
 pub use upload::{upload, UploadProgress, UploadReport};

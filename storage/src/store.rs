@@ -18,7 +18,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use berth_schemas::ids::SnapshotId;
 use bytes::Bytes;
@@ -158,6 +158,20 @@ impl StoreSettings {
     }
 }
 
+/// One object a listing found ([`Objects::list_manifests`], [`Objects::list_chunks`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed<N> {
+    /// What its key names: a snapshot id (a manifest) or a sha256 in hex (a chunk).
+    pub name: N,
+    /// Its size in bytes (a chunk's: compressed).
+    pub size: u64,
+    /// When it was last written, on the store's clock: an S3 server's `Last-Modified`, a local
+    /// store's file mtime (whole seconds on S3). A content-addressed chunk that an upload
+    /// skipped because the store held it keeps its old time: this says nothing about who still
+    /// counts on it.
+    pub last_modified: SystemTime,
+}
+
 /// An opened object store plus Berth's key layout. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Objects {
@@ -279,6 +293,64 @@ impl Objects {
         }
     }
 
+    /// The chunk hash a key names (`chunks/<hh>/<sha256>.zst`, `<hh>` its first two hex
+    /// digits), or `None` for any other key.
+    pub fn chunk_of_key(key: &str) -> Option<String> {
+        let rest = key.strip_prefix("chunks/")?;
+        let (dir, file) = rest.split_once('/')?;
+        let hash = file.strip_suffix(".zst")?;
+        let hex = hash.len() == 64 && hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        (hex && dir == &hash[..2]).then(|| hash.to_owned())
+    }
+
+    /// The snapshot a key names (`manifests/<snapshot id>.json`), or `None` for any other key.
+    pub fn manifest_of_key(key: &str) -> Option<SnapshotId> {
+        key.strip_prefix("manifests/")?
+            .strip_suffix(".json")?
+            .parse()
+            .ok()
+    }
+
+    /// Every stored manifest with its size and last-modified time (see [`Listed`]); keys below
+    /// `manifests/` of another form are left out (nothing reads or removes them).
+    ///
+    /// Errors: [`StorageError::Store`] (op `list`).
+    pub async fn list_manifests(&self) -> Result<Vec<Listed<SnapshotId>>> {
+        self.list_named("manifests", Objects::manifest_of_key).await
+    }
+
+    /// Every stored chunk with its size and last-modified time (see [`Listed`]); keys below
+    /// `chunks/` of another form (a local store's half-written temporary file) are left out.
+    ///
+    /// Errors: [`StorageError::Store`] (op `list`).
+    pub async fn list_chunks(&self) -> Result<Vec<Listed<String>>> {
+        self.list_named("chunks", Objects::chunk_of_key).await
+    }
+
+    async fn list_named<N>(
+        &self,
+        prefix: &str,
+        name: fn(&str) -> Option<N>,
+    ) -> Result<Vec<Listed<N>>> {
+        let key = Key::from(prefix);
+        let metas: Vec<object_store::ObjectMeta> = self
+            .inner
+            .list(Some(&key))
+            .try_collect()
+            .await
+            .map_err(StorageError::store(StoreOp::List, &key))?;
+        Ok(metas
+            .into_iter()
+            .filter_map(|m| {
+                Some(Listed {
+                    name: name(m.location.as_ref())?,
+                    size: m.size,
+                    last_modified: SystemTime::from(m.last_modified),
+                })
+            })
+            .collect())
+    }
+
     /// Every object below `prefix` (`chunks`, `manifests`) with its size in bytes.
     pub async fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>> {
         let key = Key::from(prefix);
@@ -332,6 +404,32 @@ mod tests {
                 matches!(Location::parse(bad), Err(StorageError::Config { .. })),
                 "{bad}"
             );
+        }
+    }
+
+    #[test]
+    fn listed_keys_are_read_back_only_in_the_documented_layout() {
+        let h = "ab".repeat(32);
+        assert_eq!(
+            Objects::chunk_of_key(&format!("chunks/ab/{h}.zst")),
+            Some(h.clone())
+        );
+        let id = SnapshotId::new();
+        assert_eq!(
+            Objects::manifest_of_key(&format!("manifests/{id}.json")),
+            Some(id)
+        );
+        for other in [
+            format!("chunks/cd/{h}.zst"),
+            format!("chunks/ab/{h}.zst#1"),
+            format!("chunks/ab/{}.zst", "AB".repeat(32)),
+            "chunks/ab/short.zst".to_owned(),
+            format!("manifests/{id}.json.tmp"),
+            "manifests/not-a-uuid.json".to_owned(),
+            format!("other/{id}.json"),
+        ] {
+            assert_eq!(Objects::chunk_of_key(&other), None, "{other}");
+            assert_eq!(Objects::manifest_of_key(&other), None, "{other}");
         }
     }
 

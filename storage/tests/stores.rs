@@ -392,6 +392,47 @@ async fn a_snapshot_whose_chunk_was_truncated_names_it_missing(b: Backend) {
     assert_eq!(b.objects.size(&key).await.unwrap(), Some(u64::from(stored)));
 }
 
+/// What the store-wide sweep of orphans reads (issue 14): every manifest by its snapshot id and
+/// every chunk by its hash, each with a last-modified time of when it was written, and nothing
+/// that is not in the key layout.
+async fn a_listing_names_every_manifest_and_chunk_with_when_it_was_written(b: Backend) {
+    let upper = b.path("upper");
+    fs::create_dir_all(&upper).unwrap();
+    fs::write(upper.join("a"), random(100_000)).unwrap();
+    fs::write(upper.join("b"), random(100_000)).unwrap();
+    let before = std::time::SystemTime::now() - std::time::Duration::from_secs(2);
+    let (m, _) = snapshot(&b, disk(upper), None, None).await.unwrap();
+    let after = std::time::SystemTime::now() + std::time::Duration::from_secs(2);
+    // Not in the layout: never named, so never removed by a sweep.
+    let stray = object_store::path::Path::from("chunks/zz/not-a-chunk.zst");
+    b.objects
+        .put(&stray, bytes::Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+
+    let manifests = b.objects.list_manifests().await.unwrap();
+    assert_eq!(
+        manifests.iter().map(|l| l.name).collect::<Vec<_>>(),
+        [m.info.snapshot_id]
+    );
+    let chunks = b.objects.list_chunks().await.unwrap();
+    let named: BTreeSet<String> = chunks.iter().map(|l| l.name.clone()).collect();
+    let expected: BTreeSet<String> = m.distinct_chunks().into_iter().map(|(h, _)| h).collect();
+    assert_eq!(named, expected);
+    for listed in manifests
+        .iter()
+        .map(|l| (l.size, l.last_modified))
+        .chain(chunks.iter().map(|l| (l.size, l.last_modified)))
+    {
+        assert!(listed.0 > 0);
+        assert!(
+            (before..after).contains(&listed.1),
+            "written during the test: {:?}",
+            listed.1
+        );
+    }
+}
+
 async fn a_damaged_chunk_or_manifest_in_the_store_is_refused(b: Backend) {
     let upper = b.path("upper");
     fs::create_dir_all(&upper).unwrap();
@@ -530,6 +571,7 @@ on_both_stores!(
     a_damaged_chunk_or_manifest_in_the_store_is_refused,
     a_snapshot_whose_chunk_was_removed_names_it_missing,
     a_snapshot_whose_chunk_was_truncated_names_it_missing,
+    a_listing_names_every_manifest_and_chunk_with_when_it_was_written,
     hard_links_within_the_tree_come_back_as_one_inode,
 );
 

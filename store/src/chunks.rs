@@ -20,6 +20,19 @@
 //!    looked after it and stored the chunk again.
 //!
 //! The row lock orders a claim and a settling snapshot: whichever is second sees the other.
+//!
+//! The store-wide sweep of orphans (`crate::sweep`, issue 14) removes chunks nothing names
+//! through the same three steps ([`queue_swept`], then [`claim`], [`finish`]): a chunk it lists
+//! may be one an upload in flight skipped because the store held it (its last-modified time is
+//! then old and says nothing), and only a claimed row tells that upload's check it may be gone.
+//! A claim whose remover died before [`finish`] is taken over ([`stale_claims`], [`reclaim`])
+//! and the object removed again: a claimed row already fails every snapshot or durable stop
+//! that references the chunk and was requested before it finishes, so nothing can have come to
+//! count on it meanwhile. The remover it took over is fenced by time: every remover deletes only
+//! within its [`delete_budget`] of its claim, which ends well before [`STALE_CLAIM`], so its
+//! delete can never land after the takeover finished and an upload stored the chunk again.
+
+use std::time::{Duration, Instant};
 
 use berth_schemas::ids::SnapshotId;
 use chrono::{DateTime, Utc};
@@ -29,20 +42,132 @@ use crate::op::{timed, Op};
 use crate::StoreError;
 
 /// Queues `hashes` (chunks a delete just orphaned) for removal, in the caller's transaction.
-/// A chunk removed before and stored again since is queued afresh.
+/// A row already there is left as it is:
+/// - queued: it stays queued (a remover claims it once nothing references it);
+/// - claimed and not finished: its remover (or a takeover, [`reclaim`]) is removing the object;
+///   reset to queued, a settling snapshot would take it back while the object goes;
+/// - finished: the object was removed at `removed_at`. A snapshot or durable stop requested
+///   before then that skipped the chunk must still see that ([`check_for_ready`]); reset, it
+///   would take the row back and name a chunk that is gone. (A reference can meet a finished
+///   row without that check: a late stop report's chunks go to the collector as a superseded
+///   stop, `crate::sandboxes::supersede_unnamed`.) If the chunk was stored again since, the
+///   store-wide sweep finds it listed and queues it afresh ([`queue_swept`]).
 pub async fn queue(conn: &mut PgConnection, hashes: &[String]) -> Result<(), StoreError> {
     timed(
         Op::ChunkRemoval,
         sqlx::query(
             "INSERT INTO chunk_removals (sha256) SELECT unnest($1::text[])
-             ON CONFLICT (sha256) DO UPDATE
-                SET queued_at = clock_timestamp(), removing_at = NULL, removed_at = NULL",
+             ON CONFLICT (sha256) DO NOTHING",
         )
         .bind(hashes)
         .execute(conn),
     )
     .await?;
     Ok(())
+}
+
+/// The database's clock now (`clock_timestamp()`): the sweep reads it before it lists the
+/// chunks, for [`queue_swept`].
+pub async fn clock(conn: &mut PgConnection) -> Result<DateTime<Utc>, StoreError> {
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(conn),
+    )
+    .await
+}
+
+/// Queues `hashes` (chunks the sweep found stored and named by nothing, in a listing begun at
+/// `listed_at` on the database's clock, [`clock`]) for removal, in the caller's transaction,
+/// without disturbing a claim in progress:
+/// - a row already queued stays as it is;
+/// - a claimed row whose removal has not finished stays claimed (its remover, or [`reclaim`],
+///   finishes it; reset, a settling snapshot would take it back while the object is being
+///   removed);
+/// - a removal finished before `listed_at` is queued afresh: its object was deleted before the
+///   listing began and the listing still showed it, so it was stored again since;
+/// - a removal finished at or after `listed_at` stays finished: the listing may have seen the
+///   object before that removal deleted it, and a snapshot that skipped the chunk must still
+///   find the removal when it settles.
+pub async fn queue_swept(
+    conn: &mut PgConnection,
+    hashes: &[String],
+    listed_at: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "INSERT INTO chunk_removals (sha256) SELECT unnest($1::text[])
+             ON CONFLICT (sha256) DO UPDATE
+                SET queued_at = clock_timestamp(), removing_at = NULL, removed_at = NULL
+              WHERE chunk_removals.removed_at < $2",
+        )
+        .bind(hashes)
+        .bind(listed_at)
+        .execute(conn),
+    )
+    .await?;
+    Ok(())
+}
+
+/// How long a chunk removal may stay claimed and unfinished before the store-wide sweep takes
+/// it over ([`stale_claims`], [`reclaim`]). Every remover reads it too ([`delete_budget`]): one
+/// age for both sides, so a remover never deletes after a takeover could have finished and an
+/// upload stored the chunk again.
+pub const STALE_CLAIM: Duration = Duration::from_secs(60 * 60);
+
+/// How long a remover that claimed (or took over) a chunk's removal at `claimed` may still
+/// spend deleting its object: `None` once more than half of [`STALE_CLAIM`] has passed (delete
+/// nothing and leave the row claimed: a takeover finishes it), else a quarter of it, the
+/// timeout to put on the delete. Note `claimed` before the claim's statement goes out, so the
+/// database's `removing_at` is never earlier. A delete so bounded lands within three quarters
+/// of [`STALE_CLAIM`] of the claim, before any takeover of it can claim again.
+pub fn delete_budget(claimed: Instant) -> Option<Duration> {
+    budget_after(claimed.elapsed())
+}
+
+/// [`delete_budget`] for a claim noted `elapsed` ago.
+fn budget_after(elapsed: Duration) -> Option<Duration> {
+    (elapsed <= STALE_CLAIM / 2).then_some(STALE_CLAIM / 4)
+}
+
+/// Up to `limit` chunks whose removal was claimed more than [`STALE_CLAIM`] ago and never
+/// finished (the remover died, or its store failed, or it stalled past its
+/// [`delete_budget`]), oldest first.
+pub async fn stale_claims(conn: &mut PgConnection, limit: i64) -> Result<Vec<String>, StoreError> {
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query_scalar(
+            "SELECT sha256 FROM chunk_removals
+              WHERE removing_at < clock_timestamp() - make_interval(secs => $1)
+                AND removed_at IS NULL
+              ORDER BY removing_at LIMIT $2",
+        )
+        .bind(STALE_CLAIM.as_secs_f64())
+        .bind(limit)
+        .fetch_all(conn),
+    )
+    .await
+}
+
+/// Takes over the stale claim of `hash` (claimed more than [`STALE_CLAIM`] ago, not
+/// finished); whether this caller holds it now (one of several retriers does). Commit, remove
+/// the object again within its [`delete_budget`], then [`finish`]. The remover whose claim it
+/// takes over deletes nothing any more (its budget ran out at half of [`STALE_CLAIM`]), so the
+/// two never remove it at once, the second after an upload stored it again.
+pub async fn reclaim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "UPDATE chunk_removals SET removing_at = clock_timestamp()
+              WHERE sha256 = $1 AND removed_at IS NULL
+                AND removing_at < clock_timestamp() - make_interval(secs => $2)",
+        )
+        .bind(hash)
+        .bind(STALE_CLAIM.as_secs_f64())
+        .execute(conn),
+    )
+    .await?;
+    Ok(done.rows_affected() > 0)
 }
 
 /// Claims the queued chunk `hash` for removal, if no snapshot references it and nobody claimed
@@ -139,4 +264,25 @@ pub async fn check_for_ready(
         tracing::warn!(snapshot_id = %snapshot, lost = lost.len(), "a settling snapshot references chunks a delete removed under its upload");
     }
     Ok(lost)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_remover_past_half_the_stale_claim_age_deletes_nothing() {
+        assert_eq!(budget_after(Duration::ZERO), Some(STALE_CLAIM / 4));
+        assert_eq!(budget_after(STALE_CLAIM / 2), Some(STALE_CLAIM / 4));
+        assert_eq!(
+            budget_after(STALE_CLAIM / 2 + Duration::from_millis(1)),
+            None
+        );
+        assert_eq!(budget_after(STALE_CLAIM), None);
+        // Its delete, bounded by the budget, lands before a takeover can claim again.
+        assert!(STALE_CLAIM / 2 + STALE_CLAIM / 4 < STALE_CLAIM);
+        let long_ago = Instant::now().checked_sub(STALE_CLAIM).unwrap();
+        assert_eq!(delete_budget(long_ago), None);
+        assert_eq!(delete_budget(Instant::now()), Some(STALE_CLAIM / 4));
+    }
 }

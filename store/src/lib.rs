@@ -25,6 +25,8 @@
 //!   the reconciler's drive is moving off or failed to, and the progress the host shows.
 //! - [`chunks`]: the removal of chunks no snapshot references, safe against a concurrent
 //!   upload that reuses them.
+//! - [`sweep`]: the object store sweep's looks for what nothing names, its manifest claims
+//!   (`manifest_removals`) and its one-at-a-time lock.
 //!
 //! Tables one component owns alone stay with it: the API's webhooks, deliveries and attempts.
 //!
@@ -59,6 +61,7 @@ pub mod op;
 pub mod orgs;
 pub mod sandboxes;
 pub mod snapshots;
+pub mod sweep;
 pub mod templates;
 
 use std::future::Future;

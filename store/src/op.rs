@@ -171,6 +171,9 @@ ops! {
     /// [`crate::chunks`]: queueing, claiming and finishing the removal of unreferenced chunks,
     /// and a settling snapshot's check of its chunks against them.
     ChunkRemoval => "chunk_removal",
+    /// [`crate::sweep`]: the object store sweep's looks for unnamed manifests and chunks, its
+    /// manifest claims and its lock.
+    ObjectSweep => "object_sweep",
     /// [`crate::commands::insert`]: a command into the outbox.
     CommandInsert => "command_insert",
     /// [`crate::commands::complete_issued`]: checks a result's command and sets its outcome.

@@ -1,13 +1,14 @@
 //! The delete-vs-upload race on shared chunks (issue 13 item 8), against a real Postgres: a
 //! chunk a snapshot delete orphans while another snapshot is being uploaded is either taken back
 //! by that snapshot (and never removed) or, once a remover claimed it, makes that snapshot fail;
-//! never both "removed" and "ready".
+//! never both "removed" and "ready". The store-wide sweep of orphans (issue 14) removes chunks
+//! through the same protocol, and claims manifests under the lock a durability report takes.
 
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::{CommandId, HostId, OrgId, SandboxId};
 use berth_store::snapshots::{self, NewSnapshot, Settled};
-use berth_store::{chunks, orgs};
-use sqlx::PgPool;
+use berth_store::{chunks, orgs, sandboxes, sweep};
+use sqlx::{PgConnection, PgPool};
 
 async fn creating(db: &PgPool, org: OrgId) -> (SnapshotId, chrono::DateTime<chrono::Utc>) {
     let id = SnapshotId::new();
@@ -72,6 +73,40 @@ async fn delete(db: &PgPool, id: SnapshotId) -> Vec<String> {
         .map(|(h, _)| h)
         .collect();
     chunks::queue(&mut tx, &orphans).await.unwrap();
+    tx.commit().await.unwrap();
+    orphans
+}
+
+/// Claims and finishes the queued removal of `h`, as a remover does (its object deleted
+/// between).
+async fn remove(conn: &mut PgConnection, h: &str) {
+    assert!(chunks::claim(conn, h).await.unwrap(), "claimed");
+    chunks::finish(conn, h).await.unwrap();
+}
+
+/// What `check_for_ready` finds lost of `h` for `uploading`, requested at `requested_at`.
+async fn lost(
+    conn: &mut PgConnection,
+    (uploading, requested_at): (SnapshotId, chrono::DateTime<chrono::Utc>),
+    h: &str,
+) -> Vec<String> {
+    chunks::check_for_ready(conn, uploading, requested_at, &[h.to_owned()])
+        .await
+        .unwrap()
+}
+
+/// One batch of a sweep whose chunk listing began at `listed_at`: of `listed`, the chunks no
+/// row references are queued (committed); returns them.
+async fn sweep_batch(
+    db: &PgPool,
+    listed: &[String],
+    listed_at: chrono::DateTime<chrono::Utc>,
+) -> Vec<String> {
+    let mut tx = db.begin().await.unwrap();
+    let orphans = sweep::unreferenced_chunks(&mut tx, listed).await.unwrap();
+    chunks::queue_swept(&mut tx, &orphans, listed_at)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     orphans
 }
@@ -193,4 +228,273 @@ async fn a_removal_finished_before_a_snapshot_was_requested_does_not_fail_it(db:
         .unwrap();
     assert!(lost.is_empty());
     assert!(!queued(&db, &x).await, "referenced again: no longer queued");
+}
+
+/// The store-wide sweep (issue 14) removes a chunk nothing references through the same
+/// protocol, so an upload in flight that skipped it (its last-modified time is old: it was
+/// stored by an upload cut before its manifest) is caught by its check.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_sweep_removing_a_chunk_an_upload_skipped_fails_that_snapshot(db: PgPool) {
+    let org = orgs::create(&db, "o").await.unwrap().unwrap();
+    let x = hash('e');
+    // Requested while `x`, an orphan, is in the store: its upload skips it.
+    let uploading = creating(&db, org).await;
+    let mut conn = db.acquire().await.unwrap();
+    let listed_at = chunks::clock(&mut conn).await.unwrap();
+    let orphans = sweep_batch(&db, std::slice::from_ref(&x), listed_at).await;
+    assert_eq!(
+        orphans,
+        std::slice::from_ref(&x),
+        "nothing references it yet"
+    );
+    // (the sweep deletes the object between the claim and the finish)
+    remove(&mut conn, &x).await;
+    assert_eq!(
+        lost(&mut conn, uploading, &x).await,
+        [x],
+        "the snapshot must fail, not become ready"
+    );
+
+    // The sweep never resets a removal under way: a settling snapshot would take it back while
+    // its object is being removed.
+    let y = hash('f');
+    let uploading = creating(&db, org).await;
+    chunks::queue(&mut conn, std::slice::from_ref(&y))
+        .await
+        .unwrap();
+    assert!(chunks::claim(&mut conn, &y).await.unwrap());
+    let listed_at = chunks::clock(&mut conn).await.unwrap();
+    sweep_batch(&db, std::slice::from_ref(&y), listed_at).await;
+    assert_eq!(
+        lost(&mut conn, uploading, &y).await,
+        std::slice::from_ref(&y),
+        "still claimed"
+    );
+    // A removal finished before a listing that still shows the chunk: stored again since, it
+    // is queued afresh and claimed again.
+    chunks::finish(&mut conn, &y).await.unwrap();
+    let listed_at = chunks::clock(&mut conn).await.unwrap();
+    sweep_batch(&db, std::slice::from_ref(&y), listed_at).await;
+    assert!(chunks::claim(&mut conn, &y).await.unwrap());
+    // A referenced chunk is no orphan.
+    let z = hash('0');
+    let (kept, _) = creating(&db, org).await;
+    ready(&db, kept, std::slice::from_ref(&z)).await;
+    assert!(
+        sweep::unreferenced_chunks(&mut conn, std::slice::from_ref(&z))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+/// The sweep lists `x` (still referenced by snapshot S), S is deleted and its remover removes
+/// `x` and finishes, and only then does the sweep's batch reach `x`, now an orphan: the
+/// listing saw the object before that removal deleted it, so the finished removal must stay
+/// finished, or snapshot U, requested before the removal and whose upload skipped `x`, would
+/// take the row back and become ready naming a chunk that is gone.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_removal_finished_after_the_sweeps_listing_stays_finished(db: PgPool) {
+    let org = orgs::create(&db, "o").await.unwrap().unwrap();
+    let x = hash('7');
+    let (s, _) = creating(&db, org).await;
+    ready(&db, s, std::slice::from_ref(&x)).await;
+    let uploading = creating(&db, org).await;
+    let mut conn = db.acquire().await.unwrap();
+    let listed_at = chunks::clock(&mut conn).await.unwrap();
+    // (the sweep lists `x` here)
+    assert_eq!(delete(&db, s).await, std::slice::from_ref(&x));
+    remove(&mut conn, &x).await;
+    assert_eq!(
+        sweep_batch(&db, std::slice::from_ref(&x), listed_at).await,
+        std::slice::from_ref(&x),
+        "an orphan by now"
+    );
+    assert_eq!(
+        lost(&mut conn, uploading, &x).await,
+        std::slice::from_ref(&x),
+        "the removal is still seen"
+    );
+    assert!(
+        !chunks::claim(&mut conn, &x).await.unwrap(),
+        "not queued afresh"
+    );
+}
+
+/// A late stop report of manifest M (the sweep removed M's orphaned chunks; M's report comes
+/// after) hands M's chunks to the collector, which queues them (`chunks::queue`): a removal
+/// the sweep finished (`x`) or still holds claimed (`y`) must stay as it is, or upload V,
+/// requested before those claims and which skipped both, would take the rows back and become
+/// ready naming chunks that are gone. If `x` is stored again later, a later look of the sweep
+/// queues it afresh and removes it.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn the_collector_queueing_a_removed_chunk_again_never_resets_its_removal(db: PgPool) {
+    let org = orgs::create(&db, "o").await.unwrap().unwrap();
+    let (x, y) = (hash('8'), hash('9'));
+    let uploading = creating(&db, org).await;
+    let mut conn = db.acquire().await.unwrap();
+    let listed_at = chunks::clock(&mut conn).await.unwrap();
+    sweep_batch(&db, &[x.clone(), y.clone()], listed_at).await;
+    remove(&mut conn, &x).await;
+    assert!(chunks::claim(&mut conn, &y).await.unwrap());
+
+    // M's late report: the reconciler's `durable::forget`, then the collector's look.
+    let m = SnapshotId::new();
+    let both = [x.clone(), y.clone()];
+    assert!(
+        sandboxes::supersede_unnamed(&mut conn, SandboxId::new(), m, &both)
+            .await
+            .unwrap()
+    );
+    let mut tx = db.begin().await.unwrap();
+    let taken = sandboxes::take_superseded(&mut tx, None)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut orphans = taken.orphans;
+    orphans.sort();
+    assert_eq!(orphans, both);
+    chunks::queue(&mut tx, &orphans).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        lost(&mut conn, uploading, &x).await,
+        std::slice::from_ref(&x),
+        "finished"
+    );
+    assert_eq!(
+        lost(&mut conn, uploading, &y).await,
+        std::slice::from_ref(&y),
+        "claimed"
+    );
+    assert!(
+        !chunks::claim(&mut conn, &y).await.unwrap(),
+        "its remover still holds it"
+    );
+
+    // `x` stored again (by an upload cut before its manifest): the next look lists it.
+    let listed_at = chunks::clock(&mut conn).await.unwrap();
+    sweep_batch(&db, std::slice::from_ref(&x), listed_at).await;
+    remove(&mut conn, &x).await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_stale_claim_is_taken_over_by_one_retrier_and_a_live_one_is_left(db: PgPool) {
+    let (x, live) = (hash('1'), hash('2'));
+    let mut conn = db.acquire().await.unwrap();
+    chunks::queue(&mut conn, &[x.clone(), live.clone()])
+        .await
+        .unwrap();
+    assert!(chunks::claim(&mut conn, &x).await.unwrap());
+    assert!(chunks::claim(&mut conn, &live).await.unwrap());
+    // `x`'s remover died longer than `STALE_CLAIM` ago, between its claim and its finish.
+    sqlx::query(
+        "UPDATE chunk_removals SET removing_at = now() - make_interval(secs => $2) - interval '1 minute'
+          WHERE sha256 = $1",
+    )
+    .bind(&x)
+    .bind(chunks::STALE_CLAIM.as_secs_f64())
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        chunks::stale_claims(&mut conn, 10).await.unwrap(),
+        std::slice::from_ref(&x)
+    );
+    assert!(!chunks::reclaim(&mut conn, &live).await.unwrap());
+    let (first, second) = tokio::join!(
+        async {
+            let mut c = db.acquire().await.unwrap();
+            chunks::reclaim(&mut c, &x).await.unwrap()
+        },
+        async {
+            let mut c = db.acquire().await.unwrap();
+            chunks::reclaim(&mut c, &x).await.unwrap()
+        }
+    );
+    assert!(first ^ second, "one retrier takes it over");
+    chunks::finish(&mut conn, &x).await.unwrap();
+    assert!(chunks::stale_claims(&mut conn, 10)
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+/// Whether the session `waiter` waits for a lock `holder` holds (Postgres's own view).
+async fn blocked_by(db: &PgPool, waiter: i32, holder: i32) -> bool {
+    sqlx::query_scalar("SELECT $2 = ANY(pg_blocking_pids($1))")
+        .bind(waiter)
+        .bind(holder)
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// A manifest's claim and a durability report's check serialize on one lock: a report that
+/// comes after the sweep claimed its manifest is refused, and a manifest a report named first
+/// (here, the name it leaves: a superseded stop awaiting collection) is never claimed.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_swept_manifest_is_never_recorded_and_a_named_one_is_never_swept(db: PgPool) {
+    let org = orgs::create(&db, "o").await.unwrap().unwrap();
+    let (row, _) = creating(&db, org).await;
+    let (orphan, named) = (SnapshotId::new(), SnapshotId::new());
+    let mut conn = db.acquire().await.unwrap();
+    assert_eq!(
+        sweep::unnamed_manifests(&mut conn, &[row, orphan])
+            .await
+            .unwrap(),
+        [orphan]
+    );
+    let mut tx = db.begin().await.unwrap();
+    assert!(
+        !sweep::claim_manifest(&mut tx, row).await.unwrap(),
+        "a snapshot row's"
+    );
+    assert!(sweep::claim_manifest(&mut tx, orphan).await.unwrap());
+    tx.commit().await.unwrap();
+    sweep::finish_manifest(&mut conn, orphan).await.unwrap();
+    let mut tx = db.begin().await.unwrap();
+    assert!(
+        sweep::manifest_removed(&mut tx, orphan).await.unwrap(),
+        "a late report is refused"
+    );
+    tx.commit().await.unwrap();
+
+    // The report's transaction holds the lock; the sweep's claim waits and then sees the name.
+    let mut report = db.begin().await.unwrap();
+    let report_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *report)
+        .await
+        .unwrap();
+    assert!(!sweep::manifest_removed(&mut report, named).await.unwrap());
+    let mut sweeper = db.begin().await.unwrap();
+    let sweeper_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *sweeper)
+        .await
+        .unwrap();
+    let claim = tokio::spawn(async move {
+        let claimed = sweep::claim_manifest(&mut sweeper, named).await.unwrap();
+        sweeper.commit().await.unwrap();
+        claimed
+    });
+    // Deterministic: the claim has reached the lock and waits for the report's transaction.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !blocked_by(&db, sweeper_pid, report_pid).await {
+        assert!(
+            !claim.is_finished(),
+            "the claim went past the report's lock"
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the claim never waited"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    sqlx::query("INSERT INTO durable_superseded (snapshot_id, sandbox_id) VALUES ($1, $2)")
+        .bind(named)
+        .bind(SandboxId::new())
+        .execute(&mut *report)
+        .await
+        .unwrap();
+    report.commit().await.unwrap();
+    assert!(!claim.await.unwrap(), "named first: never claimed");
 }

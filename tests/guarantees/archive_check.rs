@@ -1,22 +1,30 @@
-//! Issue 14, rule 1 ("never lose the last copy"): an archive's copy is judged against the
-//! archive command's insert, a time no settings change moves. A chunk removal that finished
-//! after the archive was requested may have taken a chunk the host's upload skipped; such a
-//! copy is refused and the sandbox stays `stopped` with its disk, even when the row changed
-//! after the removal (its `updated_at`, the reference before). Results are synthesized (no
-//! hostd), through `berth_reconciler::results` on the real Postgres.
+//! Issue 14, rule 1 ("never lose the last copy"): a stored stop is judged against the insert of
+//! the command that stored it (the archive, or the stop whose second result reports its
+//! upload), a time no settings change moves. A chunk removal that finished after that command
+//! was requested may have taken a chunk the host's upload skipped; such a copy is not recorded
+//! durable (an archive's fails and the sandbox stays `stopped` with its disk), even when the row
+//! changed after the removal (its `updated_at`, the reference before); a copy whose manifest the
+//! object store sweep claimed first is refused too, each saying why. Results are synthesized
+//! (no hostd), through `berth_reconciler::results` on the real Postgres.
 
-use berth_schemas::ids::SnapshotId;
+use berth_reconciler::results::{ARCHIVE_LOST_CHUNKS, ARCHIVE_MANIFEST_SWEPT};
+use berth_schemas::ids::{SandboxId, SnapshotId};
 use berth_schemas::wire::{ResultOutcome, StopDurable};
 use berth_schemas::CommandKind;
 use sqlx::PgPool;
 
-use crate::support::inproc::{self, Plane};
+use crate::support::inproc::{self, OutboxCommand, Plane};
 
-#[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn an_archive_whose_chunk_was_removed_after_it_was_requested_fails_though_the_row_changed_since(
-    db: PgPool,
-) {
-    let plane = Plane::start(db).await;
+/// A running sandbox stopped (its stop's first result applied, `stopped`), then, after the
+/// stop command's insert, a chunk removal of a chunk its upload skipped claimed and finished
+/// (1 and 2 seconds on), then a settings change that moves the row's `updated_at` past it (3
+/// seconds on: `store::sandboxes::update_settings` writes `updated_at = now()`, allowed while
+/// `stopped` and `archiving`). With `archive`, the archive is requested before the removal.
+/// The sandbox, its stop command, the command whose copy is reported, and the copy's report.
+async fn removal_then_settings_change(
+    plane: &Plane,
+    archive: bool,
+) -> (SandboxId, OutboxCommand, OutboxCommand, StopDurable) {
     let id = plane.create().await;
     let create = plane.latest(id).await;
     plane
@@ -27,13 +35,15 @@ async fn an_archive_whose_chunk_was_removed_after_it_was_requested_fails_though_
     plane
         .deliver(&stop, inproc::succeeded(CommandKind::Stop))
         .await;
-    plane.request(id, "archive").await;
-    let archive = plane.latest(id).await;
-    assert_eq!(archive.kind, CommandKind::Archive);
-    assert_eq!(inproc::row(&plane.db, id).await.state, "archiving");
-
-    // After the archive's insert, a snapshot delete's removal of a chunk the host's upload
-    // skipped (it was in the store when the host looked) claims it and finishes...
+    let reporting = if archive {
+        plane.request(id, "archive").await;
+        let command = plane.latest(id).await;
+        assert_eq!(command.kind, CommandKind::Archive);
+        assert_eq!(inproc::row(&plane.db, id).await.state, "archiving");
+        command
+    } else {
+        stop.clone()
+    };
     let skipped = "5".repeat(64);
     sqlx::query(
         "INSERT INTO chunk_removals (sha256, removing_at, removed_at)
@@ -43,39 +53,109 @@ async fn an_archive_whose_chunk_was_removed_after_it_was_requested_fails_though_
     .execute(&plane.db)
     .await
     .unwrap();
-    // ...and then the user changes a setting, which moves the row's `updated_at` past it
-    // (`store::sandboxes::update_settings` writes `updated_at = now()`, allowed while
-    // `archiving`).
     sqlx::query("UPDATE sandboxes SET updated_at = now() + interval '3 seconds' WHERE id = $1")
         .bind(id.as_uuid())
         .execute(&plane.db)
         .await
         .unwrap();
-
     let copy = StopDurable {
         snapshot_id: SnapshotId::new(),
         memory: false,
         stored_bytes: 1,
         chunks: vec![(skipped, 1)],
     };
-    plane.deliver(&archive, ResultOutcome::Durable(copy)).await;
+    (id, stop, reporting, copy)
+}
 
+/// The row's `state_reason` (an archive refused says why there and in its event).
+async fn state_reason(plane: &Plane, id: SandboxId) -> Option<String> {
+    sqlx::query_scalar("SELECT state_reason FROM sandboxes WHERE id = $1")
+        .bind(id.as_uuid())
+        .fetch_one(&plane.db)
+        .await
+        .unwrap()
+}
+
+/// The archive refused, `stopped` with its disk (no delete frees it), for `reason`.
+async fn archive_refused(plane: &Plane, id: SandboxId, reason: &str) {
     let row = inproc::row(&plane.db, id).await;
+    assert_eq!(row.state, "stopped", "a refused copy is never `archived`");
     assert_eq!(
-        row.state, "stopped",
-        "a copy missing a chunk is never `archived`"
+        durable_at(plane, id).await,
+        None,
+        "the refused copy is not recorded durable"
     );
-    let durable: Option<chrono::DateTime<chrono::Utc>> =
-        sqlx::query_scalar("SELECT durable_at FROM sandboxes WHERE id = $1")
-            .bind(id.as_uuid())
-            .fetch_one(&plane.db)
-            .await
-            .unwrap();
-    assert_eq!(durable, None, "the refused copy is not recorded durable");
     let frees = inproc::commands_of(&plane.db, id)
         .await
         .into_iter()
         .filter(|c| c.kind == CommandKind::Delete)
         .count();
     assert_eq!(frees, 0, "the host keeps the disk: no delete frees it");
+    assert_eq!(state_reason(plane, id).await.as_deref(), Some(reason));
+}
+
+async fn durable_at(plane: &Plane, id: SandboxId) -> Option<chrono::DateTime<chrono::Utc>> {
+    sqlx::query_scalar("SELECT durable_at FROM sandboxes WHERE id = $1")
+        .bind(id.as_uuid())
+        .fetch_one(&plane.db)
+        .await
+        .unwrap()
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_chunk_was_removed_after_it_was_requested_fails_though_the_row_changed_since(
+    db: PgPool,
+) {
+    let plane = Plane::start(db).await;
+    let (id, _, archive, copy) = removal_then_settings_change(&plane, true).await;
+    plane.deliver(&archive, ResultOutcome::Durable(copy)).await;
+    archive_refused(&plane, id, ARCHIVE_LOST_CHUNKS).await;
+}
+
+/// An archive's report that comes after the object store sweep claimed its manifest (the
+/// report came after the sweep's grace period) is refused under the sweep's lock, and says so,
+/// not that a snapshot delete took its chunks.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn an_archive_whose_manifest_was_swept_before_its_report_fails_saying_so(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let (id, _, archive, copy) = removal_then_settings_change(&plane, true).await;
+    let mut tx = plane.db.begin().await.unwrap();
+    assert!(
+        berth_store::sweep::claim_manifest(&mut tx, copy.snapshot_id)
+            .await
+            .unwrap(),
+        "nothing names it before its report"
+    );
+    tx.commit().await.unwrap();
+    plane.deliver(&archive, ResultOutcome::Durable(copy)).await;
+    archive_refused(&plane, id, ARCHIVE_MANIFEST_SWEPT).await;
+}
+
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_stop_whose_skipped_chunk_was_removed_after_the_stop_was_requested_is_not_durable_though_the_row_changed_since(
+    db: PgPool,
+) {
+    let plane = Plane::start(db).await;
+    let (id, stop, reporting, copy) = removal_then_settings_change(&plane, false).await;
+    assert_eq!(
+        reporting, stop,
+        "the stop's second result reports its upload"
+    );
+    let snapshot = copy.snapshot_id;
+    plane.deliver(&stop, ResultOutcome::Durable(copy)).await;
+
+    let row = inproc::row(&plane.db, id).await;
+    assert_eq!(row.state, "stopped");
+    assert_eq!(
+        durable_at(&plane, id).await,
+        None,
+        "a stop that may miss a chunk is never recorded durable"
+    );
+    let handed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM durable_superseded WHERE snapshot_id = $1")
+            .bind(snapshot.as_uuid())
+            .fetch_one(&plane.db)
+            .await
+            .unwrap();
+    assert_eq!(handed, 1, "what its upload stored goes to the collector");
 }

@@ -40,6 +40,7 @@ mod restore_attacks;
 mod resume;
 mod settings;
 mod snapshots;
+mod sweep;
 mod templates;
 mod wait;
 mod webhooks;

@@ -22,16 +22,25 @@ impl ApiProcess {
     /// public listener serves `/metrics` too ([`ApiProcess::metric`] reads them there) unless
     /// `args` name a `--metrics-addr`.
     pub async fn spawn(stack: &Stack, args: &[&str]) -> ApiProcess {
+        Self::spawn_with_env(stack, args, &[]).await
+    }
+
+    /// [`ApiProcess::spawn`] with extra environment (e.g. `BERTH_OBJECT_STORE`).
+    pub async fn spawn_with_env(stack: &Stack, args: &[&str], env: &[(&str, &str)]) -> ApiProcess {
         let mut args = args.to_vec();
         if !args.contains(&"--metrics-addr") {
             args.push("--metrics-on-api");
         }
-        Self::spawn_exact(stack, &args).await
+        Self::spawn_exact_env(stack, &args, env).await
     }
 
     /// Starts `berth api` for `stack` with exactly `args` (its defaults otherwise) and waits
     /// until it answers `/healthz`.
     pub async fn spawn_exact(stack: &Stack, args: &[&str]) -> ApiProcess {
+        Self::spawn_exact_env(stack, args, &[]).await
+    }
+
+    async fn spawn_exact_env(stack: &Stack, args: &[&str], env: &[(&str, &str)]) -> ApiProcess {
         let port = {
             let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             probe.local_addr().unwrap().port()
@@ -51,6 +60,7 @@ impl ApiProcess {
             .env("NATS_URL", nats_url())
             .env("BERTH_SUBJECT_PREFIX", stack.subjects.prefix())
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

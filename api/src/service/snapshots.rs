@@ -188,7 +188,8 @@ pub async fn delete(
 /// snapshot references it: `berth_store::chunks`), the claim committed before the object goes;
 /// how many went.
 ///
-/// Errors: the first database or store failure, as text; the chunks not reached stay queued.
+/// Errors: the first database or store failure, as text; the chunks not reached stay queued, a
+/// claimed one whose delete failed stays claimed (the sweep takes it over).
 pub async fn remove_chunks(
     db: &PgPool,
     objects: &berth_storage::Objects,
@@ -197,20 +198,49 @@ pub async fn remove_chunks(
     let mut removed = 0;
     for hash in hashes {
         let mut conn = db.acquire().await.map_err(|e| e.to_string())?;
+        let claimed = std::time::Instant::now();
         if !chunks::claim(&mut conn, hash)
             .await
             .map_err(|e| e.to_string())?
         {
             continue;
         }
-        objects
-            .delete(&berth_storage::Objects::chunk_key(hash))
-            .await
-            .map_err(|e| e.to_string())?;
-        chunks::finish(&mut conn, hash)
-            .await
-            .map_err(|e| e.to_string())?;
-        removed += 1;
+        if remove_claimed(&mut conn, objects, hash, claimed).await? {
+            removed += 1;
+        }
     }
     Ok(removed)
+}
+
+/// Deletes the object of chunk `hash`, whose removal this remover claimed (or took over) at
+/// `claimed` (noted before its claim's statement went out), and finishes the removal; whether
+/// it went. Only within the claim's `chunks::delete_budget`: past it, nothing is deleted and the
+/// row stays claimed for the sweep's takeover (`chunks::STALE_CLAIM`), and the delete is cut at
+/// the budget's timeout, so it never lands after a takeover finished and an upload stored the
+/// chunk again.
+///
+/// Errors: the store's or the database's failure, or the delete's timeout, as text; the row
+/// stays claimed.
+pub(crate) async fn remove_claimed(
+    conn: &mut sqlx::PgConnection,
+    objects: &berth_storage::Objects,
+    hash: &str,
+    claimed: std::time::Instant,
+) -> Result<bool, String> {
+    let Some(budget) = chunks::delete_budget(claimed) else {
+        warn!(sha256 = %hash, elapsed = ?claimed.elapsed(),
+            "a chunk removal's claim is too old to delete under; left for the sweep's takeover");
+        return Ok(false);
+    };
+    tokio::time::timeout(
+        budget,
+        objects.delete(&berth_storage::Objects::chunk_key(hash)),
+    )
+    .await
+    .map_err(|_| format!("deleting chunk {hash} took longer than {budget:?}"))?
+    .map_err(|e| e.to_string())?;
+    chunks::finish(conn, hash)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(true)
 }
