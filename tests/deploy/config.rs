@@ -6,13 +6,14 @@ use std::path::Path;
 use crate::kit;
 
 /// Variables read by code that is no configuration: build scripts, the runtime's own pass-
-/// through, and the crash points compiled into test builds only.
+/// through, and the crash and failure points compiled into test builds only.
 const NOT_CONFIGURATION: &[&str] = &[
     "OUT_DIR",
     "CC",
     "PATH",
     "LD_PRELOAD",
     "BERTH_HOSTD_CRASH_AT",
+    "BERTH_HOSTD_FAIL_AT",
 ];
 
 #[test]
