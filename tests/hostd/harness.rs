@@ -359,16 +359,27 @@ impl Harness {
             sandbox_id: sandbox,
             op,
         };
-        let reply = tokio::time::timeout(
-            EXEC_REQUEST_TIMEOUT,
-            self.nats.request(
-                self.subjects.agent(self.host_id),
-                wire::encode(&request).into(),
-            ),
-        )
-        .await
-        .context("agent request timed out")??;
-        Ok(wire::decode(&reply.payload)?)
+        let payload: bytes::Bytes = wire::encode(&request).into();
+        let deadline = tokio::time::Instant::now() + EXEC_REQUEST_TIMEOUT;
+        loop {
+            let reply = tokio::time::timeout_at(
+                deadline,
+                self.nats
+                    .request(self.subjects.agent(self.host_id), payload.clone()),
+            )
+            .await
+            .context("agent request timed out")?;
+            match reply {
+                Ok(reply) => return Ok(wire::decode(&reply.payload)?),
+                // A hostd just (re)started answers heartbeats and adopts its sandboxes before its
+                // agent subscription reaches the server: asked in between, the server answers
+                // at once that nobody listens. Asked again until the deadline, as a client would.
+                Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     /// Waits for a heartbeat in which `sandbox` has `status`.
