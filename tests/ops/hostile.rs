@@ -101,6 +101,67 @@ async fn every_list_route_refuses_a_query_parameter_it_does_not_read_naming_it(d
     }
 }
 
+/// Found by an attack run: `POST /v1/hosts/{id}/drain?live=true` drained without `live` (the
+/// query was not read) and answered 200; the host actions now refuse any query parameter. And a
+/// NUL byte (which Postgres text cannot hold) in a template's name or description or a
+/// webhook's secret was a 500; it is a 404 for a name asked for, a 400 naming the field else.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn host_actions_refuse_a_query_and_a_nul_byte_is_refused_not_a_500(db: PgPool) {
+    let org = inproc::org(&db).await;
+    let admin = berth_api::auth::create_admin_key(&db).await.unwrap();
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = Api::new(db.clone(), nats, inproc::unique_subjects());
+    let some = "0b3e5c64-3b4e-4a3c-9a51-2b0f0e7d7a11";
+    for (action, param) in [("drain", "live"), ("cordon", "bogus"), ("uncordon", "x")] {
+        let path = format!("/v1/hosts/{some}/{action}?{param}=true");
+        let reply = api.call(&admin, Method::POST, &path, None, None).await;
+        assert_eq!(reply.status, 400, "{path}: {}", reply.body);
+        assert_eq!(
+            reply.body["error"]["field"], param,
+            "{path}: {}",
+            reply.body
+        );
+    }
+    let drain = format!("/v1/hosts/{some}/drain");
+    let reply = api
+        .call(&admin, Method::POST, &drain, None, Some(r#"{"live":true}"#))
+        .await;
+    assert_eq!(reply.status, 404, "the body is read: {}", reply.body);
+
+    for method in [Method::GET, Method::DELETE] {
+        let reply = api
+            .call(&admin, method.clone(), "/v1/templates/a%00b", None, None)
+            .await;
+        assert_eq!(reply.status, 404, "{method}: {}", reply.body);
+    }
+    let bad = [
+        (
+            admin.as_str(),
+            "/v1/templates",
+            r#"{"name":"ab","image":"registry.invalid/a:1","description":"x\u0000"}"#,
+            "description",
+        ),
+        (
+            org.key.as_str(),
+            "/v1/webhooks",
+            r#"{"url":"https://example.com/","secret":"0123456789abcdef\u0000","event_types":["sandbox.running"]}"#,
+            "secret",
+        ),
+    ];
+    // The template route needs an API that can pull (it is 503 `not_configured` before it reads
+    // the body otherwise).
+    let api = crate::requests::never_pulling_api(&db).await;
+    for (key, path, body, field) in bad {
+        let reply = api.call(key, Method::POST, path, None, Some(body)).await;
+        assert_eq!(reply.status, 400, "{path}: {}", reply.body);
+        assert_eq!(
+            reply.body["error"]["field"], field,
+            "{path}: {}",
+            reply.body
+        );
+    }
+}
+
 /// Found by an attack run: any org key could register a template, which every org shares:
 /// pull any image the API's machine reaches (a registry on the operator's network), fill its
 /// template cache, and plant an image under a name other tenants create from. Only an

@@ -321,7 +321,7 @@ async fn post_keys_honours_idempotency_key_without_storing_the_secret(db: PgPool
 }
 
 /// A puller whose pull never ends: the template stays `pulling`.
-struct NeverPulls;
+pub(crate) struct NeverPulls;
 
 impl ImagePuller for NeverPulls {
     fn pull(
@@ -338,7 +338,7 @@ impl ImagePuller for NeverPulls {
 }
 
 /// The API on `db` with an image puller that never finishes (templates stay `pulling`).
-async fn never_pulling_api(db: &PgPool) -> Api {
+pub(crate) async fn never_pulling_api(db: &PgPool) -> Api {
     let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
     Api::with_state(
         db.clone(),

@@ -11,7 +11,7 @@ use axum::extract::{Path, State};
 use axum::Json;
 use berth_schemas::{HostEvent, HostId};
 
-use super::extract::parse_path_id;
+use super::extract::{parse_path_id, NoParams, StrictQuery};
 use crate::auth::Admin;
 use crate::error::ApiError;
 use crate::service::hosts::{self, Host};
@@ -81,13 +81,14 @@ pub struct DrainBody {
         Draining again (live or not) retries the failed moves; cordon or uncordon ends it.",
     request_body(content = Option<DrainBody>, description = "`{\"live\": true}`, `{}` or no body"),
     responses((status = 200, body = Host), (status = 404, description = "`not_found`"),
-        (status = 400, description = "`invalid_request`: a body with other fields"),
+        (status = 400, description = "`invalid_request`: a body with other fields, or a query parameter (`?live=true` is not read: `live` goes in the body)"),
         (status = 409, description = "`conflict`: the host is `lost`")),
     security(("bearer" = [])))]
 pub async fn drain(
     State(app): State<AppState>,
     _admin: Admin,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
     body: axum::body::Bytes,
 ) -> Result<Json<Host>, ApiError> {
     let DrainBody { live } = super::body::json_or_empty(&body)?;
@@ -100,13 +101,14 @@ macro_rules! host_action {
         #[utoipa::path(post, path = $path, params(("id" = String, Path)), description = $what,
             request_body(content = Option<super::body::NoFields>, description = "`{}` or no body"),
             responses((status = 200, body = Host), (status = 404, description = "`not_found`"),
-                (status = 400, description = "`invalid_request`: a body other than `{}` or none"),
+                (status = 400, description = "`invalid_request`: a body other than `{}` or none, or a query parameter"),
                 (status = 409, description = "`conflict`: the host is `lost`")),
             security(("bearer" = [])))]
         pub async fn $name(
             State(app): State<AppState>,
             _admin: Admin,
             Path(id): Path<String>,
+            _query: StrictQuery<NoParams>,
             body: axum::body::Bytes,
         ) -> Result<Json<Host>, ApiError> {
             let super::body::NoFields {} = super::body::json_or_empty(&body)?;

@@ -115,6 +115,13 @@ pub async fn list(db: &PgPool) -> Result<Vec<Template>, ServiceError> {
 ///
 /// Errors: [`ServiceError::NotFound`].
 pub async fn get(db: &PgPool, name: &str) -> Result<Template, ServiceError> {
+    // No template name holds NUL (nor can Postgres text): not found, without asking.
+    if name.contains('\0') {
+        return Err(ServiceError::NotFound(format!(
+            "template {}",
+            name.escape_default()
+        )));
+    }
     let row = templates::get(db, name)
         .await?
         .ok_or_else(|| ServiceError::NotFound(format!("template {name}")))?;
@@ -166,6 +173,13 @@ pub async fn create_from_image(
     description: Option<&str>,
 ) -> Result<Template, ServiceError> {
     validate(name, image, runtime)?;
+    if description.is_some_and(|d| d.contains('\0')) {
+        // Postgres text holds no NUL: refused here, not a 500 from the insert.
+        return Err(ServiceError::InvalidRequest {
+            field: "description",
+            message: "description cannot hold NUL".into(),
+        });
+    }
     let description = description
         .map(str::to_owned)
         .unwrap_or_else(|| format!("OCI image {image}"));
@@ -228,6 +242,12 @@ pub async fn delete(
     name: &str,
 ) -> Result<(), ServiceError> {
     use berth_store::templates::Deleted;
+    if name.contains('\0') {
+        return Err(ServiceError::NotFound(format!(
+            "template {}",
+            name.escape_default()
+        )));
+    }
     match templates::delete(db, name).await? {
         Deleted::NotFound => Err(ServiceError::NotFound(format!("template {name}"))),
         Deleted::NotAnImage(row) => Err(ServiceError::TemplateConflict {

@@ -141,6 +141,9 @@ impl CreateWebhook {
             ));
         }
         if let Some(secret) = &self.secret {
+            if secret.contains('\0') {
+                return Err(ApiError::invalid("secret", "secret cannot hold NUL"));
+            }
             if !(MIN_SECRET_LEN..=MAX_SECRET_LEN).contains(&secret.len()) {
                 return Err(ApiError::invalid(
                     "secret",
