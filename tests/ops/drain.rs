@@ -240,17 +240,24 @@ async fn a_live_drain_moves_a_runc_sandbox_with_its_files_and_archives_a_stopped
     stack.teardown().await;
 }
 
+/// A stack of one host with a running sandbox and a stopped one on it: `(stack, running,
+/// stopped)`.
+async fn one_running_one_stopped(db: &PgPool) -> (Stack, String, String) {
+    let stack = Stack::start_with(db.clone(), 1, quick(4)).await;
+    let id = running_sandbox(&stack).await;
+    let stopped = running_sandbox(&stack).await;
+    assert_eq!(stack.request(&stopped, "stop").await.0, 202);
+    stack.wait_state(&stopped, "stopped").await;
+    (stack, id, stopped)
+}
+
 /// A drain that is not live archives the stopped sandbox and leaves the running one where it
 /// is, counted as `staying` (the host is not empty when the drain is done).
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_drain_that_is_not_live_archives_the_stopped_one_and_counts_the_running_one_staying(
     db: PgPool,
 ) {
-    let mut stack = Stack::start_with(db.clone(), 1, quick(4)).await;
-    let id = running_sandbox(&stack).await;
-    let stopped = running_sandbox(&stack).await;
-    assert_eq!(stack.request(&stopped, "stop").await.0, 202);
-    stack.wait_state(&stopped, "stopped").await;
+    let (mut stack, id, stopped) = one_running_one_stopped(&db).await;
     let first = host_of(&stack, &id).await;
     stack.add_host().await;
 
@@ -275,11 +282,7 @@ async fn a_drain_that_is_not_live_archives_the_stopped_one_and_counts_the_runnin
 async fn a_drain_without_room_elsewhere_leaves_its_sandboxes_as_they_are_counted_failed_until_drained_again(
     db: PgPool,
 ) {
-    let mut stack = Stack::start_with(db.clone(), 1, quick(4)).await;
-    let id = running_sandbox(&stack).await;
-    let stopped = running_sandbox(&stack).await;
-    assert_eq!(stack.request(&stopped, "stop").await.0, 202);
-    stack.wait_state(&stopped, "stopped").await;
+    let (mut stack, id, stopped) = one_running_one_stopped(&db).await;
     let before = generation(&stack, &id).await;
     let first = host_of(&stack, &id).await;
     // The other host is too small for a 256 MiB sandbox.
