@@ -293,10 +293,10 @@ async fn retry_stale_claims(db: &PgPool, objects: &Objects) -> Result<u64, Sweep
     for hash in hashes {
         let mut conn = db.acquire().await?;
         let claimed = std::time::Instant::now();
-        if !chunks::reclaim(&mut conn, &hash).await? {
+        let Some(token) = chunks::reclaim_at(&mut conn, &hash).await? else {
             continue;
-        }
-        if !crate::service::snapshots::remove_claimed(&mut conn, objects, &hash, claimed)
+        };
+        if !crate::service::snapshots::remove_claimed(&mut conn, objects, &hash, (claimed, token))
             .await
             .map_err(SweepError::ChunkRemoval)?
         {

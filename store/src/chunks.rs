@@ -155,38 +155,57 @@ pub async fn stale_claims(conn: &mut PgConnection, limit: i64) -> Result<Vec<Str
 /// takes over deletes nothing any more (its budget ran out at half of [`STALE_CLAIM`]), so the
 /// two never remove it at once, the second after an upload stored it again.
 pub async fn reclaim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreError> {
-    let done = timed(
+    Ok(reclaim_at(conn, hash).await?.is_some())
+}
+
+/// [`reclaim`], returning the claim's time (`removing_at`), the token [`still_claimed`] and
+/// [`finish_claimed`] check; `None` when this caller does not hold it.
+pub async fn reclaim_at(
+    conn: &mut PgConnection,
+    hash: &str,
+) -> Result<Option<DateTime<Utc>>, StoreError> {
+    timed(
         Op::ChunkRemoval,
-        sqlx::query(
+        sqlx::query_scalar(
             "UPDATE chunk_removals SET removing_at = clock_timestamp()
               WHERE sha256 = $1 AND removed_at IS NULL
-                AND removing_at < clock_timestamp() - make_interval(secs => $2)",
+                AND removing_at < clock_timestamp() - make_interval(secs => $2)
+             RETURNING removing_at",
         )
         .bind(hash)
         .bind(STALE_CLAIM.as_secs_f64())
-        .execute(conn),
+        .fetch_optional(conn),
     )
-    .await?;
-    Ok(done.rows_affected() > 0)
+    .await
 }
 
 /// Claims the queued chunk `hash` for removal, if no snapshot references it and nobody claimed
 /// it; whether it was claimed. Commit before deleting the object.
 pub async fn claim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreError> {
-    let done = timed(
+    Ok(claim_at(conn, hash).await?.is_some())
+}
+
+/// [`claim`], returning the claim's time (`removing_at`), the token [`still_claimed`] and
+/// [`finish_claimed`] check; `None` when not claimed.
+pub async fn claim_at(
+    conn: &mut PgConnection,
+    hash: &str,
+) -> Result<Option<DateTime<Utc>>, StoreError> {
+    let claimed: Option<DateTime<Utc>> = timed(
         Op::ChunkRemoval,
-        sqlx::query(
+        sqlx::query_scalar(
             "UPDATE chunk_removals SET removing_at = clock_timestamp()
               WHERE sha256 = $1 AND removing_at IS NULL
                 AND NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
                 AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)
-                AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1)",
+                AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1)
+             RETURNING removing_at",
         )
         .bind(hash)
-        .execute(&mut *conn),
+        .fetch_optional(&mut *conn),
     )
     .await?;
-    if done.rows_affected() == 0 {
+    if claimed.is_none() {
         // Referenced again (or claimed by another remover): a referenced chunk's row goes.
         timed(
             Op::ChunkRemoval,
@@ -200,12 +219,62 @@ pub async fn claim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreErr
             .execute(conn),
         )
         .await?;
-        return Ok(false);
+        return Ok(None);
     }
-    Ok(true)
+    Ok(claimed)
 }
 
-/// Stamps the claimed chunk `hash` as removed from the object store.
+/// Whether this remover's claim of `hash`, made at `claimed_at` ([`claim_at`], [`reclaim_at`]),
+/// is still the row's, unfinished, and younger than half of [`STALE_CLAIM`] on the database's
+/// clock: checked right before the object's delete, so a remover that stalled (a paused
+/// process or VM, whose monotonic clock may not have run) or whose claim a takeover replaced
+/// deletes nothing.
+pub async fn still_claimed(
+    conn: &mut PgConnection,
+    hash: &str,
+    claimed_at: DateTime<Utc>,
+) -> Result<bool, StoreError> {
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM chunk_removals
+                             WHERE sha256 = $1 AND removing_at = $2 AND removed_at IS NULL
+                               AND clock_timestamp() - removing_at
+                                   < make_interval(secs => $3))",
+        )
+        .bind(hash)
+        .bind(claimed_at)
+        .bind((STALE_CLAIM / 2).as_secs_f64())
+        .fetch_one(conn),
+    )
+    .await
+}
+
+/// [`finish`] fenced by the claim's token: stamps the removal finished only while the row is
+/// still this remover's claim made at `claimed_at` (a takeover's newer claim is left for the
+/// takeover to finish, so a stalled remover's late finish cannot date a removal before an
+/// upload that its successor's delete will then race). Whether it stamped.
+pub async fn finish_claimed(
+    conn: &mut PgConnection,
+    hash: &str,
+    claimed_at: DateTime<Utc>,
+) -> Result<bool, StoreError> {
+    let done = timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "UPDATE chunk_removals SET removed_at = clock_timestamp()
+              WHERE sha256 = $1 AND removing_at = $2 AND removed_at IS NULL",
+        )
+        .bind(hash)
+        .bind(claimed_at)
+        .execute(conn),
+    )
+    .await?;
+    Ok(done.rows_affected() > 0)
+}
+
+/// Stamps the claimed chunk `hash` as removed from the object store, whoever claimed it
+/// (unfenced: a remover that can be taken over finishes with [`finish_claimed`]).
 pub async fn finish(conn: &mut PgConnection, hash: &str) -> Result<(), StoreError> {
     timed(
         Op::ChunkRemoval,

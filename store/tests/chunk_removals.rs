@@ -419,6 +419,62 @@ async fn a_stale_claim_is_taken_over_by_one_retrier_and_a_live_one_is_left(db: P
         .is_empty());
 }
 
+/// Moves the claim of `h` back by `secs` (database clock); its new `removing_at`.
+async fn claimed_ago(conn: &mut PgConnection, h: &str, secs: f64) -> chrono::DateTime<chrono::Utc> {
+    sqlx::query_scalar(
+        "UPDATE chunk_removals SET removing_at = removing_at - make_interval(secs => $2)
+          WHERE sha256 = $1 RETURNING removing_at",
+    )
+    .bind(h)
+    .bind(secs)
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
+/// A second review of the sweep: a remover that stalled past the takeover must neither delete
+/// (its claim is no longer the row's, or too old on the database's clock, whatever its own
+/// monotonic clock says) nor finish the takeover's claim with its late `finish`, which would
+/// date the removal before an upload the takeover's delete then races.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_stalled_remover_neither_deletes_nor_finishes_once_its_claim_is_old_or_taken_over(
+    db: PgPool,
+) {
+    let x = hash('1');
+    let mut conn = db.acquire().await.unwrap();
+    chunks::queue(&mut conn, std::slice::from_ref(&x))
+        .await
+        .unwrap();
+    let mine = chunks::claim_at(&mut conn, &x)
+        .await
+        .unwrap()
+        .expect("claimed");
+    assert!(chunks::still_claimed(&mut conn, &x, mine).await.unwrap());
+
+    // Half the stale-claim age later (database clock): too old to delete under.
+    let half = chunks::STALE_CLAIM.as_secs_f64() / 2.0;
+    let mine = claimed_ago(&mut conn, &x, half + 1.0).await;
+    assert!(!chunks::still_claimed(&mut conn, &x, mine).await.unwrap());
+
+    // Past the whole age: taken over. The old claim's finish stamps nothing; the takeover's does.
+    let mine = claimed_ago(&mut conn, &x, half).await;
+    let theirs = chunks::reclaim_at(&mut conn, &x)
+        .await
+        .unwrap()
+        .expect("taken over");
+    assert!(!chunks::still_claimed(&mut conn, &x, mine).await.unwrap());
+    assert!(!chunks::finish_claimed(&mut conn, &x, mine).await.unwrap());
+    let finished: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT removed_at FROM chunk_removals WHERE sha256 = $1")
+            .bind(&x)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    assert_eq!(finished, None, "the stalled remover's finish is refused");
+    assert!(chunks::still_claimed(&mut conn, &x, theirs).await.unwrap());
+    assert!(chunks::finish_claimed(&mut conn, &x, theirs).await.unwrap());
+}
+
 /// Whether the session `waiter` waits for a lock `holder` holds (Postgres's own view).
 async fn blocked_by(db: &PgPool, waiter: i32, holder: i32) -> bool {
     sqlx::query_scalar("SELECT $2 = ANY(pg_blocking_pids($1))")

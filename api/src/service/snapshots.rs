@@ -199,25 +199,28 @@ pub async fn remove_chunks(
     for hash in hashes {
         let mut conn = db.acquire().await.map_err(|e| e.to_string())?;
         let claimed = std::time::Instant::now();
-        if !chunks::claim(&mut conn, hash)
+        let Some(token) = chunks::claim_at(&mut conn, hash)
             .await
             .map_err(|e| e.to_string())?
-        {
+        else {
             continue;
-        }
-        if remove_claimed(&mut conn, objects, hash, claimed).await? {
+        };
+        if remove_claimed(&mut conn, objects, hash, (claimed, token)).await? {
             removed += 1;
         }
     }
     Ok(removed)
 }
 
-/// Deletes the object of chunk `hash`, whose removal this remover claimed (or took over) at
-/// `claimed` (noted before its claim's statement went out), and finishes the removal; whether
-/// it went. Only within the claim's `chunks::delete_budget`: past it, nothing is deleted and the
-/// row stays claimed for the sweep's takeover (`chunks::STALE_CLAIM`), and the delete is cut at
-/// the budget's timeout, so it never lands after a takeover finished and an upload stored the
-/// chunk again.
+/// Deletes the object of chunk `hash`, whose removal this remover claimed (or took over):
+/// `claimed` is the local time noted before its claim's statement went out and the claim's
+/// token (`removing_at`, on the database's clock). Finishes the removal, fenced by that token;
+/// whether it went. Only within the claim's `chunks::delete_budget` and while the database
+/// still says the claim is this remover's and younger than half of `chunks::STALE_CLAIM`
+/// (`chunks::still_claimed`: the local clock of a paused process may not have run): past
+/// either, nothing is deleted and the row stays claimed for the sweep's takeover. The delete
+/// is cut at the budget's timeout, so it never lands after a takeover finished and an upload
+/// stored the chunk again.
 ///
 /// Errors: the store's or the database's failure, or the delete's timeout, as text; the row
 /// stays claimed.
@@ -225,12 +228,21 @@ pub(crate) async fn remove_claimed(
     conn: &mut sqlx::PgConnection,
     objects: &berth_storage::Objects,
     hash: &str,
-    claimed: std::time::Instant,
+    (claimed, token): (std::time::Instant, chrono::DateTime<chrono::Utc>),
 ) -> Result<bool, String> {
-    let Some(budget) = chunks::delete_budget(claimed) else {
-        warn!(sha256 = %hash, elapsed = ?claimed.elapsed(),
-            "a chunk removal's claim is too old to delete under; left for the sweep's takeover");
-        return Ok(false);
+    let budget = match chunks::delete_budget(claimed) {
+        Some(budget)
+            if chunks::still_claimed(conn, hash, token)
+                .await
+                .map_err(|e| e.to_string())? =>
+        {
+            budget
+        }
+        _ => {
+            warn!(sha256 = %hash, elapsed = ?claimed.elapsed(),
+                "a chunk removal's claim is too old or no longer this remover's; left for the sweep's takeover");
+            return Ok(false);
+        }
     };
     tokio::time::timeout(
         budget,
@@ -239,8 +251,7 @@ pub(crate) async fn remove_claimed(
     .await
     .map_err(|_| format!("deleting chunk {hash} took longer than {budget:?}"))?
     .map_err(|e| e.to_string())?;
-    chunks::finish(conn, hash)
+    chunks::finish_claimed(conn, hash, token)
         .await
-        .map_err(|e| e.to_string())?;
-    Ok(true)
+        .map_err(|e| e.to_string())
 }
