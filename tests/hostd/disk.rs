@@ -86,7 +86,10 @@ async fn fill_the_disk(
     .await;
 
     // A stop keeps the disk and releases its mount and loop device; the start mounts it again.
-    let stopped = h.send(&h.command(sandbox, 2, CommandKind::Stop)).await?;
+    // The stop snapshot's capture mounts the disk again to read it, in the background after
+    // the stop's answer: the disk is released once the stop is durable.
+    let stop = h.command(sandbox, 2, CommandKind::Stop);
+    let stopped = h.send(&stop).await?;
     ensure!(
         stopped.outcome
             == ResultOutcome::Succeeded {
@@ -95,6 +98,7 @@ async fn fill_the_disk(
             },
         "{stopped:?}"
     );
+    h.durable(stop.id).await?;
     ensure!(
         !is_mounted(&dir.join("disk"))?,
         "the disk is mounted while stopped"
