@@ -25,16 +25,7 @@ async fn removal_then_settings_change(
     plane: &Plane,
     archive: bool,
 ) -> (SandboxId, OutboxCommand, OutboxCommand, StopDurable) {
-    let id = plane.create().await;
-    let create = plane.latest(id).await;
-    plane
-        .deliver(&create, inproc::succeeded(CommandKind::Create))
-        .await;
-    plane.request(id, "stop").await;
-    let stop = plane.latest(id).await;
-    plane
-        .deliver(&stop, inproc::succeeded(CommandKind::Stop))
-        .await;
+    let (id, stop) = plane.stopped().await;
     let reporting = if archive {
         plane.request(id, "archive").await;
         let command = plane.latest(id).await;

@@ -9,23 +9,12 @@ use std::time::Duration;
 use async_nats::jetstream;
 use berth_reconciler::results::{self, Applied, Rejection};
 use berth_schemas::wire::{self, Command, CommandResult};
-use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxId, SandboxState};
+use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxState};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::env::{eventually, nats_url, unique_subjects};
-use crate::support::inproc::{self, OutboxCommand, Plane};
-
-/// A running sandbox with its stop requested: its open stop command.
-async fn stopping(plane: &Plane) -> (SandboxId, OutboxCommand) {
-    let id = plane.create().await;
-    let create = plane.latest(id).await;
-    plane
-        .deliver(&create, inproc::succeeded(CommandKind::Create))
-        .await;
-    plane.request(id, "stop").await;
-    (id, plane.latest(id).await)
-}
+use crate::support::inproc::{self, Plane};
 
 async fn apply(db: &PgPool, result: &CommandResult) -> Applied {
     results::apply(db, result).await.expect("apply a result")
@@ -34,7 +23,7 @@ async fn apply(db: &PgPool, result: &CommandResult) -> Applied {
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_result_that_does_not_match_the_issued_command_changes_nothing(db: PgPool) {
     let plane = Plane::start(db).await;
-    let (id, stop) = stopping(&plane).await;
+    let (id, stop) = plane.stopping().await;
     let before = inproc::row(&plane.db, id).await;
     assert_eq!(before.state, "stopping");
     let genuine = inproc::result_for(&stop, inproc::failed());
@@ -106,7 +95,7 @@ async fn a_result_that_does_not_match_the_issued_command_changes_nothing(db: PgP
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_forged_stop_failure_cannot_bring_a_stopped_sandbox_back(db: PgPool) {
     let plane = Plane::start(db).await;
-    let (id, stop) = stopping(&plane).await;
+    let (id, stop) = plane.stopping().await;
     plane
         .deliver(&stop, inproc::succeeded(CommandKind::Stop))
         .await;
@@ -176,7 +165,7 @@ async fn a_command_of_another_host_completes_without_touching_the_row(db: PgPool
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
 async fn a_result_published_on_another_hosts_subject_is_not_applied(db: PgPool) {
     let plane = Plane::start(db).await;
-    let (id, stop) = stopping(&plane).await;
+    let (id, stop) = plane.stopping().await;
     let subjects = unique_subjects();
     let nats = async_nats::connect(nats_url()).await.unwrap();
     let js = jetstream::new(nats.clone());

@@ -681,17 +681,7 @@ async fn archive_with_a_damaged_recorded_stop(db: PgPool, damage: Damage) {
 /// through the reconciler's result apply; no hostd): `archived`, on the plane's host.
 pub(crate) async fn archived_by_hand(plane: &Plane) -> berth_schemas::SandboxId {
     use berth_schemas::wire::{ResultOutcome, StopDurable};
-    use berth_schemas::CommandKind;
-    let id = plane.create().await;
-    let create = plane.latest(id).await;
-    plane
-        .deliver(&create, inproc::succeeded(CommandKind::Create))
-        .await;
-    plane.request(id, "stop").await;
-    let stop = plane.latest(id).await;
-    plane
-        .deliver(&stop, inproc::succeeded(CommandKind::Stop))
-        .await;
+    let (id, _stop) = plane.stopped().await;
     plane.request(id, "archive").await;
     let archive = plane.latest(id).await;
     let copy = StopDurable {

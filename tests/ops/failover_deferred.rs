@@ -152,6 +152,33 @@ impl Fixture {
         assert!(!report.all_hosts_silent && !report.deposed, "{report:?}");
         report
     }
+
+    /// One pass that defers: no failover restored or given up, and each of `ids` still
+    /// `running` on the lost host.
+    async fn pass_deferring(&self, ids: &[SandboxId]) -> PassReport {
+        deferring(&self.plane.db, self.pass().await, ids).await
+    }
+}
+
+/// Asserts `report` deferred every failover it met: none restored or given up, each of `ids`
+/// still `running` on the lost host.
+async fn deferring(db: &PgPool, report: PassReport, ids: &[SandboxId]) -> PassReport {
+    assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
+    assert_eq!(report.count(Action::FailoverRestored), 0, "{report:?}");
+    for id in ids {
+        assert_eq!(row(db, *id).await.state, "running", "deferred, not failed");
+    }
+    report
+}
+
+/// Asserts `id`'s failover was given up (`failed-start`, its last event `host_lost`, its
+/// capacity released) and returns the sandbox's `state_reason`.
+async fn given_up(db: &PgPool, id: SandboxId) -> String {
+    let (state, reason) = state_reason(db, id).await;
+    assert_eq!(state, "failed-start", "{reason}");
+    assert_eq!(last_reason(db, id).await, "host_lost");
+    assert!(!row(db, id).await.holds_capacity);
+    reason
 }
 
 async fn state_reason(db: &PgPool, id: SandboxId) -> (String, String) {
@@ -208,12 +235,7 @@ async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lo
     lost_since(&db, plane.host, DUE).await;
     for wait in [0.0, 0.0, WITHIN] {
         time_passes(&db, plane.host, wait).await;
-        let report = fx.pass().await;
-        assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
-        assert_eq!(report.count(Action::FailoverRestored), 0, "{report:?}");
-        for id in [big, unready] {
-            assert_eq!(row(&db, id).await.state, "running", "deferred, not failed");
-        }
+        fx.pass_deferring(&[big, unready]).await;
         assert_eq!(reserved(&db, plane.host).await, held, "released nothing");
         assert_eq!(reserved(&db, fx.other).await, (0, 0), "reserved nothing");
         assert_no_drift(&db).await;
@@ -223,22 +245,16 @@ async fn a_failover_deferred_for_want_of_room_or_of_a_ready_backup_fails_host_lo
     time_passes(&db, plane.host, PAST).await;
     let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 2, "{report:?}");
-    let (state, reason) = state_reason(&db, big).await;
-    assert_eq!(state, "failed-start");
+    let reason = given_up(&db, big).await;
     assert!(
         reason.starts_with("host_lost") && reason.contains("no host had room for its backup"),
         "{reason}"
     );
-    let (state, reason) = state_reason(&db, unready).await;
-    assert_eq!(state, "failed-start");
+    let reason = given_up(&db, unready).await;
     assert!(
         reason.contains("its backup was being deleted or not ready"),
         "{reason}"
     );
-    for id in [big, unready] {
-        assert_eq!(last_reason(&db, id).await, "host_lost");
-        assert!(!row(&db, id).await.holds_capacity);
-    }
     assert_eq!(reserved(&db, plane.host).await, (0, 0));
     assert_eq!(reserved(&db, fx.other).await, (0, 0));
     assert_no_drift(&db).await;
@@ -286,8 +302,7 @@ async fn more_deferred_failovers_than_a_batch_do_not_keep_the_rest_of_a_lost_hos
     let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
     for id in &big {
-        let (state, reason) = state_reason(&db, *id).await;
-        assert_eq!(state, "failed-start");
+        let reason = given_up(&db, *id).await;
         assert!(reason.contains("no host had room"), "{reason}");
     }
     assert_eq!(reserved(&db, plane.host).await, (0, 0));
@@ -326,9 +341,7 @@ async fn a_failover_first_deferred_long_after_it_was_due_is_still_retried_for_it
     lost_since(&db, plane.host, 3600.0).await;
     for wait in [0.0, 0.0, WITHIN] {
         time_passes(&db, plane.host, wait).await;
-        let report = fx.pass().await;
-        assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
-        assert_eq!(row(&db, big).await.state, "running", "deferred, not failed");
+        fx.pass_deferring(&[big]).await;
         let (ago, on_its_host) = deferral(&db, big).await.expect("first deferral recorded");
         assert!(on_its_host);
         assert!(
@@ -341,14 +354,12 @@ async fn a_failover_first_deferred_long_after_it_was_due_is_still_retried_for_it
     time_passes(&db, plane.host, PAST).await;
     let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
-    let (state, reason) = state_reason(&db, big).await;
-    assert_eq!(state, "failed-start");
+    let reason = given_up(&db, big).await;
     assert!(
         reason.contains("600s its failover was retried for")
             && reason.contains("no host had room for its backup"),
         "{reason}"
     );
-    assert_eq!(last_reason(&db, big).await, "host_lost");
     assert_eq!(reserved(&db, plane.host).await, (0, 0));
     assert_no_drift(&db).await;
 }
@@ -396,13 +407,7 @@ async fn a_deferral_from_an_earlier_silence_or_on_another_host_counts_for_nothin
     // before its last heartbeat) is not counted; the first deferral of this silence replaces it.
     overdue_deferral(&db, big, None).await;
     lost_since(&db, plane.host, DUE).await;
-    let report = fx.pass().await;
-    assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
-    assert_eq!(
-        row(&db, big).await.state,
-        "running",
-        "deferred, not given up"
-    );
+    fx.pass_deferring(&[big]).await;
     let (ago, on_its_host) = deferral(&db, big).await.unwrap();
     assert!(ago < 60.0 && on_its_host, "replaced: {ago}");
 
@@ -410,13 +415,7 @@ async fn a_deferral_from_an_earlier_silence_or_on_another_host_counts_for_nothin
     // though newer than this host's last heartbeat.
     lost_since(&db, plane.host, 3600.0).await;
     overdue_deferral(&db, big, Some(HostId::new())).await;
-    let report = fx.pass().await;
-    assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
-    assert_eq!(
-        row(&db, big).await.state,
-        "running",
-        "deferred, not given up"
-    );
+    fx.pass_deferring(&[big]).await;
     let (ago, on_its_host) = deferral(&db, big).await.unwrap();
     assert!(ago < 60.0 && on_its_host, "replaced: {ago}");
 
@@ -424,7 +423,7 @@ async fn a_deferral_from_an_earlier_silence_or_on_another_host_counts_for_nothin
     time_passes(&db, plane.host, WITHIN + PAST).await;
     let report = fx.pass().await;
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
-    assert_eq!(state_reason(&db, big).await.0, "failed-start");
+    given_up(&db, big).await;
     assert_no_drift(&db).await;
 }
 
@@ -456,10 +455,7 @@ async fn a_failover_deferred_because_the_hosts_with_room_are_stale_or_degraded_s
     lost_since(&db, plane.host, DUE).await;
     for _ in 0..2 {
         stale_again(&db, stale).await;
-        let report = fx.pass_with(degraded, roomy).await;
-        assert_eq!(report.count(Action::HostLostFailover), 0, "{report:?}");
-        assert_eq!(report.count(Action::FailoverRestored), 0, "{report:?}");
-        assert_eq!(row(&db, small).await.state, "running", "deferred");
+        deferring(&db, fx.pass_with(degraded, roomy).await, &[small]).await;
         assert_eq!(reserved(&db, degraded).await, (0, 0));
         assert_eq!(reserved(&db, stale).await, (0, 0));
     }
@@ -468,8 +464,7 @@ async fn a_failover_deferred_because_the_hosts_with_room_are_stale_or_degraded_s
     stale_again(&db, stale).await;
     let report = fx.pass_with(degraded, roomy).await;
     assert_eq!(report.count(Action::HostLostFailover), 1, "{report:?}");
-    let (state, reason) = state_reason(&db, small).await;
-    assert_eq!(state, "failed-start");
+    let reason = given_up(&db, small).await;
     assert!(
         reason.ends_with(
             "the hosts with room for its backup could not be used: 1 with a stale heartbeat, \
@@ -478,7 +473,6 @@ async fn a_failover_deferred_because_the_hosts_with_room_are_stale_or_degraded_s
         "{reason}"
     );
     assert!(!reason.contains("no host had room"), "{reason}");
-    assert_eq!(last_reason(&db, small).await, "host_lost");
     assert_eq!(reserved(&db, plane.host).await, (0, 0));
     assert_no_drift(&db).await;
 }

@@ -461,6 +461,29 @@ impl Plane {
         self.api.create(&self.org.key, SANDBOX).await
     }
 
+    /// Creates a sandbox and delivers its create's success: `running` on the plane's host.
+    pub async fn running(&self) -> SandboxId {
+        let id = self.create().await;
+        let create = self.latest(id).await;
+        self.deliver(&create, succeeded(CommandKind::Create)).await;
+        id
+    }
+
+    /// A [`Plane::running`] sandbox with its stop requested: its open stop command.
+    pub async fn stopping(&self) -> (SandboxId, OutboxCommand) {
+        let id = self.running().await;
+        self.request(id, "stop").await;
+        (id, self.latest(id).await)
+    }
+
+    /// A [`Plane::stopping`] sandbox whose stop's first result was delivered: `stopped`; its
+    /// stop command.
+    pub async fn stopped(&self) -> (SandboxId, OutboxCommand) {
+        let (id, stop) = self.stopping().await;
+        self.deliver(&stop, succeeded(CommandKind::Stop)).await;
+        (id, stop)
+    }
+
     /// A lifecycle request that must be accepted.
     pub async fn request(&self, id: SandboxId, verb: &str) {
         let reply = self.api.lifecycle(&self.org.key, id, verb).await;
