@@ -6,6 +6,7 @@
 //! returned for the caller to retry the whole delete later.
 
 use berth_schemas::wire::{Command, ResultOutcome};
+use tracing::Instrument as _;
 
 use crate::disk::remove_sandbox_dir;
 use crate::error::HostdError;
@@ -24,13 +25,23 @@ pub async fn delete(
     let id = cmd.sandbox_id;
     let names = host.names(id);
     // Whatever runtime holds it (a record-less delete does not know which).
-    for runtime in host.runtimes.all() {
-        runtime.destroy(&names.container_id).await?;
+    async {
+        for runtime in host.runtimes.all() {
+            runtime.destroy(&names.container_id).await?;
+        }
+        Ok::<_, HostdError>(())
     }
-    host.backend.tear_down(host, id, record.as_ref()).await?;
+    .instrument(super::step("destroy"))
+    .await?;
+    host.backend
+        .tear_down(host, id, record.as_ref())
+        .instrument(super::step("tear_down"))
+        .await?;
     host.allocator.release(id);
     crate::fault::crash_point(crate::fault::Step::TornDown);
-    remove_sandbox_dir(&host.layout.sandbox(id)).await?;
+    remove_sandbox_dir(&host.layout.sandbox(id))
+        .instrument(super::step("remove_dir"))
+        .await?;
     // Without a record and without a spec (a purged row's destroy of a container this host no
     // longer has a record for) there is nothing to keep: no tombstone.
     let tombstone = record

@@ -92,6 +92,14 @@ impl ApplyTrace {
     }
 }
 
+/// The span of one step of a command's work (`step` = its name: `template`, `network`,
+/// `disk`, `overlay`, `boot` or `restore`, `agent`, `destroy`, `tear_down`, `remove_dir`), a child of
+/// the `apply` span: with `BERTH_LOG_SPANS=1` each logs its duration as it closes, which is how
+/// a create's or delete's time splits into its steps (issue 16 lever 2).
+pub fn step(name: &'static str) -> tracing::Span {
+    tracing::info_span!("step", step = name)
+}
+
 /// Applies one command (fence, work, record) and says what to publish. The `apply` span
 /// records the command's `trace_id`, its `parent_id` and this apply's `span_id`.
 pub async fn apply(host: &Arc<Host>, cmd: &Command, trace: &ApplyTrace) -> Applied {

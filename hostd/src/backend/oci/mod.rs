@@ -17,10 +17,12 @@ use berth_schemas::wire::{AgentOp, AgentReply};
 use berth_schemas::{HostId, SandboxId};
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use tracing::Instrument as _;
 
 use crate::address::LinkAddresses;
 use crate::agent::client;
 use crate::agent::protocol::AGENT_PORT;
+use crate::apply::step;
 use crate::bundle::Bundles;
 use crate::cleanup::CleanupStack;
 use crate::disk::{blocking, remove_dir_if_present, remove_sandbox_dir, unmount};
@@ -226,6 +228,7 @@ impl OciBackend {
         let mut lower = host
             .templates
             .ensure_for(&record.spec.template, record.spec.image.as_deref())
+            .instrument(step("template"))
             .await?;
         if let Some(ids) = ids {
             lower = blocking(move || isolation::shifted_template(&lower, ids)).await?;
@@ -277,8 +280,10 @@ impl OciBackend {
                 blocking(move || isolation::allow_ping_sockets(&netns_path)).await?;
             }
             self.admit_to_firewall(host, &admitted).await
-        };
-        let (network, disk) = tokio::join!(network, volume::ensure(&paths, disk_mib));
+        }
+        .instrument(step("network"));
+        let disk = volume::ensure(&paths, disk_mib).instrument(step("disk"));
+        let (network, disk) = tokio::join!(network, disk);
         network?;
         disk?;
         crash_point(Step::Network);
@@ -308,7 +313,9 @@ impl OciBackend {
         }
         let (upper, work) = volume::overlay_dirs(&paths, disk_mib);
         let merged = rootfs.clone();
-        blocking(move || overlay::mount_overlay(&lower, &upper, &work, &merged)).await?;
+        blocking(move || overlay::mount_overlay(&lower, &upper, &work, &merged))
+            .instrument(step("overlay"))
+            .await?;
 
         let write_spec = || -> Result<(), HostdError> {
             let spec = oci::build_spec(&ContainerConfig {
@@ -352,7 +359,11 @@ impl OciBackend {
         let mut restored = false;
         if restorable {
             let started = Instant::now();
-            match runtime.restore(request, &snapshot).await {
+            match runtime
+                .restore(request, &snapshot)
+                .instrument(step("restore"))
+                .await
+            {
                 Ok(()) => {
                     restored = true;
                     tracing::info!(elapsed = ?started.elapsed(), "memory snapshot restored");
@@ -365,13 +376,15 @@ impl OciBackend {
             }
         }
         if !restored {
-            runtime.run(request).await?;
+            runtime.run(request).instrument(step("boot")).await?;
         }
         crash_point(Step::Container);
         // The image is spent: a later start must not resume stale memory over a newer disk.
         remove_dir_if_present(&snapshot).await?;
         let address = SocketAddr::new(link.sandbox.into(), AGENT_PORT);
-        wait_for_agent(&*runtime, address, &container_id, paths.console_log()).await?;
+        wait_for_agent(&*runtime, address, &container_id, paths.console_log())
+            .instrument(step("agent"))
+            .await?;
         // A memory restore brought the entrypoint's process back with the rest.
         if !restored {
             start_entrypoint(address, &record.spec).await?;
