@@ -190,3 +190,278 @@ async fn a_tenant_cannot_register_a_template_every_org_shares(db: PgPool) {
     assert_eq!(operated.status, 503, "{}", operated.body);
     assert_eq!(operated.code(), "not_configured");
 }
+
+/// Found by an attack run: `POST …/snapshot`, `…/backup`, `…/exec` and `PATCH
+/// /v1/sandboxes/{id}` took any query parameter and ignored it (`?kind=memory`, `?timeout_ms=`
+/// did nothing, silently), as the host actions did. Every route that reads no query now refuses
+/// one with 400 `invalid_request` naming it, before it does anything; without the query the
+/// same request is answered as before (an unknown id: 404; a template this API cannot pull:
+/// 503).
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn routes_that_read_no_query_refuse_one_naming_it(db: PgPool) {
+    let org = inproc::org(&db).await;
+    let admin = berth_api::auth::create_admin_key(&db).await.unwrap();
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = Api::new(db.clone(), nats, inproc::unique_subjects());
+    let some = "0b3e5c64-3b4e-4a3c-9a51-2b0f0e7d7a11";
+    let box_ = format!("/v1/sandboxes/{some}");
+    let exec = r#"{"cmd":["true"]}"#;
+    let webhook = r#"{"url":"http://127.0.0.1:9/","event_types":["sandbox.running"]}"#;
+    let template = r#"{"name":"ab","image":"registry.invalid/a:1"}"#;
+    // (key, method, path without its query, body, the parameter sent, the answer without it)
+    let routes = [
+        (
+            &org.key,
+            Method::POST,
+            format!("{box_}/snapshot"),
+            None,
+            "kind",
+            404,
+        ),
+        (
+            &org.key,
+            Method::POST,
+            format!("{box_}/backup"),
+            None,
+            "x",
+            404,
+        ),
+        (
+            &org.key,
+            Method::POST,
+            format!("{box_}/exec"),
+            Some(exec),
+            "timeout_ms",
+            404,
+        ),
+        (
+            &org.key,
+            Method::PATCH,
+            box_.clone(),
+            Some("{}"),
+            "metadata",
+            404,
+        ),
+        (&org.key, Method::GET, box_.clone(), None, "fields", 404),
+        (
+            &org.key,
+            Method::POST,
+            format!("{box_}/exec/stream"),
+            Some(exec),
+            "cmd",
+            404,
+        ),
+        (
+            &org.key,
+            Method::POST,
+            format!("{box_}/renew"),
+            Some(r#"{"extend_seconds":60}"#),
+            "extend_seconds",
+            404,
+        ),
+        (
+            &org.key,
+            Method::POST,
+            format!("{box_}/fork"),
+            Some(r#"{"count":1}"#),
+            "count",
+            404,
+        ),
+        (
+            &org.key,
+            Method::POST,
+            format!("{box_}/ports/8080/token"),
+            None,
+            "ttl_seconds",
+            404,
+        ),
+        (
+            &org.key,
+            Method::GET,
+            format!("/v1/snapshots/{some}"),
+            None,
+            "x",
+            404,
+        ),
+        (
+            &org.key,
+            Method::DELETE,
+            format!("/v1/snapshots/{some}"),
+            None,
+            "force",
+            404,
+        ),
+        (
+            &org.key,
+            Method::GET,
+            "/v1/templates/nope".to_owned(),
+            None,
+            "x",
+            404,
+        ),
+        (
+            &admin,
+            Method::DELETE,
+            "/v1/templates/nope".to_owned(),
+            None,
+            "force",
+            404,
+        ),
+        (
+            &admin,
+            Method::POST,
+            "/v1/templates".to_owned(),
+            Some(template),
+            "pull",
+            503,
+        ),
+        (
+            &org.key,
+            Method::POST,
+            "/v1/webhooks".to_owned(),
+            Some(webhook),
+            "secret",
+            201,
+        ),
+        (
+            &org.key,
+            Method::GET,
+            format!("/v1/webhooks/{some}"),
+            None,
+            "x",
+            404,
+        ),
+        (
+            &org.key,
+            Method::DELETE,
+            format!("/v1/webhooks/{some}"),
+            None,
+            "x",
+            404,
+        ),
+    ];
+    for (key, method, path, body, param, without) in routes {
+        let with = format!("{path}?{param}=1");
+        let reply = api.call(key, method.clone(), &with, None, body).await;
+        assert_eq!(reply.status, 400, "{method} {with}: {}", reply.body);
+        assert_eq!(reply.code(), "invalid_request", "{method} {with}");
+        assert_eq!(reply.body["error"]["field"], param, "{method} {with}");
+        let message = reply.body["error"]["message"].as_str().unwrap_or("");
+        assert!(message.contains("takes none"), "{method} {with}: {message}");
+        let reply = api.call(key, method.clone(), &path, None, body).await;
+        assert_eq!(reply.status, without, "{method} {path}: {}", reply.body);
+    }
+    // The routes with a query of their own refuse what it does not hold the same way.
+    for (method, path, param) in [
+        (
+            Method::POST,
+            format!("{box_}/stop?wait=stopped&live=1"),
+            "live",
+        ),
+        (Method::DELETE, format!("{box_}?force=true"), "force"),
+        (
+            Method::GET,
+            format!("{box_}/wait?state=running&since=1"),
+            "since",
+        ),
+        (Method::POST, format!("{box_}/clone?count=2"), "count"),
+    ] {
+        let reply = api.call(&org.key, method.clone(), &path, None, None).await;
+        assert_eq!(reply.status, 400, "{method} {path}: {}", reply.body);
+        assert_eq!(reply.body["error"]["field"], param, "{method} {path}");
+    }
+    // Nothing was written by the refused requests: one webhook, the one made without a query.
+    let webhooks: i64 = sqlx::query_scalar("SELECT count(*) FROM webhooks")
+        .fetch_one(&db)
+        .await
+        .unwrap();
+    assert_eq!(webhooks, 1);
+}
+
+/// Found by an attack run: a sandbox archived and then deleted showed its old `host_id` again
+/// (the row keeps naming the host its archive freed), although an archived one shows `null`.
+/// A `deleted` sandbox holds nothing on any host, however it was deleted: `null`, in the read
+/// and in the list; a stopped one still shows the host that keeps its disk.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_deleted_sandbox_shows_no_host_archived_first_or_not(db: PgPool) {
+    use berth_schemas::CommandKind;
+    let plane = inproc::Plane::start(db).await;
+    let shown = |id: berth_schemas::SandboxId| {
+        let (api, key) = (plane.api.clone(), plane.org.key.clone());
+        async move {
+            let one = api
+                .call(
+                    &key,
+                    Method::GET,
+                    &format!("/v1/sandboxes/{id}"),
+                    None,
+                    None,
+                )
+                .await;
+            assert_eq!(one.status, 200, "{}", one.body);
+            let list = api
+                .call(&key, Method::GET, "/v1/sandboxes?state=deleted", None, None)
+                .await;
+            if let Some(listed) = list.body["sandboxes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["id"] == id.to_string())
+            {
+                assert_eq!(listed["host_id"], one.body["host_id"], "{listed}");
+            }
+            one.body
+        }
+    };
+
+    let archived = crate::archive::archived_by_hand(&plane).await;
+    plane.request(archived, "delete").await;
+    let body = shown(archived).await;
+    assert_eq!(body["state"], "deleted", "{body}");
+    assert!(
+        body["host_id"].is_null(),
+        "deleted after its archive: {body}"
+    );
+    let row_host: Option<uuid::Uuid> =
+        sqlx::query_scalar("SELECT host_id FROM sandboxes WHERE id = $1")
+            .bind(archived)
+            .fetch_one(&plane.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        row_host,
+        Some(plane.host.as_uuid()),
+        "the row still names the host its archive freed (what this test is about)"
+    );
+
+    // Stopped on its host, then deleted there: its host until the host reports it gone.
+    let id = plane.create().await;
+    let create = plane.latest(id).await;
+    plane
+        .deliver(&create, inproc::succeeded(CommandKind::Create))
+        .await;
+    plane.request(id, "stop").await;
+    let stop = plane.latest(id).await;
+    plane
+        .deliver(&stop, inproc::succeeded(CommandKind::Stop))
+        .await;
+    let host = plane.host.to_string();
+    assert_eq!(
+        shown(id).await["host_id"],
+        host.as_str(),
+        "stopped: its disk's host"
+    );
+    plane.request(id, "delete").await;
+    assert_eq!(
+        shown(id).await["host_id"],
+        host.as_str(),
+        "being deleted there"
+    );
+    let delete = plane.latest(id).await;
+    plane
+        .deliver(&delete, inproc::succeeded(CommandKind::Delete))
+        .await;
+    let body = shown(id).await;
+    assert_eq!(body["state"], "deleted", "{body}");
+    assert!(body["host_id"].is_null(), "deleted on its host: {body}");
+}

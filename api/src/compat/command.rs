@@ -142,6 +142,8 @@ pub async fn run(
         State(app),
         caller,
         Path(id),
+        // The compat route's own query is not the native route's: it reads none of it.
+        crate::http::extract::StrictQuery(crate::http::extract::NoParams {}),
         Bytes::from(exec.to_string()),
     )
     .await?;

@@ -14,6 +14,7 @@ use berth_schemas::wire::{self, AgentFailure, AgentOp, AgentReply, AgentRequest,
 use berth_schemas::{HostId, SandboxId};
 use tracing::instrument;
 
+use super::extract::{NoParams, StrictQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::http::idempotency::Idempotency;
@@ -40,7 +41,7 @@ pub const MAX_EXEC_REQUEST_BYTES: usize = 512 * 1024;
     request_body = ExecBody,
     responses(
         (status = 200, description = "The process ended (or was killed at its timeout)", body = ExecOutput),
-        (status = 400, description = "`invalid_request`: empty `cmd` or a timeout out of range"),
+        (status = 400, description = "`invalid_request`: empty `cmd`, a timeout out of range, or a query parameter (named; the route takes none)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not running, or stopped or was deleted during the exec"),
         (status = 429, description = "`too_many_concurrent`: the org's execs are at their cap"),
@@ -52,6 +53,7 @@ pub async fn exec(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
     headers: HeaderMap,
     raw: Bytes,
 ) -> Result<Response, ApiError> {

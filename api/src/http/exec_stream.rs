@@ -42,6 +42,7 @@ use serde_json::json;
 use tokio::time::Instant;
 use tracing::instrument;
 
+use super::extract::{NoParams, StrictQuery};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::http::exec::{exec_spec, running_host, stopped_meanwhile, EXEC_REPLY_GRACE};
@@ -54,7 +55,7 @@ use crate::AppState;
     request_body = ExecBody,
     responses(
         (status = 200, description = "NDJSON: `{\"stdout\":…}` / `{\"stderr\":…}` lines as output arrives, then `{\"exit_code\",\"timed_out\",\"oom_killed\"}`", content_type = "application/x-ndjson"),
-        (status = 400, description = "`invalid_request`"),
+        (status = 400, description = "`invalid_request`: empty `cmd`, a timeout out of range, or a query parameter (named; the route takes none)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not running"),
         (status = 429, description = "`too_many_concurrent`: the org's streams are at their cap"),
@@ -66,6 +67,7 @@ pub async fn exec_stream(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
     raw: Bytes,
 ) -> Result<Response, ApiError> {
     let body: ExecBody = crate::http::body::json(&raw)?;

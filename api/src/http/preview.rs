@@ -11,6 +11,7 @@ use berth_schemas::preview::{PreviewToken, AGENT_PORT};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use super::extract::{NoParams, StrictQuery};
 use super::sandboxes::{fetch, parse_id};
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -45,7 +46,7 @@ pub struct PreviewTokenResponse {
     request_body(content = Option<TokenRequest>),
     responses(
         (status = 200, body = PreviewTokenResponse),
-        (status = 400, description = "`invalid_request`: a port or `ttl_seconds` out of range"),
+        (status = 400, description = "`invalid_request`: a port or `ttl_seconds` out of range, or a query parameter (named; the route takes none) (`ttl_seconds` goes in the body)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is deleted or being deleted (a token for it would open nothing)"),
         (status = 503, description = "`not_configured`: previews are not configured (no preview secret)"),
@@ -54,6 +55,7 @@ pub async fn token(
     State(app): State<AppState>,
     caller: Caller,
     Path((id, port)): Path<(String, String)>,
+    _query: StrictQuery<NoParams>,
     body: Bytes,
 ) -> Result<Json<PreviewTokenResponse>, ApiError> {
     let sandbox = fetch(&app, &caller, parse_id(&id)?).await?;

@@ -11,6 +11,7 @@ use berth_schemas::ids::SnapshotId;
 use berth_schemas::state::Request;
 
 use super::events::StreamShutdown;
+use super::extract::{NoParams, StrictQuery};
 use super::idempotency::{render_replayable, stored, Idempotency};
 use super::sandboxes::{parse_id, wait_of};
 use super::settings::{answer_when, stop_token, wait_slot, WaitFor, WaitQuery};
@@ -201,7 +202,7 @@ pub async fn clone(
     description = "A snapshot of this running sandbox and `count` (1 to 16) new sandboxes booted from it, in one call, with this sandbox's settings and its `expires_at`. The clones are `resuming` until the snapshot is durable and they run; on gVisor each continues this sandbox's processes, with its own id and address.",
     responses(
         (status = 202, description = "Accepted: the snapshot (`creating`) and the new sandboxes (`resuming`)", body = Fork),
-        (status = 400, description = "`invalid_request`: `count` out of range, malformed body"),
+        (status = 400, description = "`invalid_request`: `count` out of range, malformed body, or a query parameter (named; the route takes none)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not `running`, or is being deleted"),
         (status = 429, description = "`quota_exceeded`: snapshots or sandboxes; nothing was written"),
@@ -211,6 +212,7 @@ pub async fn fork(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {

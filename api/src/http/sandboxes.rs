@@ -11,7 +11,7 @@ use berth_schemas::state::{Request, WaitTarget};
 use berth_schemas::{HostId, SandboxId, SandboxState};
 
 use super::events::StreamShutdown;
-use super::extract::parse_path_id;
+use super::extract::{parse_path_id, NoParams, StrictQuery};
 use super::idempotency::{render_replayable, stored, Idempotency};
 use super::settings::{answer_when, stop_token, wait_slot, WaitFor, WaitQuery};
 use crate::auth::Caller;
@@ -149,12 +149,14 @@ pub(crate) async fn running_and_active(
 
 /// `GET /v1/sandboxes/{id}`
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),
-    responses((status = 200, body = Sandbox), (status = 404, description = "`not_found`")),
+    responses((status = 200, body = Sandbox), (status = 404, description = "`not_found`"),
+        (status = 400, description = "`invalid_request`: a query parameter (the route takes none)")),
     security(("bearer" = [])))]
 pub async fn get(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<Json<Sandbox>, ApiError> {
     Ok(Json(fetch(&app, &caller, parse_id(&id)?).await?))
 }

@@ -16,6 +16,7 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use super::events::StreamShutdown;
+use super::extract::{NoParams, StrictQuery};
 use super::idempotency::{render_replayable, stored, Idempotency};
 use super::sandboxes::parse_id;
 use crate::auth::Caller;
@@ -33,7 +34,7 @@ use crate::AppState;
     description = "Changes a sandbox's settings: `metadata` is merged (a `null` value deletes its key); `auto_stop_minutes`, `auto_delete_minutes` and `expires_at` are set, or cleared by `null`; `on_expiry` is set. A changed `auto_stop_minutes` counts from now (the idle clock is re-armed); a changed `auto_delete_minutes` too. Emits a `sandbox.updated` event naming the fields. Takes an `Idempotency-Key`.",
     responses(
         (status = 200, description = "The sandbox as it is now (an empty body changes nothing)", body = Sandbox),
-        (status = 400, description = "`invalid_request`: an unknown field, minutes out of range, an `expires_at` in the past or more than a year ahead, metadata that is not string-or-null valued or would exceed 64 keys or 256 bytes per key or value (the field is named)"),
+        (status = 400, description = "`invalid_request`: an unknown field, minutes out of range, an `expires_at` in the past or more than a year ahead, metadata that is not string-or-null valued or would exceed 64 keys or 256 bytes per key or value (the field is named), or a query parameter (named; the route takes none)"),
         (status = 404, description = "`not_found` (also another org's sandbox)"),
         (status = 409, description = "`conflict`: the sandbox is being deleted or deleted; `state` is its state"),
         (status = 422, description = "`idempotency_key_reused`"),
@@ -42,6 +43,7 @@ pub async fn patch(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -62,7 +64,7 @@ pub async fn patch(
     description = "Moves the sandbox's expiry: to `expires_at`, or `extend_seconds` past its current expiry (from now when it has none or it passed). Emits a `sandbox.updated` event. Takes an `Idempotency-Key`.",
     responses(
         (status = 200, description = "The sandbox with its new `expires_at`", body = Sandbox),
-        (status = 400, description = "`invalid_request`: neither or both fields, an `expires_at` in the past, an expiry more than a year ahead"),
+        (status = 400, description = "`invalid_request`: neither or both fields, an `expires_at` in the past, an expiry more than a year ahead, or a query parameter (named; the route takes none)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is being deleted or deleted"),
     ), security(("bearer" = [])))]
@@ -70,6 +72,7 @@ pub async fn renew(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {

@@ -7,7 +7,7 @@ use axum::response::Response;
 use axum::Json;
 use berth_schemas::ids::SnapshotId;
 
-use super::extract::parse_path_id;
+use super::extract::{parse_path_id, NoParams, StrictQuery};
 use super::idempotency::{render_replayable, stored, Idempotency};
 use super::sandboxes::parse_id;
 use crate::auth::Caller;
@@ -26,7 +26,7 @@ fn parse_snapshot_id(raw: &str) -> Result<SnapshotId, ApiError> {
     description = "Snapshot a running sandbox: its disk, and on gVisor its memory, stored in the object store. The sandbox is frozen briefly (`paused_ms`) and keeps running; the snapshot is `creating` until durable (`ready`) or `failed` (the sandbox is untouched either way).",
     responses(
         (status = 202, description = "Accepted; the snapshot is `creating`", body = Snapshot),
-        (status = 400, description = "`invalid_request`: a body other than `{}` or none (the route takes no fields; an unknown one is named)"),
+        (status = 400, description = "`invalid_request`: a body other than `{}` or none (the route takes no fields; an unknown one is named), or a query parameter (named)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not `running`, or is being deleted; `state` is its state"),
         (status = 429, description = "`quota_exceeded`: `limit` names `max_snapshots` or `max_snapshot_bytes`"),
@@ -35,6 +35,7 @@ pub async fn create(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -56,7 +57,7 @@ pub async fn create(
     description = "Back up a running sandbox: its disk (never its memory) stored in the object store, as a snapshot of kind `backup`. The sandbox is frozen briefly for the capture and keeps running; the backup is `creating` until its upload is confirmed (`ready`, and then the sandbox's `last_backup_id` and `last_backup_at` name it) or `failed`.",
     responses(
         (status = 202, description = "Accepted; the backup is `creating`", body = Snapshot),
-        (status = 400, description = "`invalid_request`: a body other than `{}` or none"),
+        (status = 400, description = "`invalid_request`: a body other than `{}` or none, or a query parameter (named)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the sandbox is not `running`, or is being deleted; `state` is its state"),
         (status = 429, description = "`quota_exceeded`: `limit` names `max_snapshots` or `max_snapshot_bytes` (backups count as snapshots)"),
@@ -65,6 +66,7 @@ pub async fn backup(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -117,7 +119,7 @@ pub async fn list(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    _query: super::extract::StrictQuery<super::extract::NoParams>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<Json<SnapshotList>, ApiError> {
     let snapshots = snapshots::list(&app.db, caller.org_id, parse_id(&id)?).await?;
     Ok(Json(SnapshotList { snapshots }))
@@ -125,12 +127,14 @@ pub async fn list(
 
 /// `GET /v1/snapshots/{id}`
 #[utoipa::path(get, path = "/v1/snapshots/{id}", params(("id" = String, Path)),
-    responses((status = 200, body = Snapshot), (status = 404, description = "`not_found`")),
+    responses((status = 200, body = Snapshot), (status = 404, description = "`not_found`"),
+        (status = 400, description = "`invalid_request`: a query parameter (the route takes none)")),
     security(("bearer" = [])))]
 pub async fn get(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<Json<Snapshot>, ApiError> {
     Ok(Json(
         snapshots::get(&app.db, caller.org_id, parse_snapshot_id(&id)?).await?,
@@ -142,6 +146,7 @@ pub async fn get(
     description = "Delete a `ready` or `failed` snapshot, and the stored content no other snapshot references.",
     responses(
         (status = 204, description = "Deleted"),
+        (status = 400, description = "`invalid_request`: a query parameter (the route takes none)"),
         (status = 404, description = "`not_found`"),
         (status = 409, description = "`conflict`: the snapshot is still `creating`"),
     ), security(("bearer" = [])))]
@@ -149,6 +154,7 @@ pub async fn delete(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<StatusCode, ApiError> {
     let objects = match &app.config.object_store {
         Some(settings) => Some(

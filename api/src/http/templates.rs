@@ -7,6 +7,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::Json;
 
+use super::extract::{NoParams, StrictQuery};
 use super::idempotency::{render_replayable, stored, Idempotency};
 use crate::auth::{Admin, Authenticated};
 use crate::error::ApiError;
@@ -24,7 +25,7 @@ pub const DEFAULT_IMAGE_RUNTIME: &str = "runsc";
 pub async fn templates(
     State(app): State<AppState>,
     _caller: Authenticated,
-    _query: super::extract::StrictQuery<super::extract::NoParams>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<Json<Vec<Template>>, ApiError> {
     Ok(Json(service::templates::list(&app.db).await?))
 }
@@ -32,12 +33,14 @@ pub async fn templates(
 /// `GET /v1/templates/{name}`: the template with its events (the pull's progress and outcome).
 #[utoipa::path(get, path = "/v1/templates/{name}", tag = "sandboxes",
     params(("name" = String, Path, description = "template name")),
-    responses((status = 200, body = Template), (status = 404, description = "no such template")),
+    responses((status = 200, body = Template), (status = 404, description = "no such template"),
+        (status = 400, description = "`invalid_request`: a query parameter (the route takes none)")),
     security(("bearer" = [])))]
 pub async fn get(
     State(app): State<AppState>,
     _caller: Authenticated,
     Path(name): Path<String>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<Json<Template>, ApiError> {
     Ok(Json(service::templates::get(&app.db, &name).await?))
 }
@@ -58,7 +61,7 @@ pub async fn get(
 /// 503 `not_configured` (this API process cannot pull).
 #[utoipa::path(post, path = "/v1/templates", tag = "sandboxes", request_body = CreateTemplate,
     responses((status = 202, body = Template), (status = 409, description = "template_exists"),
-        (status = 400, description = "`invalid_request`: the field is named"),
+        (status = 400, description = "`invalid_request`: the field is named, or a query parameter (named; the route takes none)"),
         (status = 403, description = "`forbidden`: an org key (templates are the operator's)"),
         (status = 413, description = "`payload_too_large`: a body over `limit` bytes"),
         (status = 422, description = "`idempotency_key_reused`: the Idempotency-Key was used for a different request")),
@@ -66,6 +69,7 @@ pub async fn get(
 pub async fn create(
     State(app): State<AppState>,
     _operator: Admin,
+    _query: StrictQuery<NoParams>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -111,12 +115,14 @@ pub async fn create(
 #[utoipa::path(delete, path = "/v1/templates/{name}", tag = "sandboxes",
     params(("name" = String, Path, description = "template name")),
     responses((status = 204, description = "deleted"), (status = 403, description = "not an operator key"), (status = 404, description = "no such template"),
-        (status = 409, description = "template_in_use or template_builtin")),
+        (status = 409, description = "template_in_use or template_builtin"),
+        (status = 400, description = "`invalid_request`: a query parameter (the route takes none)")),
     security(("bearer" = [])))]
 pub async fn delete(
     State(app): State<AppState>,
     _operator: crate::auth::Admin,
     Path(name): Path<String>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<StatusCode, ApiError> {
     service::templates::delete(&app.db, app.images.as_ref(), &name).await?;
     Ok(StatusCode::NO_CONTENT)

@@ -28,12 +28,13 @@ fn parse_id(raw: &str) -> Result<WebhookId, ApiError> {
 #[utoipa::path(post, path = "/v1/webhooks", tag = "crate::webhooks", request_body = CreateWebhook,
     responses(
         (status = 201, description = "Created; the response carries the secret, shown only now", body = Webhook),
-        (status = 400, description = "`invalid_request`: a bad `url` (including one that points at a loopback, private, link-local or special-use address, unless the operator allows them), `secret` or `event_types` (the field is named), or the org has its maximum of webhooks"),
+        (status = 400, description = "`invalid_request`: a bad `url` (including one that points at a loopback, private, link-local or special-use address, unless the operator allows them), `secret` or `event_types` (the field is named), the org has its maximum of webhooks, or a query parameter (named; the route takes none)"),
         (status = 401, description = "`unauthorized`"),
     ), security(("bearer" = [])))]
 pub async fn create(
     State(app): State<AppState>,
     caller: Caller,
+    _query: StrictQuery<NoParams>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -71,12 +72,14 @@ pub async fn list(
 
 /// `GET /v1/webhooks/{id}`
 #[utoipa::path(get, path = "/v1/webhooks/{id}", tag = "crate::webhooks", params(("id" = String, Path)),
-    responses((status = 200, body = Webhook), (status = 404, description = "`not_found`")),
+    responses((status = 200, body = Webhook), (status = 404, description = "`not_found`"),
+        (status = 400, description = "`invalid_request`: a query parameter (the route takes none)")),
     security(("bearer" = [])))]
 pub async fn get(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<Json<Webhook>, ApiError> {
     Ok(Json(
         webhooks::get(&app.db, caller.org_id, parse_id(&id)?).await?,
@@ -85,12 +88,14 @@ pub async fn get(
 
 /// `DELETE /v1/webhooks/{id}`: stops deliveries; pending ones are abandoned.
 #[utoipa::path(delete, path = "/v1/webhooks/{id}", tag = "crate::webhooks", params(("id" = String, Path)),
-    responses((status = 204, description = "Deleted"), (status = 404, description = "`not_found`")),
+    responses((status = 204, description = "Deleted"), (status = 404, description = "`not_found`"),
+        (status = 400, description = "`invalid_request`: a query parameter (the route takes none)")),
     security(("bearer" = [])))]
 pub async fn delete(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
+    _query: StrictQuery<NoParams>,
 ) -> Result<StatusCode, ApiError> {
     webhooks::delete(&app.db, caller.org_id, parse_id(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)

@@ -463,9 +463,9 @@ pub struct Sandbox {
     pub state_reason: Option<String>,
     /// The template it was created from.
     pub template: String,
-    /// The host it is placed on; `null` before placement and while `archived` (it holds no
-    /// host then: its copy is in the object store, and a start places it on whatever host has
-    /// room).
+    /// The host it is placed on; `null` before placement, while `archived` (it holds no host
+    /// then: its copy is in the object store, and a start places it on whatever host has room)
+    /// and once `deleted` (nothing of it is left on any host).
     #[schema(value_type = Option<String>, format = Uuid)]
     pub host_id: Option<HostId>,
     /// The fencing generation, bumped by every state-changing request.
@@ -545,6 +545,16 @@ fn yes() -> bool {
     true
 }
 
+/// Whether a sandbox in `state` holds anything on the host its row names, so the API shows
+/// that host (`Sandbox::host_id`). An `archived` sandbox does not: the row still names the host
+/// its disk was on until the delete that frees it lands (two-phase free), which is no
+/// placement. Nor does a `deleted` one, whichever way it got there: deleted from `archived`,
+/// the row keeps naming the host its archive freed (an attack run saw that host shown again
+/// once the archived sandbox was deleted); deleted on its host, the host reported nothing left.
+fn holds_a_host(state: SandboxState) -> bool {
+    !matches!(state, SandboxState::Archived | SandboxState::Deleted)
+}
+
 impl From<SandboxRow> for Sandbox {
     fn from(row: SandboxRow) -> Self {
         Sandbox {
@@ -552,9 +562,7 @@ impl From<SandboxRow> for Sandbox {
             state: row.state,
             state_reason: row.state_reason,
             template: row.template,
-            // An archived sandbox holds no host: the row still names the host its disk was on
-            // until the delete that frees it lands (two-phase free), which is no placement.
-            host_id: row.host_id.filter(|_| row.state != SandboxState::Archived),
+            host_id: row.host_id.filter(|_| holds_a_host(row.state)),
             generation: row.generation,
             vcpus: row.resources.vcpus,
             memory_mib: row.resources.memory_mib,

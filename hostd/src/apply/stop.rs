@@ -108,8 +108,8 @@ pub async fn stop(
             (Some(record), outcome)
         }
         Err(error) => {
-            let reason = error.report();
-            tracing::warn!(%reason, "stop failed");
+            tracing::warn!(error = %error.report(), "stop failed");
+            let reason = error.result_reason();
             (Some(record), ResultOutcome::Failed { reason })
         }
     }
@@ -117,7 +117,8 @@ pub async fn stop(
 
 /// The part of a failed checkpoint's error that says why, for the result (whose detail is
 /// bounded): a runtime's exit status and stderr without its command line, whose paths alone
-/// can fill the bound; any other error whole. hostd's log keeps the whole error.
+/// can fill the bound; any other error without host paths
+/// ([`HostdError::result_reason`]). hostd's log keeps the whole error.
 fn fallback_detail(error: &HostdError) -> String {
     match error {
         HostdError::Tool {
@@ -126,7 +127,7 @@ fn fallback_detail(error: &HostdError) -> String {
             stderr,
             ..
         } => format!("{program} checkpoint failed ({status}): {}", stderr.trim()),
-        other => other.report(),
+        other => other.result_reason(),
     }
 }
 

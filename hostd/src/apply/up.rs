@@ -57,11 +57,15 @@ pub async fn up(
         }
         Err(error) => {
             let requests_fault = error.is_the_requests_fault();
-            let mut reason = error.report();
+            // The result (the sandbox's `state_reason`, shown by the API) says what failed
+            // without host paths; the log keeps the whole report.
+            let mut reason = error.result_reason();
+            let mut report = error.report();
             if let Err(cleanup_error) = cleanup.run().await {
-                reason = format!("{reason}; {}", cleanup_error.report());
+                reason = format!("{reason}; {}", cleanup_error.result_reason());
+                report = format!("{report}; {}", cleanup_error.report());
             }
-            tracing::warn!(%reason, fresh, requests_fault, "bring-up failed");
+            tracing::warn!(error = %report, fresh, requests_fault, "bring-up failed");
             if fresh {
                 record.phase = Phase::FailedCreate;
                 record.link = None;
