@@ -15,6 +15,7 @@ use crate::fault::{crash_point, Step};
 use crate::host::Host;
 use crate::record::{Phase, SandboxRecord};
 use crate::runtime::ContainerStatus;
+use tracing::Instrument as _;
 
 /// How long a memory stop waits for the sandbox's agent calls in flight to finish before it
 /// checkpoints anyway (a connection still open then makes the checkpoint fail, and the stop
@@ -55,17 +56,25 @@ pub async fn stop(
         };
         let mut fallback = None;
         if runtime.memory_snapshot() && status == Some(ContainerStatus::Running) {
-            if !host
-                .gates
-                .close_and_drain(id, CHECKPOINT_DRAIN_TIMEOUT)
-                .await
-            {
-                tracing::warn!(waited = ?CHECKPOINT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
+            async {
+                if !host
+                    .gates
+                    .close_and_drain(id, CHECKPOINT_DRAIN_TIMEOUT)
+                    .await
+                {
+                    tracing::warn!(waited = ?CHECKPOINT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
+                }
+                tokio::time::sleep(CHECKPOINT_SETTLE).await;
             }
-            tokio::time::sleep(CHECKPOINT_SETTLE).await;
+            .instrument(super::step("drain"))
+            .await;
             crash_point(Step::Stopping);
             let started = Instant::now();
-            mode = match runtime.checkpoint(&names.container_id, &snapshot).await {
+            let checkpointed = runtime
+                .checkpoint(&names.container_id, &snapshot)
+                .instrument(super::step("checkpoint"))
+                .await;
+            mode = match checkpointed {
                 Ok(()) => {
                     tracing::info!(elapsed = ?started.elapsed(), "memory snapshot taken");
                     StopMode::Memory
@@ -85,10 +94,17 @@ pub async fn stop(
         } else {
             crash_point(Step::Stopping);
         }
-        runtime.destroy(&names.container_id).await?;
+        runtime
+            .destroy(&names.container_id)
+            .instrument(super::step("destroy"))
+            .await?;
         crash_point(Step::Destroyed);
-        unmount(paths.rootfs()).await?;
-        crate::volume::release(&paths).await?;
+        unmount(paths.rootfs())
+            .instrument(super::step("unmount"))
+            .await?;
+        crate::volume::release(&paths)
+            .instrument(super::step("release"))
+            .await?;
         crash_point(Step::Unmounted);
         Ok::<_, HostdError>((mode, fallback))
     }
