@@ -699,42 +699,15 @@ pub(crate) async fn archived_by_hand(plane: &Plane) -> berth_schemas::SandboxId 
 async fn an_archived_sandbox_shows_no_host_until_a_start_places_it(db: PgPool) {
     let plane = Plane::start(db).await;
     let id = plane.create().await;
-    let shown = |id: berth_schemas::SandboxId| {
-        let (api, key) = (plane.api.clone(), plane.org.key.clone());
-        async move {
-            let one = api
-                .call(
-                    &key,
-                    Method::GET,
-                    &format!("/v1/sandboxes/{id}"),
-                    None,
-                    None,
-                )
-                .await;
-            assert_eq!(one.status, 200, "{}", one.body);
-            let list = api
-                .call(&key, Method::GET, "/v1/sandboxes", None, None)
-                .await;
-            let listed = list.body["sandboxes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|s| s["id"] == id.to_string())
-                .cloned()
-                .unwrap();
-            assert_eq!(listed["host_id"], one.body["host_id"], "{listed}");
-            one.body
-        }
-    };
     let host = plane.host.to_string();
     assert_eq!(
-        shown(id).await["host_id"],
+        plane.shown(id, "").await["host_id"],
         host.as_str(),
         "placed: its host"
     );
 
     let archived = archived_by_hand(&plane).await;
-    let body = shown(archived).await;
+    let body = plane.shown(archived, "").await;
     assert_eq!(body["state"], "archived");
     assert!(
         body["host_id"].is_null(),
@@ -768,7 +741,7 @@ async fn an_archived_sandbox_shows_no_host_until_a_start_places_it(db: PgPool) {
 
     // A start places it again: it shows the host it is placed on.
     plane.request(archived, "start").await;
-    let body = shown(archived).await;
+    let body = plane.shown(archived, "").await;
     assert_eq!(body["state"], "unarchiving");
     assert_eq!(body["host_id"], host.as_str(), "{body}");
 }

@@ -386,37 +386,10 @@ async fn routes_that_read_no_query_refuse_one_naming_it(db: PgPool) {
 async fn a_deleted_sandbox_shows_no_host_archived_first_or_not(db: PgPool) {
     use berth_schemas::CommandKind;
     let plane = inproc::Plane::start(db).await;
-    let shown = |id: berth_schemas::SandboxId| {
-        let (api, key) = (plane.api.clone(), plane.org.key.clone());
-        async move {
-            let one = api
-                .call(
-                    &key,
-                    Method::GET,
-                    &format!("/v1/sandboxes/{id}"),
-                    None,
-                    None,
-                )
-                .await;
-            assert_eq!(one.status, 200, "{}", one.body);
-            let list = api
-                .call(&key, Method::GET, "/v1/sandboxes?state=deleted", None, None)
-                .await;
-            if let Some(listed) = list.body["sandboxes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|s| s["id"] == id.to_string())
-            {
-                assert_eq!(listed["host_id"], one.body["host_id"], "{listed}");
-            }
-            one.body
-        }
-    };
 
     let archived = crate::archive::archived_by_hand(&plane).await;
     plane.request(archived, "delete").await;
-    let body = shown(archived).await;
+    let body = plane.shown(archived, "?state=deleted").await;
     assert_eq!(body["state"], "deleted", "{body}");
     assert!(
         body["host_id"].is_null(),
@@ -435,25 +408,16 @@ async fn a_deleted_sandbox_shows_no_host_archived_first_or_not(db: PgPool) {
     );
 
     // Stopped on its host, then deleted there: its host until the host reports it gone.
-    let id = plane.create().await;
-    let create = plane.latest(id).await;
-    plane
-        .deliver(&create, inproc::succeeded(CommandKind::Create))
-        .await;
-    plane.request(id, "stop").await;
-    let stop = plane.latest(id).await;
-    plane
-        .deliver(&stop, inproc::succeeded(CommandKind::Stop))
-        .await;
+    let (id, _stop) = plane.stopped().await;
     let host = plane.host.to_string();
     assert_eq!(
-        shown(id).await["host_id"],
+        plane.shown(id, "").await["host_id"],
         host.as_str(),
         "stopped: its disk's host"
     );
     plane.request(id, "delete").await;
     assert_eq!(
-        shown(id).await["host_id"],
+        plane.shown(id, "").await["host_id"],
         host.as_str(),
         "being deleted there"
     );
@@ -461,7 +425,7 @@ async fn a_deleted_sandbox_shows_no_host_archived_first_or_not(db: PgPool) {
     plane
         .deliver(&delete, inproc::succeeded(CommandKind::Delete))
         .await;
-    let body = shown(id).await;
+    let body = plane.shown(id, "?state=deleted").await;
     assert_eq!(body["state"], "deleted", "{body}");
     assert!(body["host_id"].is_null(), "deleted on its host: {body}");
 }

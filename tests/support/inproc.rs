@@ -484,6 +484,23 @@ impl Plane {
         (id, stop)
     }
 
+    /// The sandbox as `GET /v1/sandboxes/{id}` shows it, after checking that the list
+    /// (`GET /v1/sandboxes{list_query}`) holds it with the same `host_id`.
+    pub async fn shown(&self, id: SandboxId, list_query: &str) -> Value {
+        let key = &self.org.key;
+        let path = format!("/v1/sandboxes/{id}");
+        let one = self.api.call(key, Method::GET, &path, None, None).await;
+        assert_eq!(one.status, 200, "{}", one.body);
+        let path = format!("/v1/sandboxes{list_query}");
+        let list = self.api.call(key, Method::GET, &path, None, None).await;
+        let listed = list.body["sandboxes"]
+            .as_array()
+            .and_then(|all| all.iter().find(|s| s["id"] == id.to_string()))
+            .unwrap_or_else(|| panic!("{id} not listed: {}", list.body));
+        assert_eq!(listed["host_id"], one.body["host_id"], "{listed}");
+        one.body
+    }
+
     /// A lifecycle request that must be accepted.
     pub async fn request(&self, id: SandboxId, verb: &str) {
         let reply = self.api.lifecycle(&self.org.key, id, verb).await;
