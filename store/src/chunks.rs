@@ -41,6 +41,14 @@ use sqlx::PgConnection;
 use crate::op::{timed, Op};
 use crate::StoreError;
 
+/// The condition "no row references chunk `$1`": no snapshot's `snapshot_chunks`, no durable
+/// stop's `durable_chunks`, no superseded stop's `superseded_chunks` awaiting collection. What
+/// [`claim`] requires, and what the sweep's look asks first (`crate::sweep::unreferenced_chunks`).
+pub(crate) const UNREFERENCED: &str =
+    "NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
+     AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)
+     AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1)";
+
 /// Queues `hashes` (chunks a delete just orphaned) for removal, in the caller's transaction.
 /// A row already there is left as it is:
 /// - queued: it stays queued (a remover claims it once nothing references it);
@@ -193,14 +201,11 @@ pub async fn claim_at(
 ) -> Result<Option<DateTime<Utc>>, StoreError> {
     let claimed: Option<DateTime<Utc>> = timed(
         Op::ChunkRemoval,
-        sqlx::query_scalar(
+        sqlx::query_scalar(&format!(
             "UPDATE chunk_removals SET removing_at = clock_timestamp()
-              WHERE sha256 = $1 AND removing_at IS NULL
-                AND NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
-                AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)
-                AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1)
-             RETURNING removing_at",
-        )
+              WHERE sha256 = $1 AND removing_at IS NULL AND {UNREFERENCED}
+             RETURNING removing_at"
+        ))
         .bind(hash)
         .fetch_optional(&mut *conn),
     )
@@ -209,12 +214,10 @@ pub async fn claim_at(
         // Referenced again (or claimed by another remover): a referenced chunk's row goes.
         timed(
             Op::ChunkRemoval,
-            sqlx::query(
-                "DELETE FROM chunk_removals WHERE sha256 = $1 AND removing_at IS NULL
-                    AND (EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
-                         OR EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)
-                         OR EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1))",
-            )
+            sqlx::query(&format!(
+                "DELETE FROM chunk_removals
+                  WHERE sha256 = $1 AND removing_at IS NULL AND NOT ({UNREFERENCED})"
+            ))
             .bind(hash)
             .execute(conn),
         )

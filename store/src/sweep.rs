@@ -43,6 +43,18 @@ const UNNAMED: &str = "NOT EXISTS (SELECT 1 FROM snapshots s WHERE s.id = $1)
      AND NOT EXISTS (SELECT 1 FROM commands m
                       WHERE m.snapshot_id = $1 AND m.completed_at IS NULL)";
 
+/// `SELECT candidate.v FROM unnest($1::{array}) AS candidate(v) WHERE {condition}`: of the
+/// candidates bound as `$1` (an `array` of them, e.g. `uuid[]`), those for which `condition`,
+/// written about one candidate as `$1` ([`UNNAMED`], [`crate::chunks::UNREFERENCED`]), holds.
+/// The sweep's looks and the claims that check again under their locks read the same
+/// condition. (The alias `candidate` is one no condition uses for its own tables.)
+fn candidates_where(array: &str, condition: &str) -> String {
+    format!(
+        "SELECT candidate.v FROM unnest($1::{array}) AS candidate(v) WHERE {}",
+        condition.replace("$1", "candidate.v")
+    )
+}
+
 /// Takes the sweep's session lock on `conn` if no other session holds it; whether it did.
 /// Use a connection of its own and close it after (its end releases the lock, also when the
 /// sweep is cut short).
@@ -64,11 +76,8 @@ pub async fn unnamed_manifests(
 ) -> Result<Vec<SnapshotId>, StoreError> {
     timed(
         Op::ObjectSweep,
-        sqlx::query_scalar(&format!(
-            "SELECT c.id FROM unnest($1::uuid[]) AS c(id) WHERE {}",
-            UNNAMED.replace("$1", "c.id")
-        ))
-        .bind(candidates)
+        sqlx::query_scalar(&candidates_where("uuid[]", UNNAMED))
+            .bind(candidates)
         .fetch_all(conn),
     )
     .await
@@ -169,21 +178,17 @@ pub async fn manifest_removed(
 }
 
 /// Of the listed chunks `candidates`, those no row references (`snapshot_chunks`,
-/// `durable_chunks`, `superseded_chunks`). A look only: [`crate::chunks::claim`] checks again.
+/// `durable_chunks`, `superseded_chunks`). A look only: [`crate::chunks::claim`] checks the
+/// same condition again.
 pub async fn unreferenced_chunks(
     conn: &mut PgConnection,
     candidates: &[String],
 ) -> Result<Vec<String>, StoreError> {
     timed(
         Op::ObjectSweep,
-        sqlx::query_scalar(
-            "SELECT c.h FROM unnest($1::text[]) AS c(h)
-              WHERE NOT EXISTS (SELECT 1 FROM snapshot_chunks r WHERE r.sha256 = c.h)
-                AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = c.h)
-                AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = c.h)",
-        )
-        .bind(candidates)
-        .fetch_all(conn),
+        sqlx::query_scalar(&candidates_where("text[]", crate::chunks::UNREFERENCED))
+            .bind(candidates)
+            .fetch_all(conn),
     )
     .await
 }
