@@ -18,6 +18,9 @@
 //!    the snapshot was requested means the chunk may be gone although its upload saw it:
 //!    that snapshot must fail. A removal finished before the request is harmless: the upload
 //!    looked after it and stored the chunk again.
+//! 4. [`prune_finished`]: a finished row is remembered for [`REMOVAL_RETENTION`] (7 days), and
+//!    [`check_for_ready`] refuses a snapshot or durable stop requested longer ago than that,
+//!    so the rows it would need are always there.
 //!
 //! The row lock orders a claim and a settling snapshot: whichever is second sees the other.
 //!
@@ -49,6 +52,16 @@ pub(crate) const UNREFERENCED: &str =
      AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)
      AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1)";
 
+/// How long a finished removal is remembered, on the database's clock: [`prune_finished`]
+/// deletes a `chunk_removals` row that finished longer ago (and `crate::sweep::prune_removed`
+/// a `manifest_removals` row), and [`check_for_ready`] refuses every snapshot or durable stop
+/// requested longer ago, so no check ever needs a row that is gone. A report that takes longer
+/// than this from its request (a snapshot row's insert, a stop's or an archive's command
+/// insert) to being applied is refused: its snapshot fails, its stop is not recorded durable
+/// (the next archive uploads again). One constant, not a setting: the API prunes and the
+/// reconciler checks, and the two must never disagree.
+pub const REMOVAL_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
 /// Queues `hashes` (chunks a delete just orphaned) for removal, in the caller's transaction.
 /// A row already there is left as it is:
 /// - queued: it stays queued (a remover claims it once nothing references it);
@@ -56,7 +69,9 @@ pub(crate) const UNREFERENCED: &str =
 ///   reset to queued, a settling snapshot would take it back while the object goes;
 /// - finished: the object was removed at `removed_at`. A snapshot or durable stop requested
 ///   before then that skipped the chunk must still see that ([`check_for_ready`]); reset, it
-///   would take the row back and name a chunk that is gone. (A reference can meet a finished
+///   would take the row back and name a chunk that is gone. (Once [`prune_finished`] deleted
+///   it, past [`REMOVAL_RETENTION`], every such request is refused as too old, and a fresh
+///   queued row is inserted.) (A reference can meet a finished
 ///   row without that check: a late stop report's chunks go to the collector as a superseded
 ///   stop, `crate::sandboxes::supersede_unnamed`.) If the chunk was stored again since, the
 ///   store-wide sweep finds it listed and queues it afresh ([`queue_swept`]).
@@ -295,17 +310,39 @@ pub async fn finish(conn: &mut PgConnection, hash: &str) -> Result<(), StoreErro
 /// A `chunk_removals` row: the chunk's sha256, when a remover claimed it, when it finished.
 type RemovalRow = (String, Option<DateTime<Utc>>, Option<DateTime<Utc>>);
 
-/// For snapshot `snapshot`, requested at `requested_at`, about to settle `ready` referencing
-/// `hashes`: locks their removal rows, takes back those not claimed, and returns the chunks a
-/// removal may have taken from under its upload (claimed, and not finished before
-/// `requested_at`). Non-empty: the snapshot must not become ready. Call in the transaction
-/// that writes it.
+/// What [`check_for_ready`] found for a snapshot or durable stop about to settle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadyCheck {
+    /// No removal can have taken a chunk from under its upload; the queued removals of its
+    /// chunks were taken back. It may settle.
+    Clear,
+    /// These chunks' removals were claimed and had not finished before it was requested: they
+    /// may be gone although its upload saw them. It must not settle.
+    Lost(Vec<String>),
+    /// It was requested more than [`REMOVAL_RETENTION`] ago (the database's clock): a removal
+    /// that finished since may have been pruned, so nothing can say its chunks are there. It
+    /// must not settle.
+    TooOld,
+}
+
+/// For snapshot `snapshot`, requested at `requested_at` (the database's clock), about to
+/// settle `ready` referencing `hashes`: locks their removal rows, then refuses it if it was
+/// requested more than [`REMOVAL_RETENTION`] ago ([`ReadyCheck::TooOld`]), else returns the
+/// chunks a removal may have taken from under its upload (claimed, and not finished before
+/// `requested_at`: [`ReadyCheck::Lost`]), else takes back those not claimed
+/// ([`ReadyCheck::Clear`]). Call in the transaction that writes it, and settle only on
+/// [`ReadyCheck::Clear`].
+///
+/// The age is read after the rows are locked, on `clock_timestamp()`: a row [`prune_finished`]
+/// deleted before this look saw it was deleted at a time the clock has passed, and it finished
+/// more than [`REMOVAL_RETENTION`] before that, so a request it could have failed is too old
+/// here too.
 pub async fn check_for_ready(
     conn: &mut PgConnection,
     snapshot: SnapshotId,
     requested_at: DateTime<Utc>,
     hashes: &[String],
-) -> Result<Vec<String>, StoreError> {
+) -> Result<ReadyCheck, StoreError> {
     let rows: Vec<RemovalRow> = timed(
         Op::ChunkRemoval,
         sqlx::query_as(
@@ -316,6 +353,18 @@ pub async fn check_for_ready(
         .fetch_all(&mut *conn),
     )
     .await?;
+    let too_old: bool = timed(
+        Op::ChunkRemoval,
+        sqlx::query_scalar("SELECT $1 < clock_timestamp() - make_interval(secs => $2)")
+            .bind(requested_at)
+            .bind(REMOVAL_RETENTION.as_secs_f64())
+            .fetch_one(&mut *conn),
+    )
+    .await?;
+    if too_old {
+        tracing::warn!(snapshot_id = %snapshot, %requested_at, "a settling snapshot was requested longer ago than chunk removals are remembered");
+        return Ok(ReadyCheck::TooOld);
+    }
     let lost: Vec<String> = rows
         .iter()
         .filter(|(_, claimed, removed)| {
@@ -323,19 +372,48 @@ pub async fn check_for_ready(
         })
         .map(|(h, _, _)| h.clone())
         .collect();
-    if lost.is_empty() {
-        let taken_back: Vec<&str> = rows.iter().map(|(h, _, _)| h.as_str()).collect();
-        timed(
-            Op::ChunkRemoval,
-            sqlx::query("DELETE FROM chunk_removals WHERE sha256 = ANY($1)")
-                .bind(&taken_back)
-                .execute(conn),
-        )
-        .await?;
-    } else {
+    if !lost.is_empty() {
         tracing::warn!(snapshot_id = %snapshot, lost = lost.len(), "a settling snapshot references chunks a delete removed under its upload");
+        return Ok(ReadyCheck::Lost(lost));
     }
-    Ok(lost)
+    let taken_back: Vec<&str> = rows.iter().map(|(h, _, _)| h.as_str()).collect();
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query("DELETE FROM chunk_removals WHERE sha256 = ANY($1)")
+            .bind(&taken_back)
+            .execute(conn),
+    )
+    .await?;
+    Ok(ReadyCheck::Clear)
+}
+
+/// Deletes up to `limit` removals that finished more than [`REMOVAL_RETENTION`] ago (the
+/// database's clock); how many. Never an unfinished one: a claimed row is what fails the
+/// checks of the snapshots and stops that might count on its chunk, and what a takeover
+/// finds ([`stale_claims`]); a row [`queue_swept`] or a settling snapshot changes meanwhile is
+/// judged again on its new version.
+///
+/// Why a finished row past the retention is no longer needed: [`check_for_ready`] consults a
+/// finished row only for a snapshot or stop requested before it finished, hence more than
+/// [`REMOVAL_RETENTION`] before now, and refuses every such request without looking. A
+/// delete's [`queue`] of the chunk later inserts a fresh queued row, which is what a row reset
+/// by [`queue_swept`] would be.
+pub async fn prune_finished(conn: &mut PgConnection, limit: i64) -> Result<u64, StoreError> {
+    let pruned = timed(
+        Op::ChunkRemoval,
+        sqlx::query(
+            "DELETE FROM chunk_removals
+              WHERE sha256 IN (SELECT sha256 FROM chunk_removals
+                                WHERE removed_at < clock_timestamp() - make_interval(secs => $1)
+                                LIMIT $2)
+                AND removed_at < clock_timestamp() - make_interval(secs => $1)",
+        )
+        .bind(REMOVAL_RETENTION.as_secs_f64())
+        .bind(limit)
+        .execute(conn),
+    )
+    .await?;
+    Ok(pruned.rows_affected())
 }
 
 #[cfg(test)]

@@ -12,8 +12,9 @@
 //!   recorded) take the same per-snapshot advisory transaction lock: whichever commits second
 //!   sees the other, so a report the sweep overtook is never recorded durable, and a manifest a
 //!   report named first is never claimed.
-//! - A claimed manifest stays claimed ([`manifest_removed`] stays true): a report that comes
-//!   later still finds it.
+//! - A claimed manifest stays claimed ([`manifest_removed`] stays true) until its removal
+//!   finished more than [`crate::chunks::REMOVAL_RETENTION`] ago ([`prune_removed`]): a report
+//!   that comes later still finds it, or is refused as requested too long ago.
 //!
 //! # Assumptions
 //! A report names only a snapshot its host stored under a fresh id (never a snapshot row's id),
@@ -78,7 +79,7 @@ pub async fn unnamed_manifests(
         Op::ObjectSweep,
         sqlx::query_scalar(&candidates_where("uuid[]", UNNAMED))
             .bind(candidates)
-        .fetch_all(conn),
+            .fetch_all(conn),
     )
     .await
 }
@@ -154,7 +155,10 @@ pub async fn finish_manifest(
 
 /// Whether the sweep claimed `snapshot`'s manifest for removal (it may be gone from the store),
 /// under the per-snapshot lock held until the caller's transaction ends: call it in the
-/// transaction that would record the snapshot durable, and record nothing when true.
+/// transaction that would record the snapshot durable, and record nothing when true. Call it
+/// before that transaction's [`crate::chunks::check_for_ready`]: a removal's record pruned
+/// ([`prune_removed`]) before this look is covered by that check's age refusal only when its
+/// clock is read after.
 pub async fn manifest_removed(
     conn: &mut PgConnection,
     snapshot: SnapshotId,
@@ -191,4 +195,35 @@ pub async fn unreferenced_chunks(
             .fetch_all(conn),
     )
     .await
+}
+
+/// Deletes up to `limit` manifest removals that finished (`removed_at`: the object is gone)
+/// more than [`crate::chunks::REMOVAL_RETENTION`] ago, on the database's clock; how many. A
+/// claim not finished stays (a later look claims it again and removes the object).
+///
+/// Why such a row is no longer needed: it is read only by [`manifest_removed`], for a
+/// durability report naming its snapshot, and by a claim of it again (which inserts a fresh
+/// row as well). A report names a snapshot its host stored under a fresh id after its command
+/// was inserted; the sweep listed that manifest before claiming it, so the command was
+/// inserted before the claim, before the removal finished, hence more than the retention
+/// before now. The report's transaction, having read no row here, then refuses it in
+/// [`crate::chunks::check_for_ready`], whose clock is read after this look: a report is never
+/// recorded durable for a manifest this deleted the record of.
+pub async fn prune_removed(conn: &mut PgConnection, limit: i64) -> Result<u64, StoreError> {
+    let pruned = timed(
+        Op::ObjectSweep,
+        sqlx::query(
+            "DELETE FROM manifest_removals
+              WHERE snapshot_id IN (SELECT snapshot_id FROM manifest_removals
+                                     WHERE removed_at < clock_timestamp()
+                                                        - make_interval(secs => $1)
+                                     LIMIT $2)
+                AND removed_at < clock_timestamp() - make_interval(secs => $1)",
+        )
+        .bind(crate::chunks::REMOVAL_RETENTION.as_secs_f64())
+        .bind(limit)
+        .execute(conn),
+    )
+    .await?;
+    Ok(pruned.rows_affected())
 }

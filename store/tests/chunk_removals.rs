@@ -90,9 +90,20 @@ async fn lost(
     (uploading, requested_at): (SnapshotId, chrono::DateTime<chrono::Utc>),
     h: &str,
 ) -> Vec<String> {
-    chunks::check_for_ready(conn, uploading, requested_at, &[h.to_owned()])
-        .await
-        .unwrap()
+    lost_chunks(
+        chunks::check_for_ready(conn, uploading, requested_at, &[h.to_owned()])
+            .await
+            .unwrap(),
+    )
+}
+
+/// The chunks a check found lost (none when clear); these tests' requests are never too old.
+fn lost_chunks(check: chunks::ReadyCheck) -> Vec<String> {
+    match check {
+        chunks::ReadyCheck::Clear => Vec::new(),
+        chunks::ReadyCheck::Lost(lost) => lost,
+        chunks::ReadyCheck::TooOld => panic!("a request of a moment ago is never too old"),
+    }
 }
 
 /// One batch of a sweep whose chunk listing began at `listed_at`: of `listed`, the chunks no
@@ -136,9 +147,11 @@ async fn a_chunk_claimed_for_removal_under_an_upload_fails_that_snapshot(db: PgP
     // (the remover deletes the object here)
     chunks::finish(&mut conn, &x).await.unwrap();
     let mut tx = db.begin().await.unwrap();
-    let lost = chunks::check_for_ready(&mut tx, uploading, requested_at, std::slice::from_ref(&x))
-        .await
-        .unwrap();
+    let lost = lost_chunks(
+        chunks::check_for_ready(&mut tx, uploading, requested_at, std::slice::from_ref(&x))
+            .await
+            .unwrap(),
+    );
     assert_eq!(
         lost,
         std::slice::from_ref(&x),
@@ -153,10 +166,11 @@ async fn a_chunk_claimed_for_removal_under_an_upload_fails_that_snapshot(db: PgP
     let (uploading, requested_at) = creating(&db, org).await;
     delete(&db, old).await;
     assert!(chunks::claim(&mut conn, &y).await.unwrap());
-    let lost =
+    let lost = lost_chunks(
         chunks::check_for_ready(&mut conn, uploading, requested_at, std::slice::from_ref(&y))
             .await
-            .unwrap();
+            .unwrap(),
+    );
     assert_eq!(lost, [y]);
 }
 
@@ -172,9 +186,11 @@ async fn a_settling_snapshot_takes_a_queued_chunk_back_and_the_remover_then_leav
 
     // The snapshot settles first, in one transaction: check, then ready.
     let mut tx = db.begin().await.unwrap();
-    let lost = chunks::check_for_ready(&mut tx, uploading, requested_at, std::slice::from_ref(&x))
-        .await
-        .unwrap();
+    let lost = lost_chunks(
+        chunks::check_for_ready(&mut tx, uploading, requested_at, std::slice::from_ref(&x))
+            .await
+            .unwrap(),
+    );
     assert!(lost.is_empty());
     // A remover racing the settle waits on the row lock and then finds the reference.
     let racer = {
@@ -223,9 +239,11 @@ async fn a_removal_finished_before_a_snapshot_was_requested_does_not_fail_it(db:
     chunks::finish(&mut conn, &x).await.unwrap();
     // Requested after the object was gone: its upload found it missing and stored it again.
     let (later, requested_at) = creating(&db, org).await;
-    let lost = chunks::check_for_ready(&mut conn, later, requested_at, std::slice::from_ref(&x))
-        .await
-        .unwrap();
+    let lost = lost_chunks(
+        chunks::check_for_ready(&mut conn, later, requested_at, std::slice::from_ref(&x))
+            .await
+            .unwrap(),
+    );
     assert!(lost.is_empty());
     assert!(!queued(&db, &x).await, "referenced again: no longer queued");
 }
