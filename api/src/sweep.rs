@@ -33,7 +33,9 @@
 //!   the snapshot row's, the stop's or the archive's command insert). A removal that finished
 //!   after that time fails the snapshot, or leaves the stop not durable (the next archive
 //!   uploads again; an archive's disk stays on its host). One that finished before it was seen
-//!   missing by the upload, which stored the chunk again.
+//!   missing by the upload, which stored the chunk again. A claim and a check in flight are
+//!   ordered by one advisory lock ([`chunks::CLAIM_LOCK`], exclusive for a claim, shared for a
+//!   check): a claim judges references only after every check that passed committed its own.
 //! - A finished removal is remembered for [`chunks::REMOVAL_RETENTION`] only, so the check
 //!   refuses, in the same transaction and on the database's clock, every snapshot and report
 //!   whose start time is older than that (the snapshot fails saying so; the stop is not

@@ -22,7 +22,28 @@
 //!    [`check_for_ready`] refuses a snapshot or durable stop requested longer ago than that,
 //!    so the rows it would need are always there.
 //!
-//! The row lock orders a claim and a settling snapshot: whichever is second sees the other.
+//! # How a claim and a settling snapshot are ordered
+//! A settle's references (`snapshot_chunks`, `durable_chunks`) are inserted in its transaction
+//! and invisible to every other one until it commits, and a settle may find no removal row to
+//! lock at all: the chunk was still referenced by an older snapshot when it checked, and a
+//! delete of that snapshot queued it after. Row locks alone then order nothing: the claim's
+//! reference check would not see the uncommitted reference, claim, and the object would go
+//! under a snapshot about to commit `ready`. So the two take one advisory transaction lock,
+//! [`CLAIM_LOCK`]:
+//! - [`check_for_ready`] takes it SHARED before it looks, and its transaction (which writes the
+//!   references) holds it to commit. Settles never wait for each other.
+//! - [`claim_at`] takes it EXCLUSIVELY, in a transaction of its own (a savepoint if the caller
+//!   is in one), before its reference check, and holds it to commit (the claim's commit).
+//!
+//! Whichever takes the lock second waits for the other's commit, and then looks with a fresh
+//! statement, hence (READ COMMITTED) a fresh snapshot that sees what the first committed:
+//! - the settle first: the claim's check runs after the settle committed, sees its references
+//!   and does not claim (it drops the queued row instead: the chunk is referenced);
+//! - the claim first: the settle's check runs after the claim committed, finds the claimed row
+//!   and fails (or, finished before its request, harmlessly takes it back).
+//!
+//! [`reclaim_at`] needs no lock: it judges no reference, it takes over a row claimed and
+//! unfinished since a claim that was so ordered, and every check since has found it claimed.
 //!
 //! The store-wide sweep of orphans (`crate::sweep`, issue 14) removes chunks nothing names
 //! through the same three steps ([`queue_swept`], then [`claim`], [`finish`]): a chunk it lists
@@ -39,7 +60,7 @@ use std::time::{Duration, Instant};
 
 use berth_schemas::ids::SnapshotId;
 use chrono::{DateTime, Utc};
-use sqlx::PgConnection;
+use sqlx::{Connection, PgConnection};
 
 use crate::op::{timed, Op};
 use crate::StoreError;
@@ -51,6 +72,12 @@ pub(crate) const UNREFERENCED: &str =
     "NOT EXISTS (SELECT 1 FROM snapshot_chunks c WHERE c.sha256 = $1)
      AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = $1)
      AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = $1)";
+
+/// The advisory lock key ordering [`claim_at`] (exclusive) against [`check_for_ready`]
+/// (shared), ASCII "BERTHCHK" (see the module doc). Distinct from the other constant keys,
+/// `crate::sweep::SWEEP_LOCK` ("BERTHSWP") and `crate::events::EVENTS_SEQ_LOCK` ("BERTHSEQ");
+/// the hashed keys (per-snapshot manifest locks, idempotency keys) are 64-bit hashes.
+pub const CLAIM_LOCK: i64 = 0x4245_5254_4843_484B;
 
 /// How long a finished removal is remembered, on the database's clock: [`prune_finished`]
 /// deletes a `chunk_removals` row that finished longer ago (and `crate::sweep::prune_removed`
@@ -203,17 +230,32 @@ pub async fn reclaim_at(
 }
 
 /// Claims the queued chunk `hash` for removal, if no snapshot references it and nobody claimed
-/// it; whether it was claimed. Commit before deleting the object.
+/// it; whether it was claimed. Commits the claim itself (a savepoint only, if the caller is in
+/// a transaction: then commit before deleting the object).
 pub async fn claim(conn: &mut PgConnection, hash: &str) -> Result<bool, StoreError> {
     Ok(claim_at(conn, hash).await?.is_some())
 }
 
 /// [`claim`], returning the claim's time (`removing_at`), the token [`still_claimed`] and
 /// [`finish_claimed`] check; `None` when not claimed.
+///
+/// Runs in a transaction of its own that first takes [`CLAIM_LOCK`] exclusively, so its
+/// reference check waits for every settling snapshot or durable stop that already passed its
+/// [`check_for_ready`] to commit, and sees their references (the module doc).
 pub async fn claim_at(
     conn: &mut PgConnection,
     hash: &str,
 ) -> Result<Option<DateTime<Utc>>, StoreError> {
+    let mut tx = timed(Op::ChunkRemoval, conn.begin()).await?;
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(CLAIM_LOCK)
+            .execute(&mut *tx),
+    )
+    .await?;
+    // A new statement after the lock: a new snapshot, which sees every settle that held the
+    // lock committed.
     let claimed: Option<DateTime<Utc>> = timed(
         Op::ChunkRemoval,
         sqlx::query_scalar(&format!(
@@ -222,7 +264,7 @@ pub async fn claim_at(
              RETURNING removing_at"
         ))
         .bind(hash)
-        .fetch_optional(&mut *conn),
+        .fetch_optional(&mut *tx),
     )
     .await?;
     if claimed.is_none() {
@@ -234,11 +276,11 @@ pub async fn claim_at(
                   WHERE sha256 = $1 AND removing_at IS NULL AND NOT ({UNREFERENCED})"
             ))
             .bind(hash)
-            .execute(conn),
+            .execute(&mut *tx),
         )
         .await?;
-        return Ok(None);
     }
+    timed(Op::ChunkRemoval, tx.commit()).await?;
     Ok(claimed)
 }
 
@@ -343,6 +385,15 @@ pub async fn check_for_ready(
     requested_at: DateTime<Utc>,
     hashes: &[String],
 ) -> Result<ReadyCheck, StoreError> {
+    // Held to the caller's commit, with the references it writes: a claim waits for that
+    // commit before it judges references, or this check waits for the claim's (module doc).
+    timed(
+        Op::ChunkRemoval,
+        sqlx::query("SELECT pg_advisory_xact_lock_shared($1)")
+            .bind(CLAIM_LOCK)
+            .execute(&mut *conn),
+    )
+    .await?;
     let rows: Vec<RemovalRow> = timed(
         Op::ChunkRemoval,
         sqlx::query_as(
@@ -434,5 +485,12 @@ mod tests {
         let long_ago = Instant::now().checked_sub(STALE_CLAIM).unwrap();
         assert_eq!(delete_budget(long_ago), None);
         assert_eq!(delete_budget(Instant::now()), Some(STALE_CLAIM / 4));
+    }
+
+    #[test]
+    fn the_claim_lock_is_no_other_constant_advisory_key() {
+        assert_ne!(CLAIM_LOCK, crate::sweep::SWEEP_LOCK);
+        assert_ne!(CLAIM_LOCK, crate::events::EVENTS_SEQ_LOCK);
+        assert_eq!(CLAIM_LOCK.to_be_bytes(), *b"BERTHCHK");
     }
 }
