@@ -19,7 +19,8 @@
 //! 4. takes over the chunk removals claimed more than [`chunks::STALE_CLAIM`] ago and
 //!    never finished, and removes their objects again;
 //! 5. forgets the removals, of chunks and of manifests, that finished more than
-//!    [`chunks::REMOVAL_RETENTION`] (7 days) ago on the database's clock
+//!    [`chunks::PRUNE_AFTER`] ago on the database's clock ([`chunks::REMOVAL_RETENTION`], 7
+//!    days, and a day's margin against the clock stepping back)
 //!    (`berth_store::chunks::prune_finished`, `berth_store::sweep::prune_removed`); a claimed,
 //!    unfinished one is never forgotten.
 //!
@@ -36,7 +37,9 @@
 //!   missing by the upload, which stored the chunk again. A claim and a check in flight are
 //!   ordered by one advisory lock ([`chunks::CLAIM_LOCK`], exclusive for a claim, shared for a
 //!   check): a claim judges references only after every check that passed committed its own.
-//! - A finished removal is remembered for [`chunks::REMOVAL_RETENTION`] only, so the check
+//! - A finished removal is remembered for [`chunks::REMOVAL_RETENTION`] (and a day's margin,
+//!   [`chunks::PRUNE_AFTER`], so a database clock stepping back up to a day breaks nothing)
+//!   only, so the check
 //!   refuses, in the same transaction and on the database's clock, every snapshot and report
 //!   whose start time is older than that (the snapshot fails saying so; the stop is not
 //!   recorded durable, an archive's disk stays on its host). A removal it would have needed
@@ -116,8 +119,7 @@ pub struct SweepReport {
     pub chunks: u64,
     /// Chunks whose stale removal claim was taken over and finished.
     pub stale_claims: u64,
-    /// Finished removals (of chunks and of manifests) forgotten past
-    /// [`chunks::REMOVAL_RETENTION`].
+    /// Finished removals (of chunks and of manifests) forgotten past [`chunks::PRUNE_AFTER`].
     pub forgotten: u64,
 }
 
@@ -253,8 +255,8 @@ async fn sweep_locked(
     Ok(report)
 }
 
-/// Deletes the chunk and manifest removals that finished more than
-/// [`chunks::REMOVAL_RETENTION`] ago, a batch per statement; how many (see the module doc for
+/// Deletes the chunk and manifest removals that finished more than [`chunks::PRUNE_AFTER`]
+/// ago, a batch per statement; how many (see the module doc for
 /// why no check needs them any more).
 async fn forget_finished(db: &PgPool) -> Result<u64, SweepError> {
     let mut conn = db.acquire().await?;

@@ -18,9 +18,9 @@
 //!    the snapshot was requested means the chunk may be gone although its upload saw it:
 //!    that snapshot must fail. A removal finished before the request is harmless: the upload
 //!    looked after it and stored the chunk again.
-//! 4. [`prune_finished`]: a finished row is remembered for [`REMOVAL_RETENTION`] (7 days), and
-//!    [`check_for_ready`] refuses a snapshot or durable stop requested longer ago than that,
-//!    so the rows it would need are always there.
+//! 4. [`prune_finished`]: a finished row is remembered for [`REMOVAL_RETENTION`] (7 days) and
+//!    a day more ([`PRUNE_AFTER`]), and [`check_for_ready`] refuses a snapshot or durable stop
+//!    requested longer ago than the retention, so the rows it would need are always there.
 //!
 //! # How a claim and a settling snapshot are ordered
 //! A settle's references (`snapshot_chunks`, `durable_chunks`) are inserted in its transaction
@@ -81,13 +81,22 @@ pub const CLAIM_LOCK: i64 = 0x4245_5254_4843_484B;
 
 /// How long a finished removal is remembered, on the database's clock: [`prune_finished`]
 /// deletes a `chunk_removals` row that finished longer ago (and `crate::sweep::prune_removed`
-/// a `manifest_removals` row), and [`check_for_ready`] refuses every snapshot or durable stop
-/// requested longer ago, so no check ever needs a row that is gone. A report that takes longer
+/// a `manifest_removals` row; both with a day's margin, [`PRUNE_AFTER`]), and
+/// [`check_for_ready`] refuses every snapshot or durable stop requested longer ago, so no
+/// check ever needs a row that is gone. A report that takes longer
 /// than this from its request (a snapshot row's insert, a stop's or an archive's command
 /// insert) to being applied is refused: its snapshot fails, its stop is not recorded durable
 /// (the next archive uploads again). One constant, not a setting: the API prunes and the
 /// reconciler checks, and the two must never disagree.
 pub const REMOVAL_RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// How long after it finished a removal row is actually deleted ([`prune_finished`],
+/// `crate::sweep::prune_removed`): [`REMOVAL_RETENTION`] plus one day. The check refuses at the
+/// retention, the prune deletes only a day later, so the argument "a pruned row finished more
+/// than the retention before the check's clock" survives a database clock that steps ahead
+/// (the prune then runs early, on the fast clock) and back (the check then reads a clock behind
+/// the prune's): a step of up to a day can no longer let a report pass whose row was pruned.
+pub const PRUNE_AFTER: Duration = Duration::from_secs(REMOVAL_RETENTION.as_secs() + 24 * 60 * 60);
 
 /// Queues `hashes` (chunks a delete just orphaned) for removal, in the caller's transaction.
 /// A row already there is left as it is:
@@ -404,6 +413,9 @@ pub async fn check_for_ready(
         .fetch_all(&mut *conn),
     )
     .await?;
+    // `clock_timestamp()`, read now, after the rows are locked; `now()` (the transaction's
+    // start) would be unsafe: a transaction begun long before could see a pruned row's absence
+    // and judge its age by a clock from before the prune.
     let too_old: bool = timed(
         Op::ChunkRemoval,
         sqlx::query_scalar("SELECT $1 < clock_timestamp() - make_interval(secs => $2)")
@@ -438,13 +450,13 @@ pub async fn check_for_ready(
     Ok(ReadyCheck::Clear)
 }
 
-/// Deletes up to `limit` removals that finished more than [`REMOVAL_RETENTION`] ago (the
-/// database's clock); how many. Never an unfinished one: a claimed row is what fails the
-/// checks of the snapshots and stops that might count on its chunk, and what a takeover
-/// finds ([`stale_claims`]); a row [`queue_swept`] or a settling snapshot changes meanwhile is
-/// judged again on its new version.
+/// Deletes up to `limit` removals that finished more than [`PRUNE_AFTER`] ago (the
+/// database's clock: [`REMOVAL_RETENTION`] and a day's margin); how many. Never an unfinished
+/// one: a claimed row is what fails the checks of the snapshots and stops that might count on
+/// its chunk, and what a takeover finds ([`stale_claims`]); a row [`queue_swept`] or a settling
+/// snapshot changes meanwhile is judged again on its new version.
 ///
-/// Why a finished row past the retention is no longer needed: [`check_for_ready`] consults a
+/// Why a finished row past that age is no longer needed: [`check_for_ready`] consults a
 /// finished row only for a snapshot or stop requested before it finished, hence more than
 /// [`REMOVAL_RETENTION`] before now, and refuses every such request without looking. A
 /// delete's [`queue`] of the chunk later inserts a fresh queued row, which is what a row reset
@@ -459,7 +471,7 @@ pub async fn prune_finished(conn: &mut PgConnection, limit: i64) -> Result<u64, 
                                 LIMIT $2)
                 AND removed_at < clock_timestamp() - make_interval(secs => $1)",
         )
-        .bind(REMOVAL_RETENTION.as_secs_f64())
+        .bind(PRUNE_AFTER.as_secs_f64())
         .bind(limit)
         .execute(conn),
     )

@@ -13,8 +13,9 @@
 //!   sees the other, so a report the sweep overtook is never recorded durable, and a manifest a
 //!   report named first is never claimed.
 //! - A claimed manifest stays claimed ([`manifest_removed`] stays true) until its removal
-//!   finished more than [`crate::chunks::REMOVAL_RETENTION`] ago ([`prune_removed`]): a report
-//!   that comes later still finds it, or is refused as requested too long ago.
+//!   finished more than [`crate::chunks::REMOVAL_RETENTION`] ago, and a day's margin more
+//!   ([`prune_removed`], [`crate::chunks::PRUNE_AFTER`]): a report that comes later still finds
+//!   it, or is refused as requested too long ago.
 //!
 //! # Assumptions
 //! A report names only a snapshot its host stored under a fresh id (never a snapshot row's id),
@@ -198,7 +199,8 @@ pub async fn unreferenced_chunks(
 }
 
 /// Deletes up to `limit` manifest removals that finished (`removed_at`: the object is gone)
-/// more than [`crate::chunks::REMOVAL_RETENTION`] ago, on the database's clock; how many. A
+/// more than [`crate::chunks::PRUNE_AFTER`] ago ([`crate::chunks::REMOVAL_RETENTION`] and a
+/// day's margin for the database's clock stepping), on the database's clock; how many. A
 /// claim not finished stays (a later look claims it again and removes the object).
 ///
 /// Why such a row is no longer needed: it is read only by [`manifest_removed`], for a
@@ -220,7 +222,7 @@ pub async fn prune_removed(conn: &mut PgConnection, limit: i64) -> Result<u64, S
                                      LIMIT $2)
                 AND removed_at < clock_timestamp() - make_interval(secs => $1)",
         )
-        .bind(crate::chunks::REMOVAL_RETENTION.as_secs_f64())
+        .bind(crate::chunks::PRUNE_AFTER.as_secs_f64())
         .bind(limit)
         .execute(conn),
     )

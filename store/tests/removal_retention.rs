@@ -1,12 +1,12 @@
 //! The retention of finished removals (`chunks::REMOVAL_RETENTION`), against a real Postgres:
 //! the sweep forgets chunk and manifest removals that finished longer ago than the retention
-//! and never one still claimed, and the check a settling snapshot or durability report makes
-//! refuses every request older than the retention, so a forgotten removal can never let a
-//! snapshot missing a chunk settle. Time is moved by backdating rows on the database's clock.
+//! and its day's margin (`chunks::PRUNE_AFTER`) and never one still claimed, and the check a
+//! settling snapshot or durability report makes refuses every request older than the
+//! retention, so a forgotten removal can never let a snapshot missing a chunk settle. Time is moved by backdating rows on the database's clock.
 
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::{CommandId, HostId, OrgId, SandboxId};
-use berth_store::chunks::{self, ReadyCheck, REMOVAL_RETENTION};
+use berth_store::chunks::{self, ReadyCheck, PRUNE_AFTER, REMOVAL_RETENTION};
 use berth_store::snapshots::{self, NewSnapshot};
 use berth_store::{orgs, sweep};
 use chrono::{DateTime, Utc};
@@ -22,6 +22,11 @@ fn hash(c: char) -> String {
 /// The retention plus `days` (negative: short of it), in seconds.
 fn retention_plus(days: f64) -> f64 {
     REMOVAL_RETENTION.as_secs_f64() + days * DAY
+}
+
+#[test]
+fn the_prune_waits_a_day_past_the_retention() {
+    assert_eq!(PRUNE_AFTER.as_secs_f64(), retention_plus(1.0));
 }
 
 /// A `creating` snapshot whose row was inserted `ago` seconds ago (database clock); its id and
@@ -154,7 +159,7 @@ async fn a_snapshot_requested_longer_ago_than_the_retention_is_refused_and_a_you
 }
 
 #[sqlx::test(migrator = "berth_store::MIGRATOR")]
-async fn pruning_forgets_only_removals_finished_past_the_retention_and_never_a_claimed_one(
+async fn pruning_forgets_only_removals_finished_past_the_margin_and_never_a_claimed_one(
     db: PgPool,
 ) {
     let mut conn = db.acquire().await.unwrap();
@@ -162,8 +167,8 @@ async fn pruning_forgets_only_removals_finished_past_the_retention_and_never_a_c
     removal(
         &mut conn,
         &old,
-        retention_plus(2.0),
-        Some(retention_plus(1.0)),
+        retention_plus(3.0),
+        Some(retention_plus(2.0)),
     )
     .await;
     removal(
@@ -173,8 +178,17 @@ async fn pruning_forgets_only_removals_finished_past_the_retention_and_never_a_c
         Some(retention_plus(-1.0)),
     )
     .await;
+    // Past the retention, inside the margin: stays (a check refuses its requests already).
+    let margin = hash('7');
+    removal(
+        &mut conn,
+        &margin,
+        retention_plus(0.75),
+        Some(retention_plus(0.5)),
+    )
+    .await;
     // A remover that died long ago, never finished (a takeover will): stays.
-    removal(&mut conn, &claimed, retention_plus(2.0), None).await;
+    removal(&mut conn, &claimed, retention_plus(3.0), None).await;
     chunks::queue(&mut conn, std::slice::from_ref(&queued))
         .await
         .unwrap();
@@ -187,7 +201,15 @@ async fn pruning_forgets_only_removals_finished_past_the_retention_and_never_a_c
     .unwrap();
 
     let (m_old, m_young, m_claimed) = (SnapshotId::new(), SnapshotId::new(), SnapshotId::new());
-    manifest_removal(&db, m_old, retention_plus(2.0), Some(retention_plus(1.0))).await;
+    manifest_removal(&db, m_old, retention_plus(3.0), Some(retention_plus(2.0))).await;
+    let m_margin = SnapshotId::new();
+    manifest_removal(
+        &db,
+        m_margin,
+        retention_plus(0.75),
+        Some(retention_plus(0.5)),
+    )
+    .await;
     manifest_removal(
         &db,
         m_young,
@@ -195,13 +217,17 @@ async fn pruning_forgets_only_removals_finished_past_the_retention_and_never_a_c
         Some(retention_plus(-1.0)),
     )
     .await;
-    manifest_removal(&db, m_claimed, retention_plus(2.0), None).await;
+    manifest_removal(&db, m_claimed, retention_plus(3.0), None).await;
 
     assert_eq!(chunks::prune_finished(&mut conn, 10).await.unwrap(), 1);
-    assert_eq!(chunk_rows(&db).await, [young.clone(), claimed, queued]);
+    assert_eq!(
+        chunk_rows(&db).await,
+        [young.clone(), claimed, queued, margin]
+    );
     assert_eq!(sweep::prune_removed(&mut conn, 10).await.unwrap(), 1);
     assert!(!manifest_removed(&db, m_old).await, "forgotten");
     assert!(manifest_removed(&db, m_young).await);
+    assert!(manifest_removed(&db, m_margin).await, "inside the margin");
     assert!(
         manifest_removed(&db, m_claimed).await,
         "an unfinished claim stays"
@@ -214,15 +240,15 @@ async fn pruning_forgets_only_removals_finished_past_the_retention_and_never_a_c
     removal(
         &mut conn,
         &a,
-        retention_plus(2.0),
-        Some(retention_plus(1.0)),
+        retention_plus(3.0),
+        Some(retention_plus(2.0)),
     )
     .await;
     removal(
         &mut conn,
         &b,
-        retention_plus(2.0),
-        Some(retention_plus(1.0)),
+        retention_plus(3.0),
+        Some(retention_plus(2.0)),
     )
     .await;
     assert_eq!(chunks::prune_finished(&mut conn, 1).await.unwrap(), 1);
@@ -257,12 +283,12 @@ async fn a_removal_finished_inside_the_retention_still_fails_a_report_requested_
     );
 
     let y = hash('c');
-    let (older, older_at) = requested_ago(&db, org, retention_plus(2.0)).await;
+    let (older, older_at) = requested_ago(&db, org, retention_plus(3.0)).await;
     removal(
         &mut conn,
         &y,
-        retention_plus(1.5),
-        Some(retention_plus(1.0)),
+        retention_plus(2.5),
+        Some(retention_plus(2.0)),
     )
     .await;
     assert_eq!(chunks::prune_finished(&mut conn, 10).await.unwrap(), 1);
@@ -272,5 +298,24 @@ async fn a_removal_finished_inside_the_retention_still_fails_a_report_requested_
             .unwrap(),
         ReadyCheck::TooOld,
         "its removal is forgotten, so it must not pass"
+    );
+
+    // Past the retention but inside the prune's margin: remembered, and a request before it is
+    // refused at the retention all the same.
+    let z = hash('d');
+    let (between, between_at) = requested_ago(&db, org, retention_plus(0.75)).await;
+    removal(
+        &mut conn,
+        &z,
+        retention_plus(0.6),
+        Some(retention_plus(0.5)),
+    )
+    .await;
+    assert_eq!(chunks::prune_finished(&mut conn, 10).await.unwrap(), 0);
+    assert_eq!(
+        chunks::check_for_ready(&mut conn, between, between_at, std::slice::from_ref(&z))
+            .await
+            .unwrap(),
+        ReadyCheck::TooOld
     );
 }
