@@ -17,7 +17,12 @@
 //!    chunk that none of them and no row references, through the `chunk_removals` queue,
 //!    claim and finish of a snapshot delete (`service::snapshots::remove_chunks`);
 //! 4. takes over the chunk removals claimed more than [`chunks::STALE_CLAIM`] ago and
-//!    never finished, and removes their objects again.
+//!    never finished, and removes their objects again;
+//! 5. forgets the removals, of chunks and of manifests, that finished more than
+//!    [`chunks::PRUNE_AFTER`] ago on the database's clock ([`chunks::REMOVAL_RETENTION`], 7
+//!    days, and a day's margin against the clock stepping back)
+//!    (`berth_store::chunks::prune_finished`, `berth_store::sweep::prune_removed`); a claimed,
+//!    unfinished one is never forgotten.
 //!
 //! # Why it never loses the last copy (DESIGN.md guarantee 9)
 //! - A chunk's age says nothing of who counts on it: an upload skips a chunk the store holds,
@@ -29,11 +34,25 @@
 //!   the snapshot row's, the stop's or the archive's command insert). A removal that finished
 //!   after that time fails the snapshot, or leaves the stop not durable (the next archive
 //!   uploads again; an archive's disk stays on its host). One that finished before it was seen
-//!   missing by the upload, which stored the chunk again.
+//!   missing by the upload, which stored the chunk again. A claim and a check in flight are
+//!   ordered by one advisory lock ([`chunks::CLAIM_LOCK`], exclusive for a claim, shared for a
+//!   check): a claim judges references only after every check that passed committed its own.
+//! - A finished removal is remembered for [`chunks::REMOVAL_RETENTION`] (and a day's margin,
+//!   [`chunks::PRUNE_AFTER`], so a database clock stepping back up to a day breaks nothing)
+//!   only, so the check
+//!   refuses, in the same transaction and on the database's clock, every snapshot and report
+//!   whose start time is older than that (the snapshot fails saying so; the stop is not
+//!   recorded durable, an archive's disk stays on its host). A removal it would have needed
+//!   finished after that start time, hence more than the retention ago, and is either still
+//!   there or the check is refused: its clock is read after its rows are locked, so a row
+//!   forgotten before the check looked is forgotten at a time the check's clock has passed.
+//!   A manifest's removal is forgotten on the same terms: a report naming it belongs to a
+//!   command inserted before the sweep listed the manifest, so older still than its removal.
 //! - A manifest's claim and a durability report's check take one per-snapshot lock
 //!   (`berth_store::sweep::claim_manifest`, `manifest_removed`): a report that comes after the
 //!   sweep removed its manifest is not recorded durable, and a manifest a report named first is
-//!   kept. Snapshot rows name theirs before the upload begins.
+//!   kept (until the retention: see above). Snapshot rows name theirs before the upload
+//!   begins.
 //! - A stale claim is taken over only after [`chunks::STALE_CLAIM`], and every remover (a
 //!   snapshot delete's, the collector's, the sweep's, a takeover's) deletes only within its
 //!   `chunks::delete_budget`: not at all once half that age has passed since its claim, and
@@ -65,6 +84,8 @@ pub const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(15 * 60);
 pub const DEFAULT_SWEEP_GRACE: Duration = Duration::from_secs(6 * 60 * 60);
 /// Stale claims taken over per look.
 const STALE_BATCH: i64 = 1_000;
+/// Finished removals forgotten per statement (a look repeats it until fewer are left).
+const PRUNE_BATCH: i64 = 10_000;
 /// Names per database look.
 const LOOK_BATCH: usize = 5_000;
 /// The counter of what the sweep removed, by `kind`: `manifest`, `chunk`, `stale_claim` (a
@@ -98,6 +119,8 @@ pub struct SweepReport {
     pub chunks: u64,
     /// Chunks whose stale removal claim was taken over and finished.
     pub stale_claims: u64,
+    /// Finished removals (of chunks and of manifests) forgotten past [`chunks::PRUNE_AFTER`].
+    pub forgotten: u64,
 }
 
 /// Errors of a look; nothing is half-removed that the next look does not finish.
@@ -136,7 +159,8 @@ pub async fn run(db: PgPool, objects: Objects, config: SweepConfig, shutdown: Ca
             swept = sweep_once(&db, &objects, &config) => match swept {
                 Ok(Some(report)) if report != SweepReport::default() => {
                     info!(manifests = report.manifests, chunks = report.chunks,
-                        stale_claims = report.stale_claims, "object store swept");
+                        stale_claims = report.stale_claims, forgotten = report.forgotten,
+                        "object store swept");
                 }
                 Ok(_) => {}
                 Err(error) => warn!(%error, "sweeping the object store failed; retrying"),
@@ -227,7 +251,24 @@ async fn sweep_locked(
     }
 
     report.stale_claims = retry_stale_claims(db, objects).await?;
+    report.forgotten = forget_finished(db).await?;
     Ok(report)
+}
+
+/// Deletes the chunk and manifest removals that finished more than [`chunks::PRUNE_AFTER`]
+/// ago, a batch per statement; how many (see the module doc for
+/// why no check needs them any more).
+async fn forget_finished(db: &PgPool) -> Result<u64, SweepError> {
+    let mut conn = db.acquire().await?;
+    let mut n = 0;
+    loop {
+        let chunks = chunks::prune_finished(&mut conn, PRUNE_BATCH).await?;
+        let manifests = sweep::prune_removed(&mut conn, PRUNE_BATCH).await?;
+        n += chunks + manifests;
+        if chunks < PRUNE_BATCH as u64 && manifests < PRUNE_BATCH as u64 {
+            return Ok(n);
+        }
+    }
 }
 
 /// Claims (committed), removes and finishes the manifest of `id`; whether it was claimed.

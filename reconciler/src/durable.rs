@@ -10,7 +10,8 @@
 use berth_schemas::wire::{CommandResult, StopDurable};
 use berth_schemas::CommandId;
 use berth_schemas::SandboxState;
-use berth_store::{chunks, commands, sandboxes, sweep, SandboxRow, StoreError};
+use berth_store::chunks::{self, ReadyCheck};
+use berth_store::{commands, sandboxes, sweep, SandboxRow, StoreError};
 use sqlx::PgConnection;
 use tracing::{debug, info, warn};
 
@@ -27,6 +28,9 @@ pub(crate) enum Refused {
     LostChunks,
     /// The row's generation moved on (`sandboxes::write_durable` wrote nothing).
     NotWritten,
+    /// Its command was inserted more than `chunks::REMOVAL_RETENTION` ago: the removals that
+    /// finished since may be forgotten, so its chunks cannot be checked.
+    TooOld,
 }
 
 /// Records `durable`, reported for the `command` (a stop or an archive) of the locked `row` at
@@ -39,7 +43,11 @@ pub(crate) enum Refused {
 ///   store only after it was requested, so a removal that finished before it could not have
 ///   been skipped, and no later write (a `stopped` applied late, a settings change) moves it.
 ///   A chunk removed after that insert and stored again by the upload itself counts as lost too:
-///   the check errs only on the safe side.
+///   the check errs only on the safe side;
+/// - a snapshot whose command was inserted more than `chunks::REMOVAL_RETENTION` ago (the
+///   database's clock, read by `chunks::check_for_ready` after the manifest's and the chunks'
+///   removal records: the sweep forgets finished ones past that age, so none can be trusted to
+///   be there).
 ///
 /// Without the command row there is no time known to be before the upload's look, so nothing is
 /// recorded. That happens only for a sandbox purged as a tombstone (commands are deleted only
@@ -69,11 +77,20 @@ pub(crate) async fn record(
         .map(|(h, n)| (h.clone(), i64::from(*n)))
         .collect();
     let hashes: Vec<String> = chunks.iter().map(|(h, _)| h.clone()).collect();
-    let lost = chunks::check_for_ready(conn, durable.snapshot_id, requested_at, &hashes).await?;
-    if !lost.is_empty() {
-        warn!(lost = lost.len(), snapshot_id = %durable.snapshot_id,
-            "a stop snapshot lost chunks to a chunk removal; not recorded as durable");
-        return Ok(Err(Refused::LostChunks));
+    // After `manifest_removed`: the age check's clock must be read after every removal record
+    // this report was judged by (`sweep::prune_removed`).
+    match chunks::check_for_ready(conn, durable.snapshot_id, requested_at, &hashes).await? {
+        ReadyCheck::Clear => {}
+        ReadyCheck::Lost(lost) => {
+            warn!(lost = lost.len(), snapshot_id = %durable.snapshot_id,
+                "a stop snapshot lost chunks to a chunk removal; not recorded as durable");
+            return Ok(Err(Refused::LostChunks));
+        }
+        ReadyCheck::TooOld => {
+            warn!(snapshot_id = %durable.snapshot_id, command_id = %command, %requested_at,
+                "a stored stop was reported longer after its command than removals are remembered; not recorded as durable");
+            return Ok(Err(Refused::TooOld));
+        }
     }
     let written =
         sandboxes::write_durable(conn, row.id, generation, durable.snapshot_id, &chunks).await?;

@@ -254,6 +254,18 @@ pub const ARCHIVE_NO_COMMAND: &str = "archive's command is no longer known, so i
 pub const ARCHIVE_NOT_RECORDED: &str = "archive's stored copy could not be recorded: the \
      sandbox moved on; the sandbox keeps its disk; archive again";
 
+/// Why an archive failed when its report came more than `chunks::REMOVAL_RETENTION` (7 days)
+/// after its command was inserted: the chunk removals that finished since may be forgotten,
+/// so its copy cannot be checked.
+pub const ARCHIVE_TOO_OLD: &str = "archive's stored copy was reported more than 7 days after \
+     the archive was requested, too late to be checked; the sandbox keeps its disk; archive again";
+
+/// Why a snapshot failed when its upload's report came more than `chunks::REMOVAL_RETENTION`
+/// (7 days) after its row was inserted: its chunks can no longer be checked against the
+/// removals that finished since.
+pub const SNAPSHOT_TOO_OLD: &str = "its upload was reported more than 7 days after it was \
+     requested, too late to be checked against chunk removals; take the snapshot again";
+
 /// The reason an archive fails for a copy [`crate::durable::record`] refused.
 fn archive_refusal(refused: crate::durable::Refused) -> &'static str {
     use crate::durable::Refused;
@@ -262,6 +274,7 @@ fn archive_refusal(refused: crate::durable::Refused) -> &'static str {
         Refused::ManifestSwept => ARCHIVE_MANIFEST_SWEPT,
         Refused::NoCommand => ARCHIVE_NO_COMMAND,
         Refused::NotWritten => ARCHIVE_NOT_RECORDED,
+        Refused::TooOld => ARCHIVE_TOO_OLD,
     }
 }
 
@@ -700,6 +713,16 @@ mod tests {
             own.parent_id, hostd.parent_id,
             "the apply span has its own id"
         );
+    }
+
+    #[test]
+    fn the_too_old_reasons_name_the_removal_retention() {
+        assert_eq!(
+            berth_store::chunks::REMOVAL_RETENTION,
+            std::time::Duration::from_secs(7 * 24 * 60 * 60),
+            "ARCHIVE_TOO_OLD and SNAPSHOT_TOO_OLD say 7 days"
+        );
+        assert!(ARCHIVE_TOO_OLD.contains("7 days") && SNAPSHOT_TOO_OLD.contains("7 days"));
     }
 
     #[test]

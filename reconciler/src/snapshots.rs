@@ -8,10 +8,11 @@ use berth_schemas::state::snapshot::{
 };
 use berth_schemas::wire::{CommandResult, ResultOutcome};
 use berth_schemas::Reason;
+use berth_store::chunks::{self, ReadyCheck};
 use berth_store::events::{self, NewEvent};
+use berth_store::sandboxes;
 use berth_store::snapshots::{self, Settled, SnapshotRow};
 use berth_store::StoreError;
-use berth_store::{chunks, sandboxes};
 use sqlx::PgConnection;
 use tracing::{info, warn};
 
@@ -54,14 +55,19 @@ pub(crate) async fn apply(
                 .map(|(h, n)| (h.clone(), i64::from(*n)))
                 .collect();
             let hashes: Vec<String> = chunks.iter().map(|(h, _)| h.clone()).collect();
-            let lost = chunks::check_for_ready(conn, row.id, row.created_at, &hashes).await?;
-            if !lost.is_empty() {
-                let reason = format!(
-                    "{} of its chunks were removed by a snapshot delete while it was uploaded; \
-                     take the snapshot again",
-                    lost.len()
-                );
-                return fail(conn, &row, reason).await;
+            match chunks::check_for_ready(conn, row.id, row.created_at, &hashes).await? {
+                ReadyCheck::Clear => {}
+                ReadyCheck::Lost(lost) => {
+                    let reason = format!(
+                        "{} of its chunks were removed by a snapshot delete while it was \
+                         uploaded; take the snapshot again",
+                        lost.len()
+                    );
+                    return fail(conn, &row, reason).await;
+                }
+                ReadyCheck::TooOld => {
+                    return fail(conn, &row, crate::results::SNAPSHOT_TOO_OLD.to_owned()).await;
+                }
             }
             let settled = Settled {
                 holds: if stored.memory {

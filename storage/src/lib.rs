@@ -6,7 +6,8 @@
 //!   documented in ARCHITECTURE.md ("Snapshot artifacts").
 //! - [`capture`]: trees to a staged snapshot, incremental against a parent (the frozen part).
 //! - [`upload`]: a staged snapshot made durable, manifest last.
-//! - [`restore`]: a stored snapshot read back into a directory; deleting one.
+//! - [`restore`]: a stored snapshot read back into a directory. (Deleting one is the
+//!   control plane's: its chunks go only through the claimed removals of `berth_store::chunks`.)
 //! - [`cache`]: the host's bounded LRU cache of chunks.
 //!
 //! Guarantees: a snapshot's manifest is stored only after every chunk it names, so "the
@@ -26,6 +27,6 @@ pub use cache::ChunkCache;
 pub use capture::{stage, Staged, TreeSource};
 pub use error::{StorageError, StoreOp};
 pub use manifest::{Holds, Manifest, SnapshotInfo, TreeKind};
-pub use restore::{delete_snapshot, fetch_manifest, is_durable, materialize, missing_chunks};
+pub use restore::{fetch_manifest, is_durable, materialize, missing_chunks};
 pub use store::{Listed, Location, Objects, RetrySettings, StoreSettings};
 pub use upload::{upload, UploadProgress, UploadReport};

@@ -12,8 +12,10 @@
 //!   recorded) take the same per-snapshot advisory transaction lock: whichever commits second
 //!   sees the other, so a report the sweep overtook is never recorded durable, and a manifest a
 //!   report named first is never claimed.
-//! - A claimed manifest stays claimed ([`manifest_removed`] stays true): a report that comes
-//!   later still finds it.
+//! - A claimed manifest stays claimed ([`manifest_removed`] stays true) until its removal
+//!   finished more than [`crate::chunks::REMOVAL_RETENTION`] ago, and a day's margin more
+//!   ([`prune_removed`], [`crate::chunks::PRUNE_AFTER`]): a report that comes later still finds
+//!   it, or is refused as requested too long ago.
 //!
 //! # Assumptions
 //! A report names only a snapshot its host stored under a fresh id (never a snapshot row's id),
@@ -43,6 +45,18 @@ const UNNAMED: &str = "NOT EXISTS (SELECT 1 FROM snapshots s WHERE s.id = $1)
      AND NOT EXISTS (SELECT 1 FROM commands m
                       WHERE m.snapshot_id = $1 AND m.completed_at IS NULL)";
 
+/// `SELECT candidate.v FROM unnest($1::{array}) AS candidate(v) WHERE {condition}`: of the
+/// candidates bound as `$1` (an `array` of them, e.g. `uuid[]`), those for which `condition`,
+/// written about one candidate as `$1` ([`UNNAMED`], [`crate::chunks::UNREFERENCED`]), holds.
+/// The sweep's looks and the claims that check again under their locks read the same
+/// condition. (The alias `candidate` is one no condition uses for its own tables.)
+fn candidates_where(array: &str, condition: &str) -> String {
+    format!(
+        "SELECT candidate.v FROM unnest($1::{array}) AS candidate(v) WHERE {}",
+        condition.replace("$1", "candidate.v")
+    )
+}
+
 /// Takes the sweep's session lock on `conn` if no other session holds it; whether it did.
 /// Use a connection of its own and close it after (its end releases the lock, also when the
 /// sweep is cut short).
@@ -64,12 +78,9 @@ pub async fn unnamed_manifests(
 ) -> Result<Vec<SnapshotId>, StoreError> {
     timed(
         Op::ObjectSweep,
-        sqlx::query_scalar(&format!(
-            "SELECT c.id FROM unnest($1::uuid[]) AS c(id) WHERE {}",
-            UNNAMED.replace("$1", "c.id")
-        ))
-        .bind(candidates)
-        .fetch_all(conn),
+        sqlx::query_scalar(&candidates_where("uuid[]", UNNAMED))
+            .bind(candidates)
+            .fetch_all(conn),
     )
     .await
 }
@@ -145,7 +156,10 @@ pub async fn finish_manifest(
 
 /// Whether the sweep claimed `snapshot`'s manifest for removal (it may be gone from the store),
 /// under the per-snapshot lock held until the caller's transaction ends: call it in the
-/// transaction that would record the snapshot durable, and record nothing when true.
+/// transaction that would record the snapshot durable, and record nothing when true. Call it
+/// before that transaction's [`crate::chunks::check_for_ready`]: a removal's record pruned
+/// ([`prune_removed`]) before this look is covered by that check's age refusal only when its
+/// clock is read after.
 pub async fn manifest_removed(
     conn: &mut PgConnection,
     snapshot: SnapshotId,
@@ -169,21 +183,49 @@ pub async fn manifest_removed(
 }
 
 /// Of the listed chunks `candidates`, those no row references (`snapshot_chunks`,
-/// `durable_chunks`, `superseded_chunks`). A look only: [`crate::chunks::claim`] checks again.
+/// `durable_chunks`, `superseded_chunks`). A look only: [`crate::chunks::claim`] checks the
+/// same condition again.
 pub async fn unreferenced_chunks(
     conn: &mut PgConnection,
     candidates: &[String],
 ) -> Result<Vec<String>, StoreError> {
     timed(
         Op::ObjectSweep,
-        sqlx::query_scalar(
-            "SELECT c.h FROM unnest($1::text[]) AS c(h)
-              WHERE NOT EXISTS (SELECT 1 FROM snapshot_chunks r WHERE r.sha256 = c.h)
-                AND NOT EXISTS (SELECT 1 FROM durable_chunks d WHERE d.sha256 = c.h)
-                AND NOT EXISTS (SELECT 1 FROM superseded_chunks x WHERE x.sha256 = c.h)",
-        )
-        .bind(candidates)
-        .fetch_all(conn),
+        sqlx::query_scalar(&candidates_where("text[]", crate::chunks::UNREFERENCED))
+            .bind(candidates)
+            .fetch_all(conn),
     )
     .await
+}
+
+/// Deletes up to `limit` manifest removals that finished (`removed_at`: the object is gone)
+/// more than [`crate::chunks::PRUNE_AFTER`] ago ([`crate::chunks::REMOVAL_RETENTION`] and a
+/// day's margin for the database's clock stepping), on the database's clock; how many. A
+/// claim not finished stays (a later look claims it again and removes the object).
+///
+/// Why such a row is no longer needed: it is read only by [`manifest_removed`], for a
+/// durability report naming its snapshot, and by a claim of it again (which inserts a fresh
+/// row as well). A report names a snapshot its host stored under a fresh id after its command
+/// was inserted; the sweep listed that manifest before claiming it, so the command was
+/// inserted before the claim, before the removal finished, hence more than the retention
+/// before now. The report's transaction, having read no row here, then refuses it in
+/// [`crate::chunks::check_for_ready`], whose clock is read after this look: a report is never
+/// recorded durable for a manifest this deleted the record of.
+pub async fn prune_removed(conn: &mut PgConnection, limit: i64) -> Result<u64, StoreError> {
+    let pruned = timed(
+        Op::ObjectSweep,
+        sqlx::query(
+            "DELETE FROM manifest_removals
+              WHERE snapshot_id IN (SELECT snapshot_id FROM manifest_removals
+                                     WHERE removed_at < clock_timestamp()
+                                                        - make_interval(secs => $1)
+                                     LIMIT $2)
+                AND removed_at < clock_timestamp() - make_interval(secs => $1)",
+        )
+        .bind(crate::chunks::PRUNE_AFTER.as_secs_f64())
+        .bind(limit)
+        .execute(conn),
+    )
+    .await?;
+    Ok(pruned.rows_affected())
 }

@@ -90,9 +90,20 @@ async fn lost(
     (uploading, requested_at): (SnapshotId, chrono::DateTime<chrono::Utc>),
     h: &str,
 ) -> Vec<String> {
-    chunks::check_for_ready(conn, uploading, requested_at, &[h.to_owned()])
-        .await
-        .unwrap()
+    lost_chunks(
+        chunks::check_for_ready(conn, uploading, requested_at, &[h.to_owned()])
+            .await
+            .unwrap(),
+    )
+}
+
+/// The chunks a check found lost (none when clear); these tests' requests are never too old.
+fn lost_chunks(check: chunks::ReadyCheck) -> Vec<String> {
+    match check {
+        chunks::ReadyCheck::Clear => Vec::new(),
+        chunks::ReadyCheck::Lost(lost) => lost,
+        chunks::ReadyCheck::TooOld => panic!("a request of a moment ago is never too old"),
+    }
 }
 
 /// One batch of a sweep whose chunk listing began at `listed_at`: of `listed`, the chunks no
@@ -136,9 +147,11 @@ async fn a_chunk_claimed_for_removal_under_an_upload_fails_that_snapshot(db: PgP
     // (the remover deletes the object here)
     chunks::finish(&mut conn, &x).await.unwrap();
     let mut tx = db.begin().await.unwrap();
-    let lost = chunks::check_for_ready(&mut tx, uploading, requested_at, std::slice::from_ref(&x))
-        .await
-        .unwrap();
+    let lost = lost_chunks(
+        chunks::check_for_ready(&mut tx, uploading, requested_at, std::slice::from_ref(&x))
+            .await
+            .unwrap(),
+    );
     assert_eq!(
         lost,
         std::slice::from_ref(&x),
@@ -153,10 +166,11 @@ async fn a_chunk_claimed_for_removal_under_an_upload_fails_that_snapshot(db: PgP
     let (uploading, requested_at) = creating(&db, org).await;
     delete(&db, old).await;
     assert!(chunks::claim(&mut conn, &y).await.unwrap());
-    let lost =
+    let lost = lost_chunks(
         chunks::check_for_ready(&mut conn, uploading, requested_at, std::slice::from_ref(&y))
             .await
-            .unwrap();
+            .unwrap(),
+    );
     assert_eq!(lost, [y]);
 }
 
@@ -172,9 +186,11 @@ async fn a_settling_snapshot_takes_a_queued_chunk_back_and_the_remover_then_leav
 
     // The snapshot settles first, in one transaction: check, then ready.
     let mut tx = db.begin().await.unwrap();
-    let lost = chunks::check_for_ready(&mut tx, uploading, requested_at, std::slice::from_ref(&x))
-        .await
-        .unwrap();
+    let lost = lost_chunks(
+        chunks::check_for_ready(&mut tx, uploading, requested_at, std::slice::from_ref(&x))
+            .await
+            .unwrap(),
+    );
     assert!(lost.is_empty());
     // A remover racing the settle waits on the row lock and then finds the reference.
     let racer = {
@@ -223,9 +239,11 @@ async fn a_removal_finished_before_a_snapshot_was_requested_does_not_fail_it(db:
     chunks::finish(&mut conn, &x).await.unwrap();
     // Requested after the object was gone: its upload found it missing and stored it again.
     let (later, requested_at) = creating(&db, org).await;
-    let lost = chunks::check_for_ready(&mut conn, later, requested_at, std::slice::from_ref(&x))
-        .await
-        .unwrap();
+    let lost = lost_chunks(
+        chunks::check_for_ready(&mut conn, later, requested_at, std::slice::from_ref(&x))
+            .await
+            .unwrap(),
+    );
     assert!(lost.is_empty());
     assert!(!queued(&db, &x).await, "referenced again: no longer queued");
 }
@@ -553,4 +571,125 @@ async fn a_swept_manifest_is_never_recorded_and_a_named_one_is_never_swept(db: P
         .unwrap();
     report.commit().await.unwrap();
     assert!(!claim.await.unwrap(), "named first: never claimed");
+}
+
+/// The session id of `conn`.
+async fn pid(conn: &mut PgConnection) -> i32 {
+    sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// Waits until session `waiter` waits for a lock `holder` holds, failing if `task` (the
+/// waiter's work) finishes first or it never waits.
+async fn until_blocked<T>(
+    db: &PgPool,
+    waiter: i32,
+    holder: i32,
+    task: &tokio::task::JoinHandle<T>,
+) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !blocked_by(db, waiter, holder).await {
+        assert!(!task.is_finished(), "it went past the lock without waiting");
+        assert!(tokio::time::Instant::now() < deadline, "it never waited");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// The race a row lock cannot order: a snapshot settles while `x` is still referenced by an
+/// older snapshot (no removal row to lock), then a delete of that older snapshot commits and
+/// queues `x` (it cannot see the settle's uncommitted reference). The claim must wait for the
+/// settle's commit (`chunks::CLAIM_LOCK`) and then find the reference; without the lock it
+/// claims at once and the object goes under a snapshot that commits `ready`.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_claim_waits_for_a_settle_that_checked_before_the_chunk_was_queued(db: PgPool) {
+    let org = orgs::create(&db, "o").await.unwrap().unwrap();
+    let x = hash('s');
+    let (old, _) = creating(&db, org).await;
+    ready(&db, old, std::slice::from_ref(&x)).await;
+    let (settling, requested_at) = creating(&db, org).await;
+
+    let mut settle = db.begin().await.unwrap();
+    let settle_pid = pid(&mut settle).await;
+    assert!(lost_chunks(
+        chunks::check_for_ready(
+            &mut settle,
+            settling,
+            requested_at,
+            std::slice::from_ref(&x)
+        )
+        .await
+        .unwrap()
+    )
+    .is_empty());
+    assert!(!queued(&db, &x).await, "no removal row when it checked");
+    assert!(snapshots::write_ready(
+        &mut settle,
+        settling,
+        &Settled {
+            holds: "disk",
+            logical_bytes: 10,
+            stored_bytes: 10,
+            new_bytes: 10,
+            paused_ms: 1,
+            chunks: &[(x.clone(), 10)],
+        },
+    )
+    .await
+    .unwrap());
+
+    // The older snapshot's delete does not see the uncommitted reference: it queues `x`.
+    assert_eq!(delete(&db, old).await, std::slice::from_ref(&x));
+    let mut remover = db.acquire().await.unwrap();
+    let remover_pid = pid(&mut remover).await;
+    let claim = {
+        let x = x.clone();
+        tokio::spawn(async move { chunks::claim(&mut remover, &x).await.unwrap() })
+    };
+    until_blocked(&db, remover_pid, settle_pid, &claim).await;
+    settle.commit().await.unwrap();
+    assert!(
+        !claim.await.unwrap(),
+        "the settle committed its reference first: never claimed"
+    );
+    assert!(!queued(&db, &x).await, "a referenced chunk's row goes");
+}
+
+/// Settles hold the lock shared: two in flight at once never wait for each other, and a claim
+/// waits for both.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn settling_snapshots_never_wait_for_each_other(db: PgPool) {
+    let org = orgs::create(&db, "o").await.unwrap().unwrap();
+    let (x, y) = (hash('t'), hash('u'));
+    let (a, a_at) = creating(&db, org).await;
+    let (b, b_at) = creating(&db, org).await;
+    let mut first = db.begin().await.unwrap();
+    let first_pid = pid(&mut first).await;
+    assert_eq!(
+        chunks::check_for_ready(&mut first, a, a_at, std::slice::from_ref(&x))
+            .await
+            .unwrap(),
+        chunks::ReadyCheck::Clear
+    );
+    let mut second = db.begin().await.unwrap();
+    let check = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        chunks::check_for_ready(&mut second, b, b_at, std::slice::from_ref(&y)),
+    )
+    .await
+    .expect("a second settle does not wait for the first")
+    .unwrap();
+    assert_eq!(check, chunks::ReadyCheck::Clear);
+
+    let mut remover = db.acquire().await.unwrap();
+    let remover_pid = pid(&mut remover).await;
+    let claim = {
+        let x = x.clone();
+        tokio::spawn(async move { chunks::claim(&mut remover, &x).await.unwrap() })
+    };
+    until_blocked(&db, remover_pid, first_pid, &claim).await;
+    first.commit().await.unwrap();
+    second.commit().await.unwrap();
+    assert!(!claim.await.unwrap(), "nothing queued: nothing claimed");
 }
