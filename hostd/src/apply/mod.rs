@@ -95,7 +95,7 @@ impl ApplyTrace {
 /// The span of one step of a command's work (`step` = its name: `template`, `network`,
 /// `disk`, `overlay`, `boot` or `restore`, `agent`; `drain`, `checkpoint`, `unmount`, `release`;
 /// `destroy`, `tear_down`, `remove_dir`), a child of
-/// the `apply` span: with `BERTH_LOG_SPANS=1` each logs its duration as it closes, which is how
+/// the `apply` span: with `BERTH_LOG_SPANS=true` each logs its duration as it closes, which is how
 /// a create's or delete's time splits into its steps (issue 16 lever 2).
 pub fn step(name: &'static str) -> tracing::Span {
     tracing::info_span!("step", step = name)
