@@ -4,38 +4,16 @@
 //! never both "removed" and "ready". The store-wide sweep of orphans (issue 14) removes chunks
 //! through the same protocol, and claims manifests under the lock a durability report takes.
 
+mod common;
+
 use berth_schemas::ids::SnapshotId;
-use berth_schemas::{CommandId, HostId, OrgId, SandboxId};
-use berth_store::snapshots::{self, NewSnapshot, Settled};
+use berth_schemas::{OrgId, SandboxId};
+use berth_store::snapshots::{self, Settled};
 use berth_store::{chunks, orgs, sandboxes, sweep};
 use sqlx::{PgConnection, PgPool};
 
 async fn creating(db: &PgPool, org: OrgId) -> (SnapshotId, chrono::DateTime<chrono::Utc>) {
-    let id = SnapshotId::new();
-    let mut tx = db.begin().await.unwrap();
-    snapshots::create(
-        &mut tx,
-        &NewSnapshot {
-            id,
-            org_id: org,
-            sandbox_id: SandboxId::new(),
-            host_id: HostId::new(),
-            parent_id: None,
-            template: "base",
-            runtime: "runc",
-            vcpus: 1,
-            memory_mib: 256,
-            disk_mib: 1024,
-            command_id: CommandId::new(),
-            expires_at: None,
-            kind: snapshots::KIND_SNAPSHOT,
-        },
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-    let row = snapshots::get(db, org, id).await.unwrap().unwrap();
-    (id, row.created_at)
+    common::creating_snapshot(db, org, SandboxId::new(), None, 0.0).await
 }
 
 fn hash(c: char) -> String {

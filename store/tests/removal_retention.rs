@@ -4,10 +4,11 @@
 //! settling snapshot or durability report makes refuses every request older than the
 //! retention, so a forgotten removal can never let a snapshot missing a chunk settle. Time is moved by backdating rows on the database's clock.
 
+mod common;
+
 use berth_schemas::ids::SnapshotId;
-use berth_schemas::{CommandId, HostId, OrgId, SandboxId};
+use berth_schemas::{OrgId, SandboxId};
 use berth_store::chunks::{self, ReadyCheck, PRUNE_AFTER, REMOVAL_RETENTION};
-use berth_store::snapshots::{self, NewSnapshot};
 use berth_store::{orgs, sweep};
 use chrono::{DateTime, Utc};
 use sqlx::{PgConnection, PgPool};
@@ -32,39 +33,7 @@ fn the_prune_waits_a_day_past_the_retention() {
 /// A `creating` snapshot whose row was inserted `ago` seconds ago (database clock); its id and
 /// `created_at`, the time its check is judged against.
 async fn requested_ago(db: &PgPool, org: OrgId, ago: f64) -> (SnapshotId, DateTime<Utc>) {
-    let id = SnapshotId::new();
-    let mut tx = db.begin().await.unwrap();
-    snapshots::create(
-        &mut tx,
-        &NewSnapshot {
-            id,
-            org_id: org,
-            sandbox_id: SandboxId::new(),
-            host_id: HostId::new(),
-            parent_id: None,
-            template: "base",
-            runtime: "runc",
-            vcpus: 1,
-            memory_mib: 256,
-            disk_mib: 1024,
-            command_id: CommandId::new(),
-            expires_at: None,
-            kind: snapshots::KIND_SNAPSHOT,
-        },
-    )
-    .await
-    .unwrap();
-    let created_at = sqlx::query_scalar(
-        "UPDATE snapshots SET created_at = created_at - make_interval(secs => $2)
-          WHERE id = $1 RETURNING created_at",
-    )
-    .bind(id)
-    .bind(ago)
-    .fetch_one(&mut *tx)
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-    (id, created_at)
+    common::creating_snapshot(db, org, SandboxId::new(), None, ago).await
 }
 
 /// A chunk removal of `h`: queued, then claimed `claimed_ago` seconds ago and, with

@@ -2,11 +2,13 @@
 //! another org never sees it, an org's usage counts shared content once, and a delete hands back
 //! exactly the chunks no other snapshot references.
 
+mod common;
+
 use berth_schemas::ids::SnapshotId;
 use berth_schemas::state::snapshot::SnapshotState;
-use berth_schemas::{CommandId, HostId, OrgId, SandboxId};
+use berth_schemas::{OrgId, SandboxId};
 use berth_store::orgs;
-use berth_store::snapshots::{self, NewSnapshot, Settled};
+use berth_store::snapshots::{self, Settled};
 use sqlx::PgPool;
 
 async fn org(db: &PgPool) -> OrgId {
@@ -22,30 +24,9 @@ async fn creating(
     sandbox: SandboxId,
     parent: Option<SnapshotId>,
 ) -> SnapshotId {
-    let id = SnapshotId::new();
-    let mut tx = db.begin().await.unwrap();
-    snapshots::create(
-        &mut tx,
-        &NewSnapshot {
-            id,
-            org_id: org,
-            sandbox_id: sandbox,
-            host_id: HostId::new(),
-            parent_id: parent,
-            template: "base",
-            runtime: "runc",
-            vcpus: 1,
-            memory_mib: 256,
-            disk_mib: 1024,
-            command_id: CommandId::new(),
-            expires_at: None,
-            kind: snapshots::KIND_SNAPSHOT,
-        },
-    )
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
-    id
+    common::creating_snapshot(db, org, sandbox, parent, 0.0)
+        .await
+        .0
 }
 
 fn settled(chunks: &[(String, i64)]) -> Settled<'_> {

@@ -1,14 +1,20 @@
 //! Fixtures the store's integration tests share: a host row heard from just now, a sandbox
-//! placed on it holding its reservation (as a create leaves it), and a transition.
+//! placed on it holding its reservation (as a create leaves it), a transition, and a
+//! `creating` snapshot row.
 
 // Each test binary uses its own part of these.
 #![allow(dead_code)]
 
+use berth_schemas::ids::SnapshotId;
 use berth_schemas::wire::{Heartbeat, Resources, Runtime, RuntimeInfo};
-use berth_schemas::{Capacity, CommandKind, HostId, OrgId, Reason, SandboxState};
+use berth_schemas::{
+    Capacity, CommandId, CommandKind, HostId, OrgId, Reason, SandboxId, SandboxState,
+};
 use berth_store::hosts::{self, Admit, Overcommit};
 use berth_store::sandboxes::{self, NewSandbox, Transition};
+use berth_store::snapshots::{self, NewSnapshot};
 use berth_store::{orgs, SandboxRow};
+use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 
 pub const HOST_CAPACITY: Resources = Resources {
@@ -112,4 +118,49 @@ pub fn transition(
         },
         snapshot: None,
     }
+}
+
+/// Inserts a `creating` snapshot of `org` (of `sandbox`, with `parent`) whose row is `ago`
+/// seconds old on the database's clock, and commits; its id and `created_at` (the time its
+/// upload's chunk check is judged against, `chunks::check_for_ready`).
+pub async fn creating_snapshot(
+    db: &PgPool,
+    org: OrgId,
+    sandbox: SandboxId,
+    parent: Option<SnapshotId>,
+    ago: f64,
+) -> (SnapshotId, DateTime<Utc>) {
+    let id = SnapshotId::new();
+    let mut tx = db.begin().await.unwrap();
+    snapshots::create(
+        &mut tx,
+        &NewSnapshot {
+            id,
+            org_id: org,
+            sandbox_id: sandbox,
+            host_id: HostId::new(),
+            parent_id: parent,
+            template: "base",
+            runtime: "runc",
+            vcpus: 1,
+            memory_mib: 256,
+            disk_mib: 1024,
+            command_id: CommandId::new(),
+            expires_at: None,
+            kind: snapshots::KIND_SNAPSHOT,
+        },
+    )
+    .await
+    .unwrap();
+    let created_at = sqlx::query_scalar(
+        "UPDATE snapshots SET created_at = created_at - make_interval(secs => $2)
+          WHERE id = $1 RETURNING created_at",
+    )
+    .bind(id)
+    .bind(ago)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    (id, created_at)
 }
