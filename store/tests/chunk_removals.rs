@@ -16,15 +16,12 @@ async fn creating(db: &PgPool, org: OrgId) -> (SnapshotId, chrono::DateTime<chro
     common::creating_snapshot(db, org, SandboxId::new(), None, 0.0).await
 }
 
-fn hash(c: char) -> String {
-    c.to_string().repeat(64)
-}
-
-async fn ready(db: &PgPool, id: SnapshotId, hashes: &[String]) {
+/// Writes snapshot `id` `ready` holding `hashes`, 10 bytes each (`snapshots::write_ready`);
+/// whether it was `creating`.
+async fn write_ready_with(conn: &mut PgConnection, id: SnapshotId, hashes: &[String]) -> bool {
     let chunks: Vec<(String, i64)> = hashes.iter().map(|h| (h.clone(), 10)).collect();
-    let mut conn = db.acquire().await.unwrap();
-    assert!(snapshots::write_ready(
-        &mut conn,
+    snapshots::write_ready(
+        conn,
         id,
         &Settled {
             holds: "disk",
@@ -36,7 +33,16 @@ async fn ready(db: &PgPool, id: SnapshotId, hashes: &[String]) {
         },
     )
     .await
-    .unwrap());
+    .unwrap()
+}
+
+fn hash(c: char) -> String {
+    c.to_string().repeat(64)
+}
+
+async fn ready(db: &PgPool, id: SnapshotId, hashes: &[String]) {
+    let mut conn = db.acquire().await.unwrap();
+    assert!(write_ready_with(&mut conn, id, hashes).await);
 }
 
 /// Deletes snapshot `id` the way the API does: row and references, orphans queued, one
@@ -179,20 +185,7 @@ async fn a_settling_snapshot_takes_a_queued_chunk_back_and_the_remover_then_leav
             chunks::claim(&mut conn, &x).await.unwrap()
         })
     };
-    snapshots::write_ready(
-        &mut tx,
-        uploading,
-        &Settled {
-            holds: "disk",
-            logical_bytes: 10,
-            stored_bytes: 10,
-            new_bytes: 10,
-            paused_ms: 1,
-            chunks: &[(x.clone(), 10)],
-        },
-    )
-    .await
-    .unwrap();
+    write_ready_with(&mut tx, uploading, std::slice::from_ref(&x)).await;
     tx.commit().await.unwrap();
     assert!(!racer.await.unwrap(), "a referenced chunk is never claimed");
     let mut conn = db.acquire().await.unwrap();
@@ -602,20 +595,7 @@ async fn a_claim_waits_for_a_settle_that_checked_before_the_chunk_was_queued(db:
     )
     .is_empty());
     assert!(!queued(&db, &x).await, "no removal row when it checked");
-    assert!(snapshots::write_ready(
-        &mut settle,
-        settling,
-        &Settled {
-            holds: "disk",
-            logical_bytes: 10,
-            stored_bytes: 10,
-            new_bytes: 10,
-            paused_ms: 1,
-            chunks: &[(x.clone(), 10)],
-        },
-    )
-    .await
-    .unwrap());
+    assert!(write_ready_with(&mut settle, settling, std::slice::from_ref(&x)).await);
 
     // The older snapshot's delete does not see the uncommitted reference: it queues `x`.
     assert_eq!(delete(&db, old).await, std::slice::from_ref(&x));
