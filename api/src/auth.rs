@@ -39,13 +39,16 @@ async fn principal(parts: &Parts, state: &AppState) -> Result<Principal, ApiErro
     .await
 }
 
-/// The berth API key of the request's first `Authorization: Bearer` value that carries one,
-/// among all its `Authorization` headers. The scheme is case-insensitive (RFC 9110 §11.1) and
-/// parted from the key by any run of spaces or tabs (RFC 9110's `1*SP` read leniently, as
-/// clients send it): `Basic …` followed by `Bearer berth_…`, or `Bearer<TAB>berth_…`, still
-/// name the key.
-pub fn bearer_key(headers: &axum::http::HeaderMap) -> Option<&str> {
-    headers
+/// The berth API key of the request's `Authorization: Bearer` value that carries one, among
+/// all its `Authorization` headers. The scheme is case-insensitive (RFC 9110 §11.1) and parted
+/// from the key by any run of spaces or tabs (RFC 9110's `1*SP` read leniently, as clients send
+/// it): `Basic …` followed by `Bearer berth_…`, or `Bearer<TAB>berth_…`, still name the key.
+///
+/// Errors: [`ApiError::InvalidRequest`] (field `Authorization`) when the headers name two
+/// different Berth keys: which one a request acts as must not depend on header order (a proxy
+/// that adds its own key after the client's would otherwise act as the client's).
+pub fn bearer_key(headers: &axum::http::HeaderMap) -> Result<Option<&str>, ApiError> {
+    let mut keys = headers
         .get_all(axum::http::header::AUTHORIZATION)
         .iter()
         .filter_map(|v| v.to_str().ok())
@@ -56,7 +59,15 @@ pub fn bearer_key(headers: &axum::http::HeaderMap) -> Option<&str> {
                 .eq_ignore_ascii_case("bearer")
                 .then(|| key.trim_matches([' ', '\t']))
         })
-        .find(|k| k.starts_with(KEY_PREFIX))
+        .filter(|k| k.starts_with(KEY_PREFIX));
+    let first = keys.next();
+    if keys.any(|other| Some(other) != first) {
+        return Err(ApiError::invalid(
+            "Authorization",
+            "more than one API key: send one `Authorization: Bearer` key",
+        ));
+    }
+    Ok(first)
 }
 
 /// Resolves the request's bearer key (cache first, then Postgres within the client address
@@ -69,7 +80,7 @@ pub(crate) async fn principal_of(
     db: &sqlx::PgPool,
     guards: &crate::limits::Guards,
 ) -> Result<Principal, ApiError> {
-    principal_of_key(bearer_key(headers), peer, db, guards).await
+    principal_of_key(bearer_key(headers)?, peer, db, guards).await
 }
 
 /// Like [`principal_of`], for a key the caller took from elsewhere than `Authorization` (the
@@ -172,17 +183,37 @@ mod tests {
 
     #[test]
     fn a_bearer_key_is_found_in_any_authorization_header_and_any_spacing() {
-        let key = "berth_abc";
-        assert_eq!(bearer_key(&headers(&["Bearer berth_abc"])), Some(key));
-        assert_eq!(bearer_key(&headers(&["bearer\tberth_abc"])), Some(key));
-        assert_eq!(bearer_key(&headers(&["BEARER  \t berth_abc "])), Some(key));
+        let key = |values: &[&str]| bearer_key(&headers(values)).unwrap().map(str::to_owned);
+        let found = Some("berth_abc".to_owned());
+        assert_eq!(key(&["Bearer berth_abc"]), found);
+        assert_eq!(key(&["bearer\tberth_abc"]), found);
+        assert_eq!(key(&["BEARER  \t berth_abc "]), found);
+        assert_eq!(key(&["Basic dXNlcjpwdw==", "Bearer berth_abc"]), found);
         assert_eq!(
-            bearer_key(&headers(&["Basic dXNlcjpwdw==", "Bearer berth_abc"])),
-            Some(key)
+            key(&["Bearer someone-elses-token", "Bearer berth_abc"]),
+            found
         );
-        assert_eq!(bearer_key(&headers(&["Bearer someone-elses-token"])), None);
-        assert_eq!(bearer_key(&headers(&["Basic berth_abc"])), None);
-        assert_eq!(bearer_key(&headers(&["Bearerberth_abc"])), None);
-        assert_eq!(bearer_key(&HeaderMap::new()), None);
+        assert_eq!(key(&["Bearer berth_abc", "Bearer berth_abc"]), found);
+        assert_eq!(key(&["Bearer someone-elses-token"]), None);
+        assert_eq!(key(&["Basic berth_abc"]), None);
+        assert_eq!(key(&["Bearerberth_abc"]), None);
+        assert_eq!(key(&[]), None);
+    }
+
+    /// Found by an attack run: with two keys the first one that was a Berth key won, so a
+    /// proxy's key appended after the client's acted as the client's.
+    #[test]
+    fn two_different_keys_are_refused_naming_the_header() {
+        for values in [
+            ["Bearer berth_abc", "Bearer berth_def"],
+            ["Bearer berth_def", "bearer berth_abc"],
+        ] {
+            match bearer_key(&headers(&values)) {
+                Err(ApiError::InvalidRequest { field, .. }) => {
+                    assert_eq!(field.as_deref(), Some("Authorization"))
+                }
+                other => panic!("{values:?}: {other:?}"),
+            }
+        }
     }
 }

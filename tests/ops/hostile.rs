@@ -429,3 +429,37 @@ async fn a_deleted_sandbox_shows_no_host_archived_first_or_not(db: PgPool) {
     assert_eq!(body["state"], "deleted", "{body}");
     assert!(body["host_id"].is_null(), "deleted on its host: {body}");
 }
+
+/// Found by an attack run: a request with two `Authorization: Bearer` keys acted as the first
+/// Berth key among them, so a proxy's own key appended after a client's acted as the client's.
+/// Two different keys are refused, naming the header; a key beside a non-Berth bearer token or
+/// `Basic` credentials still works.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_request_naming_two_keys_is_refused_not_served_as_either(db: PgPool) {
+    let ours = inproc::org(&db).await;
+    let theirs = inproc::org(&db).await;
+    let nats = async_nats::connect(inproc::nats_url()).await.unwrap();
+    let api = Api::new(db.clone(), nats, inproc::unique_subjects());
+    let with = |values: &[String]| {
+        let mut req = axum::http::Request::get("/v1/sandboxes");
+        for v in values {
+            req = req.header(axum::http::header::AUTHORIZATION, v);
+        }
+        req.body(axum::body::Body::empty()).unwrap()
+    };
+    let bearer = |key: &str| format!("Bearer {key}");
+    for pair in [
+        [bearer(&theirs.key), bearer(&ours.key)],
+        [bearer(&ours.key), bearer(&theirs.key)],
+    ] {
+        let reply = api.send(with(&pair)).await;
+        assert_eq!(reply.status, 400, "{}", reply.body);
+        assert_eq!(reply.body["error"]["field"], "Authorization");
+    }
+    for alongside in ["Bearer not-a-berth-key", "Basic dXNlcjpwdw=="] {
+        let reply = api
+            .send(with(&[alongside.to_owned(), bearer(&ours.key)]))
+            .await;
+        assert_eq!(reply.status, 200, "beside {alongside}: {}", reply.body);
+    }
+}

@@ -72,7 +72,7 @@ pub async fn authorize(
         .remove(TOKEN_HEADER)
         .and_then(|v| v.to_str().ok().map(str::to_owned));
     let from_cookie = strip_token_cookies(req.headers_mut());
-    let key_principal = if crate::auth::bearer_key(req.headers()).is_some() {
+    let key_principal = if !matches!(crate::auth::bearer_key(req.headers()), Ok(None)) {
         Some(crate::auth::principal_of(req.headers(), peer, &preview.db, &preview.guards).await)
     } else {
         None
