@@ -139,6 +139,14 @@ pub(crate) fn data_error(whole: &str, path: Option<String>, raw: &str) -> (Optio
         let field = under(name);
         return (Some(field.clone()), format!("{field} is required"));
     }
+    // A field given twice (an attack run saw this 400 without its field).
+    if let Some(name) = raw
+        .strip_prefix("duplicate field `")
+        .and_then(|r| r.strip_suffix('`'))
+    {
+        let field = under(name);
+        return (Some(field.clone()), format!("{field} is given twice"));
+    }
     let said = ["invalid type: ", "invalid value: "]
         .into_iter()
         .find_map(|p| raw.strip_prefix(p))
@@ -290,6 +298,16 @@ mod tests {
                 r#"{"count": 1, "inner": "x"}"#,
                 "inner",
                 "inner: expected a JSON object, got the string \"x\"",
+            ),
+            (
+                r#"{"count": 1, "count": 2}"#,
+                "count",
+                "count is given twice",
+            ),
+            (
+                r#"{"count": 1, "inner": {"egress": "a", "egress": "b"}}"#,
+                "inner.egress",
+                "inner.egress is given twice",
             ),
         ];
         for (body, want_field, want_message) in cases {
