@@ -146,13 +146,11 @@ async fn a_stop_whose_skipped_chunk_was_removed_after_the_stop_was_requested_is_
         None,
         "a stop that may miss a chunk is never recorded durable"
     );
-    let handed: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM durable_superseded WHERE snapshot_id = $1")
-            .bind(snapshot.as_uuid())
-            .fetch_one(&plane.db)
-            .await
-            .unwrap();
-    assert_eq!(handed, 1, "what its upload stored goes to the collector");
+    assert_eq!(
+        handed_to_collector(&plane, snapshot).await,
+        1,
+        "what its upload stored goes to the collector"
+    );
 }
 
 /// A stopped sandbox, and the command whose copy is then reported (its archive with
@@ -239,13 +237,11 @@ async fn a_stop_reported_past_the_removal_retention_is_not_durable_and_a_younger
     plane.deliver(&stop, ResultOutcome::Durable(copy)).await;
     assert_eq!(inproc::row(&plane.db, old).await.state, "stopped");
     assert_eq!(durable_at(&plane, old).await, None);
-    let handed: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM durable_superseded WHERE snapshot_id = $1")
-            .bind(snapshot.as_uuid())
-            .fetch_one(&plane.db)
-            .await
-            .unwrap();
-    assert_eq!(handed, 1, "what its upload stored goes to the collector");
+    assert_eq!(
+        handed_to_collector(&plane, snapshot).await,
+        1,
+        "what its upload stored goes to the collector"
+    );
 
     let (young, stop) = stopped_then_requested_ago(&plane, false, retention_plus_hours(-1.0)).await;
     plane
@@ -307,4 +303,13 @@ async fn a_snapshot_reported_past_the_removal_retention_fails_saying_so(db: PgPo
             .unwrap();
     assert_eq!(state, "failed");
     assert_eq!(reason.as_deref(), Some(SNAPSHOT_TOO_OLD));
+}
+
+/// How many times the stored copy `snapshot` was handed to the collector (`durable_superseded`).
+async fn handed_to_collector(plane: &Plane, snapshot: SnapshotId) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM durable_superseded WHERE snapshot_id = $1")
+        .bind(snapshot.as_uuid())
+        .fetch_one(&plane.db)
+        .await
+        .unwrap()
 }
