@@ -37,10 +37,8 @@
 //!   transaction. Both are idempotent.
 
 use std::fmt::Write as _;
-use std::process::Stdio;
 
 use berth_schemas::network::{Egress, Ipv4Net, BLOCKED_V4};
-use tokio::io::AsyncWriteExt;
 
 use crate::address::{LinkAddresses, LINK_PREFIX_LEN};
 use crate::error::HostdError;
@@ -306,34 +304,13 @@ pub async fn inet_tables() -> Result<Vec<String>, HostdError> {
 
 /// Applies `ruleset` with `nft -f -` (one atomic transaction).
 async fn nft(ruleset: &str) -> Result<(), HostdError> {
-    let mut child = tokio::process::Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(HostdError::io("spawn nft (apt-get install nftables)"))?;
-    let mut stdin = child.stdin.take().expect("stdin is piped");
-    stdin
-        .write_all(ruleset.as_bytes())
-        .await
-        .map_err(HostdError::io("write to nft"))?;
-    drop(stdin);
-    let out = tokio::time::timeout(tool::TOOL_TIMEOUT, child.wait_with_output())
-        .await
-        .map_err(|_| HostdError::Io {
-            context: "nft timed out".into(),
-            source: std::io::ErrorKind::TimedOut.into(),
-        })?
-        .map_err(HostdError::io("wait for nft"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(HostdError::Nft {
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+    match tool::run_input("nft", &["-f", "-"], Some(ruleset)).await {
+        Ok(_) => Ok(()),
+        Err(HostdError::Tool { stderr, .. }) => Err(HostdError::Nft {
+            stderr,
             ruleset: ruleset.to_owned(),
-        })
+        }),
+        Err(e) => Err(e),
     }
 }
 

@@ -464,12 +464,19 @@ impl Backend for OciBackend {
         async move {
             let names = host.names(sandbox);
             let paths = host.layout.sandbox(sandbox);
-            unmount(paths.rootfs()).await?;
-            volume::release(&paths).await?;
-            if let Some(admitted) = record.and_then(|r| admission(host, r)) {
-                self.firewall.remove(&admitted).await?;
-            }
-            netns::teardown(&names).await
+            // The mounts and the network are independent: undone at once.
+            let mounts = async {
+                unmount(paths.rootfs()).await?;
+                volume::release(&paths).await
+            };
+            let network = async {
+                if let Some(admitted) = record.and_then(|r| admission(host, r)) {
+                    self.firewall.remove(&admitted).await?;
+                }
+                netns::teardown(&names).await
+            };
+            let (mounts, network) = tokio::join!(mounts, network);
+            mounts.and(network)
         }
         .boxed()
     }
