@@ -200,6 +200,14 @@ enum Cmd {
         #[arg(long)]
         max_bytes: u64,
     },
+    /// Runs a detached OCI runtime command and stays the parent of the container's processes,
+    /// reaping them as they exit; hostd starts one per container run or restore.
+    #[command(hide = true)]
+    RuntimeKeeper {
+        /// The runtime's argv.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        argv: Vec<std::ffi::OsString>,
+    },
     /// API, scheduler, reconciler and N hostd in one process.
     Dev(dev::DevArgs),
     /// Measure lifecycle latency and throughput of a running stack against raw floors.
@@ -320,6 +328,11 @@ fn run_component(cli: Cli) -> anyhow::Result<()> {
         berth_hostd::console::copy_capped(&mut std::io::stdin().lock(), path, *max_bytes)
             .context("console log")?;
         return Ok(());
+    }
+    if let Cmd::RuntimeKeeper { argv } = &cli.command {
+        // Forks: std only, no runtime, no threads.
+        let code = berth_hostd::keeper::run(argv).context("runtime keeper")?;
+        std::process::exit(code);
     }
     init_tracing(cli.log_format, cli.log_spans);
     tokio::runtime::Builder::new_multi_thread()
@@ -580,6 +593,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
         }
         Cmd::Agent { .. }
         | Cmd::ConsoleLog { .. }
+        | Cmd::RuntimeKeeper { .. }
         | Cmd::Sandbox(_)
         | Cmd::Login(_)
         | Cmd::Completions { .. }

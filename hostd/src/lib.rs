@@ -56,6 +56,7 @@ pub mod gate;
 pub mod host;
 pub mod image;
 pub mod isolation;
+pub mod keeper;
 pub mod layout;
 pub mod metrics;
 pub mod nats;

@@ -16,6 +16,7 @@ mod gvisor;
 mod harness;
 mod images;
 mod io;
+mod keeper;
 mod kept;
 mod migrate;
 mod network;

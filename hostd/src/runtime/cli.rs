@@ -102,11 +102,13 @@ impl OciCli {
     /// Runs a detached command (`run --detach`, `restore --detach`) whose stdout and stderr,
     /// which the container inherits, go to a new console writer of `console_log` (see
     /// [`crate::console`]). `wrapper` is prepended to the argv (a program and its arguments
-    /// that end by exec'ing the rest), or empty.
+    /// that end by exec'ing the rest), or empty; with `keeper`, all of it runs under a runtime
+    /// keeper ([`crate::keeper`]), which stays the parent of the container's processes.
     ///
     /// Errors: [`HostdError::Tool`] with the console log's tail; [`HostdError::Io`].
     pub async fn detached(
         &self,
+        keeper: bool,
         wrapper: &[&str],
         args: &[&str],
         console_log: &Path,
@@ -118,10 +120,19 @@ impl OciCli {
         argv.push(self.binary.to_owned());
         argv.extend(self.base_args());
         argv.extend(args.iter().map(|s| s.to_string()));
+        let keeper = if keeper {
+            crate::keeper::prefix(&self.console.berth)
+        } else {
+            Vec::new()
+        };
+        let (program, args) = match keeper.split_first() {
+            Some((program, keeper_args)) => (program, [keeper_args, &argv].concat()),
+            None => (&argv[0], argv[1..].to_vec()),
+        };
         let spawned = (|| -> Result<_, HostdError> {
             // Spawns at once; the command and its copies of the pipe drop with this closure.
-            Ok(tokio::process::Command::new(&argv[0])
-                .args(&argv[1..])
+            Ok(tokio::process::Command::new(program)
+                .args(&args)
                 .stdin(Stdio::null())
                 .stdout(writer.stdio()?)
                 .stderr(writer.stdio()?)

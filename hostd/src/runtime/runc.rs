@@ -77,7 +77,10 @@ impl RuntimeDriver for Runc {
         async move {
             let args = ["run", "--detach", "--bundle", &bundle, req.container_id];
             self.cli
-                .timed("run", self.cli.detached(&[], &args, req.console_log, "run"))
+                .timed(
+                    "run",
+                    self.cli.detached(false, &[], &args, req.console_log, "run"),
+                )
                 .await
         }
         .boxed()

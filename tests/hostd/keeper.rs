@@ -1,0 +1,224 @@
+//! The runtime keeper (`berth runtime-keeper`, `hostd/src/keeper.rs`): it answers with the
+//! runtime's own exit code at once, stays the parent of what the runtime leaves running and
+//! reaps it the moment it dies, and dies with the runtime when killed before the runtime
+//! ended. On gVisor, the sandbox's process is the keeper's child, so a stop and a delete leave
+//! no zombie for `runsc delete` to wait on.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context as _};
+use berth_schemas::wire::{ResultOutcome, StopMode};
+use berth_schemas::{CommandKind, SandboxId};
+
+use crate::harness::*;
+use crate::support::cleanup;
+use crate::support::env::path_str;
+
+/// How long a process may take to be reaped, or a keeper to answer, before the test fails (a
+/// bound on a loaded machine, not a figure: reaping takes microseconds).
+const BOUND: Duration = Duration::from_secs(10);
+
+/// A process's state letter and parent pid from `/proc/<pid>/stat`; `None` when it is gone.
+fn stat(pid: u32) -> Option<(char, u32)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut after = text[text.rfind(')')? + 1..].split_whitespace();
+    let state = after.next()?.chars().next()?;
+    let ppid = after.next()?.parse().ok()?;
+    Some((state, ppid))
+}
+
+/// A process's command line, its arguments joined by spaces.
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| String::from_utf8_lossy(&raw).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+/// Waits until `pid` is gone from `/proc` (reaped, not a zombie), at most [`BOUND`].
+async fn reaped(pid: u32) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while let Some((state, ppid)) = stat(pid) {
+        if tokio::time::Instant::now() >= deadline {
+            bail!("process {pid} is still there in state {state}, child of {ppid}");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
+
+/// Waits until `path` holds a pid, at most [`BOUND`].
+async fn pid_in(path: &Path) -> anyhow::Result<u32> {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        if let Ok(pid) = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .trim()
+            .parse()
+        {
+            return Ok(pid);
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "no pid in {}",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn keeper(argv: &[&str]) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"));
+    command
+        .args([berth_hostd::keeper::KEEPER_SUBCOMMAND, "--"])
+        .args(argv)
+        .kill_on_drop(true);
+    command
+}
+
+#[tokio::test]
+async fn a_keeper_answers_with_the_runtimes_code_and_reaps_what_it_left_running(
+) -> anyhow::Result<()> {
+    let dir = cleanup::fresh_dir("keeper");
+    let pidfile = dir.join("pid");
+    // As `runsc run --detach`: start something that outlives it, then exit.
+    let script = format!(
+        "sleep 60 </dev/null >/dev/null 2>&1 & echo $! > {}; exit 3",
+        path_str(&pidfile)
+    );
+    let status = tokio::time::timeout(BOUND, keeper(&["sh", "-c", &script]).status())
+        .await
+        .context("the keeper did not answer before what it left running ended")??;
+    assert_eq!(status.code(), Some(3), "the runtime's own code");
+    let left = pid_in(&pidfile).await?;
+    let (state, parent) = stat(left).context("the left process is gone already")?;
+    ensure!(state != 'Z', "already dead: {state}");
+    ensure!(
+        cmdline(parent).contains("runtime-keeper"),
+        "the left process's parent {parent} is not the keeper: {:?}",
+        cmdline(parent)
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(left as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    reaped(left).await?;
+    // With nothing left to reap, the keeper ends.
+    ended(parent, "the keeper, after what it kept").await?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_keeper_killed_before_its_runtime_ended_takes_the_runtime_with_it() -> anyhow::Result<()>
+{
+    let dir = cleanup::fresh_dir("keeper");
+    let pidfile = dir.join("pid");
+    // As a runtime that hangs: hostd kills the keeper at its timeout.
+    let script = format!("echo $$ > {}; exec sleep 60", path_str(&pidfile));
+    let mut child = keeper(&["sh", "-c", &script]).spawn()?;
+    let runtime = pid_in(&pidfile).await?;
+    child.kill().await?;
+    ended(runtime, "the runtime, after its keeper was killed").await?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_exit_code_too_is_the_keepers_when_the_runtime_cannot_start() -> anyhow::Result<()> {
+    let status = tokio::time::timeout(BOUND, keeper(&["/nonexistent/runtime"]).status()).await??;
+    assert_eq!(status.code(), Some(berth_hostd::keeper::NOT_STARTED));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gvisor_sandbox_is_the_keepers_child_and_is_reaped_at_its_stop_and_delete(
+) -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(gvisor_reaped(h))).await
+}
+
+async fn gvisor_reaped(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    let create = h.command_with_template(sandbox, 1, CommandKind::Create, "base-gvisor");
+    succeeded_address(&h.send(&create).await?)?;
+    let pid = sandbox_pid(h, sandbox).await?;
+    let keeper = keeper_of(pid)?;
+
+    // An exec right before the stop leaves a kept agent connection to close and settle: the
+    // memory stop must still find none open.
+    let (code, _, _) = finished(&h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?)?;
+    ensure!(code == 0);
+    let stopped = h.send(&h.command(sandbox, 2, CommandKind::Stop)).await?;
+    ensure!(
+        stopped.outcome
+            == ResultOutcome::Succeeded {
+                address: None,
+                last_stop: Some(StopMode::Memory)
+            },
+        "{stopped:?}"
+    );
+    ensure!(
+        stat(pid).is_none(),
+        "the checkpointed sandbox {pid} is not reaped: {:?}",
+        stat(pid)
+    );
+    ended(keeper, "the keeper, after its sandbox").await?;
+
+    succeeded_address(&h.send(&h.command(sandbox, 3, CommandKind::Start)).await?)?;
+    let pid = sandbox_pid(h, sandbox).await?;
+    let keeper = keeper_of(pid)?;
+    let deleted = h.send(&h.command(sandbox, 4, CommandKind::Delete)).await?;
+    ensure!(
+        matches!(deleted.outcome, ResultOutcome::Succeeded { .. }),
+        "{deleted:?}"
+    );
+    ensure!(
+        stat(pid).is_none(),
+        "the deleted sandbox {pid} is not reaped: {:?}",
+        stat(pid)
+    );
+    ended(keeper, "the keeper, after its sandbox").await?;
+    assert_nothing_remains(h, sandbox).await
+}
+
+/// The pid of the sandbox process of `sandbox`'s gVisor container (`runsc state`).
+async fn sandbox_pid(h: &Harness, sandbox: SandboxId) -> anyhow::Result<u32> {
+    let out = tokio::process::Command::new("runsc")
+        .arg("--root")
+        .arg(h.runsc_root())
+        .args(["state", &h.names(sandbox).container_id])
+        .output()
+        .await?;
+    let state: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("runsc state: {}", String::from_utf8_lossy(&out.stderr)))?;
+    state["pid"]
+        .as_u64()
+        .and_then(|p| u32::try_from(p).ok())
+        .context("no pid in runsc state")
+}
+
+/// The keeper whose child `pid` is.
+fn keeper_of(pid: u32) -> anyhow::Result<u32> {
+    let (_, parent) = stat(pid).context("the sandbox process is gone")?;
+    ensure!(
+        cmdline(parent).contains("runtime-keeper"),
+        "the sandbox process {pid}'s parent {parent} is not a keeper: {:?}",
+        cmdline(parent)
+    );
+    Ok(parent)
+}
+
+/// Waits until `pid` has ended (a zombie until its parent reaps it, or gone), at most
+/// [`BOUND`]; `what` names it in the failure.
+async fn ended(pid: u32, what: &str) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while stat(pid).is_some_and(|(state, _)| state != 'Z') {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{what} ({pid}) still runs: {:?}",
+            cmdline(pid)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
