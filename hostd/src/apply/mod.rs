@@ -23,6 +23,7 @@ pub mod archive;
 pub mod delete;
 pub mod migrate;
 pub mod resume;
+pub mod settle;
 pub mod snapshot;
 pub mod stop;
 pub mod up;

@@ -117,7 +117,7 @@ async fn take(
         if !host.gates.close_and_drain(id, SNAPSHOT_DRAIN_TIMEOUT).await {
             tracing::warn!(waited = ?SNAPSHOT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
         }
-        tokio::time::sleep(super::stop::CHECKPOINT_SETTLE).await;
+        super::settle::before_checkpoint(record.link).await;
         // Checkpoint, then restore in place: this runsc's `checkpoint --leave-running` never
         // returns. The sandbox's netstack took its address off `eth0` at boot; the restore
         // reads it from there again, as a memory stop's next start does.

@@ -22,11 +22,6 @@ use tracing::Instrument as _;
 /// falls back to disk only).
 pub const CHECKPOINT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// How long a memory stop waits after the agent calls drained, so the agent's side of the
-/// last connections finishes closing (gVisor refuses to save an endpoint in CLOSE_WAIT or
-/// LAST_ACK just as it does one in TIME_WAIT).
-pub const CHECKPOINT_SETTLE: Duration = Duration::from_millis(200);
-
 /// Stops the sandbox of `live`. Stopping a stopped sandbox succeeds and reports how it was
 /// kept; without a live record the stop fails. A memory stop whose checkpoint failed succeeds
 /// as [`ResultOutcome::StoppedOnDisk`] with the runtime's error (issue 12 item 4).
@@ -64,7 +59,7 @@ pub async fn stop(
                 {
                     tracing::warn!(waited = ?CHECKPOINT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
                 }
-                tokio::time::sleep(CHECKPOINT_SETTLE).await;
+                super::settle::before_checkpoint(record.link).await;
             }
             .instrument(super::step("drain"))
             .await;
