@@ -44,6 +44,7 @@ pub async fn delete(
         .instrument(super::step("tear_down"))
         .await?;
     host.allocator.release(id);
+    host.forget_oom_counter(id);
     crate::fault::crash_point(crate::fault::Step::TornDown);
     remove_sandbox_dir(&host.layout.sandbox(id))
         .instrument(super::step("remove_dir"))
