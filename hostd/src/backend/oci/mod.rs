@@ -46,6 +46,11 @@ pub const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// create→running (`berth bench`).
 const AGENT_POLL_INTERVAL: Duration = Duration::from_millis(10);
 
+/// The first pause between pings; each doubles up to [`AGENT_POLL_INTERVAL`]. An agent
+/// answers a few milliseconds after the runtime returns; a first pause of the whole interval
+/// put half of it, on average, on every create (issue 16).
+const FIRST_AGENT_POLL: Duration = Duration::from_millis(1);
+
 /// While waiting for the agent, ask the runtime whether the container still runs every this
 /// many pings, about every 500 ms (so a crashed boot fails fast with its console output).
 const STATUS_CHECK_EVERY: u32 = 50;
@@ -571,6 +576,7 @@ async fn wait_for_agent(
 ) -> Result<(), HostdError> {
     let deadline = Instant::now() + AGENT_READY_TIMEOUT;
     let mut polls = 0u32;
+    let mut pause = FIRST_AGENT_POLL;
     loop {
         if client::ping(address).await.is_ok() {
             return Ok(());
@@ -590,6 +596,7 @@ async fn wait_for_agent(
                 waited: AGENT_READY_TIMEOUT,
             });
         }
-        tokio::time::sleep(AGENT_POLL_INTERVAL).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(AGENT_POLL_INTERVAL);
     }
 }
