@@ -39,26 +39,6 @@ impl Runc {
             cli: OciCli::new(RUNC, RUNC_BINARY, root, Vec::new(), console)?,
         })
     }
-
-    /// The container's status and init pid; `None` when it does not exist. runc keeps each
-    /// container's state in `<root>/<id>/` (libcontainer's `state.json`), made by `run` before
-    /// anything else and removed by `delete` last: without that directory there is no
-    /// container, and no `runc state` is run (a runc process, about 6 ms, on every create's
-    /// path; issue 16).
-    async fn state(
-        &self,
-        container_id: &str,
-    ) -> Result<Option<(ContainerStatus, Option<i64>)>, HostdError> {
-        if !self.exists(container_id) {
-            return Ok(None);
-        }
-        self.cli.state(container_id).await
-    }
-
-    /// Whether runc's state directory of the container exists (see [`Runc::state`]).
-    fn exists(&self, container_id: &str) -> bool {
-        self.cli.root.join(container_id).exists()
-    }
 }
 
 impl RuntimeDriver for Runc {
@@ -110,11 +90,11 @@ impl RuntimeDriver for Runc {
         &'a self,
         container_id: &'a str,
     ) -> BoxFuture<'a, Result<Option<ContainerStatus>, HostdError>> {
-        async move { Ok(self.state(container_id).await?.map(|(s, _)| s)) }.boxed()
+        async move { Ok(self.cli.state(container_id).await?.map(|(s, _)| s)) }.boxed()
     }
 
     fn pid<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<Option<i64>, HostdError>> {
-        async move { Ok(self.state(container_id).await?.and_then(|(_, p)| p)) }.boxed()
+        async move { Ok(self.cli.state(container_id).await?.and_then(|(_, p)| p)) }.boxed()
     }
 
     fn list(&self) -> BoxFuture<'_, Result<HashMap<String, ContainerStatus>, HostdError>> {
@@ -129,9 +109,6 @@ impl RuntimeDriver for Runc {
     /// `SIGKILL` until thawed), and so is one whose init outlives [`KILL_WAIT`].
     fn destroy<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
         async move {
-            if !self.exists(container_id) {
-                return Ok(());
-            }
             if let Some((ContainerStatus::Running, Some(pid))) =
                 self.cli.state(container_id).await?
             {
