@@ -27,6 +27,12 @@ pub fn oom_counter_of(pid: i64) -> Option<PathBuf> {
     oom_counter_file(&table)
 }
 
+/// Whether the counter `file` (from [`oom_counter_of`]) is that of the cgroup whose path ends
+/// in `cgroup` (a sandbox's `cgroupsPath`, [`crate::layout::SandboxNames::cgroup`]).
+pub fn is_in(file: &std::path::Path, cgroup: &str) -> bool {
+    file.parent().is_some_and(|dir| dir.ends_with(cgroup))
+}
+
 /// The `oom_kill` count in `file` (from [`oom_counter_of`]); `None` when it is gone.
 pub fn read_oom_kills(file: &std::path::Path) -> Option<u64> {
     std::fs::read_to_string(file)
@@ -85,6 +91,14 @@ mod tests {
             oom_counter_file("0::/berth-0123\n"),
             Some(PathBuf::from("/sys/fs/cgroup/berth-0123/memory.events"))
         );
+    }
+
+    #[test]
+    fn a_counter_is_a_sandboxs_only_in_the_cgroup_named_after_it() {
+        let file = PathBuf::from("/sys/fs/cgroup/memory/x/berth-0123/memory.oom_control");
+        assert!(is_in(&file, "berth-0123"));
+        assert!(!is_in(&file, "berth-0124"));
+        assert!(!is_in(&file, "0123"), "whole components only");
     }
 
     #[test]

@@ -353,22 +353,32 @@ impl Host {
     /// The file counting OOM kills in the sandbox's memory cgroup, when it runs (when it does
     /// not, the file a known one names is gone, and reads as no count).
     ///
-    /// Found once from the container's init (the runtime's `state`, then `/proc/<pid>/cgroup`)
-    /// and kept until the sandbox's delete: the cgroup path is the bundle's `cgroupsPath`, the
-    /// same for every run of the sandbox. Every exec reads the counter before and after, and
-    /// asking the runtime each time cost an exec a runtime process: about 6 ms of a runc
-    /// exec's 12 ms round trip, more on gVisor (issue 16).
+    /// Found once and kept until the sandbox's delete: the cgroup path is the bundle's
+    /// `cgroupsPath`, the same for every run of the sandbox. It is found from the pid the
+    /// runtime wrote at boot ([`crate::layout::SandboxPaths::init_pid`]) when that process's
+    /// cgroup is the sandbox's own (a pid file of an earlier run may name a process that is
+    /// gone, or someone else's), else from the pid the runtime's `state` gives. Every exec
+    /// reads the counter before and after, and asking the runtime cost each exec a runtime
+    /// process: about 7 ms of a runc exec's 12 ms round trip, 30 ms on gVisor (issue 16).
     pub async fn oom_counter(&self, sandbox: SandboxId) -> Option<std::path::PathBuf> {
         if let Some(known) = self.oom_counters().get(&sandbox) {
             return Some(known.clone());
         }
-        let record = self.live(sandbox)?;
-        let runtime = self.runtime_of(&record).ok()?;
-        let pid = runtime
-            .pid(&self.names(sandbox).container_id)
-            .await
-            .ok()??;
-        let found = crate::cgroup::oom_counter_of(pid)?;
+        let names = self.names(sandbox);
+        let booted = std::fs::read_to_string(self.layout.sandbox(sandbox).init_pid())
+            .ok()
+            .and_then(|pid| pid.trim().parse::<i64>().ok())
+            .and_then(crate::cgroup::oom_counter_of)
+            .filter(|file| crate::cgroup::is_in(file, &names.cgroup));
+        let found = match booted {
+            Some(file) => file,
+            None => {
+                let record = self.live(sandbox)?;
+                let runtime = self.runtime_of(&record).ok()?;
+                let pid = runtime.pid(&names.container_id).await.ok()??;
+                crate::cgroup::oom_counter_of(pid)?
+            }
+        };
         self.oom_counters().insert(sandbox, found.clone());
         Some(found)
     }

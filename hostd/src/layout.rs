@@ -166,6 +166,12 @@ impl SandboxPaths {
         self.dir.join("config.json")
     }
 
+    /// Where the runtime writes the pid of the container's init or sandbox process
+    /// ([`crate::runtime::RunRequest::pid_file`]), rewritten by each boot.
+    pub fn init_pid(&self) -> PathBuf {
+        self.dir.join("init.pid")
+    }
+
     /// Where the container's stdout and stderr go (through `console`'s capped writer).
     pub fn console_log(&self) -> PathBuf {
         self.dir.join("console.log")

@@ -567,6 +567,26 @@ pub(crate) fn processes_naming(dir: &std::path::Path) -> Vec<u32> {
         .collect()
 }
 
+/// The pid the runtime wrote at boot (`init.pid`, which hostd finds the sandbox's OOM counter
+/// by without asking the runtime) is a process in the sandbox's own cgroup.
+pub(crate) fn assert_booted_pid_in_own_cgroup(
+    h: &Harness,
+    sandbox: SandboxId,
+) -> anyhow::Result<()> {
+    let pid_file = h.sandbox_dir(sandbox).join("init.pid");
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .with_context(|| format!("read {}", pid_file.display()))?
+        .trim()
+        .parse()?;
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    let own = h.names(sandbox).cgroup;
+    ensure!(
+        cgroups.lines().any(|l| l.ends_with(&format!("/{own}"))),
+        "process {pid} of init.pid is not in the sandbox's cgroup {own}: {cgroups}"
+    );
+    Ok(())
+}
+
 /// No container, netns, veth, mount, loop device, console writer or sandbox dir of `sandbox`
 /// exists.
 pub(crate) async fn assert_nothing_remains(h: &Harness, sandbox: SandboxId) -> anyhow::Result<()> {

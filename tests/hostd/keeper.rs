@@ -143,6 +143,7 @@ async fn gvisor_reaped(h: &mut Harness) -> anyhow::Result<()> {
     succeeded_address(&h.send(&create).await?)?;
     let pid = sandbox_pid(h, sandbox).await?;
     let keeper = keeper_of(pid)?;
+    assert_booted_pid_in_own_cgroup(h, sandbox)?;
 
     // An exec right before the stop leaves a kept agent connection to close and settle: the
     // memory stop must still find none open.

@@ -32,6 +32,7 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
     );
     ensure!(h.containers().await?.len() == 1);
     assert_cgroup_limits(h, sandbox).await?;
+    assert_booted_pid_in_own_cgroup(h, sandbox)?;
 
     // Exec: output, exit codes, timeouts.
     let (code, stdout, _) = finished(&h.exec(sandbox, &["echo", "hello"], EXEC_TIMEOUT_MS).await?)?;

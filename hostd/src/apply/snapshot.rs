@@ -134,6 +134,7 @@ async fn take(
                         container_id: &names.container_id,
                         bundle: paths.dir(),
                         console_log: &paths.console_log(),
+                        pid_file: &paths.init_pid(),
                     },
                     &memory_dir,
                 )

@@ -69,6 +69,7 @@ impl Backend for SimBackend {
                         container_id: &container_id,
                         bundle: paths.dir(),
                         console_log: &console_log,
+                        pid_file: &paths.init_pid(),
                     })
                     .await?;
             }

@@ -46,6 +46,9 @@ pub struct RunRequest<'a> {
     pub bundle: &'a Path,
     /// Receives the container's stdout and stderr (and the runtime's own errors).
     pub console_log: &'a Path,
+    /// Where the runtime writes the pid of the container's init (runc) or sandbox process
+    /// (runsc) once it runs (`--pid-file`).
+    pub pid_file: &'a Path,
 }
 
 /// An OCI runtime.

@@ -74,8 +74,17 @@ impl RuntimeDriver for Runc {
 
     fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {
         let bundle = req.bundle.to_string_lossy().into_owned();
+        let pid_file = req.pid_file.to_string_lossy().into_owned();
         async move {
-            let args = ["run", "--detach", "--bundle", &bundle, req.container_id];
+            let args = [
+                "run",
+                "--detach",
+                "--pid-file",
+                &pid_file,
+                "--bundle",
+                &bundle,
+                req.container_id,
+            ];
             self.cli
                 .timed(
                     "run",

@@ -163,8 +163,17 @@ impl RuntimeDriver for Runsc {
 
     fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {
         let bundle = req.bundle.to_string_lossy().into_owned();
+        let pid_file = req.pid_file.to_string_lossy().into_owned();
         async move {
-            let args = ["run", "--detach", "--bundle", &bundle, req.container_id];
+            let args = [
+                "run",
+                "--detach",
+                "--pid-file",
+                &pid_file,
+                "--bundle",
+                &bundle,
+                req.container_id,
+            ];
             let run = self
                 .cli
                 .detached(true, self.wrapper(), &args, req.console_log, "run");
@@ -214,6 +223,7 @@ impl RuntimeDriver for Runsc {
     ) -> BoxFuture<'a, Result<(), HostdError>> {
         let bundle = req.bundle.to_string_lossy().into_owned();
         let image = image_dir.to_string_lossy().into_owned();
+        let pid_file = req.pid_file.to_string_lossy().into_owned();
         async move {
             // The checkpointed container's remains hold the id until deleted.
             self.cli.destroy(req.container_id).await?;
@@ -222,6 +232,8 @@ impl RuntimeDriver for Runsc {
                 "--detach",
                 "--image-path",
                 &image,
+                "--pid-file",
+                &pid_file,
                 "--bundle",
                 &bundle,
                 req.container_id,

@@ -143,6 +143,7 @@ mod tests {
             container_id: "c1",
             bundle: dir,
             console_log: dir,
+            pid_file: dir,
         })
         .await
         .unwrap();

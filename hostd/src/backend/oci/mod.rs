@@ -356,10 +356,12 @@ impl OciBackend {
         std::fs::File::create(&console_log)
             .map_err(HostdError::io(format!("create {}", console_log.display())))?;
         remove_file_if_present(&crate::console::rotated(&console_log))?;
+        let pid_file = paths.init_pid();
         let request = RunRequest {
             container_id: &container_id,
             bundle: paths.dir(),
             console_log: &console_log,
+            pid_file: &pid_file,
         };
         let mut restored = false;
         if restorable {
