@@ -278,13 +278,20 @@ impl OciBackend {
             });
         }
         // The network and the disk are independent; both undo steps are pushed already.
+        // The firewall matches the veth by name, so it is admitted while the veth is made (no
+        // container runs behind it yet either way).
         let network = async {
-            netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
-            if ids.is_some() {
-                let netns_path = names.netns_path();
-                blocking(move || isolation::allow_ping_sockets(&netns_path)).await?;
-            }
-            self.admit_to_firewall(host, &admitted).await
+            let namespace = async {
+                netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
+                if ids.is_some() {
+                    let netns_path = names.netns_path();
+                    blocking(move || isolation::allow_ping_sockets(&netns_path)).await?;
+                }
+                Ok::<_, HostdError>(())
+            };
+            let (namespace, admitted) =
+                tokio::join!(namespace, self.admit_to_firewall(host, &admitted));
+            namespace.and(admitted)
         }
         .instrument(step("network"));
         let disk = volume::ensure(&paths, disk_mib).instrument(step("disk"));
@@ -477,10 +484,14 @@ impl Backend for OciBackend {
                 volume::release(&paths).await
             };
             let network = async {
-                if let Some(admitted) = record.and_then(|r| admission(host, r)) {
-                    self.firewall.remove(&admitted).await?;
-                }
-                netns::teardown(&names).await
+                let firewall = async {
+                    match record.and_then(|r| admission(host, r)) {
+                        Some(admitted) => self.firewall.remove(&admitted).await,
+                        None => Ok(()),
+                    }
+                };
+                let (firewall, namespace) = tokio::join!(firewall, netns::teardown(&names));
+                firewall.and(namespace)
             };
             let (mounts, network) = tokio::join!(mounts, network);
             mounts.and(network)
