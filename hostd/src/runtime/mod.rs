@@ -8,6 +8,7 @@
 //! its sandboxes use, and a sandbox's record remembers it.
 
 pub mod cli;
+pub mod exit;
 pub mod runc;
 pub mod runsc;
 pub mod sim;

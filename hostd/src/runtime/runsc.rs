@@ -31,7 +31,11 @@ use std::path::{Path, PathBuf};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
 use super::cli::{ConsoleConfig, OciCli};
+use super::exit::{wait_exited, KILL_WAIT};
 use super::{ContainerStatus, RunRequest, RuntimeDriver};
 use crate::error::HostdError;
 
@@ -121,6 +125,24 @@ impl Runsc {
         })
     }
 
+    /// The host pid of a running container's sandbox process: runsc's state file of the
+    /// container (`<root>/<id>_sandbox:<id>.state`, whose `status` and `sandbox.pid` runsc
+    /// writes) says it runs, and `/proc/<pid>/cmdline` is that sandbox's (`runsc-sandbox …
+    /// <id>`), so a pid the kernel gave to another process since is never taken for it.
+    fn running_sandbox_pid(&self, container_id: &str) -> Option<i32> {
+        let file = self
+            .cli
+            .root
+            .join(format!("{container_id}_sandbox:{container_id}.state"));
+        let state: serde_json::Value = serde_json::from_slice(&std::fs::read(file).ok()?).ok()?;
+        if state["status"] != "running" {
+            return None;
+        }
+        let pid = i32::try_from(state["sandbox"]["pid"].as_i64()?).ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        is_sandbox_of(&cmdline, container_id).then_some(pid)
+    }
+
     fn wrapper(&self) -> &'static [&'static str] {
         if self.hide_proc_sys_net {
             NETNS_CHECK_WRAPPER
@@ -197,8 +219,25 @@ impl RuntimeDriver for Runsc {
         self.cli.list().boxed()
     }
 
+    /// Kills a running sandbox's process and waits for it to exit before `delete --force`,
+    /// which would send the kill itself and then poll `kill(pid, 0)` every 100 ms: 134 ms for
+    /// a delete by hand here, against 4 ms to kill and see it reaped by its keeper, then 27 ms
+    /// for the delete (issue 16). The pid comes from runsc's own state file, so no `runsc
+    /// state` (30 ms) is run; when that file does not read as expected, `delete --force` does
+    /// it all, as before.
     fn destroy<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
-        self.cli.destroy(container_id).boxed()
+        async move {
+            if let Some(pid) = self.running_sandbox_pid(container_id) {
+                match kill(Pid::from_raw(pid), Signal::SIGKILL) {
+                    Ok(()) => {
+                        wait_exited(i64::from(pid), KILL_WAIT).await;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "kill before delete"),
+                }
+            }
+            self.cli.destroy(container_id).await
+        }
+        .boxed()
     }
 
     fn checkpoint<'a>(
@@ -247,6 +286,13 @@ impl RuntimeDriver for Runsc {
     }
 }
 
+/// Whether a `/proc/<pid>/cmdline` is that of the sandbox process of `container_id`: argv[0]
+/// `runsc-sandbox`, the id its last argument.
+fn is_sandbox_of(cmdline: &[u8], container_id: &str) -> bool {
+    let mut args = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty());
+    args.next() == Some(b"runsc-sandbox".as_slice()) && args.last() == Some(container_id.as_bytes())
+}
+
 /// Makes `dir` an empty directory.
 fn fresh_dir(dir: &Path) -> Result<(), HostdError> {
     match std::fs::remove_dir_all(dir) {
@@ -256,4 +302,25 @@ fn fresh_dir(dir: &Path) -> Result<(), HostdError> {
         _ => {}
     }
     std::fs::create_dir_all(dir).map_err(HostdError::io(format!("create {}", dir.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_containers_own_sandbox_process_is_taken_for_it() {
+        let sandbox = b"runsc-sandbox\0--root=/r\0boot\0--bundle=/b\0c1\0";
+        assert!(is_sandbox_of(sandbox, "c1"));
+        assert!(!is_sandbox_of(sandbox, "c2"), "another container's");
+        assert!(
+            !is_sandbox_of(b"runsc-gofer\0gofer\0c1\0", "c1"),
+            "its gofer"
+        );
+        assert!(
+            !is_sandbox_of(b"sleep\0c1\0", "c1"),
+            "a pid reused by someone else"
+        );
+        assert!(!is_sandbox_of(b"", "c1"), "gone");
+    }
 }
