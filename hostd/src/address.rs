@@ -6,12 +6,16 @@
 //!   held only for the in-memory table, never across I/O).
 //! - A slot whose addresses are already configured on the machine (another hostd with an
 //!   overlapping pool, a stray interface) is skipped when the caller passes it as `foreign`.
+//! - A deleted sandbox's slot stays taken until its network is gone
+//!   ([`Allocator::release_later`]): the kernel removes a deleted namespace's veth pair after
+//!   the delete answered, and its host side holds the slot's address until then.
 //!
 //! The assignment is persisted in the sandbox record (as addresses, not only as a slot) so a
 //! restart with a different pool keeps existing sandboxes reachable.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use berth_schemas::SandboxId;
@@ -97,7 +101,22 @@ impl AddressPool {
 #[derive(Debug)]
 pub struct Allocator {
     pool: AddressPool,
-    assigned: Mutex<HashMap<SandboxId, LinkAddresses>>,
+    assigned: Mutex<HashMap<SandboxId, Assignment>>,
+    tickets: AtomicU64,
+}
+
+/// One sandbox's slot, and the ticket of the release it waits for, if any.
+#[derive(Debug, Clone, Copy)]
+struct Assignment {
+    link: LinkAddresses,
+    releasing: Option<u64>,
+}
+
+/// A release waiting for a deleted sandbox's network to go ([`Allocator::release_later`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReleaseTicket {
+    sandbox: SandboxId,
+    ticket: u64,
 }
 
 impl Allocator {
@@ -106,6 +125,7 @@ impl Allocator {
         Self {
             pool,
             assigned: Mutex::new(HashMap::new()),
+            tickets: AtomicU64::new(0),
         }
     }
 
@@ -116,11 +136,18 @@ impl Allocator {
 
     /// Records an assignment read back from a sandbox record (adoption after a restart).
     pub fn restore(&self, sandbox: SandboxId, link: LinkAddresses) {
-        self.table().insert(sandbox, link);
+        self.table().insert(
+            sandbox,
+            Assignment {
+                link,
+                releasing: None,
+            },
+        );
     }
 
-    /// The sandbox's existing assignment, or a new one: the lowest slot no other sandbox of
-    /// this hostd holds and not in `foreign` (addresses already in use on the machine).
+    /// The sandbox's existing assignment (a release it was waiting for is called off), or a
+    /// new one: the lowest slot no other sandbox of this hostd holds or waits to release and
+    /// not in `foreign` (addresses already in use on the machine).
     ///
     /// Errors: [`HostdError::AddressPoolExhausted`].
     pub fn reserve(
@@ -129,14 +156,15 @@ impl Allocator {
         foreign: &BTreeSet<Slot>,
     ) -> Result<LinkAddresses, HostdError> {
         let mut table = self.table();
-        if let Some(link) = table.get(&sandbox) {
-            return Ok(*link);
+        if let Some(held) = table.get_mut(&sandbox) {
+            held.releasing = None;
+            return Ok(held.link);
         }
         // Slots of sandboxes restored from records of another pool can't collide with this
         // pool's slots by number; compare by address instead.
         let taken: BTreeSet<Slot> = table
             .values()
-            .filter_map(|l| self.pool.slot_of(l.host))
+            .filter_map(|a| self.pool.slot_of(a.link.host))
             .collect();
         let slot =
             self.pool
@@ -145,7 +173,13 @@ impl Allocator {
                     pool: self.pool.base(),
                 })?;
         let link = self.pool.link(slot);
-        table.insert(sandbox, link);
+        table.insert(
+            sandbox,
+            Assignment {
+                link,
+                releasing: None,
+            },
+        );
         Ok(link)
     }
 
@@ -154,7 +188,30 @@ impl Allocator {
         self.table().remove(&sandbox);
     }
 
-    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, LinkAddresses>> {
+    /// Marks the sandbox's slot to be returned once its network is gone; the slot stays taken
+    /// until [`Allocator::finish_release`] with the ticket, unless the sandbox claims it again
+    /// first ([`Allocator::reserve`], [`Allocator::restore`]), which calls the release off.
+    /// `None` when it holds no slot.
+    pub fn release_later(&self, sandbox: SandboxId) -> Option<ReleaseTicket> {
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        let mut table = self.table();
+        let held = table.get_mut(&sandbox)?;
+        held.releasing = Some(ticket);
+        Some(ReleaseTicket { sandbox, ticket })
+    }
+
+    /// Returns the slot of a [`Allocator::release_later`] that was not called off since.
+    pub fn finish_release(&self, release: ReleaseTicket) {
+        let mut table = self.table();
+        if table
+            .get(&release.sandbox)
+            .is_some_and(|held| held.releasing == Some(release.ticket))
+        {
+            table.remove(&release.sandbox);
+        }
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<SandboxId, Assignment>> {
         // A panic while holding this lock cannot leave the map half-updated (single inserts
         // and removes), so a poisoned lock is still consistent.
         self.assigned.lock().unwrap_or_else(|e| e.into_inner())
@@ -217,6 +274,55 @@ mod tests {
         let lb = alloc.reserve(b, &BTreeSet::new()).unwrap();
         assert_ne!(la.slot, lb.slot);
         assert_eq!(alloc.reserve(a, &BTreeSet::new()).unwrap(), la);
+    }
+
+    #[test]
+    fn a_slot_released_later_stays_taken_until_the_release_finishes() {
+        let alloc = Allocator::new(pool());
+        let a = SandboxId::new();
+        let first = alloc.reserve(a, &BTreeSet::new()).unwrap();
+        let release = alloc.release_later(a).unwrap();
+        let other = alloc.reserve(SandboxId::new(), &BTreeSet::new()).unwrap();
+        assert_ne!(other.slot, first.slot, "taken while the network goes");
+        alloc.finish_release(release);
+        let again = alloc.reserve(SandboxId::new(), &BTreeSet::new()).unwrap();
+        assert_eq!(again.slot, first.slot);
+    }
+
+    #[test]
+    fn a_sandbox_claiming_its_slot_again_calls_its_pending_release_off() {
+        let alloc = Allocator::new(pool());
+        let a = SandboxId::new();
+        let first = alloc.reserve(a, &BTreeSet::new()).unwrap();
+        let stale = alloc.release_later(a).unwrap();
+        // Created here again (a migration back) before the old network went.
+        assert_eq!(alloc.reserve(a, &BTreeSet::new()).unwrap(), first);
+        alloc.finish_release(stale);
+        assert_eq!(
+            alloc.reserve(a, &BTreeSet::new()).unwrap(),
+            first,
+            "still its"
+        );
+        let other = alloc.reserve(SandboxId::new(), &BTreeSet::new()).unwrap();
+        assert_ne!(other.slot, first.slot);
+        // A second delete's release is its own: the first one's ticket does not finish it.
+        let second = alloc.release_later(a).unwrap();
+        alloc.finish_release(stale);
+        assert_ne!(
+            alloc
+                .reserve(SandboxId::new(), &BTreeSet::new())
+                .unwrap()
+                .slot,
+            first.slot
+        );
+        alloc.finish_release(second);
+        assert_eq!(
+            alloc
+                .reserve(SandboxId::new(), &BTreeSet::new())
+                .unwrap()
+                .slot,
+            first.slot
+        );
     }
 
     #[test]

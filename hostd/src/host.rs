@@ -67,7 +67,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Removes what the sandbox holds besides its container, address and dir (network,
     /// mount, firewall elements), whether or not it exists; `record` is the sandbox's record
-    /// (its address and network policy), when there is one.
+    /// (its address and network policy), when there is one. What the kernel finishes
+    /// removing after this returns (a namespace's veth pair) is awaited by
+    /// [`Backend::network_gone`].
     ///
     /// Errors: any step's; the delete is retried.
     fn tear_down<'a>(
@@ -76,6 +78,14 @@ pub trait Backend: Send + Sync + 'static {
         sandbox: SandboxId,
         record: Option<&'a SandboxRecord>,
     ) -> BoxFuture<'a, Result<(), HostdError>>;
+
+    /// Resolves once the network [`Backend::tear_down`] removed is gone from the machine, so
+    /// its address may be handed out again. The default: at once (nothing outlives the
+    /// tear-down).
+    fn network_gone(&self, host: &Host, sandbox: SandboxId) -> BoxFuture<'static, ()> {
+        let _ = (host, sandbox);
+        Box::pin(async {})
+    }
 
     /// Whether the agent of a sandbox whose container runs answers, for heartbeats.
     fn answers<'a>(
@@ -133,7 +143,7 @@ pub struct Host {
     /// Its sandbox records on disk.
     pub store: RecordStore,
     /// Sandbox addresses.
-    pub allocator: Allocator,
+    pub allocator: Arc<Allocator>,
     /// The templates it knows.
     pub templates: Templates,
     /// The runtimes this host offers; each record names the one its sandbox uses.
@@ -264,7 +274,7 @@ impl Host {
     ) -> Result<Self, HostdError> {
         let layout = StateLayout::new(&config.state_dir);
         let store = RecordStore::new(layout.clone());
-        let allocator = Allocator::new(AddressPool::new(config.address_pool));
+        let allocator = Arc::new(Allocator::new(AddressPool::new(config.address_pool)));
         let mut records = HashMap::new();
         for record in store.load_live()? {
             if let Some(link) = record.link {

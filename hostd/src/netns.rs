@@ -189,6 +189,45 @@ pub async fn teardown(names: &SandboxNames) -> Result<(), HostdError> {
     Ok(())
 }
 
+/// Removes the sandbox's namespace (`ip netns del`) and leaves its veth pair to the kernel,
+/// which destroys the pair with the namespace once nothing holds it: after this returns
+/// ([`veth_gone`] waits for that). An explicit `ip link del` waits for the kernel's RCU grace
+/// period, 23 ms here, most of a delete's teardown (issue 16). A host side without a
+/// namespace (a half-made pair) is removed at once.
+///
+/// Errors: [`HostdError::Tool`] from `ip`.
+pub async fn remove_namespace(names: &SandboxNames) -> Result<(), HostdError> {
+    if names.netns_path().exists() {
+        tool::run("ip", &["netns", "del", &names.netns]).await?;
+    } else if host_link_exists(&names.veth_host) {
+        tool::run("ip", &["link", "del", &names.veth_host]).await?;
+    }
+    Ok(())
+}
+
+/// How long [`veth_gone`] waits for the kernel to remove a deleted namespace's veth before it
+/// removes it itself (something still holds the namespace: a process left in it).
+pub const VETH_GONE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Resolves once the sandbox's host-side veth is gone: removed by the kernel with its
+/// namespace, or by `ip link del` after [`VETH_GONE_WAIT`].
+pub async fn veth_gone(names: &SandboxNames) {
+    let deadline = tokio::time::Instant::now() + VETH_GONE_WAIT;
+    while host_link_exists(&names.veth_host) {
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(veth = %names.veth_host, waited = ?VETH_GONE_WAIT, "a deleted namespace's veth outlived it; removing it");
+            if let Err(e) = tool::run("ip", &["link", "del", &names.veth_host]).await {
+                if host_link_exists(&names.veth_host) {
+                    tracing::warn!(veth = %names.veth_host, error = %e.report(), "veth not removed; its address stays taken");
+                    return std::future::pending().await;
+                }
+            }
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
 /// Slots of `pool` whose addresses are configured on an interface of the root namespace
 /// (another hostd's sandbox, a stray interface), so they are not handed out again.
 ///

@@ -102,11 +102,7 @@ async fn a_create_that_times_out_and_then_succeeds_is_destroyed_and_stays_failed
         done.is_some()
     })
     .await;
-    assert!(
-        stack.leftovers(&id).is_empty(),
-        "{:?}",
-        stack.leftovers(&id)
-    );
+    stack.nothing_left(&id).await;
     assert_eq!(stack.state_of(&id).await, "failed-start");
     let events = events_of(&stack, &id).await;
     assert_eq!(

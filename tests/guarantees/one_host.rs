@@ -187,7 +187,7 @@ async fn a_hostd_killed_mid_create_and_restarted_converges_without_duplicates(db
     }
     for id in &ids {
         stack.wait_state(id, "deleted").await;
-        assert!(stack.leftovers(id).is_empty());
+        stack.nothing_left(id).await;
     }
     stack.assert_no_capacity_drift().await;
     stack.teardown().await;
@@ -270,7 +270,7 @@ async fn a_hostd_killed_with_three_sandboxes_running_leaves_no_orphan_and_rows_c
     assert!(running["address"].is_string());
 
     // No orphan: the deleted sandbox left nothing, the stray mount is gone, one container runs.
-    assert_eq!(stack.leftovers(&ids[0]), Vec::<String>::new());
+    stack.nothing_left(&ids[0]).await;
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
     assert!(
         !mounts.contains(&stray.to_string_lossy().into_owned()),
@@ -305,7 +305,7 @@ async fn a_hostd_killed_with_three_sandboxes_running_leaves_no_orphan_and_rows_c
     for id in &ids[1..] {
         stack.delete(id).await;
         stack.wait_state(id, "deleted").await;
-        assert_eq!(stack.leftovers(id), Vec::<String>::new());
+        stack.nothing_left(id).await;
     }
     stack.teardown().await;
 }

@@ -160,6 +160,6 @@ async fn a_gvisor_stop_whose_checkpoint_runs_out_of_memory_says_disk_and_why_and
 
     stack.delete(&id).await;
     stack.wait_state(&id, "deleted").await;
-    assert_eq!(stack.leftovers(&id), Vec::<String>::new());
+    stack.nothing_left(&id).await;
     stack.teardown().await;
 }

@@ -602,12 +602,13 @@ pub(crate) async fn assert_nothing_remains(h: &Harness, sandbox: SandboxId) -> a
         "netns {} remains",
         names.netns
     );
-    let links = run("ip", &["link"]).await?;
-    ensure!(
-        !links.contains(&names.veth_host),
-        "veth {} remains",
-        names.veth_host
-    );
+    // The kernel removes the veth pair with the namespace, after the delete answered.
+    let veth = names.veth_host.clone();
+    crate::support::env::eventually(&format!("veth {veth} is gone"), || {
+        let gone = !berth_hostd::netns::host_link_exists(&veth);
+        async move { gone }
+    })
+    .await;
     let mounts = std::fs::read_to_string("/proc/self/mounts")?;
     ensure!(
         !mounts.contains(&path_str(&h.sandbox_dir(sandbox))),

@@ -452,7 +452,7 @@ async fn a_template_pulled_from_a_registry_boots_on_runc_and_gvisor_with_its_fil
     for id in &sandboxes {
         stack.delete(id).await;
         stack.wait_state(id, "deleted").await;
-        assert_eq!(stack.leftovers(id), Vec::<String>::new());
+        stack.nothing_left(id).await;
     }
     stack.teardown().await;
 }

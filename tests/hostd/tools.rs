@@ -47,7 +47,7 @@ async fn failing_tools(stack: &Stack, template: &str, extra: &[(&str, &str)]) ->
     }
     stack.delete(&id).await;
     stack.wait_state(&id, "deleted").await;
-    assert_eq!(stack.leftovers(&id), Vec::<String>::new());
+    stack.nothing_left(&id).await;
     failures
 }
 

@@ -266,7 +266,7 @@ async fn idle_sandboxes_auto_stop_and_stopped_ones_auto_delete(db: PgPool) {
             ("deleted", "host_report"),
         ]
     );
-    assert!(stack.leftovers(&id).is_empty());
+    stack.nothing_left(&id).await;
     stack.teardown().await;
 }
 

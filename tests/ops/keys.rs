@@ -253,7 +253,7 @@ async fn deleting_an_org_deletes_its_sandboxes_through_their_lifecycle_and_refus
             async move { state_of(id).await == "deleted" }
         })
         .await;
-        assert_eq!(stack.leftovers(id), Vec::<String>::new(), "{id}");
+        stack.nothing_left(id).await;
         let reasons: Vec<String> = sqlx::query_scalar(
             "SELECT reason FROM events WHERE sandbox_id = $1::uuid AND to_state = 'stopping'
               ORDER BY id DESC LIMIT 1",

@@ -124,6 +124,21 @@ impl Stack {
         })
     }
 
+    /// Waits until nothing of the sandbox is left on any host ([`Stack::leftovers`]), at
+    /// most [`SETTLE_TIMEOUT`]: a delete answers before the kernel removed the veth pair
+    /// with its namespace.
+    pub async fn nothing_left(&self, id: &str) {
+        let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            let left = self.leftovers(id);
+            if left.is_empty() {
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{id} left {left:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// What any host left of a sandbox: its container, netns, host veth, mounts, loop devices
     /// and directory, looked up by the names hostd derives for it.
     pub fn leftovers(&self, id: &str) -> Vec<String> {

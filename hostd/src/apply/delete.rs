@@ -43,7 +43,14 @@ pub async fn delete(
         .tear_down(host, id, record.as_ref())
         .instrument(super::step("tear_down"))
         .await?;
-    host.allocator.release(id);
+    // The address goes back to the pool once the kernel removed the veth that holds it.
+    if let Some(release) = host.allocator.release_later(id) {
+        let (allocator, gone) = (host.allocator.clone(), host.backend.network_gone(host, id));
+        tokio::spawn(async move {
+            gone.await;
+            allocator.finish_release(release);
+        });
+    }
     host.forget_oom_counter(id);
     crate::fault::crash_point(crate::fault::Step::TornDown);
     remove_sandbox_dir(&host.layout.sandbox(id))

@@ -490,13 +490,18 @@ impl Backend for OciBackend {
                         None => Ok(()),
                     }
                 };
-                let (firewall, namespace) = tokio::join!(firewall, netns::teardown(&names));
+                let (firewall, namespace) = tokio::join!(firewall, netns::remove_namespace(&names));
                 firewall.and(namespace)
             };
             let (mounts, network) = tokio::join!(mounts, network);
             mounts.and(network)
         }
         .boxed()
+    }
+
+    fn network_gone(&self, host: &Host, sandbox: SandboxId) -> BoxFuture<'static, ()> {
+        let names = host.names(sandbox);
+        async move { netns::veth_gone(&names).await }.boxed()
     }
 
     fn answers<'a>(
