@@ -14,7 +14,9 @@ use crate::host::Host;
 use crate::record::{Phase, SandboxRecord};
 
 /// Deletes `cmd`'s sandbox: its container in whatever runtime holds it, then what the backend
-/// holds for it (network, mount), its address and its dir. Returns the tombstone.
+/// holds for it (network, mount) and its dir. Returns the tombstone. Its address goes back to
+/// the pool once the backend says its network is gone ([`crate::host::Backend::network_gone`]:
+/// the kernel removes a deleted namespace's veth pair after the delete answered).
 ///
 /// Errors: any step's error; the caller retries later.
 pub async fn delete(
