@@ -290,7 +290,8 @@ impl RuntimeDriver for Runsc {
 /// `runsc-sandbox`, the id its last argument.
 fn is_sandbox_of(cmdline: &[u8], container_id: &str) -> bool {
     let mut args = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty());
-    args.next() == Some(b"runsc-sandbox".as_slice()) && args.last() == Some(container_id.as_bytes())
+    args.next() == Some(b"runsc-sandbox".as_slice())
+        && args.next_back() == Some(container_id.as_bytes())
 }
 
 /// Makes `dir` an empty directory.
