@@ -52,6 +52,22 @@ pub struct RunRequest<'a> {
     pub pid_file: &'a Path,
 }
 
+impl RunRequest<'_> {
+    /// The arguments of `run --detach` that both runtimes take alike: the pid file, the
+    /// bundle and the container id.
+    pub fn run_args(&self) -> Vec<String> {
+        vec![
+            "run".to_owned(),
+            "--detach".to_owned(),
+            "--pid-file".to_owned(),
+            self.pid_file.to_string_lossy().into_owned(),
+            "--bundle".to_owned(),
+            self.bundle.to_string_lossy().into_owned(),
+            self.container_id.to_owned(),
+        ]
+    }
+}
+
 /// An OCI runtime.
 pub trait RuntimeDriver: Send + Sync + 'static {
     /// The runtime's name as reported in heartbeats and metrics labels (`runc`, `runsc`).

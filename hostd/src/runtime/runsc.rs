@@ -184,18 +184,9 @@ impl RuntimeDriver for Runsc {
     }
 
     fn run<'a>(&'a self, req: RunRequest<'a>) -> BoxFuture<'a, Result<(), HostdError>> {
-        let bundle = req.bundle.to_string_lossy().into_owned();
-        let pid_file = req.pid_file.to_string_lossy().into_owned();
+        let args = req.run_args();
         async move {
-            let args = [
-                "run",
-                "--detach",
-                "--pid-file",
-                &pid_file,
-                "--bundle",
-                &bundle,
-                req.container_id,
-            ];
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let run = self
                 .cli
                 .detached(true, self.wrapper(), &args, req.console_log, "run");
