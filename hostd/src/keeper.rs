@@ -20,7 +20,8 @@
 //! The keeper then reaps whatever is left to it and exits when it has no child left: when the
 //! container is gone. Until the runtime exits, the keeper and the runtime die with their
 //! parent (`PR_SET_PDEATHSIG`), so a caller that kills the keeper on a timeout ends the
-//! runtime too.
+//! runtime too. The keeper leads a process group of its own, which the runtime, the gofer and
+//! the sandbox start in: a signal to hostd's group (a terminal's Ctrl-C) leaves them running.
 //!
 //! Source: the same role as containerd's shim and Podman's conmon, which stay the parent of
 //! the container's init (`prctl(2)`: `PR_SET_CHILD_SUBREAPER`, `PR_SET_PDEATHSIG`).
@@ -91,6 +92,10 @@ fn keep(argv: &[OsString], report: OwnedFd) -> ! {
             return Err(Errno::ESRCH.into());
         }
         prctl::set_child_subreaper(true)?;
+        // A process group of its own, as the console writer's: a terminal's Ctrl-C to hostd
+        // (a signal to hostd's group) must end neither the keeper nor what the runtime leaves
+        // here: runsc's gofer dies of a SIGINT, and the gVisor sandbox with it.
+        nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
         let (program, args) = argv.split_first().ok_or(Errno::EINVAL)?;
         let mut command = Command::new(program);
         command.args(args);

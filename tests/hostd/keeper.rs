@@ -10,6 +10,8 @@ use std::time::Duration;
 use anyhow::{bail, ensure, Context as _};
 use berth_schemas::wire::{ResultOutcome, StopMode};
 use berth_schemas::{CommandKind, SandboxId};
+use nix::sys::signal::{kill, killpg, Signal};
+use nix::unistd::{getpgid, Pid};
 
 use crate::harness::*;
 use crate::support::cleanup;
@@ -105,6 +107,55 @@ async fn a_keeper_answers_with_the_runtimes_code_and_reaps_what_it_left_running(
     reaped(left).await?;
     // With nothing left to reap, the keeper ends.
     ended(parent, "the keeper, after what it kept").await?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_signal_to_the_callers_process_group_spares_the_keeper_and_what_it_keeps(
+) -> anyhow::Result<()> {
+    let dir = cleanup::fresh_dir("keeper");
+    let pidfile = dir.join("pid");
+    // The caller as hostd in a terminal: a shell leading its own process group, which starts
+    // the keeper and then waits; a Ctrl-C sends SIGINT to that whole group. What the runtime
+    // left running stands for runsc's gofer, which dies of a SIGINT (and its sandbox with it).
+    let berth = path_str(Path::new(env!("CARGO_BIN_EXE_berth")));
+    let left = format!(
+        "sleep 60 </dev/null >/dev/null 2>&1 & echo $! > {}",
+        path_str(&pidfile)
+    );
+    let caller = format!(
+        "{berth} {} -- sh -c '{left}'; exec sleep 60",
+        berth_hostd::keeper::KEEPER_SUBCOMMAND
+    );
+    let mut shell = tokio::process::Command::new("sh")
+        .args(["-c", &caller])
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()?;
+    let group = Pid::from_raw(shell.id().context("the caller's pid")? as i32);
+    let left = pid_in(&pidfile).await?;
+    let (_, keeper) = stat(left).context("the left process is gone already")?;
+    ensure!(
+        cmdline(keeper).contains("runtime-keeper"),
+        "the left process's parent {keeper} is not the keeper: {:?}",
+        cmdline(keeper)
+    );
+    // A shell's `&` child ignores SIGINT, so the left process's group is checked instead.
+    ensure!(
+        getpgid(Some(Pid::from_raw(left as i32)))? != group,
+        "what the keeper keeps is in its caller's process group"
+    );
+    killpg(group, Signal::SIGINT)?;
+    shell.wait().await?;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    ensure!(
+        stat(keeper).is_some_and(|(state, _)| state != 'Z'),
+        "the keeper ({keeper}) died of the SIGINT to its caller's group"
+    );
+    kill(Pid::from_raw(left as i32), Signal::SIGKILL)?;
+    reaped(left).await?;
+    ended(keeper, "the keeper, after what it kept").await?;
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
