@@ -385,6 +385,9 @@ impl OciBackend {
                 Err(error) => {
                     tracing::warn!(error = %error.report(), "restore failed; booting from disk");
                     runtime.destroy(&container_id).await?;
+                    // The failed restore's runsc took `eth0`'s addresses already (see
+                    // `runtime::runsc`): without them the boot's agent is never reachable.
+                    netns::ensure(&names, &link, &netns::owner_alias(host.host_id, id)).await?;
                     write_spec()?;
                 }
             }
