@@ -31,7 +31,7 @@ pub const FAIL_AT_ENV: &str = "BERTH_HOSTD_FAIL_AT";
 
 /// A step of applying a command after which a crash can be injected. Bring-up (create and
 /// start) passes `Address`, `Network`, `Mounted`, `Container`, `Agent`; a stop passes
-/// `Stopping`, `Checkpointed` (only on a runtime with memory snapshots), `Destroyed`,
+/// `Stopping`, `ImageWritten` and `Checkpointed` (only on a runtime with memory snapshots), `Destroyed`,
 /// `Unmounted`, and then, in its background upload, `Uploading`; a snapshot passes
 /// `Captured`; a restore, clone, unarchive or migrate passes `Fetched` while it seeds the disk
 /// and `Seeded` before its bring-up; an archive passes
@@ -53,6 +53,9 @@ pub enum Step {
     Agent,
     /// Stop: the container's state was read (and its agent calls drained), nothing changed.
     Stopping,
+    /// Stop: the checkpoint's image is written beside its place (a partial image), not renamed
+    /// into place; the checkpointed container is still there.
+    ImageWritten,
     /// Stop: the memory snapshot was taken; the checkpointed container is still there.
     Checkpointed,
     /// Stop: the container is destroyed; the overlay and the disk are still mounted.
@@ -82,13 +85,14 @@ pub enum Step {
 
 impl Step {
     /// Every step, in the order a create, a stop and then any command pass them.
-    pub const ALL: [Step; 16] = [
+    pub const ALL: [Step; 17] = [
         Step::Address,
         Step::Network,
         Step::Mounted,
         Step::Container,
         Step::Agent,
         Step::Stopping,
+        Step::ImageWritten,
         Step::Checkpointed,
         Step::Destroyed,
         Step::Unmounted,
@@ -110,6 +114,7 @@ impl Step {
             Step::Container => "container",
             Step::Agent => "agent",
             Step::Stopping => "stopping",
+            Step::ImageWritten => "image-written",
             Step::Checkpointed => "checkpointed",
             Step::Destroyed => "destroyed",
             Step::Unmounted => "unmounted",

@@ -182,6 +182,13 @@ impl SandboxPaths {
     pub fn snapshot(&self) -> PathBuf {
         self.dir.join("snapshot")
     }
+
+    /// Where a memory stop's checkpoint writes its image, renamed to
+    /// [`SandboxPaths::snapshot`] once whole: a checkpoint cut short (hostd killed) leaves
+    /// only this, which no start restores from.
+    pub fn snapshot_partial(&self) -> PathBuf {
+        self.dir.join("snapshot.partial")
+    }
 }
 
 /// The machine-global names of one sandbox's kernel objects.

@@ -240,6 +240,80 @@ async fn run_chain(h: &mut Harness, runtime: Runtime, chain: Chain) -> anyhow::R
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostd_killed_before_its_checkpoint_image_is_in_place_stops_on_disk() -> anyhow::Result<()>
+{
+    init_tracing("info,async_nats=warn");
+    ensure!(is_root(), "this test needs root");
+    let mut h = Harness::new().await?;
+    let done = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+        image_never_in_place(&mut h),
+    ))
+    .await;
+    h.teardown().await;
+    match done {
+        Ok(outcome) => outcome,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+}
+
+/// A memory stop's checkpoint writes its image beside its place and renames it there once
+/// whole. hostd killed in between (as a kill during `runsc checkpoint` leaves a cut image) must
+/// not report a memory stop or restore from that image: the redelivered stop finds the
+/// checkpointed container stopped and no image in place, and stops on disk, truthfully; the
+/// start boots from the disk with its files.
+async fn image_never_in_place(h: &mut Harness) -> anyhow::Result<()> {
+    let sandbox = SandboxId::new();
+    let template = Runtime::Gvisor.template();
+    let mut points = std::collections::VecDeque::new();
+    h.stop_hostd_process().await?;
+    h.spawn_hostd_process(Some(&crash_at(CommandKind::Stop, Step::ImageWritten)))?;
+    let create = h.command_with_template(sandbox, 1, CommandKind::Create, template);
+    succeeded_address(&through_crash(h, &create, None, &mut points).await?)?;
+    let (code, _, _) = finished(
+        &h.exec(
+            sandbox,
+            &["sh", "-c", "echo kept > /root/kept"],
+            EXEC_TIMEOUT_MS,
+        )
+        .await?,
+    )?;
+    ensure!(code == 0, "exec after the create: {code}");
+
+    let stop = h.command_with_template(sandbox, 2, CommandKind::Stop, template);
+    let stopped = through_crash(h, &stop, Some(Step::ImageWritten), &mut points).await?;
+    ensure!(
+        stopped.outcome
+            == ResultOutcome::Succeeded {
+                address: None,
+                last_stop: Some(StopMode::Disk),
+            },
+        "stop: {stopped:?}"
+    );
+    ensure!(
+        !h.sandbox_dir(sandbox).join("snapshot").exists(),
+        "an image that was never put in place is a memory snapshot"
+    );
+    h.durable(stop.id)
+        .await
+        .context("the stop's durability report")?;
+
+    let start = h.command_with_template(sandbox, 3, CommandKind::Start, template);
+    succeeded_address(&h.send(&start).await?).context("start")?;
+    let (_, kept, _) = finished(
+        &h.exec(sandbox, &["cat", "/root/kept"], EXEC_TIMEOUT_MS)
+            .await?,
+    )?;
+    ensure!(kept == "kept\n", "the disk was not kept: {kept:?}");
+    let delete = h.command_with_template(sandbox, 4, CommandKind::Delete, template);
+    let deleted = h.send(&delete).await?;
+    ensure!(
+        matches!(deleted.outcome, ResultOutcome::Succeeded { .. }),
+        "delete: {deleted:?}"
+    );
+    assert_nothing_remains(h, sandbox).await
+}
+
 /// Publishes `cmd`; when `step` is set, waits for hostd to die there and restarts it armed
 /// with the next point of `points`. Returns the result of the (redelivered) command.
 async fn through_crash(

@@ -65,10 +65,17 @@ pub async fn stop(
             .await;
             crash_point(Step::Stopping);
             let started = Instant::now();
-            let checkpointed = runtime
-                .checkpoint(&names.container_id, &snapshot)
-                .instrument(super::step("checkpoint"))
-                .await;
+            let partial = paths.snapshot_partial();
+            let checkpointed = async {
+                runtime.checkpoint(&names.container_id, &partial).await?;
+                crash_point(Step::ImageWritten);
+                remove_dir_if_present(&snapshot).await?;
+                tokio::fs::rename(&partial, &snapshot)
+                    .await
+                    .map_err(HostdError::io("rename the whole checkpoint image into place"))
+            }
+            .instrument(super::step("checkpoint"))
+            .await;
             mode = match checkpointed {
                 Ok(()) => {
                     tracing::info!(elapsed = ?started.elapsed(), "memory snapshot taken");
@@ -77,6 +84,7 @@ pub async fn stop(
                 Err(error) => {
                     let report = error.report();
                     tracing::warn!(error = %report, "checkpoint failed; stopping with disk only");
+                    remove_dir_if_present(&partial).await?;
                     remove_dir_if_present(&snapshot).await?;
                     fallback = Some(StopFallback::new(
                         StopFallbackCode::CheckpointFailed,
