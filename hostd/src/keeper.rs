@@ -111,7 +111,11 @@ fn keep(argv: &[OsString], report: OwnedFd) -> ! {
     let code = match status {
         Ok(status) => exit_code(status),
         Err(e) => {
-            eprintln!("berth {KEEPER_SUBCOMMAND}: {e}");
+            let program = argv
+                .first()
+                .map(|p| p.to_string_lossy())
+                .unwrap_or_default();
+            eprintln!("berth {KEEPER_SUBCOMMAND}: {program}: {e}");
             NOT_STARTED
         }
     };
@@ -120,6 +124,8 @@ fn keep(argv: &[OsString], report: OwnedFd) -> ! {
     let _ = writeln!(report, "{code}");
     drop(report);
     release_stdio();
+    // It outlives its caller: hold no directory of the caller's (a mount point) busy.
+    let _ = std::env::set_current_dir("/");
     // Reap what the runtime left here until nothing is left.
     loop {
         match waitpid(Pid::from_raw(-1), None) {

@@ -100,6 +100,15 @@ async fn a_keeper_answers_with_the_runtimes_code_and_reaps_what_it_left_running(
         "the left process's parent {parent} is not the keeper: {:?}",
         cmdline(parent)
     );
+    // It keeps no directory of its caller's busy (hostd's working directory).
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while std::fs::read_link(format!("/proc/{parent}/cwd"))? != Path::new("/") {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the keeper stays in its caller's working directory"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(left as i32),
         nix::sys::signal::Signal::SIGKILL,
