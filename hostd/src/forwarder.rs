@@ -142,19 +142,24 @@ async fn forward(host: &Host, stream: TcpStream, key: &Key, peer: SocketAddr) {
         }
     };
     let now = chrono::Utc::now().timestamp();
+    let mut sandbox = None;
     let (reply, upstream) = match Preamble::verify(&line, key, now) {
         Err(e) => {
             tracing::info!(%peer, error = %e, "forwarder refused a preamble");
             (Reply::Unauthorized, None)
         }
-        Ok(p) => match target(host, p) {
-            Err(reply) => (reply, None),
-            Ok(addr) => match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await
-            {
-                Ok(Ok(s)) => (Reply::Ok, Some(s)),
-                _ => (Reply::Refused, None),
-            },
-        },
+        Ok(p) => {
+            sandbox = Some(p.sandbox);
+            match target(host, p) {
+                Err(reply) => (reply, None),
+                Ok(addr) => {
+                    match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+                        Ok(Ok(s)) => (Reply::Ok, Some(s)),
+                        _ => (Reply::Refused, None),
+                    }
+                }
+            }
+        }
     };
     metrics::counter!("berth_forwarder_connections_total", "reply" => reply.line().trim_end().to_owned())
         .increment(1);
@@ -162,7 +167,7 @@ async fn forward(host: &Host, stream: TcpStream, key: &Key, peer: SocketAddr) {
     if client.write_all(reply.line().as_bytes()).await.is_err() {
         return;
     }
-    let Some(mut upstream) = upstream else {
+    let (Some(mut upstream), Some(sandbox)) = (upstream, sandbox) else {
         return;
     };
     let _ = upstream.set_nodelay(true);
@@ -172,7 +177,21 @@ async fn forward(host: &Host, stream: TcpStream, key: &Key, peer: SocketAddr) {
     if !buffered.is_empty() && upstream.write_all(&buffered).await.is_err() {
         return;
     }
-    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+    tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
+        () = host.gates.closed(sandbox) => cut(&upstream),
+    }
+}
+
+/// Ends a forwarded connection whose sandbox is stopping: its upstream end is reset (no
+/// FIN-and-wait: a gVisor checkpoint refuses any endpoint still connected or closing, and a
+/// stream the sandbox keeps writing would never finish closing), and the client's closes
+/// with it. The client reconnects, and its next request wakes the sandbox.
+fn cut(upstream: &TcpStream) {
+    tracing::debug!("the sandbox is stopping: its forwarded connection is cut");
+    // SO_LINGER 0: the close sends a reset and keeps nothing of the connection.
+    let _ = socket2::SockRef::from(upstream).set_linger(Some(std::time::Duration::ZERO));
+    metrics::counter!("berth_forwarder_cut_total").increment(1);
 }
 
 /// Reads one line of at most [`MAX_PREAMBLE_LEN`] bytes; `None` on EOF, overflow or non-UTF-8.

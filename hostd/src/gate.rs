@@ -31,6 +31,7 @@ struct GateState {
 pub struct AgentGates {
     gates: Mutex<HashMap<SandboxId, GateState>>,
     changed: Notify,
+    closing: Notify,
     idle: Mutex<HashMap<SandboxId, Idle>>,
 }
 
@@ -113,6 +114,22 @@ impl AgentGates {
         let mut gates = self.lock();
         gates.entry(sandbox).or_default().closed = true;
         self.idle().remove(&sandbox);
+        drop(gates);
+        self.closing.notify_waiters();
+    }
+
+    /// Resolves once the sandbox's gate is closed (a stop or a delete under way): at once
+    /// when it is.
+    pub async fn closed(&self, sandbox: SandboxId) {
+        loop {
+            let notified = self.closing.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_closed(sandbox) {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Opens the gate again (for a new run of the sandbox: the idle connections of the last

@@ -565,3 +565,46 @@ async fn the_agents_port_is_refused_everywhere_a_port_is_exposed(db: PgPool) {
     stack.wait_state(&id, "deleted").await;
     stack.teardown().await;
 }
+
+/// A preview connection open at a gVisor stop used to make the checkpoint fail ("endpoint
+/// cannot be saved in connected state"), so the stop kept the disk only, and the forwarder's
+/// connection to the dead sandbox stayed open, its client hanging, and every later memory stop
+/// of the sandbox waited for it (attack run). hostd now cuts a sandbox's forwarded connections
+/// when its stop begins: the stream ends, and the stop keeps memory.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_gvisor_stop_cuts_an_open_preview_stream_and_keeps_memory(db: PgPool) {
+    let stack = Stack::start(db, 1).await;
+    let id = create_running(
+        &stack,
+        json!({"template": "base-gvisor", "vcpus": 1, "memory_mib": 256}),
+    )
+    .await;
+    start_busybox_httpd(&stack, &id, "awake").await;
+    wait_listening(&stack, &id, 8000).await;
+    let mut resp = stack
+        .http
+        .get(format!("http://{}/cgi-bin/stream", stack.proxy_addr))
+        .header(HOST, preview_host(&id, 8000))
+        .bearer_auth(&stack.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut seen = String::new();
+    read_stream_until(&mut resp, &mut seen, "data: one").await;
+
+    assert_eq!(stack.request(&id, "stop").await.0, 202);
+    let stopped = stack.wait_state(&id, "stopped").await;
+    assert_eq!(stopped["last_stop"], "memory", "{stopped}");
+    let ended = tokio::time::timeout(crate::support::env::SETTLE_TIMEOUT, async {
+        while let Ok(Some(_)) = resp.chunk().await {}
+    })
+    .await;
+    assert!(ended.is_ok(), "the stream outlived the stop");
+    // The server's process was kept: a request wakes the sandbox and it answers.
+    let (status, body, _) = get_by_host(&stack, &id, 8000, "/", Some(&stack.key)).await;
+    assert_eq!((status, body.as_str()), (200, "awake"));
+    stack.delete(&id).await;
+    stack.wait_state(&id, "deleted").await;
+    stack.teardown().await;
+}
