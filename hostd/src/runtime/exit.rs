@@ -29,6 +29,23 @@ pub async fn wait_exited(pid: i64, wait: Duration) -> bool {
     }
 }
 
+/// Waits until process `pid` is gone from `/proc` (reaped, not only dead), for at most
+/// `wait`; says whether it saw that.
+pub async fn wait_gone(pid: i64, wait: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + wait;
+    let proc = format!("/proc/{pid}");
+    loop {
+        if !std::path::Path::new(&proc).exists() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(pid, waited = ?wait, "the killed process is not reaped; delete --force waits for it");
+            return false;
+        }
+        tokio::time::sleep(KILL_POLL).await;
+    }
+}
+
 /// Whether a `/proc/<pid>/stat` line names a live process: present, and in a state other than
 /// zombie (`Z`) or dead (`X`, `x`). The state follows the command name's closing parenthesis.
 pub fn alive(stat: &str) -> bool {

@@ -35,7 +35,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use super::cli::{ConsoleConfig, OciCli};
-use super::exit::{wait_exited, KILL_WAIT};
+use super::exit::{wait_gone, KILL_WAIT};
 use super::{ContainerStatus, RunRequest, RuntimeDriver};
 use crate::error::HostdError;
 
@@ -125,22 +125,33 @@ impl Runsc {
         })
     }
 
-    /// The host pid of a running container's sandbox process: runsc's state file of the
-    /// container (`<root>/<id>_sandbox:<id>.state`, whose `status` and `sandbox.pid` runsc
-    /// writes) says it runs, and `/proc/<pid>/cmdline` is that sandbox's (`runsc-sandbox …
-    /// <id>`), so a pid the kernel gave to another process since is never taken for it.
-    fn running_sandbox_pid(&self, container_id: &str) -> Option<i32> {
+    /// The host pids of a container's sandbox and gofer processes that still live: runsc's
+    /// state file of the container (`<root>/<id>_sandbox:<id>.state`, whose `sandbox.pid` and
+    /// `goferPid` runsc writes) names them, and `/proc/<pid>/cmdline` shows each is this
+    /// container's (`runsc-sandbox … <id>`; `runsc-gofer … --bundle <dir>/<id>`), so a pid the
+    /// kernel gave to another process since is never taken for theirs.
+    fn own_processes(&self, container_id: &str) -> Vec<i32> {
         let file = self
             .cli
             .root
             .join(format!("{container_id}_sandbox:{container_id}.state"));
-        let state: serde_json::Value = serde_json::from_slice(&std::fs::read(file).ok()?).ok()?;
-        if state["status"] != "running" {
-            return None;
-        }
-        let pid = i32::try_from(state["sandbox"]["pid"].as_i64()?).ok()?;
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        is_sandbox_of(&cmdline, container_id).then_some(pid)
+        let Some(state) = std::fs::read(file)
+            .ok()
+            .and_then(|raw| serde_json::from_slice::<serde_json::Value>(&raw).ok())
+        else {
+            return Vec::new();
+        };
+        [
+            (&state["sandbox"]["pid"], "runsc-sandbox"),
+            (&state["goferPid"], "runsc-gofer"),
+        ]
+        .into_iter()
+        .filter_map(|(pid, program)| {
+            let pid = i32::try_from(pid.as_i64()?).ok().filter(|p| *p > 1)?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            is_process_of(&cmdline, program, container_id).then_some(pid)
+        })
+        .collect()
     }
 
     fn wrapper(&self) -> &'static [&'static str] {
@@ -210,21 +221,25 @@ impl RuntimeDriver for Runsc {
         self.cli.list().boxed()
     }
 
-    /// Kills a running sandbox's process and waits for it to exit before `delete --force`,
-    /// which would send the kill itself and then poll `kill(pid, 0)` every 100 ms: 134 ms for
-    /// a delete by hand here, against 4 ms to kill and see it reaped by its keeper, then 27 ms
-    /// for the delete (issue 16). The pid comes from runsc's own state file, so no `runsc
-    /// state` (30 ms) is run; when that file does not read as expected, `delete --force` does
-    /// it all, as before.
+    /// Kills the container's sandbox and gofer processes and waits for them to be reaped
+    /// before `delete --force`, which would send the kills itself and then poll `kill(pid, 0)`
+    /// every 100 ms: 134 ms for a delete by hand here, against 4 ms to kill and see them
+    /// reaped by their keeper, then 27 ms for the delete (issue 16). Also after a checkpoint,
+    /// whose sandbox and gofer end on their own but not always before runsc looks. The pids
+    /// come from runsc's own state file, so no `runsc state` (30 ms) is run; when that file
+    /// does not read as expected, `delete --force` does it all, as before.
     fn destroy<'a>(&'a self, container_id: &'a str) -> BoxFuture<'a, Result<(), HostdError>> {
         async move {
-            if let Some(pid) = self.running_sandbox_pid(container_id) {
-                match kill(Pid::from_raw(pid), Signal::SIGKILL) {
-                    Ok(()) => {
-                        wait_exited(i64::from(pid), KILL_WAIT).await;
-                    }
-                    Err(e) => tracing::debug!(error = %e, "kill before delete"),
+            let own = self.own_processes(container_id);
+            for pid in &own {
+                if let Err(e) = kill(Pid::from_raw(*pid), Signal::SIGKILL) {
+                    tracing::debug!(pid, error = %e, "kill before delete");
                 }
+            }
+            for pid in own {
+                // Gone, not only dead: runsc's `kill(pid, 0)` answers for a zombie too. The
+                // keeper reaps them at once.
+                wait_gone(i64::from(pid), KILL_WAIT).await;
             }
             self.cli.destroy(container_id).await
         }
@@ -277,12 +292,19 @@ impl RuntimeDriver for Runsc {
     }
 }
 
-/// Whether a `/proc/<pid>/cmdline` is that of the sandbox process of `container_id`: argv[0]
-/// `runsc-sandbox`, the id its last argument.
-fn is_sandbox_of(cmdline: &[u8], container_id: &str) -> bool {
+/// Whether a `/proc/<pid>/cmdline` is that of `container_id`'s `program` (argv[0]): its
+/// sandbox (`runsc-sandbox`), whose last argument is the id, or its gofer (`runsc-gofer`),
+/// whose bundle dir is named after it.
+fn is_process_of(cmdline: &[u8], program: &str, container_id: &str) -> bool {
     let mut args = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty());
-    args.next() == Some(b"runsc-sandbox".as_slice())
-        && args.next_back() == Some(container_id.as_bytes())
+    if args.next() != Some(program.as_bytes()) {
+        return false;
+    }
+    let id = container_id.as_bytes();
+    match program {
+        "runsc-sandbox" => args.next_back() == Some(id),
+        _ => args.any(|arg| arg.ends_with(&[b"/", id].concat())),
+    }
 }
 
 /// Makes `dir` an empty directory.
@@ -301,18 +323,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_the_containers_own_sandbox_process_is_taken_for_it() {
-        let sandbox = b"runsc-sandbox\0--root=/r\0boot\0--bundle=/b\0c1\0";
-        assert!(is_sandbox_of(sandbox, "c1"));
-        assert!(!is_sandbox_of(sandbox, "c2"), "another container's");
+    fn only_the_containers_own_sandbox_and_gofer_are_taken_for_them() {
+        let sandbox = b"runsc-sandbox\0--root=/r\0boot\0--bundle=/s/c1\0c1\0";
+        assert!(is_process_of(sandbox, "runsc-sandbox", "c1"));
         assert!(
-            !is_sandbox_of(b"runsc-gofer\0gofer\0c1\0", "c1"),
-            "its gofer"
+            !is_process_of(sandbox, "runsc-sandbox", "c2"),
+            "another container's"
+        );
+        assert!(!is_process_of(sandbox, "runsc-gofer", "c1"), "not a gofer");
+        let gofer = b"runsc-gofer\0--root=/r\0gofer\0--bundle\0/s/c1\0--spec-fd=3\0";
+        assert!(is_process_of(gofer, "runsc-gofer", "c1"));
+        assert!(!is_process_of(gofer, "runsc-gofer", "1"), "a whole name");
+        assert!(
+            !is_process_of(gofer, "runsc-gofer", "c2"),
+            "another container's"
         );
         assert!(
-            !is_sandbox_of(b"sleep\0c1\0", "c1"),
-            "a pid reused by someone else"
+            !is_process_of(b"sleep\0c1\0", "runsc-sandbox", "c1"),
+            "a reused pid"
         );
-        assert!(!is_sandbox_of(b"", "c1"), "gone");
+        assert!(!is_process_of(b"", "runsc-sandbox", "c1"), "gone");
     }
 }
