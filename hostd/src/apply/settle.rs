@@ -7,13 +7,15 @@
 //! how far that got: a connection it holds in `TIME_WAIT` received the sandbox's FIN and
 //! acknowledged it at once; one in `ESTABLISHED`, `FIN_WAIT1/2`, `CLOSING`, `CLOSE_WAIT` or
 //! `LAST_ACK` has not finished. [`settle`] polls the host's `/proc/net/tcp{,6}` until no
-//! connection with the sandbox's address is in such a state, then leaves the last ACK
-//! [`ACK_GRACE`] to arrive. It replaced a fixed 200 ms pause, most of a memory stop's time
-//! after the keeper (issue 16).
+//! connection with the sandbox's address is in such a state (one left waiting for the
+//! sandbox's ACK past [`ACK_PATIENCE`] has no live peer, and does not count), then leaves
+//! the last ACK [`ACK_GRACE`] to arrive. It replaced a fixed 200 ms pause, most of a memory
+//! stop's time after the keeper (issue 16).
 //!
 //! Source: RFC 9293 §3.3.2 (the state machine); Linux `Documentation/networking/proc_net_tcp.rst`
 //! (the `/proc/net/tcp` format: addresses as the `%08X` of the network-order word, `st` in hex).
 
+use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
@@ -33,14 +35,32 @@ const POLL: Duration = Duration::from_millis(2);
 /// was one: `TIME_WAIT` (06), `CLOSE` (07), `LISTEN` (0A).
 const SETTLED: [u8; 3] = [0x06, 0x07, 0x0A];
 
+/// The states in which the host waits only for the peer to acknowledge its FIN:
+/// `FIN_WAIT1` (04), `LAST_ACK` (09), `CLOSING` (0B). A live sandbox acknowledges within a
+/// round trip; one such connection that stays so for [`ACK_PATIENCE`] is with no live
+/// endpoint, most often with an earlier sandbox that had the same address (a slot is handed
+/// out again once its veth is gone, and the kernel retransmits a FIN to a dead peer for
+/// minutes), and is not waited for (the bench: every memory stop of a sandbox on a reused
+/// address waited the whole limit).
+const PEER_ACK_WAITS: [u8; 3] = [0x04, 0x09, 0x0B];
+
+/// How long a connection may wait for the peer's ACK before it counts as with no live peer.
+pub const ACK_PATIENCE: Duration = Duration::from_millis(100);
+
+/// One host connection with the sandbox that is not settled: `local remote` (its key in the
+/// table) and its state.
+type Row = (String, u8);
+
 /// Waits until no host connection with `sandbox` is still closing (or open), at most
 /// [`SETTLE_LIMIT`], then [`ACK_GRACE`]. Returns whether it settled within the limit.
 pub async fn settle(sandbox: Ipv4Addr) -> bool {
     let started = Instant::now();
+    let mut waiting_for_ack = HashMap::new();
     loop {
-        let open = tokio::task::spawn_blocking(move || open_connections(sandbox))
+        let rows = tokio::task::spawn_blocking(move || open_connections(sandbox))
             .await
-            .unwrap_or(usize::MAX);
+            .unwrap_or_else(|_| vec![("unreadable".into(), 0)]);
+        let open = still_open(&rows, &mut waiting_for_ack, Instant::now());
         if open == 0 {
             tokio::time::sleep(ACK_GRACE).await;
             return true;
@@ -63,31 +83,48 @@ pub async fn before_checkpoint(link: Option<crate::address::LinkAddresses>) {
     }
 }
 
-/// How many of the host's TCP sockets (IPv4, and IPv4-mapped IPv6) have `sandbox` as their
-/// remote address in a state not [`SETTLED`]. A table that cannot be read counts as one.
-fn open_connections(sandbox: Ipv4Addr) -> usize {
+/// How many of `rows` still count as open at `now`: all but those waiting for the peer's ACK
+/// ([`PEER_ACK_WAITS`]) since at least [`ACK_PATIENCE`], by when each was first seen so
+/// (`first_seen`, kept between polls).
+fn still_open(rows: &[Row], first_seen: &mut HashMap<String, Instant>, now: Instant) -> usize {
+    rows.iter()
+        .filter(|(key, state)| {
+            if !PEER_ACK_WAITS.contains(state) {
+                return true;
+            }
+            let since = *first_seen.entry(key.clone()).or_insert(now);
+            now.duration_since(since) < ACK_PATIENCE
+        })
+        .count()
+}
+
+/// The host's TCP sockets (IPv4, and IPv4-mapped IPv6) that have `sandbox` as their remote
+/// address in a state not [`SETTLED`]. A table that cannot be read counts as one open row.
+fn open_connections(sandbox: Ipv4Addr) -> Vec<Row> {
     ["/proc/net/tcp", "/proc/net/tcp6"]
         .iter()
-        .map(|table| match std::fs::read_to_string(table) {
+        .flat_map(|table| match std::fs::read_to_string(table) {
             Ok(text) => unsettled(&text, sandbox),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
-            Err(_) => 1,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(_) => vec![(format!("unreadable {table}"), 0)],
         })
-        .sum()
+        .collect()
 }
 
 /// The rows of one `/proc/net/tcp{,6}` table that are with `sandbox` and not [`SETTLED`].
-fn unsettled(table: &str, sandbox: Ipv4Addr) -> usize {
+fn unsettled(table: &str, sandbox: Ipv4Addr) -> Vec<Row> {
     table
         .lines()
         .skip(1)
         .filter_map(|row| {
-            let mut fields = row.split_whitespace().skip(2);
-            let remote = fields.next()?.split(':').next()?;
+            let mut fields = row.split_whitespace().skip(1);
+            let local = fields.next()?;
+            let remote = fields.next()?;
             let state = u8::from_str_radix(fields.next()?, 16).ok()?;
-            (remote_v4(remote)? == sandbox && !SETTLED.contains(&state)).then_some(())
+            (remote_v4(remote.split(':').next()?)? == sandbox && !SETTLED.contains(&state))
+                .then(|| (format!("{local} {remote}"), state))
         })
-        .count()
+        .collect()
 }
 
 /// The IPv4 address of a table's hex address column: 8 digits, or 32 for an IPv4-mapped
@@ -120,9 +157,34 @@ mod tests {
     fn only_connections_with_the_sandbox_that_are_still_closing_count() {
         let sandbox: Ipv4Addr = "10.77.0.2".parse().unwrap();
         // Row 1 is in TIME_WAIT, row 2 in FIN_WAIT2 (counted), row 3 another sandbox's.
-        assert_eq!(unsettled(TABLE, sandbox), 1);
-        assert_eq!(unsettled(TABLE, "10.77.0.6".parse().unwrap()), 1);
-        assert_eq!(unsettled(TABLE, "10.77.0.10".parse().unwrap()), 0);
+        assert_eq!(
+            unsettled(TABLE, sandbox),
+            vec![("01004D0A:A1B4 02004D0A:46AF".to_owned(), 0x05)]
+        );
+        assert_eq!(unsettled(TABLE, "10.77.0.6".parse().unwrap()).len(), 1);
+        assert!(unsettled(TABLE, "10.77.0.10".parse().unwrap()).is_empty());
+    }
+
+    #[test]
+    fn a_connection_waiting_for_the_peers_ack_counts_only_for_the_patience() {
+        let start = Instant::now();
+        let mut seen = HashMap::new();
+        let rows = vec![
+            ("a".to_owned(), 0x04), // FIN_WAIT1: waits for the peer's ACK
+            ("b".to_owned(), 0x05), // FIN_WAIT2: waits for the peer's FIN
+            ("c".to_owned(), 0x01), // ESTABLISHED
+        ];
+        assert_eq!(still_open(&rows, &mut seen, start), 3);
+        let later = start + ACK_PATIENCE;
+        assert_eq!(
+            still_open(&rows, &mut seen, later),
+            2,
+            "a's peer never answered"
+        );
+        // A connection that comes to wait for an ACK later gets its own patience.
+        let rows = vec![("d".to_owned(), 0x09)];
+        assert_eq!(still_open(&rows, &mut seen, later), 1);
+        assert_eq!(still_open(&rows, &mut seen, later + ACK_PATIENCE), 0);
     }
 
     #[test]
@@ -143,7 +205,7 @@ mod tests {
         let (server, _) = listener.accept().unwrap();
         let loopback = Ipv4Addr::LOCALHOST;
         assert!(
-            open_connections(loopback) >= 1,
+            !open_connections(loopback).is_empty(),
             "an established connection counts"
         );
         // The client closes first, as hostd does: it ends in TIME_WAIT, the server's side
@@ -169,6 +231,6 @@ mod tests {
             .chain(text.lines().skip(1).filter(|row| row.contains(&port)))
             .collect::<Vec<_>>()
             .join("\n");
-        unsettled(&mine, Ipv4Addr::LOCALHOST)
+        unsettled(&mine, Ipv4Addr::LOCALHOST).len()
     }
 }
