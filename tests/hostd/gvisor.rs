@@ -75,16 +75,7 @@ async fn memory_stop(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(before > 0, "the counter never wrote its count");
 
     // Stop keeps memory: the container is gone, the image and the disk stay.
-    let cmd = h.command(sandbox, 2, CommandKind::Stop);
-    let stopped = h.send(&cmd).await?;
-    ensure!(
-        stopped.outcome
-            == ResultOutcome::Succeeded {
-                address: None,
-                last_stop: Some(StopMode::Memory)
-            },
-        "{stopped:?}"
-    );
+    stop_with_memory(h, sandbox, 2, "a counting process").await?;
     h.heartbeat_with(sandbox, GuestStatus::Stopped).await?;
     let at_stop: u64 = file_in_disk(h, sandbox, "/root/count")
         .await?
@@ -299,15 +290,13 @@ async fn many_processes(h: &mut Harness) -> anyhow::Result<()> {
         "not all processes run before the stop"
     );
 
-    let stopped = h.send(&h.command(sandbox, 2, CommandKind::Stop)).await?;
-    ensure!(
-        stopped.outcome
-            == ResultOutcome::Succeeded {
-                address: None,
-                last_stop: Some(StopMode::Memory)
-            },
-        "with {LIVE_PROCESSES} processes running: {stopped:?}"
-    );
+    stop_with_memory(
+        h,
+        sandbox,
+        2,
+        &format!("with {LIVE_PROCESSES} processes running"),
+    )
+    .await?;
     succeeded_address(&h.send(&h.command(sandbox, 3, CommandKind::Start)).await?)?;
     ensure!(
         sleepers(h, sandbox).await? == LIVE_PROCESSES,
@@ -345,15 +334,7 @@ async fn damaged_image(h: &mut Harness) -> anyhow::Result<()> {
     let sandbox = SandboxId::new();
     let create = h.command_with_template(sandbox, 1, CommandKind::Create, "base-gvisor");
     let address = succeeded_address(&h.send(&create).await?)?;
-    let stopped = h.send(&h.command(sandbox, 2, CommandKind::Stop)).await?;
-    ensure!(
-        stopped.outcome
-            == ResultOutcome::Succeeded {
-                address: None,
-                last_stop: Some(StopMode::Memory)
-            },
-        "{stopped:?}"
-    );
+    stop_with_memory(h, sandbox, 2, "a fresh sandbox").await?;
     let image = h.sandbox_dir(sandbox).join("snapshot/checkpoint.img");
     std::fs::OpenOptions::new()
         .write(true)

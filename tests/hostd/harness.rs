@@ -567,6 +567,28 @@ pub(crate) fn processes_naming(dir: &std::path::Path) -> Vec<u32> {
         .collect()
 }
 
+/// Sends the sandbox's stop at `generation` and checks it kept memory (a gVisor sandbox);
+/// `what` says what the sandbox holds, for the failure.
+pub(crate) async fn stop_with_memory(
+    h: &mut Harness,
+    sandbox: SandboxId,
+    generation: i64,
+    what: &str,
+) -> anyhow::Result<()> {
+    let stopped = h
+        .send(&h.command(sandbox, generation, CommandKind::Stop))
+        .await?;
+    ensure!(
+        stopped.outcome
+            == ResultOutcome::Succeeded {
+                address: None,
+                last_stop: Some(wire::StopMode::Memory),
+            },
+        "{what}: {stopped:?}"
+    );
+    Ok(())
+}
+
 /// The pid the runtime wrote at boot (`init.pid`, which hostd finds the sandbox's OOM counter
 /// by without asking the runtime) is a process in the sandbox's own cgroup.
 pub(crate) fn assert_booted_pid_in_own_cgroup(

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context as _};
-use berth_schemas::wire::{ResultOutcome, StopMode};
+use berth_schemas::wire::ResultOutcome;
 use berth_schemas::{CommandKind, SandboxId};
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::{getpgid, Pid};
@@ -209,15 +209,7 @@ async fn gvisor_reaped(h: &mut Harness) -> anyhow::Result<()> {
     // memory stop must still find none open.
     let (code, _, _) = finished(&h.exec(sandbox, &["true"], EXEC_TIMEOUT_MS).await?)?;
     ensure!(code == 0);
-    let stopped = h.send(&h.command(sandbox, 2, CommandKind::Stop)).await?;
-    ensure!(
-        stopped.outcome
-            == ResultOutcome::Succeeded {
-                address: None,
-                last_stop: Some(StopMode::Memory)
-            },
-        "{stopped:?}"
-    );
+    stop_with_memory(h, sandbox, 2, "right after an exec").await?;
     ensure!(
         stat(pid).is_none(),
         "the checkpointed sandbox {pid} is not reaped: {:?}",

@@ -63,19 +63,7 @@ async fn a_web_server_in_a_runc_sandbox_is_reached_by_host_name_and_by_path_and_
 
     // A streamed response arrives as it is written: the second event is only written after
     // the test saw the first.
-    let mut resp = stack
-        .http
-        .get(format!("http://{}/cgi-bin/stream", stack.proxy_addr))
-        .header(HOST, preview_host(&id, 8000))
-        .bearer_auth(&stack.key)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    assert!(resp.headers()["content-type"]
-        .to_str()
-        .unwrap()
-        .starts_with("text/event-stream"));
+    let mut resp = open_stream(&stack, &id).await;
     let mut seen = String::new();
     read_stream_until(&mut resp, &mut seen, "data: one").await;
     assert!(!seen.contains("data: two"), "{seen}");
@@ -581,15 +569,7 @@ async fn a_gvisor_stop_cuts_an_open_preview_stream_and_keeps_memory(db: PgPool) 
     .await;
     start_busybox_httpd(&stack, &id, "awake").await;
     wait_listening(&stack, &id, 8000).await;
-    let mut resp = stack
-        .http
-        .get(format!("http://{}/cgi-bin/stream", stack.proxy_addr))
-        .header(HOST, preview_host(&id, 8000))
-        .bearer_auth(&stack.key)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
+    let mut resp = open_stream(&stack, &id).await;
     let mut seen = String::new();
     read_stream_until(&mut resp, &mut seen, "data: one").await;
 

@@ -116,6 +116,25 @@ busybox httpd -p 8000 -h /srv </dev/null >/dev/null 2>&1"#
     sh(stack, id, &script).await;
 }
 
+/// Opens `/cgi-bin/stream` of [`start_busybox_httpd`] through the proxy by host name, with
+/// the stack's key; checks it answers 200 as an event stream.
+pub async fn open_stream(stack: &Stack, id: &str) -> reqwest::Response {
+    let resp = stack
+        .http
+        .get(format!("http://{}/cgi-bin/stream", stack.proxy_addr))
+        .header(HOST, preview_host(id, 8000))
+        .bearer_auth(&stack.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    resp
+}
+
 /// Waits until the sandbox's port answers 200 through the proxy (its server is up).
 pub async fn wait_served(stack: &Stack, id: &str, port: u16) {
     let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
