@@ -10,6 +10,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use bytes::Bytes;
@@ -116,7 +117,15 @@ impl ChunkCache {
         if len > self.bound || self.touch(hash) {
             return Ok(());
         }
-        let tmp = self.dir.join(format!(".{hash}.{}.tmp", std::process::id()));
+        // A name of this insert's own: concurrent fetches of one chunk (the same chunk in
+        // several snapshots restored at once) wrote and renamed each other's file, and the
+        // second rename failed its restore ("rename …: No such file").
+        static INSERTS: AtomicU64 = AtomicU64::new(0);
+        let tmp = self.dir.join(format!(
+            ".{hash}.{}.{}.tmp",
+            std::process::id(),
+            INSERTS.fetch_add(1, Ordering::Relaxed)
+        ));
         fs::write(&tmp, compressed).map_err(StorageError::io("write", &tmp))?;
         self.adopt(hash, &tmp, len)
     }
@@ -217,6 +226,28 @@ mod tests {
 
     fn h(i: u8) -> String {
         format!("{i:02x}").repeat(32)
+    }
+
+    #[test]
+    fn one_chunk_inserted_by_many_at_once_is_held_once_and_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = ChunkCache::open(dir.path(), 1 << 20).unwrap();
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..50 {
+                        cache.insert(&h(7), &[7; 4096]).unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(cache.get(&h(7)).as_deref(), Some(&[7u8; 4096][..]));
+        assert_eq!(cache.held_bytes(), 4096);
+        let left: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left.len(), 1, "no temporary file is left: {left:?}");
     }
 
     #[test]
