@@ -144,6 +144,18 @@ async fn a_signal_to_the_callers_process_group_spares_the_keeper_and_what_it_kee
         .spawn()?;
     let group = Pid::from_raw(shell.id().context("the caller's pid")? as i32);
     let left = pid_in(&pidfile).await?;
+    // Until its runtime ended the keeper dies with its caller, by design (a hostd killed
+    // mid-create takes that create down), and what the runtime left is still the runtime's
+    // child: the test looks, and signals, once the keeper answered, when the shell, done
+    // waiting for it, has become `sleep`.
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !cmdline(group.as_raw() as u32).starts_with("sleep") {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the keeper never answered its caller"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let (_, keeper) = stat(left).context("the left process is gone already")?;
     ensure!(
         cmdline(keeper).contains("runtime-keeper"),
