@@ -39,13 +39,14 @@ use crate::state::CommandKind;
 /// request's fault, not the host's). Version 3: a sandbox's spec carries its disk limit
 /// (`disk_mib`) and then its network policy. Version 2: a command's spec is optional and names
 /// the sandbox's runtime.
-/// Version 17 (this one): no change of bytes, but of meaning: a `sandbox.archive`'s
+/// Version 17: no change of bytes, but of meaning: a `sandbox.archive`'s
 /// [`Command::snapshot`] names the stop snapshot the control plane recorded durable, the only
 /// one the host may reuse, and the host keeps the disk until the control plane's
 /// `sandbox.delete` frees it (a host of version 16 frees it on its own, before the chunk check,
 /// so it must not meet this control plane).
+/// Version 18 (this one): a [`Heartbeat`] ends with its host's [`WarmSlot`]s.
 /// Older bytes are refused (every component of a deployment runs the same build).
-pub const WIRE_VERSION: u16 = 17;
+pub const WIRE_VERSION: u16 = 18;
 
 /// `{ version, body }`; `version` is [`WIRE_VERSION`] when written by this build.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -487,6 +488,32 @@ pub struct Heartbeat {
     /// measures its ingest lag against it, and the reconciler judges a sandbox only on an
     /// inventory taken after the sandbox's last change.
     pub sent_at_ms: u64,
+    /// The host's warm pool: sandboxes it booted ahead of any create, each under an id the
+    /// host drew ([`SandboxId::new`]), none of them in [`Heartbeat::inventory`]. A create
+    /// whose spec has a slot's shape may take the slot's id (issue 16 lever 1); the host then
+    /// hands that sandbox over instead of booting one. Their resources are counted out of
+    /// [`Heartbeat::capacity`] already.
+    pub warm: Vec<WarmSlot>,
+}
+
+/// One sandbox of a host's warm pool (see [`Heartbeat::warm`]): booted with the template's
+/// files and these limits, its agent answering, no entrypoint run, no egress admitted. A
+/// create matches it when its template, runtime, resources, disk size and pinned image are
+/// these; the rest of the spec (org, env, entrypoint, network policy) is set at hand-over.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WarmSlot {
+    /// The id the sandbox runs under; a create that takes the slot gets this id.
+    pub sandbox_id: SandboxId,
+    /// Its template's name.
+    pub template: String,
+    /// Its runtime.
+    pub runtime: Runtime,
+    /// Its limits.
+    pub resources: Resources,
+    /// Its disk size in MiB ([`SandboxSpec::disk_mib`]).
+    pub disk_mib: u32,
+    /// Its pinned image ([`SandboxSpec::image`]); `None` for a built-in or imported template.
+    pub image: Option<String>,
 }
 
 /// A request for a sandbox's agent, sent through its host by NATS request/reply on

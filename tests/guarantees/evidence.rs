@@ -75,6 +75,7 @@ async fn report_items(
         inventory,
         forwarder: None,
         sent_at_ms,
+        warm: Vec::new(),
     };
     !berth_scheduler::heartbeat::apply_batch(db, &[hb])
         .await
@@ -411,6 +412,7 @@ async fn an_older_heartbeat_never_replaces_a_newer_one(db: PgPool) {
         }],
         forwarder: None,
         sent_at_ms: now_ms(),
+        warm: Vec::new(),
     };
     let applied = berth_scheduler::heartbeat::apply_batch(&plane.db, &[hb(7, b), hb(6, a)])
         .await

@@ -124,6 +124,7 @@ fn heartbeat(host: HostId) -> Heartbeat {
         inventory: Vec::new(),
         forwarder: None,
         sent_at_ms: 0,
+        warm: Vec::new(),
     }
 }
 

@@ -42,6 +42,7 @@ pub async fn heartbeat(db: &PgPool, host: HostId, capacity: Resources) {
             inventory: Vec::new(),
             forwarder: None,
             sent_at_ms: now_ms(),
+            warm: Vec::new(),
         },
     )
     .await

@@ -78,6 +78,7 @@ pub async fn run(
             inventory,
             forwarder: config.forwarder.clone(),
             sent_at_ms,
+            warm: Vec::new(),
         };
         if let Err(e) = nats
             .publish(config.subject.clone(), wire::encode(&heartbeat).into())

@@ -42,7 +42,7 @@ const U1: &str = "1001010101010101010101010101010101";
 const U2: &str = "1002020202020202020202020202020202";
 
 #[test]
-fn command_golden_bytes_v17() {
+fn command_golden_bytes_v18() {
     let bytes = encode(&sample_command());
     // version 17, ids, generation 3, kind Start, Some(spec { org, "base", 2 vCPUs, 512 MiB,
     // runsc, 1024 MiB of disk, network { egress: Allow([10.1.0.0/16]) }, env [("A", "1")],
@@ -50,7 +50,7 @@ fn command_golden_bytes_v17() {
     // prefix length; then one env pair and one entrypoint word, each length-prefixed;
     // Some(image "r/a@x"); then the snapshot order, None
     let expected = format!(
-        "11{U1}{U2}060101{org}046261736502800401800802010a01000010\
+        "12{U1}{U2}060101{org}046261736502800401800802010a01000010\
          0101410131\
          01047461696c\
          0105722f614078\
@@ -76,7 +76,7 @@ fn a_snapshot_command_is_the_fifth_kind_with_its_order_and_its_result_the_sixth_
     let bytes = encode(&command);
     // version 17, ids, generation 3, kind Snapshot (4), no spec, Some(order { id, Some(parent), disk_only false })
     let expected = format!(
-        "11{U1}{U2}0604000110{u6}0110{u7}00",
+        "12{U1}{U2}0604000110{u6}0110{u7}00",
         u6 = "06".repeat(16),
         u7 = "07".repeat(16)
     );
@@ -118,7 +118,7 @@ fn a_snapshot_command_is_the_fifth_kind_with_its_order_and_its_result_the_sixth_
     // ... kind Snapshot (4), outcome variant 5, memory, sizes, paused 4, one chunk ("ab", 5),
     // heartbeat_seq 0, apply_ms 0
     let expected = format!(
-        "11{U1}{U2}{U5}060405010102030401026162050000",
+        "12{U1}{U2}{U5}060405010102030401026162050000",
         U5 = "1005050505050505050505050505050505",
     );
     assert_eq!(hex(&bytes), expected);
@@ -141,7 +141,7 @@ fn restore_and_clone_are_the_sixth_and_seventh_kinds_and_name_their_snapshot() {
         };
         let bytes = encode(&command);
         // version 17, ids, generation 3, kind 5 or 6, no spec, Some(order { id, None, disk_only false })
-        let expected = format!("11{U1}{U2}06{index}000110{u6}0000", u6 = "06".repeat(16));
+        let expected = format!("12{U1}{U2}06{index}000110{u6}0000", u6 = "06".repeat(16));
         assert_eq!(hex(&bytes), expected, "{kind}");
         assert_eq!(decode::<Command>(&bytes).unwrap(), command);
     }
@@ -161,7 +161,7 @@ fn migrate_is_the_tenth_kind_and_names_its_stop_snapshot() {
     };
     let bytes = encode(&command);
     // version 17, ids, generation 3, kind 9, no spec, Some(order { id, None, disk_only false })
-    let expected = format!("11{U1}{U2}0609000110{u6}0000", u6 = "06".repeat(16));
+    let expected = format!("12{U1}{U2}0609000110{u6}0000", u6 = "06".repeat(16));
     assert_eq!(hex(&bytes), expected);
     assert_eq!(decode::<Command>(&bytes).unwrap(), command);
 }
@@ -181,7 +181,7 @@ fn archive_and_unarchive_are_the_eighth_and_ninth_kinds_and_durable_the_seventh_
         };
         let bytes = encode(&command);
         // version 17, ids, generation 3, kind 7 or 8, no spec, Some(order { id, None, disk_only false })
-        let expected = format!("11{U1}{U2}06{index}000110{u6}0000", u6 = "06".repeat(16));
+        let expected = format!("12{U1}{U2}06{index}000110{u6}0000", u6 = "06".repeat(16));
         assert_eq!(hex(&bytes), expected, "{kind}");
         assert_eq!(decode::<Command>(&bytes).unwrap(), command);
     }
@@ -204,7 +204,7 @@ fn archive_and_unarchive_are_the_eighth_and_ninth_kinds_and_durable_the_seventh_
     // ... kind Stop (2), outcome variant 6, snapshot id, memory false, stored 2, one chunk
     // ("ab", 5), heartbeat_seq 0, apply_ms 0
     let expected = format!(
-        "11{U1}{U2}{U5}06020610{u6}0002010261620500 00",
+        "12{U1}{U2}{U5}06020610{u6}0002010261620500 00",
         U5 = "1005050505050505050505050505050505",
         u6 = "06".repeat(16)
     )
@@ -266,7 +266,7 @@ fn a_version_1_command_is_refused() {
 }
 
 #[test]
-fn result_golden_bytes_v17() {
+fn result_golden_bytes_v18() {
     let result = CommandResult {
         command_id: CommandId(uuid(1)),
         sandbox_id: SandboxId(uuid(2)),
@@ -284,7 +284,7 @@ fn result_golden_bytes_v17() {
     // ... Succeeded { Some(address), Some(Disk) }, then heartbeat_seq 300 and apply_ms 1500
     // as varints
     let expected = format!(
-        "11{U1}{U2}{U5}0602000108{ip}0101ac02dc0b",
+        "12{U1}{U2}{U5}0602000108{ip}0101ac02dc0b",
         U5 = "1005050505050505050505050505050505",
         ip = hex(b"10.1.0.2")
     );
@@ -309,7 +309,7 @@ fn a_rejected_result_is_the_fourth_outcome_variant() {
     let bytes = encode(&result);
     // version 17, ids, generation 1 (zigzag: 02), kind Create (0), outcome variant 3, "no", heartbeat_seq 0, apply_ms 0
     let expected = format!(
-        "11{U1}{U2}{U5}020003026e6f0000",
+        "12{U1}{U2}{U5}020003026e6f0000",
         U5 = "1005050505050505050505050505050505",
     );
     assert_eq!(hex(&bytes), expected);
@@ -334,7 +334,7 @@ fn a_stop_that_kept_the_disk_only_is_the_fifth_outcome_variant_with_its_code_and
     // version 17, ids, generation 3, kind Stop (2), outcome variant 4, code 0, "EOF",
     // heartbeat_seq 0, apply_ms 0
     let expected = format!(
-        "11{U1}{U2}{U5}0602040003{eof}0000",
+        "12{U1}{U2}{U5}0602040003{eof}0000",
         U5 = "1005050505050505050505050505050505",
         eof = hex(b"EOF")
     );
@@ -400,7 +400,7 @@ fn every_stop_fallback_code_reads_back_from_its_spelling() {
 }
 
 #[test]
-fn heartbeat_golden_bytes_v17() {
+fn heartbeat_golden_bytes_v18() {
     let hb = Heartbeat {
         host_id: HostId(uuid(5)),
         name: "h".into(),
@@ -421,13 +421,28 @@ fn heartbeat_golden_bytes_v17() {
         }],
         forwarder: Some("h:1".into()),
         sent_at_ms: 1000,
+        warm: vec![WarmSlot {
+            sandbox_id: SandboxId(uuid(3)),
+            template: "ab".into(),
+            runtime: Runtime::Runsc,
+            resources: Resources {
+                vcpus: 1,
+                memory_mib: 2,
+            },
+            disk_mib: 3,
+            image: None,
+        }],
     };
     let bytes = encode(&hb);
-    // ... the inventory, the forwarder (Some "h:1"), then sent_at_ms 1000 as a varint
+    // ... the inventory, the forwarder (Some "h:1"), sent_at_ms 1000 as a varint, then one
+    // warm slot: its id, template, runtime (runsc = 1), limits, disk and no image
     let expected = format!(
-        "11{U5}0168ac0208800800000104{runc}0001{U2}020101{fwd}e807",
+        "12{U5}0168ac0208800800000104{runc}0001{U2}020101{fwd}e807\
+         01{U3}02{ab}0101020300",
         U5 = "1005050505050505050505050505050505",
+        U3 = "1003030303030303030303030303030303",
         runc = hex(b"runc"),
+        ab = hex(b"ab"),
         fwd = "03683a31"
     );
     assert_eq!(hex(&bytes), expected);
@@ -529,7 +544,7 @@ fn exec_golden_bytes_v1() {
 }
 
 #[test]
-fn agent_golden_bytes_v17() {
+fn agent_golden_bytes_v18() {
     let req = AgentRequest {
         sandbox_id: SandboxId(uuid(2)),
         op: AgentOp::Exec(ExecSpec {
@@ -544,7 +559,7 @@ fn agent_golden_bytes_v17() {
     assert_eq!(
         hex(&bytes),
         format!(
-            "11{U2}000103{cat}0101{a}01{b}01012f017805",
+            "12{U2}000103{cat}0101{a}01{b}01012f017805",
             cat = hex(b"cat"),
             a = "41",
             b = "62"
@@ -559,7 +574,7 @@ fn agent_golden_bytes_v17() {
             len: 2,
         },
     };
-    assert_eq!(hex(&encode(&read)), format!("11{U2}02022f660102"));
+    assert_eq!(hex(&encode(&read)), format!("12{U2}02022f660102"));
     let reply = AgentReply::Exec {
         exit_code: 137,
         stdout: vec![],
@@ -568,12 +583,12 @@ fn agent_golden_bytes_v17() {
         oom_killed: true,
     };
     // 137 zig-zags to 274 = varint 92 02.
-    assert_eq!(hex(&encode(&reply)), "11009202000000".to_owned() + "01");
+    assert_eq!(hex(&encode(&reply)), "12009202000000".to_owned() + "01");
     let output = AgentReply::Output {
         fd: 2,
         data: b"e".to_vec(),
     };
-    assert_eq!(hex(&encode(&output)), "1107020165");
+    assert_eq!(hex(&encode(&output)), "1207020165");
     let stream = AgentOp::ExecStream(ExecSpec {
         argv: vec![],
         env: vec![],
@@ -581,7 +596,7 @@ fn agent_golden_bytes_v17() {
         stdin: vec![],
         timeout_ms: 1,
     });
-    assert_eq!(hex(&encode(&stream)), "11060000000001");
+    assert_eq!(hex(&encode(&stream)), "12060000000001");
     let windowed = AgentOp::ExecStreamWindowed {
         spec: ExecSpec {
             argv: vec![],
@@ -592,22 +607,22 @@ fn agent_golden_bytes_v17() {
         },
         window: 16,
     };
-    assert_eq!(hex(&encode(&windowed)), "1107000000000110");
+    assert_eq!(hex(&encode(&windowed)), "1207000000000110");
     let credit = AgentOp::StreamCredit {
         reply_to: "r".into(),
         chunks: 8,
     };
-    assert_eq!(hex(&encode(&credit)), "11080172".to_owned() + "08");
+    assert_eq!(hex(&encode(&credit)), "12080172".to_owned() + "08");
     let cancel = AgentOp::StreamCancel {
         reply_to: "r".into(),
     };
-    assert_eq!(hex(&encode(&cancel)), "11090172");
+    assert_eq!(hex(&encode(&cancel)), "12090172");
     let remove = AgentOp::Remove { path: "/f".into() };
-    assert_eq!(hex(&encode(&remove)), "110a022f66");
+    assert_eq!(hex(&encode(&remove)), "120a022f66");
     let not_regular = AgentReply::Failed(AgentFailure::NotRegularFile);
-    assert_eq!(hex(&encode(&not_regular)), "110605");
+    assert_eq!(hex(&encode(&not_regular)), "120605");
     let failed = AgentReply::Failed(AgentFailure::TooLarge { limit: 300 });
-    assert_eq!(hex(&encode(&failed)), "110603ac02");
+    assert_eq!(hex(&encode(&failed)), "120603ac02");
     assert_eq!(decode::<AgentReply>(&encode(&failed)).unwrap(), failed);
     // Version 8: a session on a pseudo-terminal and its input.
     let tty = AgentOp::Tty {
@@ -621,17 +636,17 @@ fn agent_golden_bytes_v17() {
         size: TtySize { rows: 24, cols: 80 },
         window: 16,
     };
-    assert_eq!(hex(&encode(&tty)), "110b00000000011850".to_owned() + "10");
+    assert_eq!(hex(&encode(&tty)), "120b00000000011850".to_owned() + "10");
     let input = AgentOp::TtyInput {
         reply_to: "r".into(),
         input: TtyInput::Data(b"l".to_vec()),
     };
-    assert_eq!(hex(&encode(&input)), "110c017200016c");
+    assert_eq!(hex(&encode(&input)), "120c017200016c");
     let resize = AgentOp::TtyInput {
         reply_to: "r".into(),
         input: TtyInput::Resize(TtySize { rows: 1, cols: 2 }),
     };
-    assert_eq!(hex(&encode(&resize)), "110c0172010102");
+    assert_eq!(hex(&encode(&resize)), "120c0172010102");
     assert_eq!(decode::<AgentOp>(&encode(&resize)).unwrap(), resize);
 }
 

@@ -44,6 +44,7 @@ pub async fn host(db: &PgPool) -> HostId {
             inventory: vec![],
             forwarder: None,
             sent_at_ms: 0,
+            warm: Vec::new(),
         },
     )
     .await
