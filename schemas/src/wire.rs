@@ -500,7 +500,7 @@ pub struct Heartbeat {
 /// files and these limits, its agent answering, no entrypoint run, no egress admitted. A
 /// create matches it when its template, runtime, resources, disk size and pinned image are
 /// these; the rest of the spec (org, env, entrypoint, network policy) is set at hand-over.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WarmSlot {
     /// The id the sandbox runs under; a create that takes the slot gets this id.
     pub sandbox_id: SandboxId,
