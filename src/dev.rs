@@ -71,6 +71,10 @@ pub struct DevArgs {
     limits: crate::limits_args::ApiLimitArgs,
     #[command(flatten)]
     timing: berth::timing_args::ReconcilerTimingArgs,
+    /// Sandboxes each hostd keeps booted ahead per template, handed to creates of the same
+    /// shape (`base=2,base-gvisor=1`; the shape is the newest create's). Default: none.
+    #[arg(long, env = "BERTH_WARM_POOL", default_value = "")]
+    warm_pool: berth_hostd::warm::WarmConfig,
     /// Where the preview proxy listens.
     #[arg(long, env = "BERTH_PROXY_ADDR", default_value = berth_api::preview::DEFAULT_PROXY_LISTEN)]
     proxy_addr: SocketAddr,
@@ -562,6 +566,7 @@ async fn run_stack(
         host.address_pool = pool_for(args.address_pool, i as u8)?;
         host.object_store = object_store.clone();
         host.nats_creds = auth.as_ref().map(|(_, hosts)| hosts[i].clone());
+        host.warm_pool = args.warm_pool.clone();
         // The stack derives each host's key from the preview secret.
         host.forwarder = Some(berth_hostd::forwarder::ForwarderConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),

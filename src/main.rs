@@ -161,6 +161,10 @@ enum Cmd {
         /// of a cloud network, say (`10.0.0.2/32`).
         #[arg(long, env = "BERTH_SANDBOX_EGRESS_ALLOW", value_delimiter = ',')]
         sandbox_egress_allow: Vec<berth_schemas::network::Ipv4Net>,
+        /// Sandboxes to keep booted ahead per template, handed to creates of the same shape
+        /// (`base=2,base-gvisor=1`; the shape is the newest create's). Default: none.
+        #[arg(long, env = "BERTH_WARM_POOL", default_value = "")]
+        warm_pool: berth_hostd::warm::WarmConfig,
         /// vCPUs offered to sandboxes (default: the machine's CPUs).
         #[arg(long, env = "BERTH_HOST_VCPUS")]
         vcpus: Option<u32>,
@@ -550,6 +554,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             name,
             address_pool,
             sandbox_egress_allow,
+            warm_pool,
             vcpus,
             memory_mib,
             runtimes,
@@ -575,6 +580,7 @@ async fn run(command: Cmd) -> anyhow::Result<()> {
             config.nats_ca = spec.ca_file;
             config.address_pool = address_pool;
             config.sandbox_egress_allow = sandbox_egress_allow.iter().map(|n| n.trunc()).collect();
+            config.warm_pool = warm_pool;
             if let Some(v) = vcpus {
                 config.capacity.vcpus = v;
             }

@@ -65,6 +65,22 @@ pub trait Backend: Send + Sync + 'static {
         cleanup: &'a mut CleanupStack,
     ) -> BoxFuture<'a, Result<Ipv4Addr, HostdError>>;
 
+    /// Hands a warm pool sandbox ([`crate::warm`]) over to the create whose spec `record`
+    /// now holds (of the pool's shape, so its limits and disk are right already): what the
+    /// create sets beyond the shape (its network policy, its entrypoint) is applied and its
+    /// address returned. Pushes the undo of everything the sandbox holds onto `cleanup`, as a
+    /// fresh create does. The default builds it as a fresh create ([`Backend::bring_up`]).
+    ///
+    /// Errors: any step's; the caller runs `cleanup`.
+    fn hand_over<'a>(
+        &'a self,
+        host: &'a Arc<Host>,
+        record: &'a mut SandboxRecord,
+        cleanup: &'a mut CleanupStack,
+    ) -> BoxFuture<'a, Result<Ipv4Addr, HostdError>> {
+        self.bring_up(host, record, true, cleanup)
+    }
+
     /// Removes what the sandbox holds besides its container, address and dir (network,
     /// mount, firewall elements), whether or not it exists; `record` is the sandbox's record
     /// (its address and network policy), when there is one. What the kernel finishes
@@ -158,6 +174,8 @@ pub struct Host {
     pub snapshots: SnapshotStorage,
     /// The background stop uploads, by sandbox, so a sandbox's next command cancels its own.
     pub uploads: crate::apply::archive::UploadCancels,
+    /// Sandboxes booted ahead of creates ([`crate::warm`]).
+    pub warm: crate::warm::WarmPool,
     records: Mutex<HashMap<SandboxId, SandboxRecord>>,
     /// Each sandbox's OOM counter file, found once ([`Host::oom_counter`]).
     oom_counters: Mutex<HashMap<SandboxId, std::path::PathBuf>>,
@@ -295,6 +313,7 @@ impl Host {
             backend,
             heartbeat_seq: HeartbeatSeq::default(),
             uploads: Default::default(),
+            warm: crate::warm::WarmPool::new(&config.warm_pool),
             records: Mutex::new(records),
             oom_counters: Mutex::default(),
         })
@@ -456,11 +475,15 @@ impl Host {
     }
 
     /// The heartbeat's `used` and `inventory`: each live sandbox's status as observed now
-    /// (runtime state plus an agent ping), and the resources of those not `Stopped`.
+    /// (runtime state plus an agent ping), and the resources of those not `Stopped`; warm pool
+    /// sandboxes are in neither.
     ///
     /// Errors: [`HostdError`] from the runtime's `list`.
     pub async fn observe(&self) -> Result<(Resources, Vec<InventoryItem>), HostdError> {
-        let records = self.snapshot();
+        // Warm pool sandboxes are no sandboxes of the control plane's: the heartbeat offers
+        // them apart (`Heartbeat::warm`) and takes what they hold off its capacity.
+        let mut records = self.snapshot();
+        records.retain(|r| !r.warm);
         let containers = self.containers().await?;
         let checks = records.iter().map(|record| {
             let container = containers

@@ -69,6 +69,7 @@ pub mod seccomp;
 pub mod template;
 pub mod tool;
 pub mod volume;
+pub mod warm;
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -163,6 +164,8 @@ pub struct HostdConfig {
     pub object_store: berth_storage::StoreSettings,
     /// The bound of this host's cache of snapshot chunks, bytes (`<state dir>/chunk-cache`).
     pub chunk_cache_bytes: u64,
+    /// How many sandboxes to keep booted ahead per template ([`warm`]). Default: none.
+    pub warm_pool: warm::WarmConfig,
 }
 
 impl HostdConfig {
@@ -197,6 +200,7 @@ impl HostdConfig {
                 berth_storage::Location::default_under(&state_dir),
             ),
             chunk_cache_bytes: berth_storage::cache::DEFAULT_CACHE_BYTES,
+            warm_pool: warm::WarmConfig::default(),
         }
     }
 }
@@ -250,6 +254,14 @@ async fn run_as(
 
     let host = Arc::new(Host::open(host_id, &config, runtimes, backend)?);
     host.backend.adopt(&host).await?;
+    let records = host.snapshot();
+    if records.iter().any(|r| r.warm) {
+        let containers = host.containers().await?;
+        host.warm.adopt(&records, |record| {
+            containers.get(&host.names(record.sandbox_id).container_id)
+                == Some(&runtime::ContainerStatus::Running)
+        });
+    }
     tracing::info!(%host_id, name = %config.name, state_dir = %config.state_dir.display(), "hostd started");
 
     // Stop the siblings when one part fails for good.
@@ -290,6 +302,7 @@ async fn run_as(
         host::CACHE_SWEEP_INTERVAL,
         stop.clone(),
     ));
+    let pool_filler = tokio::spawn(warm::fill(host.clone(), stop.clone()));
     let holder = host.clone();
     let consumed = commands::consume(host, js, config.subjects.clone(), stop.clone()).await;
     stop.cancel();
@@ -299,6 +312,7 @@ async fn run_as(
     })?;
     let _ = heartbeats.await;
     let _ = sweeper.await;
+    let _ = pool_filler.await;
     if let Some(task) = forwarding {
         let _ = task.await;
     }

@@ -114,6 +114,12 @@ pub struct SandboxRecord {
     /// as a copy no row names. Records written before it read as `None`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub durable_by: Option<CommandId>,
+    /// A sandbox of this host's warm pool ([`crate::warm`]): booted under an id the host drew,
+    /// with a placeholder spec (the pool's shape, no org, env, entrypoint or egress), not in
+    /// the heartbeat's inventory. Cleared when a create hands it over. Records written before
+    /// it read as `false`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub warm: bool,
 }
 
 impl SandboxRecord {
@@ -135,6 +141,7 @@ impl SandboxRecord {
             updated_at: Utc::now(),
             durable: None,
             durable_by: None,
+            warm: false,
         }
     }
 

@@ -23,3 +23,4 @@ mod network;
 mod runc;
 mod spoofing;
 mod tools;
+mod warm;

@@ -31,7 +31,7 @@ async fn lifecycle(h: &mut Harness) -> anyhow::Result<()> {
         h.config.address_pool
     );
     ensure!(h.containers().await?.len() == 1);
-    assert_cgroup_limits(h, sandbox).await?;
+    assert_cgroup_limits(h, sandbox, 256).await?;
     assert_booted_pid_in_own_cgroup(h, sandbox)?;
 
     // Exec: output, exit codes, timeouts.
@@ -365,8 +365,12 @@ async fn start_orphan_container(h: &Harness) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The container's cgroups carry the spec's limits: 256 MiB, one vCPU, the pids limit.
-async fn assert_cgroup_limits(h: &Harness, sandbox: SandboxId) -> anyhow::Result<()> {
+/// The sandbox's init runs in cgroups of `memory_mib` MiB, Berth's pids limit and one vCPU.
+pub(crate) async fn assert_cgroup_limits(
+    h: &Harness,
+    sandbox: SandboxId,
+    memory_mib: u64,
+) -> anyhow::Result<()> {
     let state = run(
         "runc",
         &[
@@ -399,7 +403,7 @@ async fn assert_cgroup_limits(h: &Harness, sandbox: SandboxId) -> anyhow::Result
             .trim()
             .to_owned())
     };
-    ensure!(limit("memory", "memory.limit_in_bytes")? == (256u64 << 20).to_string());
+    ensure!(limit("memory", "memory.limit_in_bytes")? == (memory_mib << 20).to_string());
     ensure!(limit("pids", "pids.max")? == berth_hostd::oci::PIDS_LIMIT.to_string());
     ensure!(limit("cpu", "cpu.cfs_quota_us")? == berth_hostd::oci::CPU_PERIOD_US.to_string());
     Ok(())

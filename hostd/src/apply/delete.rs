@@ -6,6 +6,7 @@
 //! returned for the caller to retry the whole delete later.
 
 use berth_schemas::wire::{Command, ResultOutcome};
+use berth_schemas::SandboxId;
 use tracing::Instrument as _;
 
 use crate::disk::remove_sandbox_dir;
@@ -24,40 +25,7 @@ pub async fn delete(
     cmd: &Command,
     record: Option<SandboxRecord>,
 ) -> Result<(Option<SandboxRecord>, ResultOutcome), HostdError> {
-    let id = cmd.sandbox_id;
-    let names = host.names(id);
-    // The runtime its record names; a record-less delete does not know which, and asks each
-    // (a runtime asked for a container it does not hold still costs its start: ~25 ms for
-    // runsc).
-    let runtimes = match record.as_ref().map(|r| host.runtime_of(r)) {
-        Some(Ok(runtime)) => vec![runtime],
-        _ => host.runtimes.all().to_vec(),
-    };
-    async {
-        for runtime in runtimes {
-            runtime.destroy(&names.container_id).await?;
-        }
-        Ok::<_, HostdError>(())
-    }
-    .instrument(super::step("destroy"))
-    .await?;
-    host.backend
-        .tear_down(host, id, record.as_ref())
-        .instrument(super::step("tear_down"))
-        .await?;
-    // The address goes back to the pool once the kernel removed the veth that holds it.
-    if let Some(release) = host.allocator.release_later(id) {
-        let (allocator, gone) = (host.allocator.clone(), host.backend.network_gone(host, id));
-        tokio::spawn(async move {
-            gone.await;
-            allocator.finish_release(release);
-        });
-    }
-    host.forget_oom_counter(id);
-    crate::fault::crash_point(crate::fault::Step::TornDown);
-    remove_sandbox_dir(&host.layout.sandbox(id))
-        .instrument(super::step("remove_dir"))
-        .await?;
+    remove_everything(host, cmd.sandbox_id, record.as_ref()).await?;
     // Without a record and without a spec (a purged row's destroy of a container this host no
     // longer has a record for) there is nothing to keep: no tombstone.
     let tombstone = record
@@ -73,4 +41,52 @@ pub async fn delete(
         last_stop: None,
     };
     Ok((tombstone, outcome))
+}
+
+/// Removes whatever `id` holds on this host, by derived names: its container in whatever
+/// runtime holds it (the one `record` names, else each), then what the backend holds for it
+/// (network, mounts) and its dir with the record file. Its address goes back to the pool once
+/// the backend says its network is gone. A delete's work, and a warm pool sandbox's removal
+/// ([`crate::warm`]).
+///
+/// Errors: any step's error; what is gone stays gone, and a retry finishes the rest.
+pub async fn remove_everything(
+    host: &Host,
+    id: SandboxId,
+    record: Option<&SandboxRecord>,
+) -> Result<(), HostdError> {
+    let names = host.names(id);
+    // The runtime its record names; a record-less delete does not know which, and asks each
+    // (a runtime asked for a container it does not hold still costs its start: ~25 ms for
+    // runsc).
+    let runtimes = match record.map(|r| host.runtime_of(r)) {
+        Some(Ok(runtime)) => vec![runtime],
+        _ => host.runtimes.all().to_vec(),
+    };
+    async {
+        for runtime in runtimes {
+            runtime.destroy(&names.container_id).await?;
+        }
+        Ok::<_, HostdError>(())
+    }
+    .instrument(crate::apply::step("destroy"))
+    .await?;
+    host.backend
+        .tear_down(host, id, record)
+        .instrument(crate::apply::step("tear_down"))
+        .await?;
+    // The address goes back to the pool once the kernel removed the veth that holds it.
+    if let Some(release) = host.allocator.release_later(id) {
+        let (allocator, gone) = (host.allocator.clone(), host.backend.network_gone(host, id));
+        tokio::spawn(async move {
+            gone.await;
+            allocator.finish_release(release);
+        });
+    }
+    host.forget_oom_counter(id);
+    crate::fault::crash_point(crate::fault::Step::TornDown);
+    remove_sandbox_dir(&host.layout.sandbox(id))
+        .instrument(crate::apply::step("remove_dir"))
+        .await?;
+    Ok(())
 }

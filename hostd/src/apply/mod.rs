@@ -136,6 +136,26 @@ pub async fn apply(host: &Arc<Host>, cmd: &Command, trace: &ApplyTrace) -> Appli
 }
 
 async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
+    // A command naming a warm pool sandbox owns it from here (a create hands it over, see
+    // `up`): the pool neither offers nor removes it any more.
+    if host.warm.claim(cmd.sandbox_id).await {
+        tracing::info!("the sandbox is a warm pool sandbox; taken out of the pool");
+        // Only a create (or start) hands it over; under any other command it is an ordinary
+        // sandbox from now on, in the inventory for the control plane to judge.
+        if !matches!(cmd.kind, CommandKind::Create | CommandKind::Start) {
+            if let Some(mut record) = host.live(cmd.sandbox_id) {
+                record.warm = false;
+                if let Err(error) = host.put(&record) {
+                    return Applied::Retry { error };
+                }
+            }
+        }
+    }
+    if cmd.kind == CommandKind::Create {
+        if let Some(spec) = &cmd.spec {
+            host.warm.learn(spec);
+        }
+    }
     let record = match host.live(cmd.sandbox_id) {
         Some(r) => Some(r),
         None => match host.store.load(cmd.sandbox_id) {
@@ -287,7 +307,7 @@ fn new_record(host: &Host, cmd: &Command) -> Option<SandboxRecord> {
 /// The runtime a sandbox runs in: the driver this host hands out for the runtime its spec
 /// names (the template's, from Postgres; on a sim host, `sim`), or that name when this host
 /// lacks it (the bring-up then fails with `UnsupportedRuntime`).
-fn runtime_name(host: &Host, spec: &SandboxSpec) -> &'static str {
+pub(crate) fn runtime_name(host: &Host, spec: &SandboxSpec) -> &'static str {
     let wanted = spec.runtime.as_str();
     host.runtimes
         .get(wanted)

@@ -14,6 +14,7 @@ use berth_schemas::wire::{Command, ResultOutcome};
 use crate::cleanup::CleanupStack;
 use crate::host::Host;
 use crate::record::{Phase, SandboxRecord};
+use crate::warm::Shape;
 
 /// Create, or start: make the sandbox run. Without a live record (a start after a failed
 /// create) this is a full create from `cmd.spec`. A failed fresh create undoes everything and
@@ -23,6 +24,19 @@ pub async fn up(
     cmd: &Command,
     live: Option<SandboxRecord>,
 ) -> (Option<SandboxRecord>, ResultOutcome) {
+    // A warm pool sandbox the command names (the API gave the create its id): handed over
+    // when it has the create's shape, else removed and built anew under that id.
+    let (live, pooled) = match live {
+        Some(r) if r.warm => match take_over(host, cmd, r).await {
+            Ok(taken) => taken,
+            Err(error) => {
+                let reason = error.result_reason();
+                tracing::warn!(error = %error.report(), "warm sandbox not removed");
+                return (None, ResultOutcome::Failed { reason });
+            }
+        },
+        live => (live, false),
+    };
     let (mut record, fresh) = match live {
         Some(r) => {
             let fresh = r.phase == Phase::Creating;
@@ -39,16 +53,21 @@ pub async fn up(
     let mut cleanup = CleanupStack::new();
     let started = Instant::now();
     host.gates.open(record.sandbox_id);
-    let brought_up = host
-        .backend
-        .bring_up(host, &mut record, fresh, &mut cleanup)
-        .await;
+    let brought_up = if pooled {
+        host.backend
+            .hand_over(host, &mut record, &mut cleanup)
+            .await
+    } else {
+        host.backend
+            .bring_up(host, &mut record, fresh, &mut cleanup)
+            .await
+    };
     match brought_up {
         Ok(address) => {
             crate::fault::crash_point(crate::fault::Step::Agent);
             cleanup.disarm();
             record.phase = Phase::Running;
-            tracing::info!(%address, elapsed = ?started.elapsed(), fresh, "sandbox running");
+            tracing::info!(%address, elapsed = ?started.elapsed(), fresh, pooled, "sandbox running");
             let outcome = ResultOutcome::Succeeded {
                 address: Some(address.to_string()),
                 last_stop: None,
@@ -76,6 +95,35 @@ pub async fn up(
                 ResultOutcome::Failed { reason }
             };
             (Some(record), outcome)
+        }
+    }
+}
+
+/// Takes over a warm pool sandbox (`record`, `warm`) for `cmd`. Of the create's shape, the
+/// record becomes the create's (its spec, no longer warm, `Creating`) and is returned to be
+/// handed over (`true`). Of another shape (or a command without a spec), the sandbox is removed
+/// whole and there is no live record (`None`, `false`): the command builds it anew.
+///
+/// Errors: the removal's; the command fails and a later delete removes what is left.
+async fn take_over(
+    host: &Host,
+    cmd: &Command,
+    mut record: SandboxRecord,
+) -> Result<(Option<SandboxRecord>, bool), crate::error::HostdError> {
+    match &cmd.spec {
+        Some(spec) if Shape::of(spec) == Shape::of(&record.spec) => {
+            record.spec = spec.clone();
+            record.warm = false;
+            record.phase = Phase::Creating;
+            host.put(&record)?;
+            Ok((Some(record), true))
+        }
+        _ => {
+            tracing::info!("the warm sandbox is not of the create's shape; building anew");
+            ::metrics::counter!(crate::warm::WARM_HANDOVERS, "result" => "rebuilt").increment(1);
+            crate::apply::delete::remove_everything(host, record.sandbox_id, Some(&record)).await?;
+            host.forget(record.sandbox_id);
+            Ok((None, false))
         }
     }
 }

@@ -64,7 +64,7 @@ pub async fn run(
             host_id: host.host_id,
             name: config.name.clone(),
             seq,
-            capacity: config.capacity,
+            capacity: less(config.capacity, host.warm.held()),
             used,
             runtimes: host
                 .runtimes
@@ -78,7 +78,7 @@ pub async fn run(
             inventory,
             forwarder: config.forwarder.clone(),
             sent_at_ms,
-            warm: Vec::new(),
+            warm: host.warm.slots(),
         };
         if let Err(e) = nats
             .publish(config.subject.clone(), wire::encode(&heartbeat).into())
@@ -93,4 +93,15 @@ pub async fn run(
 fn unix_ms(t: std::time::SystemTime) -> u64 {
     t.duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// `capacity` less the memory `held` takes of it (never below zero). An idle warm sandbox
+/// holds its memory limit but spends no CPU time, and its vCPUs are a quota, not a
+/// reservation: taking them off would leave a 2-vCPU host with a pool of two 1-vCPU
+/// sandboxes no room at all for the creates the pool is for.
+fn less(capacity: Resources, held: Resources) -> Resources {
+    Resources {
+        vcpus: capacity.vcpus,
+        memory_mib: capacity.memory_mib.saturating_sub(held.memory_mib),
+    }
 }

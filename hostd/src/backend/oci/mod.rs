@@ -171,6 +171,41 @@ impl OciBackend {
         Ok(link.sandbox)
     }
 
+    /// [`Backend::hand_over`] on the OCI backend: the create's egress admitted (the pooled
+    /// sandbox had none: its elements are a subset), the agent pinged, the entrypoint started.
+    /// A pooled sandbox whose agent does not answer (its container died in the pool) is built
+    /// anew as a fresh create, which removes what does not run first.
+    async fn hand_over_oci(
+        &self,
+        host: &Arc<Host>,
+        record: &mut SandboxRecord,
+        cleanup: &mut CleanupStack,
+    ) -> Result<Ipv4Addr, HostdError> {
+        let (runtime, link) = (host.runtime_of(record)?, record.link);
+        let address = link.map(|l| SocketAddr::new(l.sandbox.into(), AGENT_PORT));
+        let answers = match address {
+            Some(address) => client::ping(address).await.is_ok(),
+            None => false,
+        };
+        let (Some(link), Some(address), true) = (link, address, answers) else {
+            tracing::info!("the warm sandbox does not answer; building it anew");
+            ::metrics::counter!(crate::warm::WARM_HANDOVERS, "result" => "rebuilt").increment(1);
+            return self.bring_up_oci(host, record, true, cleanup).await;
+        };
+        self.push_undo_all(host, record, cleanup, &runtime);
+        let admitted = Admission {
+            veth: host.names(record.sandbox_id).veth_host,
+            link,
+            egress: record.spec.network.egress.clone(),
+        };
+        self.admit_to_firewall(host, &admitted)
+            .instrument(step("network"))
+            .await?;
+        start_entrypoint(address, &record.spec).await?;
+        ::metrics::counter!(crate::warm::WARM_HANDOVERS, "result" => "handed_over").increment(1);
+        Ok(link.sandbox)
+    }
+
     /// Pushes the undo of everything a fresh create owns (for [`Self::adopt_running`], which
     /// builds nothing but must remove it all when the adopted sandbox fails).
     fn push_undo_all(
@@ -470,6 +505,15 @@ impl Backend for OciBackend {
         cleanup: &'a mut CleanupStack,
     ) -> BoxFuture<'a, Result<Ipv4Addr, HostdError>> {
         self.bring_up_oci(host, record, fresh, cleanup).boxed()
+    }
+
+    fn hand_over<'a>(
+        &'a self,
+        host: &'a Arc<Host>,
+        record: &'a mut SandboxRecord,
+        cleanup: &'a mut CleanupStack,
+    ) -> BoxFuture<'a, Result<Ipv4Addr, HostdError>> {
+        self.hand_over_oci(host, record, cleanup).boxed()
     }
 
     fn tear_down<'a>(

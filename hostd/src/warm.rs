@@ -1,0 +1,641 @@
+//! The warm pool (issue 16 lever 1): sandboxes booted ahead of any create, their agent
+//! answering, handed to a create of the same shape instead of booting one.
+//!
+//! # How a create finds one
+//! Each pooled sandbox runs under a [`SandboxId`] this host drew. The heartbeat lists the
+//! ready ones ([`berth_schemas::wire::Heartbeat::warm`]); the API gives a create whose shape
+//! ([`Shape`]: template, runtime, resources, disk size, pinned image) matches one of them that
+//! slot's id, in the create's transaction. The create command then names a sandbox this host
+//! already runs: [`crate::apply::up`] hands it over ([`crate::host::Backend::hand_over`]: the
+//! create's network policy admitted, its entrypoint started; its env and org are in its record
+//! from then on). What a pooled sandbox was booted with — its own address, netns, veth,
+//! cgroup, disk, hostname and limits — is exactly what a fresh create of that shape would
+//! get, since the pool builds it through the same [`crate::host::Backend::bring_up`].
+//!
+//! # Shapes
+//! The pool of a template (`--warm-pool base=2`) takes the shape of the newest create of that
+//! template this host saw (hostd does not read templates from Postgres), so it starts filling
+//! at the first create and follows a template whose defaults change; entries of an older
+//! shape are removed. After a restart, the shape is that of the pooled sandboxes kept.
+//!
+//! # Guarantees
+//! - A pooled sandbox is never handed over twice, nor removed while handed over: a command
+//!   for it first [`WarmPool::claim`]s it, which waits out a build or removal in progress and
+//!   takes it out of the pool for good.
+//! - Nothing admitted while pooled: egress `none`, no entrypoint, no org.
+//! - A pooled sandbox whose container died, whose build was cut by a crash, or older than
+//!   [`MAX_AGE`] is removed whole ([`crate::apply::delete::remove_everything`]) and replaced;
+//!   a create that names one removed meanwhile builds it fresh under that id.
+//! - Pooled sandboxes' memory counts against the capacity the heartbeat reports
+//!   ([`WarmPool::held`]; their vCPUs, a quota of an idle sandbox, do not).
+//!
+//! # Assumptions
+//! Sandbox ids are UUIDv7: a pooled sandbox's id tells when it was drawn, so a handed-over
+//! sandbox's id is up to [`MAX_AGE`] older than its create (list order by id is creation
+//! order within that bound).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use berth_schemas::network::{Egress, Network};
+use berth_schemas::wire::{Resources, Runtime, SandboxSpec, WarmSlot};
+use berth_schemas::{Generation, OrgId, SandboxId};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+
+use crate::cleanup::CleanupStack;
+use crate::error::HostdError;
+use crate::host::Host;
+use crate::record::{Phase, SandboxRecord};
+
+/// A pooled sandbox older than this is replaced (bounds how much older than its create a
+/// handed-over sandbox's id is; see the module's assumptions).
+pub const MAX_AGE: Duration = Duration::from_secs(10 * 60);
+
+/// The first pause after a failed build; each further failure doubles it up to
+/// [`MAX_RETRY_PAUSE`].
+const FIRST_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// The longest pause between builds that keep failing (a broken template).
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(60);
+
+/// How often the pool looks at its entries' age without being woken.
+const IDLE_CHECK: Duration = Duration::from_secs(30);
+
+/// Gauge of the ready sandboxes of the pool. Label: `template`.
+pub const WARM_READY: &str = "berth_hostd_warm_sandboxes";
+
+/// Counter of creates that named a pooled sandbox. Label: `result`: `handed_over`, or
+/// `rebuilt` (it was not of the create's shape, or died in the pool, and was built anew).
+pub const WARM_HANDOVERS: &str = "berth_hostd_warm_handovers_total";
+
+/// Counter of pool builds. Label: `result`: `ready`, `failed`.
+pub const WARM_BUILDS: &str = "berth_hostd_warm_builds_total";
+
+/// How many sandboxes to keep warm per template (`--warm-pool base=2,base-gvisor=1`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WarmConfig {
+    /// Template name → pool size. Empty: no pool.
+    pub sizes: BTreeMap<String, u32>,
+}
+
+impl std::str::FromStr for WarmConfig {
+    type Err = String;
+
+    /// Parses `template=size` pairs separated by commas (`base=2,base-gvisor=1`); an empty
+    /// string is no pool.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut sizes = BTreeMap::new();
+        for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (template, size) = pair
+                .split_once('=')
+                .ok_or_else(|| format!("`{pair}`: expected template=size"))?;
+            let size: u32 = size
+                .trim()
+                .parse()
+                .map_err(|e| format!("`{pair}`: size: {e}"))?;
+            let template = template.trim();
+            if template.is_empty() || size > 64 {
+                return Err(format!("`{pair}`: a template name and a size of 0 to 64"));
+            }
+            sizes.insert(template.to_owned(), size);
+        }
+        Ok(Self { sizes })
+    }
+}
+
+/// What a create must match to take a pooled sandbox: what the sandbox was booted with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shape {
+    /// Template name.
+    pub template: String,
+    /// Runtime.
+    pub runtime: Runtime,
+    /// Limits.
+    pub resources: Resources,
+    /// Disk size, MiB.
+    pub disk_mib: u32,
+    /// Pinned image.
+    pub image: Option<String>,
+}
+
+impl Shape {
+    /// The shape of a spec.
+    pub fn of(spec: &SandboxSpec) -> Self {
+        Self {
+            template: spec.template.clone(),
+            runtime: spec.runtime,
+            resources: spec.resources,
+            disk_mib: spec.disk_mib,
+            image: spec.image.clone(),
+        }
+    }
+
+    /// The spec a pooled sandbox of this shape is booted with: nothing of any org, no env, no
+    /// entrypoint, no egress.
+    fn pooled_spec(&self) -> SandboxSpec {
+        SandboxSpec {
+            org_id: OrgId(uuid::Uuid::nil()),
+            template: self.template.clone(),
+            resources: self.resources,
+            runtime: self.runtime,
+            disk_mib: self.disk_mib,
+            network: Network {
+                egress: Egress::None,
+            },
+            env: Vec::new(),
+            entrypoint: Vec::new(),
+            image: self.image.clone(),
+        }
+    }
+}
+
+/// Where one pooled sandbox is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Being booted; not offered.
+    Building,
+    /// Booted, agent answering: offered in heartbeats.
+    Ready,
+    /// To be removed (dead, cut by a crash, too old, of an old shape); not offered.
+    Stale,
+    /// Being removed; not offered.
+    Removing,
+}
+
+#[derive(Debug)]
+struct Entry {
+    shape: Shape,
+    state: State,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Each pooled template's current shape (from its newest create).
+    shapes: HashMap<String, Shape>,
+    entries: HashMap<SandboxId, Entry>,
+}
+
+/// The pool of one hostd. [`fill`] keeps it at its sizes in the background.
+#[derive(Debug, Default)]
+pub struct WarmPool {
+    sizes: BTreeMap<String, u32>,
+    inner: Mutex<Inner>,
+    /// Wakes [`fill`]: a shape was learned, a sandbox was taken.
+    wake: Notify,
+    /// A build or removal ended (for [`WarmPool::claim`]).
+    settled: Notify,
+}
+
+/// What [`fill`] does next.
+#[derive(Debug)]
+enum Action {
+    Build(Shape),
+    Remove(SandboxId),
+    Idle,
+}
+
+impl WarmPool {
+    /// A pool of `config`'s sizes, empty.
+    pub fn new(config: &WarmConfig) -> Self {
+        Self {
+            sizes: config.sizes.clone(),
+            ..Self::default()
+        }
+    }
+
+    /// Takes in the pooled sandboxes a previous run left (`records` with `warm` set):
+    /// running ones whose runtime still lists them running are ready, the rest are removed
+    /// by [`fill`]. Their shape becomes their template's until a create says otherwise.
+    pub fn adopt(&self, records: &[SandboxRecord], running: impl Fn(&SandboxRecord) -> bool) {
+        let mut inner = self.inner();
+        for record in records.iter().filter(|r| r.warm) {
+            let shape = Shape::of(&record.spec);
+            let alive = record.phase == Phase::Running && running(record);
+            let state = if alive { State::Ready } else { State::Stale };
+            inner
+                .shapes
+                .entry(shape.template.clone())
+                .or_insert_with(|| shape.clone());
+            inner
+                .entries
+                .insert(record.sandbox_id, Entry { shape, state });
+        }
+        drop(inner);
+        self.wake.notify_one();
+    }
+
+    /// Learns a pooled template's shape from a create's spec: the pool fills (or refills,
+    /// replacing entries of an older shape) with sandboxes of it.
+    pub fn learn(&self, spec: &SandboxSpec) {
+        if self.sizes.get(&spec.template).is_none_or(|&n| n == 0) {
+            return;
+        }
+        let shape = Shape::of(spec);
+        let mut inner = self.inner();
+        if inner.shapes.get(&spec.template) != Some(&shape) {
+            tracing::info!(template = %spec.template, ?shape, "warm pool shape learned");
+            inner.shapes.insert(spec.template.clone(), shape);
+        }
+        drop(inner);
+        self.wake.notify_one();
+    }
+
+    /// Takes a pooled sandbox out of the pool for a command that names it, once no build or
+    /// removal of it is under way: `true` when it was ready (the caller now owns it: its
+    /// record is live and `warm`), `false` when it is no pooled sandbox (any more).
+    pub async fn claim(&self, sandbox: SandboxId) -> bool {
+        loop {
+            let settled = self.settled.notified();
+            {
+                let mut inner = self.inner();
+                match inner.entries.get(&sandbox).map(|e| e.state) {
+                    None => return false,
+                    Some(State::Ready | State::Stale) => {
+                        let entry = inner.entries.remove(&sandbox);
+                        drop(inner);
+                        if let Some(entry) = entry {
+                            self.gauge(&entry.shape.template);
+                        }
+                        self.wake.notify_one();
+                        return true;
+                    }
+                    Some(State::Building | State::Removing) => {}
+                }
+            }
+            settled.await;
+        }
+    }
+
+    /// The ready pooled sandboxes, for the heartbeat.
+    pub fn slots(&self) -> Vec<WarmSlot> {
+        let inner = self.inner();
+        let mut slots: Vec<WarmSlot> = inner
+            .entries
+            .iter()
+            .filter(|(_, e)| e.state == State::Ready)
+            .map(|(&sandbox_id, e)| WarmSlot {
+                sandbox_id,
+                template: e.shape.template.clone(),
+                runtime: e.shape.runtime,
+                resources: e.shape.resources,
+                disk_mib: e.shape.disk_mib,
+                image: e.shape.image.clone(),
+            })
+            .collect();
+        slots.sort_by_key(|s| s.sandbox_id);
+        slots
+    }
+
+    /// What every pooled sandbox (in any state) holds of the host: subtracted from the
+    /// capacity the heartbeat offers.
+    pub fn held(&self) -> Resources {
+        self.inner()
+            .entries
+            .values()
+            .fold(Resources::default(), |acc, e| Resources {
+                vcpus: acc.vcpus + e.shape.resources.vcpus,
+                memory_mib: acc.memory_mib + e.shape.resources.memory_mib,
+            })
+    }
+
+    /// The next thing to do: remove a stale, old or outdated entry first, then build toward
+    /// the sizes.
+    fn next(&self) -> Action {
+        let mut inner = self.inner();
+        let Inner { shapes, entries } = &mut *inner;
+        for (&id, entry) in entries.iter_mut() {
+            let outdated = shapes.get(&entry.shape.template) != Some(&entry.shape)
+                || self
+                    .sizes
+                    .get(&entry.shape.template)
+                    .is_none_or(|&n| n == 0);
+            let stale = entry.state == State::Stale
+                || (entry.state == State::Ready && (outdated || too_old(id)));
+            if stale {
+                entry.state = State::Removing;
+                return Action::Remove(id);
+            }
+        }
+        for (template, &size) in &self.sizes {
+            let Some(shape) = shapes.get(template) else {
+                continue;
+            };
+            let have = entries
+                .values()
+                .filter(|e| &e.shape == shape && matches!(e.state, State::Building | State::Ready))
+                .count();
+            if have < size as usize {
+                return Action::Build(shape.clone());
+            }
+        }
+        Action::Idle
+    }
+
+    fn set(&self, sandbox: SandboxId, state: Option<State>) {
+        let mut inner = self.inner();
+        let template = inner
+            .entries
+            .get(&sandbox)
+            .map(|e| e.shape.template.clone());
+        match state {
+            Some(state) => {
+                if let Some(entry) = inner.entries.get_mut(&sandbox) {
+                    entry.state = state;
+                }
+            }
+            None => {
+                inner.entries.remove(&sandbox);
+            }
+        }
+        drop(inner);
+        if let Some(template) = template {
+            self.gauge(&template);
+        }
+        self.settled.notify_waiters();
+    }
+
+    fn gauge(&self, template: &str) {
+        let ready = self
+            .inner()
+            .entries
+            .values()
+            .filter(|e| e.shape.template == template && e.state == State::Ready)
+            .count();
+        ::metrics::gauge!(WARM_READY, "template" => template.to_owned()).set(ready as f64);
+    }
+
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        // Writers leave every entry whole, so a poisoned lock still holds a consistent pool.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Whether a pooled sandbox's id was drawn more than [`MAX_AGE`] ago.
+fn too_old(sandbox: SandboxId) -> bool {
+    let Some(drawn) = sandbox.as_uuid().get_timestamp() else {
+        return false;
+    };
+    let (secs, nanos) = drawn.to_unix();
+    let drawn = std::time::UNIX_EPOCH + Duration::new(secs, nanos);
+    std::time::SystemTime::now()
+        .duration_since(drawn)
+        .is_ok_and(|age| age > MAX_AGE)
+}
+
+/// Keeps `host`'s pool at its sizes until `shutdown` (a host without a pool still removes
+/// the pooled sandboxes an earlier run with one left): removes what must go, builds one
+/// sandbox at a time (the pool refills behind creates, never ahead of them), pauses longer
+/// after each failed build. A build or removal under way is finished before it returns.
+pub async fn fill(host: Arc<Host>, shutdown: CancellationToken) {
+    let mut pause = FIRST_RETRY_PAUSE;
+    while !shutdown.is_cancelled() {
+        let woken = host.warm.wake.notified();
+        match host.warm.next() {
+            Action::Remove(id) => {
+                let removed = remove(&host, id).await;
+                host.warm
+                    .set(id, if removed { None } else { Some(State::Stale) });
+                if !removed {
+                    idle(&shutdown, pause, woken).await;
+                    pause = (pause * 2).min(MAX_RETRY_PAUSE);
+                }
+            }
+            Action::Build(shape) => {
+                if build(&host, shape).await {
+                    pause = FIRST_RETRY_PAUSE;
+                } else {
+                    idle(&shutdown, pause, woken).await;
+                    pause = (pause * 2).min(MAX_RETRY_PAUSE);
+                }
+            }
+            Action::Idle => idle(&shutdown, IDLE_CHECK, woken).await,
+        }
+    }
+}
+
+async fn idle(shutdown: &CancellationToken, at_most: Duration, woken: impl std::future::Future) {
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = woken => {}
+        _ = tokio::time::sleep(at_most) => {}
+    }
+}
+
+/// Boots one pooled sandbox of `shape`; `true` when it is ready.
+async fn build(host: &Arc<Host>, shape: Shape) -> bool {
+    let id = SandboxId::new();
+    let span = tracing::info_span!("warm", sandbox_id = %id, template = %shape.template);
+    async {
+        let runtime = crate::apply::runtime_name(host, &shape.pooled_spec());
+        let mut record = SandboxRecord::new(id, shape.pooled_spec(), runtime, Generation(0));
+        record.warm = true;
+        host.warm.inner().entries.insert(
+            id,
+            Entry {
+                shape: shape.clone(),
+                state: State::Building,
+            },
+        );
+        let built = boot(host, &mut record).await;
+        match built {
+            Ok(()) => {
+                tracing::info!("warm sandbox ready");
+                ::metrics::counter!(WARM_BUILDS, "result" => "ready").increment(1);
+                host.warm.set(id, Some(State::Ready));
+                true
+            }
+            Err(error) => {
+                tracing::warn!(error = %error.report(), "warm sandbox not built");
+                ::metrics::counter!(WARM_BUILDS, "result" => "failed").increment(1);
+                host.warm.set(id, None);
+                false
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Writes the pooled record, then brings the sandbox up as a fresh create; on failure undoes
+/// it all (the record included: a pooled sandbox leaves no tombstone).
+async fn boot(host: &Arc<Host>, record: &mut SandboxRecord) -> Result<(), HostdError> {
+    host.put(record)?;
+    host.gates.open(record.sandbox_id);
+    let mut cleanup = CleanupStack::new();
+    let up = host
+        .backend
+        .bring_up(host, record, true, &mut cleanup)
+        .await
+        .and_then(|_| {
+            record.phase = Phase::Running;
+            host.put(record)
+        });
+    match up {
+        Ok(()) => {
+            cleanup.disarm();
+            Ok(())
+        }
+        Err(error) => {
+            if let Err(undo) = cleanup.run().await {
+                tracing::warn!(error = %undo.report(), "warm sandbox's undo failed; removing it whole");
+            }
+            if let Err(undo) = remove_record_and_all(host, record).await {
+                tracing::warn!(error = %undo.report(), "warm sandbox not removed");
+            }
+            Err(error)
+        }
+    }
+}
+
+/// Removes a pooled sandbox whole; `true` when it is gone.
+async fn remove(host: &Arc<Host>, id: SandboxId) -> bool {
+    let span = tracing::info_span!("warm", sandbox_id = %id);
+    async {
+        let Some(record) = host.live(id) else {
+            return true;
+        };
+        match remove_record_and_all(host, &record).await {
+            Ok(()) => {
+                tracing::info!("warm sandbox removed");
+                true
+            }
+            Err(error) => {
+                tracing::warn!(error = %error.report(), "warm sandbox not removed; will retry");
+                false
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Removes everything of a pooled sandbox, its record last.
+async fn remove_record_and_all(host: &Host, record: &SandboxRecord) -> Result<(), HostdError> {
+    crate::apply::delete::remove_everything(host, record.sandbox_id, Some(record)).await?;
+    host.forget(record.sandbox_id);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(template: &str, memory_mib: u32) -> SandboxSpec {
+        SandboxSpec {
+            resources: Resources {
+                vcpus: 1,
+                memory_mib,
+            },
+            ..Shape {
+                template: template.into(),
+                runtime: Runtime::Runc,
+                resources: Resources::default(),
+                disk_mib: 64,
+                image: None,
+            }
+            .pooled_spec()
+        }
+    }
+
+    #[test]
+    fn sizes_parse_from_template_size_pairs() {
+        let config: WarmConfig = "base=2, base-gvisor=1".parse().unwrap();
+        assert_eq!(config.sizes.get("base"), Some(&2));
+        assert_eq!(config.sizes.get("base-gvisor"), Some(&1));
+        assert_eq!("".parse::<WarmConfig>().unwrap(), WarmConfig::default());
+        for bad in ["base", "base=x", "=2", "base=65", "base=-1"] {
+            assert!(bad.parse::<WarmConfig>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_pool_builds_its_templates_shape_up_to_its_size_once_a_create_showed_it() {
+        let pool = WarmPool::new(&"base=2".parse().unwrap());
+        assert!(matches!(pool.next(), Action::Idle), "no shape yet");
+        pool.learn(&spec("other", 512));
+        assert!(matches!(pool.next(), Action::Idle), "not a pooled template");
+        pool.learn(&spec("base", 512));
+        let Action::Build(shape) = pool.next() else {
+            panic!("no build")
+        };
+        assert_eq!(shape, Shape::of(&spec("base", 512)));
+        for _ in 0..2 {
+            let id = SandboxId::new();
+            pool.inner().entries.insert(
+                id,
+                Entry {
+                    shape: shape.clone(),
+                    state: State::Building,
+                },
+            );
+            pool.set(id, Some(State::Ready));
+        }
+        assert!(matches!(pool.next(), Action::Idle), "full");
+        assert_eq!(pool.slots().len(), 2);
+        assert_eq!(pool.held().memory_mib, 1024);
+    }
+
+    #[test]
+    fn a_new_shape_replaces_the_entries_of_the_old_one() {
+        let pool = WarmPool::new(&"base=1".parse().unwrap());
+        pool.learn(&spec("base", 512));
+        let old = SandboxId::new();
+        pool.inner().entries.insert(
+            old,
+            Entry {
+                shape: Shape::of(&spec("base", 512)),
+                state: State::Ready,
+            },
+        );
+        pool.learn(&spec("base", 1024));
+        assert!(matches!(pool.next(), Action::Remove(id) if id == old));
+        assert!(
+            pool.slots().is_empty(),
+            "a sandbox being removed is not offered"
+        );
+        assert!(matches!(pool.next(), Action::Build(s) if s.resources.memory_mib == 1024));
+    }
+
+    #[tokio::test]
+    async fn a_claim_takes_a_ready_sandbox_once_and_waits_out_a_removal() {
+        let pool = Arc::new(WarmPool::new(&"base=1".parse().unwrap()));
+        let ready = SandboxId::new();
+        let removing = SandboxId::new();
+        for (id, state) in [(ready, State::Ready), (removing, State::Removing)] {
+            pool.inner().entries.insert(
+                id,
+                Entry {
+                    shape: Shape::of(&spec("base", 512)),
+                    state,
+                },
+            );
+        }
+        assert!(pool.claim(ready).await);
+        assert!(!pool.claim(ready).await, "taken twice");
+        assert!(!pool.claim(SandboxId::new()).await);
+        let waiting = tokio::spawn({
+            let pool = pool.clone();
+            async move { pool.claim(removing).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(
+            !waiting.is_finished(),
+            "the claim did not wait for the removal"
+        );
+        pool.set(removing, None);
+        assert!(
+            !waiting.await.unwrap(),
+            "a removed sandbox is no pooled one"
+        );
+    }
+
+    #[test]
+    fn a_sandbox_drawn_long_ago_is_too_old() {
+        assert!(!too_old(SandboxId::new()));
+        let then = uuid::Timestamp::from_unix(uuid::NoContext, 1_000, 0);
+        assert!(too_old(SandboxId(uuid::Uuid::new_v7(then))));
+    }
+}
