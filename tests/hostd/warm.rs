@@ -176,3 +176,66 @@ async fn warm_pool(h: &mut Harness) -> anyhow::Result<()> {
     assert_nothing_remains(h, last).await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_gvisor_sandbox_is_handed_over_and_keeps_its_memory_across_a_stop(
+) -> anyhow::Result<()> {
+    with_harness(|h| Box::pin(warm_gvisor(h))).await
+}
+
+async fn warm_gvisor(h: &mut Harness) -> anyhow::Result<()> {
+    h.stop_hostd().await?;
+    h.config.warm_pool = "base-gvisor=1".parse().map_err(anyhow::Error::msg)?;
+    h.start_hostd();
+    let shown = SandboxId::new();
+    let create =
+        |h: &Harness, id| h.command_with_template(id, 1, CommandKind::Create, "base-gvisor");
+    succeeded_address(&h.send(&create(h, shown)).await?)?;
+    let warm = pooled(h, &[], 256).await?;
+
+    // Handed over: the create's env; a process started now survives a memory stop and start.
+    let handed = h.send(&with_settings(create(h, warm))).await?;
+    succeeded_address(&handed)?;
+    let (code, out, _) = finished(
+        &h.exec(
+            warm,
+            &[
+                "sh",
+                "-c",
+                "sleep 1000 </dev/null >/dev/null 2>&1 & echo $GREETING $!",
+            ],
+            EXEC_TIMEOUT_MS,
+        )
+        .await?,
+    )?;
+    let pid = out
+        .strip_prefix("hello from the create ")
+        .with_context(|| format!("env not set: {code} {out:?}"))?
+        .trim()
+        .to_owned();
+    stop_with_memory(h, warm, 2, "a handed-over gVisor sandbox").await?;
+    let started = h.send(&h.command(warm, 3, CommandKind::Start)).await?;
+    succeeded_address(&started)?;
+    let (code, _, _) = finished(&h.exec(warm, &["kill", "-0", &pid], EXEC_TIMEOUT_MS).await?)?;
+    ensure!(
+        code == 0,
+        "the process started before the stop is gone after the start"
+    );
+
+    for sandbox in [shown, warm] {
+        let deleted = h.send(&h.command(sandbox, 4, CommandKind::Delete)).await?;
+        ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
+        assert_nothing_remains(h, sandbox).await?;
+    }
+    // The refill is removed by a host without a pool.
+    let last = pooled(h, &[warm], 256).await?;
+    h.stop_hostd().await?;
+    h.config.warm_pool = Default::default();
+    h.start_hostd();
+    heartbeat_where(h, "the pool is empty", |hb| hb.warm.is_empty()).await?;
+    eventually("the last warm sandbox is removed", || async {
+        !h.sandbox_dir(last).exists()
+    })
+    .await;
+    assert_nothing_remains(h, last).await
+}
