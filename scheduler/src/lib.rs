@@ -7,7 +7,7 @@
 //! - [`heartbeat`]: consumes `{p}.hb.*` and has the store upsert host rows on the database
 //!   clock.
 //!
-//! No SQL here: the queries are [`berth_store::hosts`]'.
+//! No SQL here: the queries are [`berth_store::hosts`]' and [`berth_store::warm`]'.
 //!
 //! # Guarantees
 //! - A reservation never takes a host past its capacity: the store's `UPDATE` re-checks

@@ -16,13 +16,16 @@
 //! heartbeats — a control-plane outage leaves every host stale — or degraded hosts), and from
 //! one an operator took out of service ([`Placement::HeldOut`]: every host that is not lost is
 //! cordoned or draining).
+//!
+//! Warm pools (issue 16 lever 1): a create ([`place_warm`]) prefers, among hosts equal in
+//! eligibility, one holding a warm slot of its shape, so it can take that booted sandbox.
 
 use std::time::Duration;
 
 use berth_schemas::wire::Resources;
 use berth_schemas::HostId;
 use berth_store::host_health as hosts_health;
-use berth_store::{hosts, StoreError};
+use berth_store::{hosts, warm, StoreError};
 use sqlx::PgConnection;
 
 pub use berth_store::hosts::{
@@ -41,6 +44,9 @@ pub struct Candidate {
     pub reserved: Resources,
     /// Not `healthy`, but due its probe: ranks first, and a create placed there is the probe.
     pub probe_due: bool,
+    /// Holds a warm slot of the create's shape ([`berth_store::warm`]): ranks before hosts
+    /// that hold none, after those due a probe.
+    pub warm: bool,
 }
 
 impl Candidate {
@@ -67,13 +73,15 @@ impl Candidate {
     }
 }
 
-/// Orders the candidates that fit `need`, best first: hosts due a probe, then the most
-/// headroom after placing; ties by id. Returns an empty list when nothing fits.
+/// Orders the candidates that fit `need`, best first: hosts due a probe, then hosts holding a
+/// warm slot of the create's shape, then the most headroom after placing; ties by id. Returns
+/// an empty list when nothing fits.
 pub fn rank(candidates: &[Candidate], need: Resources) -> Vec<HostId> {
     let mut fitting: Vec<&Candidate> = candidates.iter().filter(|c| c.fits(need)).collect();
     fitting.sort_by(|a, b| {
         b.probe_due
             .cmp(&a.probe_due)
+            .then(b.warm.cmp(&a.warm))
             .then(b.headroom_after(need).total_cmp(&a.headroom_after(need)))
             .then(a.id.cmp(&b.id))
     });
@@ -95,6 +103,7 @@ pub async fn candidates(
             capacity: overcommit.limit(h.capacity),
             reserved: h.reserved,
             probe_due: h.probe_due,
+            warm: false,
         })
         .collect())
 }
@@ -158,10 +167,40 @@ pub async fn place(
     overcommit: Overcommit,
     avoid: Option<HostId>,
 ) -> Result<Placement, StoreError> {
+    place_preferring(conn, need, freshness, overcommit, avoid, &[]).await
+}
+
+/// [`place`] for a create that may take a warm slot (issue 16 lever 1): of the hosts equal in
+/// eligibility (a host due its probe still ranks first), those holding a slot of `shape` that
+/// [`warm::claim`] would take now rank before the others, whatever their headroom. The caller
+/// claims the slot on the chosen host in the same transaction; placement claims nothing.
+pub async fn place_warm(
+    conn: &mut PgConnection,
+    shape: &warm::Shape<'_>,
+    freshness: Duration,
+    overcommit: Overcommit,
+) -> Result<Placement, StoreError> {
+    let warm = warm::hosts_with_slot(conn, shape, freshness).await?;
+    place_preferring(conn, shape.resources, freshness, overcommit, None, &warm).await
+}
+
+/// [`place`], ranking the hosts of `warm` as holding a warm slot ([`Candidate::warm`]).
+async fn place_preferring(
+    conn: &mut PgConnection,
+    need: Resources,
+    freshness: Duration,
+    overcommit: Overcommit,
+    avoid: Option<HostId>,
+    warm: &[HostId],
+) -> Result<Placement, StoreError> {
     let candidates: Vec<Candidate> = candidates(conn, freshness, overcommit)
         .await?
         .into_iter()
         .filter(|c| Some(c.id) != avoid)
+        .map(|c| Candidate {
+            warm: warm.contains(&c.id),
+            ..c
+        })
         .collect();
     let ranked = rank(&candidates, need);
     let probe_due = |host: HostId| candidates.iter().any(|c| c.id == host && c.probe_due);
@@ -216,6 +255,7 @@ mod tests {
     fn host(n: u8, cap: (u32, u32), reserved: (u32, u32)) -> Candidate {
         Candidate {
             probe_due: false,
+            warm: false,
             id: HostId(Uuid::from_bytes([n; 16])),
             capacity: Resources {
                 vcpus: cap.0,
@@ -271,6 +311,27 @@ mod tests {
         assert_eq!(
             rank(&[idle, probe, full_probe], NEED),
             vec![probe.id, idle.id]
+        );
+    }
+
+    #[test]
+    fn a_host_holding_a_warm_slot_ranks_before_emptier_hosts_but_after_a_probe() {
+        let idle = host(1, (8, 16384), (0, 0));
+        let warm = Candidate {
+            warm: true,
+            ..host(2, (8, 16384), (6, 8192))
+        };
+        let probe = Candidate {
+            probe_due: true,
+            ..host(3, (8, 16384), (4, 4096))
+        };
+        let full_warm = Candidate {
+            warm: true,
+            ..host(4, (2, 1024), (2, 1024))
+        };
+        assert_eq!(
+            rank(&[idle, warm, probe, full_warm], NEED),
+            vec![probe.id, warm.id, idle.id]
         );
     }
 

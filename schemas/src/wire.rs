@@ -98,7 +98,7 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, WireError> {
 }
 
 /// Resources in the units the API uses: whole vCPUs and MiB of memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub struct Resources {
     /// Whole vCPUs.
     pub vcpus: u32,

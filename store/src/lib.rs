@@ -25,6 +25,8 @@
 //!   the reconciler's drive is moving off or failed to, and the progress the host shows.
 //! - [`chunks`]: the removal of chunks no snapshot references, safe against a concurrent
 //!   upload that reuses them.
+//! - [`warm`]: the warm slots each host's newest heartbeat lists (sandboxes booted ahead under
+//!   ids the host drew), and a create's claim of one (issue 16 lever 1).
 //! - [`sweep`]: the object store sweep's looks for what nothing names, its manifest claims
 //!   (`manifest_removals`) and its one-at-a-time lock.
 //!
@@ -63,6 +65,7 @@ pub mod sandboxes;
 pub mod snapshots;
 pub mod sweep;
 pub mod templates;
+pub mod warm;
 
 use std::future::Future;
 use std::time::Duration;

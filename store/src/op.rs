@@ -100,6 +100,14 @@ ops! {
     /// [`crate::heartbeats::upsert`] (and [`crate::hosts::upsert_heartbeat`], a batch of one):
     /// a batch of heartbeats in one statement.
     HostUpsert => "host_upsert",
+    /// [`crate::warm::replace`]: a heartbeat batch's warm slots replace its hosts' rows.
+    WarmReplace => "warm_replace",
+    /// [`crate::warm::claim`]: a create takes one warm slot of its host and shape.
+    WarmClaim => "warm_claim",
+    /// [`crate::warm::hosts_with_slot`]: the hosts holding a fresh warm slot of a shape.
+    WarmHosts => "warm_hosts",
+    /// [`crate::warm::of_host`]: a host's stored warm slots.
+    WarmList => "warm_list",
     /// [`crate::hosts::forwarder`]: where a host's preview forwarder listens.
     HostForwarder => "host_forwarder",
     /// [`crate::hosts::placeable`]: the hosts a sandbox may be placed on.

@@ -4,7 +4,8 @@
 //! after create (PATCH, expiry, renew, the metadata filter) and waiting for a state without
 //! polling; a `berth dev` stack restarted with cordoned and draining hosts (`dev_restart.rs`);
 //! issue 14's hostd crashes mid-transfer (`crash14.rs`) and start and delete raced
-//! against its transitional states (`race14.rs`).
+//! against its transitional states (`race14.rs`); warm pools' slots taken by creates of their
+//! shape (`warm.rs`).
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -43,4 +44,5 @@ mod snapshots;
 mod sweep;
 mod templates;
 mod wait;
+mod warm;
 mod webhooks;

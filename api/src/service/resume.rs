@@ -354,6 +354,7 @@ async fn clone_locked(
     let (row, _command) = sandboxes::create(
         &mut *tx,
         NewSandbox {
+            id: None,
             org_id: org,
             template: snapshot.template.clone(),
             runtime,

@@ -8,7 +8,7 @@ use berth_scheduler::placement;
 use berth_schemas::state::{on_request, on_request_unseeded, Decision, Reason, Refusal, Request};
 use berth_schemas::{Capacity, CommandKind, OrgId, SandboxId, SandboxState};
 use berth_store::sandboxes::{self, NewSandbox, Transition};
-use berth_store::templates;
+use berth_store::{templates, warm};
 use sqlx::PgPool;
 use tracing::{info, instrument};
 
@@ -27,7 +27,9 @@ pub struct PlacementPolicy {
 
 /// Creates a sandbox: placement, the row (`provisioning`), its `sandbox.create` command and its
 /// event, in one transaction with the idempotency record (`render` gives the response stored
-/// under `key`).
+/// under `key`). Placement prefers a host holding a warm slot of the create's shape (template,
+/// its runtime and pinned image, resources, disk size), and a slot claimed there gives the
+/// sandbox its id (`berth_warm_claims_total{result="hit"|"miss"}`); otherwise the id is new.
 ///
 /// Errors: [`ServiceError::UnknownTemplate`], [`ServiceError::QuotaExceeded`],
 /// [`ServiceError::NoCapacity`] (every host is full; nothing written),
@@ -54,12 +56,31 @@ pub async fn create(
         .ok_or_else(|| ServiceError::UnknownTemplate(req.template.clone()))?;
     super::templates::check_ready(&template)?;
     super::quota::check(&mut tx, org, req.resources).await?;
-    let host = place_new(&mut tx, policy, req.resources).await?;
+    let runtime = template.runtime()?;
+    let shape = warm::Shape {
+        template: &template.name,
+        runtime,
+        resources: req.resources,
+        disk_mib: req.disk_mib,
+        image: template.image_pinned.as_deref(),
+    };
+    let placed = placement::place_warm(
+        &mut tx,
+        &shape,
+        policy.heartbeat_freshness,
+        policy.overcommit,
+    )
+    .await?;
+    let host = placed_host(placed, req.resources)?;
+    // A warm slot of this shape on the chosen host gives the sandbox its id: the host then
+    // hands that booted sandbox over instead of booting one.
+    let slot = warm::claim(&mut tx, host, &shape, policy.heartbeat_freshness).await?;
     let (row, _command) = sandboxes::create(
         &mut tx,
         NewSandbox {
+            id: slot,
             org_id: org,
-            runtime: template.runtime()?,
+            runtime,
             image: template.image_pinned.clone(),
             template: template.name,
             host_id: host,
@@ -86,12 +107,15 @@ pub async fn create(
     let sandbox = Sandbox::from(row);
     let response = idempotency::commit(tx, db, org, key, render(&sandbox)?).await?;
     metrics::counter!("berth_sandboxes_created_total").increment(1);
-    info!(sandbox_id = %id, host_id = %host, "sandbox placed");
+    let warm = if slot.is_some() { "hit" } else { "miss" };
+    metrics::counter!("berth_warm_claims_total", "result" => warm).increment(1);
+    info!(sandbox_id = %id, host_id = %host, warm, "sandbox placed");
     Ok(Replayable::Fresh(sandbox, response))
 }
 
 /// Places a new sandbox of `resources` in the caller's transaction (reserving capacity on the
-/// chosen host), as a create does: used by create, clone and fork.
+/// chosen host), as a create does but without its warm slots (those boot from a snapshot):
+/// used by clone, fork, restore and unarchive.
 ///
 /// Errors: [`ServiceError::NoCapacity`] (every host that takes new sandboxes is full),
 /// [`ServiceError::Unavailable`] (hosts with room are stale or degraded, or every host is
@@ -112,15 +136,23 @@ pub(crate) async fn place_avoiding(
     resources: berth_schemas::wire::Resources,
     avoid: Option<berth_schemas::HostId>,
 ) -> Result<berth_schemas::HostId, ServiceError> {
-    let host = match placement::place(
+    let placed = placement::place(
         tx,
         resources,
         policy.heartbeat_freshness,
         policy.overcommit,
         avoid,
     )
-    .await?
-    {
+    .await?;
+    placed_host(placed, resources)
+}
+
+/// The host a placement of `resources` chose, or the error that says why it chose none.
+fn placed_host(
+    placed: placement::Placement,
+    resources: berth_schemas::wire::Resources,
+) -> Result<berth_schemas::HostId, ServiceError> {
+    let host = match placed {
         placement::Placement::Placed { host, probe } => {
             if probe {
                 info!(host_id = %host, "create placed as the degraded host's probe");

@@ -312,6 +312,9 @@ fn rows(rows: &[PgRow]) -> Result<Vec<SandboxRow>, StoreError> {
 /// A sandbox to create, already placed on `host_id` (whose capacity the caller reserved).
 #[derive(Debug, Clone)]
 pub struct NewSandbox {
+    /// Its id: a warm slot's the create claimed in this transaction ([`crate::warm::claim`]);
+    /// `None`: a new one ([`SandboxId::new`]).
+    pub id: Option<SandboxId>,
     /// The org that owns it.
     pub org_id: OrgId,
     /// The template to provision from (a `templates.name`, already checked to exist).
@@ -360,12 +363,14 @@ pub struct NewSandbox {
 
 /// Writes a new `provisioning` sandbox (or, cloned from a snapshot, `resuming`) holding the
 /// capacity its placement reserved, its `sandbox.create` (`sandbox.clone`) command and its
-/// event, in the caller's transaction (guarantee 1). Returns the row and the command id.
+/// event, in the caller's transaction (guarantee 1), under [`NewSandbox::id`] or a new id.
+/// Returns the row and the command id.
 pub async fn create(
     conn: &mut PgConnection,
     new: NewSandbox,
 ) -> Result<(SandboxRow, CommandId), StoreError> {
-    let id = SandboxId::new();
+    // `SandboxId::default()` is a new (UUIDv7) id.
+    let id = new.id.unwrap_or_default();
     let generation = Generation::INITIAL;
     let (vcpus, memory_mib) = resource_columns(new.resources);
     let (state, kind) = match new.from_snapshot {

@@ -54,6 +54,11 @@ pub async fn host(db: &PgPool) -> HostId {
 
 /// A `provisioning` sandbox placed on `host`, holding its reservation (as a create leaves it).
 pub async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
+    placed_as(db, host, None).await
+}
+
+/// [`placed`], under `id` when given (as a create that claimed a warm slot).
+pub async fn placed_as(db: &PgPool, host: HostId, id: Option<SandboxId>) -> SandboxRow {
     let org = orgs::create(db, &format!("org-{}", OrgId::new()))
         .await
         .unwrap()
@@ -71,6 +76,7 @@ pub async fn placed(db: &PgPool, host: HostId) -> SandboxRow {
     let (row, _) = sandboxes::create(
         &mut tx,
         NewSandbox {
+            id,
             network: Default::default(),
             image: None,
             org_id: org,
