@@ -139,3 +139,57 @@ async fn a_create_prefers_the_host_holding_a_warm_slot_over_an_emptier_one(db: P
         .await;
     assert_eq!(create_host(&plane, other).await, big);
 }
+
+/// The slots the store holds of the stack's one host, once it holds one other than `not`.
+async fn stored_slot(stack: &crate::support::stack::Stack, not: &[SandboxId]) -> SandboxId {
+    let host = stack.hosts[0].host_id;
+    let deadline = tokio::time::Instant::now() + crate::support::env::SETTLE_TIMEOUT;
+    loop {
+        let slots = berth_store::warm::of_host(&stack.db, host).await.unwrap();
+        if let Some(slot) = slots.iter().find(|s| !not.contains(&s.sandbox_id)) {
+            return slot.sandbox_id;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the host never offered a warm sandbox: {slots:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// End to end on a real hostd with `--warm-pool base=1`: the first create shows the pool its
+/// shape; the next create of that shape through the API gets the warm sandbox's id, runs,
+/// execs, and is deleted without leftovers; the pool refills under a new id.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn a_create_through_the_api_runs_in_the_hosts_warm_sandbox(db: PgPool) {
+    let mut stack = crate::support::stack::Stack::start(db, 0).await;
+    stack
+        .add_host_with_args((None, None), &["--warm-pool".into(), "base=1".into()])
+        .await;
+    let first = stack.create().await;
+    stack.wait_state(&first, "running").await;
+    let warm = stored_slot(&stack, &[]).await;
+
+    let taken = stack.create().await;
+    assert_eq!(
+        taken,
+        warm.to_string(),
+        "the create did not take the warm slot"
+    );
+    stack.wait_state(&taken, "running").await;
+    let (status, out) = stack.exec(&taken, &["echo", "warm"]).await;
+    assert_eq!(
+        (status, out["stdout"].as_str()),
+        (200, Some("warm\n")),
+        "{out}"
+    );
+    let refill = stored_slot(&stack, &[warm]).await;
+    assert_ne!(refill, warm);
+
+    for id in [&first, &taken] {
+        assert_eq!(stack.delete(id).await.0, 202);
+        stack.wait_state(id, "deleted").await;
+        stack.nothing_left(id).await;
+    }
+    stack.teardown().await;
+}
