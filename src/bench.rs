@@ -28,6 +28,7 @@ mod snapshots;
 mod storage;
 mod targets;
 mod verdict;
+mod warm;
 
 /// How many times one request is retried after a `429`.
 const THROTTLE_RETRIES: usize = 20;

@@ -597,7 +597,7 @@ async fn run_stack(
         state_dir.join("stack.env"),
         format!(
             "BERTH_API=http://{api_addr}\nDATABASE_URL={database_url}\nNATS_URL={nats_url}\n\
-             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\nBERTH_DEV_PID={}\n{}{}",
+             BERTH_SUBJECT_PREFIX={}\nBERTH_HOSTS_DIR={}\nBERTH_DEV_PID={}\n{}{}{}",
             args.subject_prefix,
             state_dir.join("hosts").display(),
             std::process::id(),
@@ -606,6 +606,10 @@ async fn run_stack(
                     "BERTH_NATS_CREDS={}\n",
                     control_plane_creds_path(state_dir).display()
                 ),
+                None => String::new(),
+            },
+            match args.metrics_addr {
+                Some(metrics) => format!("BERTH_METRICS=http://{metrics}\n"),
                 None => String::new(),
             },
             match stack.proxy_addr {

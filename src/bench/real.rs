@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use super::floors::{self, RunscFloors};
 use super::podman::Podman;
 use super::targets::{in_ms, ratio, Goal, Target};
+use super::warm::{served, WarmClaims};
 use super::{ms, BenchArgs, Client, Samples, CHEAP_FLOOR_SAMPLES, FLOOR_SAMPLES, MAX_WAIT_SECS};
 
 /// `/proc/<pid>/stat` counts CPU time in clock ticks of this many per second (`USER_HZ`,
@@ -163,13 +164,18 @@ pub async fn measure(
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<()> {
     let sandbox = json!({"template": args.template, "vcpus": 1, "memory_mib": 128});
+    let claims = WarmClaims::new(lookup);
+    let mut warm_served = Vec::new();
     eprintln!("bench: the runc lifecycle…");
+    let before = claims.read().await;
     let runc = lifecycle(client, &sandbox, args.sandboxes()).await?;
+    warm_served.push(("runc lifecycle", served(before, claims.read().await)));
 
     eprintln!("bench: time to interactive…");
     // Time to interactive: create (waited on, no polling) → first exec answered.
     let mut waited_create = Samples::default();
     let mut interactive = Samples::default();
+    let before = claims.read().await;
     for _ in 0..args.sandboxes() {
         let (running, first_exec, id) = client.interactive(&sandbox).await?;
         waited_create.push(running);
@@ -181,12 +187,15 @@ pub async fn measure(
         }
     }
 
+    warm_served.push(("time to interactive", served(before, claims.read().await)));
+
     eprintln!("bench: the burst…");
     // Throughput: a burst of creates, then deletes, all in flight at once; the stack's CPU.
     let stack_pid = args
         .stack_pid
         .or_else(|| lookup("BERTH_DEV_PID").and_then(|p| p.parse().ok()));
     let cpu_before = stack_pid.and_then(cpu_seconds);
+    let before = claims.read().await;
     let burst_started = Instant::now();
     let created = futures::future::try_join_all((0..args.burst).map(|_| {
         let post = reqwest::Method::POST;
@@ -206,16 +215,20 @@ pub async fn measure(
         .zip(cpu_before)
         .map(|(after, before)| (after - before) / args.burst.max(1) as f64);
     let throughput = (2 * args.burst) as f64 / burst_elapsed.as_secs_f64();
+    warm_served.push(("burst", served(before, claims.read().await)));
 
     eprintln!("bench: the gVisor lifecycle…");
     let gvisor = match args.gvisor_template.as_str() {
         "" => Lifecycle::default(),
         template => {
             let body = json!({"template": template, "vcpus": 1, "memory_mib": 256});
-            or_missing(
+            let before = claims.read().await;
+            let measured = or_missing(
                 "the gVisor lifecycle",
                 lifecycle(client, &body, args.gvisor_sandboxes).await,
-            )
+            );
+            warm_served.push(("gVisor lifecycle", served(before, claims.read().await)));
+            measured
         }
     };
     eprintln!("bench: Berth vs Podman…");
@@ -337,6 +350,14 @@ pub async fn measure(
             gvisor.stop.0.len()
         );
     }
+    let warm_note: Vec<String> = warm_served
+        .iter()
+        .map(|(phase, served)| format!("{phase} {served}"))
+        .collect();
+    println!(
+        "creates served by a warm pool (`berth_warm_claims_total`): {}\n",
+        warm_note.join(", ")
+    );
     let cpu_note = match cpu_per_create {
         Some(cpu) => format!("{:.1} ms CPU per create (+ its delete)", cpu * 1000.0),
         None => {
