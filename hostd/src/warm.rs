@@ -187,6 +187,10 @@ pub struct WarmPool {
     wake: Notify,
     /// A build or removal ended (for [`WarmPool::claim`]).
     settled: Notify,
+    /// A sandbox became ready: the heartbeat goes out now rather than at its next tick, or
+    /// the control plane would learn of one refill per interval at most (`berth bench`: 4 of
+    /// 20 sequential creates took a slot with 2-second heartbeats).
+    pub offered: Notify,
 }
 
 /// What [`fill`] does next.
@@ -353,6 +357,9 @@ impl WarmPool {
         drop(inner);
         if let Some(template) = template {
             self.gauge(&template);
+        }
+        if state == Some(State::Ready) {
+            self.offered.notify_one();
         }
         self.settled.notify_waiters();
     }

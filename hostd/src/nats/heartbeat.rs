@@ -1,5 +1,6 @@
 //! Heartbeats: core-NATS publishes on `{p}.hb.<host_id>`, one at start and then every
-//! interval, carrying capacity, use, runtimes and the observed inventory.
+//! interval (and at once when a warm pool sandbox becomes ready), carrying capacity, use,
+//! runtimes, the observed inventory and the warm pool.
 //!
 //! Core NATS (at most once) on purpose: only the latest heartbeat matters, and `seq` lets the
 //! consumer drop one that arrives late. Each heartbeat carries its send time (`sent_at_ms`,
@@ -48,6 +49,8 @@ pub async fn run(
             _ = shutdown.cancelled() => break,
             // The first tick fires at once: one heartbeat right at start.
             _ = ticker.tick() => {}
+            // A warm sandbox is ready: offer it now (the interval starts again).
+            _ = host.warm.offered.notified() => ticker.reset(),
         }
         // The number and the time are taken before the observation: the inventory is no older
         // than either (see `HeartbeatSeq::next`).
