@@ -61,6 +61,14 @@ const FIRST_RETRY_PAUSE: Duration = Duration::from_secs(1);
 /// The longest pause between builds that keep failing (a broken template).
 const MAX_RETRY_PAUSE: Duration = Duration::from_secs(60);
 
+/// A build waits until the host has run no command or agent request for this long, so a
+/// refill does not take the CPU from the create's next steps (its first exec, a stop): on 2
+/// cores a refill beside them doubled the exec round trip (`berth bench`).
+const QUIET: Duration = Duration::from_millis(50);
+
+/// The longest a build waits for [`QUIET`] (a host busy for good still refills its pool).
+const MAX_DEFER: Duration = Duration::from_secs(2);
+
 /// How often the pool looks at its entries' age without being woken.
 const IDLE_CHECK: Duration = Duration::from_secs(30);
 
@@ -187,6 +195,8 @@ pub struct WarmPool {
     wake: Notify,
     /// A build or removal ended (for [`WarmPool::claim`]).
     settled: Notify,
+    /// Commands and agent requests in flight on the host, and when the last one ended.
+    activity: Mutex<(usize, Option<tokio::time::Instant>)>,
     /// A sandbox became ready: the heartbeat goes out now rather than at its next tick, or
     /// the control plane would learn of one refill per interval at most (`berth bench`: 4 of
     /// 20 sequential creates took a slot with 2-second heartbeats).
@@ -271,6 +281,31 @@ impl WarmPool {
             }
             settled.await;
         }
+    }
+
+    /// Counts a command or agent request as in flight until the guard drops: builds wait
+    /// for the host to be quiet.
+    pub fn busy(&self) -> Busy<'_> {
+        self.activity().0 += 1;
+        Busy(self)
+    }
+
+    /// Resolves once the host ran nothing for [`QUIET`], or after [`MAX_DEFER`].
+    async fn quiet(&self) {
+        let deadline = tokio::time::Instant::now() + MAX_DEFER;
+        while tokio::time::Instant::now() < deadline {
+            let wait = match *self.activity() {
+                (0, None) => return,
+                (0, Some(last)) if last.elapsed() >= QUIET => return,
+                (0, Some(last)) => QUIET.saturating_sub(last.elapsed()),
+                _ => QUIET,
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    fn activity(&self) -> MutexGuard<'_, (usize, Option<tokio::time::Instant>)> {
+        self.activity.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The ready pooled sandboxes, for the heartbeat.
@@ -380,6 +415,18 @@ impl WarmPool {
     }
 }
 
+/// A command or agent request in flight ([`WarmPool::busy`]).
+#[derive(Debug)]
+pub struct Busy<'a>(&'a WarmPool);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        let mut activity = self.0.activity();
+        activity.0 = activity.0.saturating_sub(1);
+        activity.1 = Some(tokio::time::Instant::now());
+    }
+}
+
 /// Whether a pooled sandbox's id was drawn more than [`MAX_AGE`] ago.
 fn too_old(sandbox: SandboxId) -> bool {
     let Some(drawn) = sandbox.as_uuid().get_timestamp() else {
@@ -394,8 +441,8 @@ fn too_old(sandbox: SandboxId) -> bool {
 
 /// Keeps `host`'s pool at its sizes until `shutdown` (a host without a pool still removes
 /// the pooled sandboxes an earlier run with one left): removes what must go, builds one
-/// sandbox at a time (the pool refills behind creates, never ahead of them), pauses longer
-/// after each failed build. A build or removal under way is finished before it returns.
+/// sandbox at a time once the host is quiet (the pool refills behind creates, never ahead of
+/// them or beside their next steps), pauses longer after each failed build. A build or removal under way is finished before it returns.
 pub async fn fill(host: Arc<Host>, shutdown: CancellationToken) {
     let mut pause = FIRST_RETRY_PAUSE;
     while !shutdown.is_cancelled() {
@@ -411,6 +458,7 @@ pub async fn fill(host: Arc<Host>, shutdown: CancellationToken) {
                 }
             }
             Action::Build(shape) => {
+                host.warm.quiet().await;
                 if build(&host, shape).await {
                     pause = FIRST_RETRY_PAUSE;
                 } else {
@@ -604,6 +652,31 @@ mod tests {
             "a sandbox being removed is not offered"
         );
         assert!(matches!(pool.next(), Action::Build(s) if s.resources.memory_mib == 1024));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_build_waits_for_the_host_to_be_quiet_but_not_forever() {
+        let pool = WarmPool::new(&"base=1".parse().unwrap());
+        let started = tokio::time::Instant::now();
+        pool.quiet().await;
+        assert_eq!(
+            started.elapsed(),
+            Duration::ZERO,
+            "a host that never ran anything is quiet"
+        );
+        drop(pool.busy());
+        pool.quiet().await;
+        assert!(
+            started.elapsed() >= QUIET,
+            "no pause after the last request"
+        );
+        let _held = pool.busy();
+        let started = tokio::time::Instant::now();
+        pool.quiet().await;
+        assert!(
+            started.elapsed() < MAX_DEFER + QUIET,
+            "waited past the deferral bound"
+        );
     }
 
     #[tokio::test]

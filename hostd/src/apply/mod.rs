@@ -136,6 +136,7 @@ pub async fn apply(host: &Arc<Host>, cmd: &Command, trace: &ApplyTrace) -> Appli
 }
 
 async fn apply_inner(host: &Arc<Host>, cmd: &Command) -> Applied {
+    let _busy = host.warm.busy();
     // A command naming a warm pool sandbox owns it from here (a create hands it over, see
     // `up`): the pool neither offers nor removes it any more.
     if host.warm.claim(cmd.sandbox_id).await {

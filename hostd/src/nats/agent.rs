@@ -299,6 +299,7 @@ async fn tty_input(ttys: &Ttys, sandbox: SandboxId, session: &str, input: TtyInp
 /// length), then the backend answers it.
 pub async fn run(host: &Host, request: AgentRequest, output: Option<OutputSender>) -> AgentReply {
     let sandbox = request.sandbox_id;
+    let _busy = host.warm.busy();
     let (address, _permit) = match host.exec_target(sandbox) {
         Ok(target) => target,
         Err(failure) => return AgentReply::Failed(failure),
