@@ -64,10 +64,12 @@ const MAX_RETRY_PAUSE: Duration = Duration::from_secs(60);
 /// A build waits until the host has run no command or agent request for this long, so a
 /// refill does not take the CPU from the create's next steps (its first exec, a stop): on 2
 /// cores a refill beside them doubled the exec round trip (`berth bench`).
-const QUIET: Duration = Duration::from_millis(50);
+const QUIET: Duration = Duration::from_millis(20);
 
-/// The longest a build waits for [`QUIET`] (a host busy for good still refills its pool).
-const MAX_DEFER: Duration = Duration::from_secs(2);
+/// The longest a build waits for [`QUIET`]: a host that is never quiet still refills its
+/// pool, one sandbox per this much time at least (with 2 s, `berth bench`'s back-to-back
+/// lifecycle found a warm sandbox for 4 of 20 creates).
+const MAX_DEFER: Duration = Duration::from_millis(300);
 
 /// How often the pool looks at its entries' age without being woken.
 const IDLE_CHECK: Duration = Duration::from_secs(30);
