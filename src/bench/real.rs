@@ -163,6 +163,32 @@ pub async fn measure(
     client: &Client,
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<()> {
+    // The floors first, on a stack at rest: measured after the Berth phases they ran beside
+    // the refills of the stack's warm pools.
+    eprintln!("bench: the floors…");
+    let runc_floor = or_missing("the runc floor", floors::runc_run(FLOOR_SAMPLES).await);
+    let runsc = or_missing::<RunscFloors>(
+        "the runsc floors",
+        floors::runsc(args.runsc_floor_samples).await,
+    );
+    let pg_floor = match args.database_url.clone().or_else(|| lookup("DATABASE_URL")) {
+        Some(url) => or_missing(
+            "the Postgres floor",
+            floors::pg_commit(&url, CHEAP_FLOOR_SAMPLES).await,
+        ),
+        None => Samples::default(),
+    };
+    let creds = std::env::var("BERTH_NATS_CREDS")
+        .ok()
+        .or_else(|| lookup("BERTH_NATS_CREDS"));
+    let js_floor = match args.nats_url.clone().or_else(|| lookup("NATS_URL")) {
+        Some(url) => or_missing(
+            "the JetStream floor",
+            floors::js_publish(&url, creds.as_deref(), CHEAP_FLOOR_SAMPLES).await,
+        ),
+        None => Samples::default(),
+    };
+
     let sandbox = json!({"template": args.template, "vcpus": 1, "memory_mib": 128});
     let claims = WarmClaims::new(lookup);
     let mut warm_served = Vec::new();
@@ -238,30 +264,6 @@ pub async fn measure(
             "the Podman column",
             versus_podman(client, &sandbox, pairs).await,
         ),
-    };
-
-    eprintln!("bench: the floors…");
-    let runc_floor = or_missing("the runc floor", floors::runc_run(FLOOR_SAMPLES).await);
-    let runsc = or_missing::<RunscFloors>(
-        "the runsc floors",
-        floors::runsc(args.runsc_floor_samples).await,
-    );
-    let pg_floor = match args.database_url.clone().or_else(|| lookup("DATABASE_URL")) {
-        Some(url) => or_missing(
-            "the Postgres floor",
-            floors::pg_commit(&url, CHEAP_FLOOR_SAMPLES).await,
-        ),
-        None => Samples::default(),
-    };
-    let creds = std::env::var("BERTH_NATS_CREDS")
-        .ok()
-        .or_else(|| lookup("BERTH_NATS_CREDS"));
-    let js_floor = match args.nats_url.clone().or_else(|| lookup("NATS_URL")) {
-        Some(url) => or_missing(
-            "the JetStream floor",
-            floors::js_publish(&url, creds.as_deref(), CHEAP_FLOOR_SAMPLES).await,
-        ),
-        None => Samples::default(),
     };
 
     println!("| operation | n | p50 ms | p95 ms | p99 ms | floor | floor p50 ms | overhead p50 ms | ratio p50 |");
