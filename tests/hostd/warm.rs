@@ -156,15 +156,26 @@ async fn warm_pool(h: &mut Harness) -> anyhow::Result<()> {
     let (code, _, _) = finished(&h.exec(dead, &["true"], EXEC_TIMEOUT_MS).await?)?;
     ensure!(code == 0, "the revived sandbox does not exec");
 
-    // Deletes leave nothing of any of them.
-    for sandbox in [first, warm, refill, dead] {
-        let deleted = h.send(&h.command(sandbox, 2, CommandKind::Delete)).await?;
+    // Deletes leave nothing of any of them; a host without a pool removes the one it kept.
+    delete_then_unpool(h, &[first, warm, refill, dead], 2, 512).await
+}
+
+/// Deletes `sandboxes` (at `generation`), each leaving nothing; then restarts hostd without a
+/// pool, which removes the pooled sandbox (of `memory_mib`) it kept, whole.
+async fn delete_then_unpool(
+    h: &mut Harness,
+    sandboxes: &[SandboxId],
+    generation: i64,
+    memory_mib: u32,
+) -> anyhow::Result<()> {
+    for &sandbox in sandboxes {
+        let deleted = h
+            .send(&h.command(sandbox, generation, CommandKind::Delete))
+            .await?;
         ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
         assert_nothing_remains(h, sandbox).await?;
     }
-
-    // A host without a pool removes the pooled sandbox it kept, whole.
-    let last = pooled(h, &[warm, refill, dead], 512).await?;
+    let last = pooled(h, sandboxes, memory_mib).await?;
     h.stop_hostd().await?;
     h.config.warm_pool = Default::default();
     h.start_hostd();
@@ -173,8 +184,7 @@ async fn warm_pool(h: &mut Harness) -> anyhow::Result<()> {
         !h.sandbox_dir(last).exists()
     })
     .await;
-    assert_nothing_remains(h, last).await?;
-    Ok(())
+    assert_nothing_remains(h, last).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,20 +232,5 @@ async fn warm_gvisor(h: &mut Harness) -> anyhow::Result<()> {
         "the process started before the stop is gone after the start"
     );
 
-    for sandbox in [shown, warm] {
-        let deleted = h.send(&h.command(sandbox, 4, CommandKind::Delete)).await?;
-        ensure!(matches!(deleted.outcome, ResultOutcome::Succeeded { .. }));
-        assert_nothing_remains(h, sandbox).await?;
-    }
-    // The refill is removed by a host without a pool.
-    let last = pooled(h, &[warm], 256).await?;
-    h.stop_hostd().await?;
-    h.config.warm_pool = Default::default();
-    h.start_hostd();
-    heartbeat_where(h, "the pool is empty", |hb| hb.warm.is_empty()).await?;
-    eventually("the last warm sandbox is removed", || async {
-        !h.sandbox_dir(last).exists()
-    })
-    .await;
-    assert_nothing_remains(h, last).await
+    delete_then_unpool(h, &[shown, warm], 4, 256).await
 }
