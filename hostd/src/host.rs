@@ -313,7 +313,7 @@ impl Host {
             backend,
             heartbeat_seq: HeartbeatSeq::default(),
             uploads: Default::default(),
-            warm: crate::warm::WarmPool::new(&config.warm_pool),
+            warm: crate::warm::WarmPool::new(&config.warm_pool, config.capacity.memory_mib),
             records: Mutex::new(records),
             oom_counters: Mutex::default(),
         })

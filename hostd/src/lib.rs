@@ -313,6 +313,7 @@ async fn run_as(
     let _ = heartbeats.await;
     let _ = sweeper.await;
     let _ = pool_filler.await;
+    warm::empty(&holder).await;
     if let Some(task) = forwarding {
         let _ = task.await;
     }

@@ -13,19 +13,31 @@
 //! get, since the pool builds it through the same [`crate::host::Backend::bring_up`].
 //!
 //! # Shapes
-//! The pool of a template (`--warm-pool base=2`) takes the shape of the newest create of that
-//! template this host saw (hostd does not read templates from Postgres), so it starts filling
-//! at the first create and follows a template whose defaults change; entries of an older
-//! shape are removed. After a restart, the shape is that of the pooled sandboxes kept.
+//! The pool of a template (`--warm-pool base=2`) takes the most frequent shape among the last
+//! [`SHAPE_WINDOW`] creates of that template this host saw (ties: the newest; hostd does not
+//! read templates from Postgres), so it starts filling at the first create and follows a
+//! template whose defaults change, while one tenant's odd create cannot flip it (each flip
+//! costs the host a rebuild of the pool and every other tenant its hits). Entries of an older
+//! shape are removed. After a crash, the shape is that of the pooled sandboxes kept.
+//!
+//! # Memory
+//! What pooled sandboxes may hold is bounded by [`POOL_MEMORY_SHARE`] of the host's memory
+//! ([`WarmPool::held`] is taken off the capacity the heartbeat offers, never more than that
+//! share): a pool of a big shape builds only what fits, so no tenant's shape can take the
+//! host's capacity away from creates.
 //!
 //! # Guarantees
 //! - A pooled sandbox is never handed over twice, nor removed while handed over: a command
 //!   for it first [`WarmPool::claim`]s it, which waits out a build or removal in progress and
 //!   takes it out of the pool for good.
 //! - Nothing admitted while pooled: egress `none`, no entrypoint, no org.
-//! - A pooled sandbox whose container died, whose build was cut by a crash, or older than
-//!   [`MAX_AGE`] is removed whole ([`crate::apply::delete::remove_everything`]) and replaced;
-//!   a create that names one removed meanwhile builds it fresh under that id.
+//! - A pooled sandbox whose container died, whose build was cut by a crash, older than
+//!   [`MAX_AGE`], or beyond its template's size is removed whole
+//!   ([`crate::apply::delete::remove_everything`]); a create that names one removed meanwhile
+//!   builds it fresh under that id.
+//! - A hostd that stops gracefully removes its pool ([`empty`]): nothing it built outlives it
+//!   but the sandboxes of the control plane. One killed leaves it to the next start, which
+//!   adopts it.
 //! - Pooled sandboxes' memory counts against the capacity the heartbeat reports
 //!   ([`WarmPool::held`]; their vCPUs, a quota of an idle sandbox, do not).
 //!
@@ -72,6 +84,13 @@ const QUIET: Duration = Duration::from_millis(20);
 /// create-exec-delete cycles for 8 of 20).
 const MAX_DEFER: Duration = Duration::from_millis(150);
 
+/// How many of a template's recent creates its pool's shape is chosen from (the most
+/// frequent).
+pub const SHAPE_WINDOW: usize = 16;
+
+/// The share of the host's memory (1/this) pooled sandboxes may hold at most.
+pub const POOL_MEMORY_SHARE: u32 = 8;
+
 /// How often the pool looks at its entries' age without being woken.
 const IDLE_CHECK: Duration = Duration::from_secs(30);
 
@@ -114,6 +133,14 @@ impl std::str::FromStr for WarmConfig {
             sizes.insert(template.to_owned(), size);
         }
         Ok(Self { sizes })
+    }
+}
+
+impl std::fmt::Display for WarmConfig {
+    /// The `template=size` pairs [`WarmConfig`]'s `FromStr` reads, comma-separated.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pairs: Vec<String> = self.sizes.iter().map(|(t, n)| format!("{t}={n}")).collect();
+        f.write_str(&pairs.join(","))
     }
 }
 
@@ -184,15 +211,51 @@ struct Entry {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// Each pooled template's current shape (from its newest create).
+    /// Each pooled template's current shape ([`Inner::learn`]).
     shapes: HashMap<String, Shape>,
+    /// Each pooled template's last [`SHAPE_WINDOW`] create shapes, oldest first.
+    recent: HashMap<String, std::collections::VecDeque<Shape>>,
     entries: HashMap<SandboxId, Entry>,
+}
+
+impl Inner {
+    /// Records a create's shape; its template's shape becomes the most frequent of the
+    /// window (ties: the newest). Whether the template's shape changed.
+    fn learn(&mut self, shape: Shape) -> bool {
+        let recent = self.recent.entry(shape.template.clone()).or_default();
+        recent.push_back(shape.clone());
+        if recent.len() > SHAPE_WINDOW {
+            recent.pop_front();
+        }
+        // Newest first, so a tie keeps the newest.
+        let mut best: Option<(&Shape, usize)> = None;
+        for candidate in recent.iter().rev() {
+            let count = recent.iter().filter(|s| *s == candidate).count();
+            if best.is_none_or(|(_, n)| count > n) {
+                best = Some((candidate, count));
+            }
+        }
+        let chosen = best.map_or(shape, |(s, _)| s.clone());
+        let changed = self.shapes.get(&chosen.template) != Some(&chosen);
+        self.shapes.insert(chosen.template.clone(), chosen);
+        changed
+    }
+
+    /// The memory every entry holds, MiB.
+    fn memory(&self) -> u32 {
+        self.entries
+            .values()
+            .map(|e| e.shape.resources.memory_mib)
+            .sum()
+    }
 }
 
 /// The pool of one hostd. [`fill`] keeps it at its sizes in the background.
 #[derive(Debug, Default)]
 pub struct WarmPool {
     sizes: BTreeMap<String, u32>,
+    /// The most memory pooled sandboxes may hold, MiB (the host's / [`POOL_MEMORY_SHARE`]).
+    budget_mib: u32,
     inner: Mutex<Inner>,
     /// Wakes [`fill`]: a shape was learned, a sandbox was taken.
     wake: Notify,
@@ -215,10 +278,11 @@ enum Action {
 }
 
 impl WarmPool {
-    /// A pool of `config`'s sizes, empty.
-    pub fn new(config: &WarmConfig) -> Self {
+    /// A pool of `config`'s sizes, empty, on a host offering `memory_mib` to sandboxes.
+    pub fn new(config: &WarmConfig, memory_mib: u32) -> Self {
         Self {
             sizes: config.sizes.clone(),
+            budget_mib: memory_mib / POOL_MEMORY_SHARE,
             ..Self::default()
         }
     }
@@ -244,20 +308,19 @@ impl WarmPool {
         self.wake.notify_one();
     }
 
-    /// Learns a pooled template's shape from a create's spec: the pool fills (or refills,
-    /// replacing entries of an older shape) with sandboxes of it.
+    /// Learns from a create's spec: when its template's shape changes ([`Inner::learn`]),
+    /// the pool fills (or refills, replacing entries of the older shape) with the new one.
     pub fn learn(&self, spec: &SandboxSpec) {
         if self.sizes.get(&spec.template).is_none_or(|&n| n == 0) {
             return;
         }
-        let shape = Shape::of(spec);
         let mut inner = self.inner();
-        if inner.shapes.get(&spec.template) != Some(&shape) {
+        if inner.learn(Shape::of(spec)) {
+            let shape = inner.shapes.get(&spec.template);
             tracing::info!(template = %spec.template, ?shape, "warm pool shape learned");
-            inner.shapes.insert(spec.template.clone(), shape);
+            drop(inner);
+            self.wake.notify_one();
         }
-        drop(inner);
-        self.wake.notify_one();
     }
 
     /// Takes a pooled sandbox out of the pool for a command that names it, once no build or
@@ -331,23 +394,20 @@ impl WarmPool {
         slots
     }
 
-    /// What every pooled sandbox (in any state) holds of the host: subtracted from the
-    /// capacity the heartbeat offers.
-    pub fn held(&self) -> Resources {
-        self.inner()
-            .entries
-            .values()
-            .fold(Resources::default(), |acc, e| Resources {
-                vcpus: acc.vcpus + e.shape.resources.vcpus,
-                memory_mib: acc.memory_mib + e.shape.resources.memory_mib,
-            })
+    /// The memory every pooled sandbox (in any state) holds of the host, MiB: taken off the
+    /// capacity the heartbeat offers; never more than the pool's budget (a build waits for
+    /// room in it).
+    pub fn held(&self) -> u32 {
+        self.inner().memory()
     }
 
     /// The next thing to do: remove a stale, old or outdated entry first, then build toward
     /// the sizes.
     fn next(&self) -> Action {
         let mut inner = self.inner();
-        let Inner { shapes, entries } = &mut *inner;
+        let Inner {
+            shapes, entries, ..
+        } = &mut *inner;
         for (&id, entry) in entries.iter_mut() {
             let outdated = shapes.get(&entry.shape.template) != Some(&entry.shape)
                 || self
@@ -361,15 +421,21 @@ impl WarmPool {
                 return Action::Remove(id);
             }
         }
+        let held: u32 = entries.values().map(|e| e.shape.resources.memory_mib).sum();
         for (template, &size) in &self.sizes {
             let Some(shape) = shapes.get(template) else {
                 continue;
             };
-            let have = entries
-                .values()
-                .filter(|e| &e.shape == shape && matches!(e.state, State::Building | State::Ready))
-                .count();
-            if have < size as usize {
+            let mut current = entries.iter_mut().filter(|(_, e)| {
+                &e.shape == shape && matches!(e.state, State::Building | State::Ready)
+            });
+            let have = current.by_ref().take(size as usize).count();
+            // One beyond the size (a smaller pool after a restart) goes.
+            if let Some((&id, extra)) = current.find(|(_, e)| e.state == State::Ready) {
+                extra.state = State::Removing;
+                return Action::Remove(id);
+            }
+            if have < size as usize && held + shape.resources.memory_mib <= self.budget_mib {
                 return Action::Build(shape.clone());
             }
         }
@@ -479,6 +545,28 @@ async fn idle(shutdown: &CancellationToken, at_most: Duration, woken: impl std::
         _ = shutdown.cancelled() => {}
         _ = woken => {}
         _ = tokio::time::sleep(at_most) => {}
+    }
+}
+
+/// Removes every pooled sandbox not claimed (a hostd stopping gracefully: what it built for
+/// itself does not outlive it). One that cannot be removed is left to the next start.
+pub async fn empty(host: &Arc<Host>) {
+    let ids: Vec<SandboxId> = {
+        let mut inner = host.warm.inner();
+        inner
+            .entries
+            .iter_mut()
+            .filter(|(_, e)| matches!(e.state, State::Ready | State::Stale))
+            .map(|(&id, e)| {
+                e.state = State::Removing;
+                id
+            })
+            .collect()
+    };
+    for id in ids {
+        let removed = remove(host, id).await;
+        host.warm
+            .set(id, if removed { None } else { Some(State::Stale) });
     }
 }
 
@@ -603,6 +691,7 @@ mod tests {
         let config: WarmConfig = "base=2, base-gvisor=1".parse().unwrap();
         assert_eq!(config.sizes.get("base"), Some(&2));
         assert_eq!(config.sizes.get("base-gvisor"), Some(&1));
+        assert_eq!(config.to_string().parse::<WarmConfig>().unwrap(), config);
         assert_eq!("".parse::<WarmConfig>().unwrap(), WarmConfig::default());
         for bad in ["base", "base=x", "=2", "base=65", "base=-1"] {
             assert!(bad.parse::<WarmConfig>().is_err(), "{bad}");
@@ -611,7 +700,7 @@ mod tests {
 
     #[test]
     fn a_pool_builds_its_templates_shape_up_to_its_size_once_a_create_showed_it() {
-        let pool = WarmPool::new(&"base=2".parse().unwrap());
+        let pool = WarmPool::new(&"base=2".parse().unwrap(), 8192);
         assert!(matches!(pool.next(), Action::Idle), "no shape yet");
         pool.learn(&spec("other", 512));
         assert!(matches!(pool.next(), Action::Idle), "not a pooled template");
@@ -633,12 +722,12 @@ mod tests {
         }
         assert!(matches!(pool.next(), Action::Idle), "full");
         assert_eq!(pool.slots().len(), 2);
-        assert_eq!(pool.held().memory_mib, 1024);
+        assert_eq!(pool.held(), 1024);
     }
 
     #[test]
     fn a_new_shape_replaces_the_entries_of_the_old_one() {
-        let pool = WarmPool::new(&"base=1".parse().unwrap());
+        let pool = WarmPool::new(&"base=1".parse().unwrap(), 65536);
         pool.learn(&spec("base", 512));
         let old = SandboxId::new();
         pool.inner().entries.insert(
@@ -657,9 +746,71 @@ mod tests {
         assert!(matches!(pool.next(), Action::Build(s) if s.resources.memory_mib == 1024));
     }
 
+    /// Puts a ready entry of `shape` in `pool`; its id.
+    fn ready(pool: &WarmPool, shape: &Shape) -> SandboxId {
+        let id = SandboxId::new();
+        pool.inner().entries.insert(
+            id,
+            Entry {
+                shape: shape.clone(),
+                state: State::Ready,
+            },
+        );
+        id
+    }
+
+    #[test]
+    fn one_odd_create_does_not_flip_a_templates_shape_but_a_majority_does() {
+        let pool = WarmPool::new(&"base=1".parse().unwrap(), 8192);
+        for _ in 0..3 {
+            pool.learn(&spec("base", 512));
+        }
+        pool.learn(&spec("base", 12288));
+        let shape = |pool: &WarmPool| pool.inner().shapes.get("base").cloned();
+        assert_eq!(shape(&pool), Some(Shape::of(&spec("base", 512))));
+        for _ in 0..3 {
+            pool.learn(&spec("base", 256));
+        }
+        assert_eq!(
+            shape(&pool),
+            Some(Shape::of(&spec("base", 256))),
+            "a tie keeps the newest"
+        );
+        for _ in 0..SHAPE_WINDOW {
+            pool.learn(&spec("base", 128));
+        }
+        assert_eq!(shape(&pool), Some(Shape::of(&spec("base", 128))));
+    }
+
+    #[test]
+    fn a_pool_holds_at_most_its_share_of_the_hosts_memory() {
+        // 8,192 MiB / 8: room for two of 512, never a 12 GiB one.
+        let pool = WarmPool::new(&"base=4,big=1".parse().unwrap(), 8192);
+        pool.learn(&spec("big", 12288));
+        pool.learn(&spec("base", 512));
+        let shape = Shape::of(&spec("base", 512));
+        for _ in 0..2 {
+            assert!(matches!(pool.next(), Action::Build(s) if s == shape));
+            ready(&pool, &shape);
+        }
+        assert!(matches!(pool.next(), Action::Idle), "past the budget");
+        assert_eq!(pool.held(), 1024);
+    }
+
+    #[test]
+    fn a_pool_beyond_its_size_gives_the_extra_back() {
+        let pool = WarmPool::new(&"base=1".parse().unwrap(), 8192);
+        pool.learn(&spec("base", 512));
+        let shape = Shape::of(&spec("base", 512));
+        let (a, b) = (ready(&pool, &shape), ready(&pool, &shape));
+        assert!(matches!(pool.next(), Action::Remove(id) if id == a || id == b));
+        assert!(matches!(pool.next(), Action::Idle));
+        assert_eq!(pool.slots().len(), 1);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_build_waits_for_the_host_to_be_quiet_but_not_forever() {
-        let pool = WarmPool::new(&"base=1".parse().unwrap());
+        let pool = WarmPool::new(&"base=1".parse().unwrap(), 8192);
         let started = tokio::time::Instant::now();
         pool.quiet().await;
         assert_eq!(
@@ -684,7 +835,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_claim_takes_a_ready_sandbox_once_and_waits_out_a_removal() {
-        let pool = Arc::new(WarmPool::new(&"base=1".parse().unwrap()));
+        let pool = Arc::new(WarmPool::new(&"base=1".parse().unwrap(), 8192));
         let ready = SandboxId::new();
         let removing = SandboxId::new();
         for (id, state) in [(ready, State::Ready), (removing, State::Removing)] {

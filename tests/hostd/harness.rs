@@ -151,6 +151,7 @@ impl Harness {
             .arg(humantime::format_duration(self.config.heartbeat_interval).to_string())
             .env("NATS_URL", &self.config.nats_url)
             .env("BERTH_SUBJECT_PREFIX", self.subjects.prefix())
+            .env("BERTH_WARM_POOL", self.config.warm_pool.to_string())
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),

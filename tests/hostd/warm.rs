@@ -2,8 +2,8 @@
 //! create, offers its sandboxes in heartbeats apart from the inventory, and a create naming a
 //! pooled sandbox takes it over indistinguishable from a fresh one (its own address, hostname,
 //! cgroup limits; the create's env, entrypoint and egress); a pooled sandbox of another shape,
-//! or one that died in the pool, is built anew; a restart keeps the pool; a pool of size 0
-//! removes it whole.
+//! or one that died in the pool, is built anew; a graceful stop removes the pool, and so does
+//! a host restarted without one.
 
 use anyhow::{ensure, Context as _};
 use berth_schemas::network::Egress;
@@ -54,8 +54,9 @@ async fn pooled(h: &mut Harness, not: &[SandboxId], memory_mib: u32) -> anyhow::
         !hb.inventory.iter().any(|i| i.sandbox_id == slot.sandbox_id),
         "a warm sandbox is in the inventory"
     );
+    // (A sandbox of an older shape being removed may still count.)
     ensure!(
-        hb.capacity.memory_mib == h.config.capacity.memory_mib - slot.resources.memory_mib,
+        hb.capacity.memory_mib <= h.config.capacity.memory_mib - slot.resources.memory_mib,
         "the warm sandbox's memory is not taken off the capacity: {:?}",
         hb.capacity
     );
@@ -125,14 +126,15 @@ async fn warm_pool(h: &mut Harness) -> anyhow::Result<()> {
     ensure!(!public.contains(&veth), "egress none, yet public: {public}");
     h.heartbeat_with(warm, GuestStatus::Running).await?;
 
-    // The pool refills; a restart keeps what it holds.
-    let refill = pooled(h, &[warm], 256).await?;
+    // The pool refills; a graceful stop removes what it holds, whole, and the restarted host
+    // pools again once a create shows it the shape.
+    let gone = pooled(h, &[warm], 256).await?;
     h.stop_hostd().await?;
+    assert_nothing_remains(h, gone).await?;
     h.start_hostd();
-    heartbeat_where(h, "the restarted host offers its warm sandbox", |hb| {
-        hb.warm.iter().map(|s| s.sandbox_id).eq([refill])
-    })
-    .await?;
+    let again = SandboxId::new();
+    succeeded_address(&h.send(&h.command(again, 1, CommandKind::Create)).await?)?;
+    let refill = pooled(h, &[warm, gone], 256).await?;
 
     // One of another shape (which the API never sends, but a host must not trust) is built
     // anew with the create's limits.
@@ -146,7 +148,7 @@ async fn warm_pool(h: &mut Harness) -> anyhow::Result<()> {
 
     // That create showed the pool a new shape. One of it that died in the pool is booted anew
     // by the create that names it.
-    let dead = pooled(h, &[warm, refill], 512).await?;
+    let dead = pooled(h, &[warm, gone, refill], 512).await?;
     let pid = std::fs::read_to_string(h.sandbox_dir(dead).join("init.pid"))?;
     run("kill", &["-9", pid.trim()]).await?;
     let mut revive = h.command(dead, 1, CommandKind::Create);
@@ -156,12 +158,27 @@ async fn warm_pool(h: &mut Harness) -> anyhow::Result<()> {
     let (code, _, _) = finished(&h.exec(dead, &["true"], EXEC_TIMEOUT_MS).await?)?;
     ensure!(code == 0, "the revived sandbox does not exec");
 
+    // A killed hostd leaves its pool to the next start, which adopts it and offers it again.
+    h.stop_hostd().await?;
+    h.spawn_hostd_process(None)?;
+    let shown = SandboxId::new();
+    let mut show = h.command(shown, 1, CommandKind::Create);
+    show.spec = bigger.spec.clone();
+    succeeded_address(&h.send(&show).await?)?;
+    let kept = pooled(h, &[warm, gone, refill, dead], 512).await?;
+    h.process.take().context("no hostd process")?.kill().await?;
+    h.start_hostd();
+    heartbeat_where(h, "the restarted host offers the pool it kept", |hb| {
+        hb.warm.iter().map(|s| s.sandbox_id).eq([kept])
+    })
+    .await?;
+
     // Deletes leave nothing of any of them; a host without a pool removes the one it kept.
-    delete_then_unpool(h, &[first, warm, refill, dead], 2, 512).await
+    delete_then_unpool(h, &[first, again, warm, refill, dead, shown], 2, 512).await
 }
 
-/// Deletes `sandboxes` (at `generation`), each leaving nothing; then restarts hostd without a
-/// pool, which removes the pooled sandbox (of `memory_mib`) it kept, whole.
+/// Deletes `sandboxes` (at `generation`), each leaving nothing; then stops hostd (which
+/// removes the pooled sandbox of `memory_mib` it holds, whole) and starts it without a pool.
 async fn delete_then_unpool(
     h: &mut Harness,
     sandboxes: &[SandboxId],

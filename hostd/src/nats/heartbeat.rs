@@ -98,13 +98,13 @@ fn unix_ms(t: std::time::SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// `capacity` less the memory `held` takes of it (never below zero). An idle warm sandbox
-/// holds its memory limit but spends no CPU time, and its vCPUs are a quota, not a
-/// reservation: taking them off would leave a 2-vCPU host with a pool of two 1-vCPU
+/// `capacity` less the memory `held_mib` (the warm pool's) takes of it (never below zero). An
+/// idle warm sandbox holds its memory limit but spends no CPU time, and its vCPUs are a quota,
+/// not a reservation: taking them off would leave a 2-vCPU host with a pool of two 1-vCPU
 /// sandboxes no room at all for the creates the pool is for.
-fn less(capacity: Resources, held: Resources) -> Resources {
+fn less(capacity: Resources, held_mib: u32) -> Resources {
     Resources {
         vcpus: capacity.vcpus,
-        memory_mib: capacity.memory_mib.saturating_sub(held.memory_mib),
+        memory_mib: capacity.memory_mib.saturating_sub(held_mib),
     }
 }
