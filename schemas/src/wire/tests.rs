@@ -653,13 +653,13 @@ fn agent_golden_bytes_v18() {
 #[test]
 fn an_unknown_version_is_refused_not_misread() {
     let mut bytes = encode(&sample_command());
-    bytes[0] = 18;
+    bytes[0] = 19;
     assert!(matches!(
         decode::<Command>(&bytes),
-        Err(WireError::UnsupportedVersion { found: 18 })
+        Err(WireError::UnsupportedVersion { found: 19 })
     ));
     assert!(matches!(
-        decode::<Command>(&[17, 0xff]),
+        decode::<Command>(&[18, 0xff]),
         Err(WireError::Malformed(_))
     ));
 }
