@@ -288,14 +288,20 @@ impl WarmPool {
     }
 
     /// Takes in the pooled sandboxes a previous run left (`records` with `warm` set):
-    /// running ones whose runtime still lists them running are ready, the rest are removed
-    /// by [`fill`]. Their shape becomes their template's until a create says otherwise.
+    /// running ones whose runtime still lists them running, of a template still pooled, are
+    /// ready; the rest are removed by [`fill`] (never offered). Their shape becomes their template's until a create says otherwise.
     pub fn adopt(&self, records: &[SandboxRecord], running: impl Fn(&SandboxRecord) -> bool) {
         let mut inner = self.inner();
         for record in records.iter().filter(|r| r.warm) {
             let shape = Shape::of(&record.spec);
             let alive = record.phase == Phase::Running && running(record);
-            let state = if alive { State::Ready } else { State::Stale };
+            // A template this host no longer pools (a restart without the pool) offers none.
+            let pooled = self.sizes.get(&shape.template).is_some_and(|&n| n > 0);
+            let state = if alive && pooled {
+                State::Ready
+            } else {
+                State::Stale
+            };
             inner
                 .shapes
                 .entry(shape.template.clone())
@@ -795,6 +801,37 @@ mod tests {
         }
         assert!(matches!(pool.next(), Action::Idle), "past the budget");
         assert_eq!(pool.held(), 1024);
+    }
+
+    #[test]
+    fn a_host_restarted_without_a_pool_offers_none_of_what_it_kept() {
+        let record = |template: &str| {
+            let mut r = SandboxRecord::new(
+                SandboxId::new(),
+                Shape::of(&spec(template, 512)).pooled_spec(),
+                "runc",
+                Generation(0),
+            );
+            r.warm = true;
+            r.phase = Phase::Running;
+            r
+        };
+        let kept = [record("base"), record("gone")];
+        let pool = WarmPool::new(&"base=1".parse().unwrap(), 8192);
+        pool.adopt(&kept, |_| true);
+        let slots: Vec<SandboxId> = pool.slots().iter().map(|s| s.sandbox_id).collect();
+        assert_eq!(
+            slots,
+            vec![kept[0].sandbox_id],
+            "only a still pooled template's"
+        );
+        assert!(matches!(pool.next(), Action::Remove(id) if id == kept[1].sandbox_id));
+        let off = WarmPool::new(&WarmConfig::default(), 8192);
+        off.adopt(&kept, |_| true);
+        assert!(
+            off.slots().is_empty(),
+            "a host without a pool offered what it kept"
+        );
     }
 
     #[test]
