@@ -187,6 +187,23 @@ const CLAIMABLE: &str = "w.template = $1 AND w.runtime = $2 AND w.vcpus = $3
                          AND w.reported_at > now() - make_interval(secs => $7)
                          AND NOT EXISTS (SELECT 1 FROM sandboxes x WHERE x.id = w.sandbox_id)";
 
+/// Binds [`CLAIMABLE`]'s $1–$7: `shape` and `freshness`.
+fn bind_claimable<'q, O>(
+    query: sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    shape: &Shape<'q>,
+    freshness: Duration,
+) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+    let (vcpus, memory_mib) = resource_columns(shape.resources);
+    query
+        .bind(shape.template)
+        .bind(shape.runtime.as_str())
+        .bind(vcpus)
+        .bind(memory_mib)
+        .bind(disk_column(shape.disk_mib))
+        .bind(shape.image)
+        .bind(freshness.as_secs_f64())
+}
+
 /// Takes one slot of `host` with `shape`, reported within `freshness` (database clock) and
 /// whose id names no sandbox, in the caller's transaction: deletes its row and returns its id,
 /// which the create then gives its sandbox (in the same transaction). A slot another
@@ -199,24 +216,20 @@ pub async fn claim(
     shape: &Shape<'_>,
     freshness: Duration,
 ) -> Result<Option<SandboxId>, StoreError> {
-    let (vcpus, memory_mib) = resource_columns(shape.resources);
     timed(
         Op::WarmClaim,
-        sqlx::query_scalar(&format!(
-            "DELETE FROM warm_slots
+        bind_claimable(
+            sqlx::query_scalar(&format!(
+                "DELETE FROM warm_slots
               WHERE sandbox_id = (SELECT w.sandbox_id FROM warm_slots w
                                    WHERE w.host_id = $8 AND {CLAIMABLE}
                                    ORDER BY w.reported_at DESC, w.sandbox_id
                                    LIMIT 1 FOR UPDATE SKIP LOCKED)
               RETURNING sandbox_id"
-        ))
-        .bind(shape.template)
-        .bind(shape.runtime.as_str())
-        .bind(vcpus)
-        .bind(memory_mib)
-        .bind(disk_column(shape.disk_mib))
-        .bind(shape.image)
-        .bind(freshness.as_secs_f64())
+            )),
+            shape,
+            freshness,
+        )
         .bind(host)
         .fetch_optional(conn),
     )
@@ -232,19 +245,15 @@ pub async fn hosts_with_slot(
     shape: &Shape<'_>,
     freshness: Duration,
 ) -> Result<Vec<HostId>, StoreError> {
-    let (vcpus, memory_mib) = resource_columns(shape.resources);
     timed(
         Op::WarmHosts,
-        sqlx::query_scalar(&format!(
-            "SELECT DISTINCT w.host_id FROM warm_slots w WHERE {CLAIMABLE}"
-        ))
-        .bind(shape.template)
-        .bind(shape.runtime.as_str())
-        .bind(vcpus)
-        .bind(memory_mib)
-        .bind(disk_column(shape.disk_mib))
-        .bind(shape.image)
-        .bind(freshness.as_secs_f64())
+        bind_claimable(
+            sqlx::query_scalar(&format!(
+                "SELECT DISTINCT w.host_id FROM warm_slots w WHERE {CLAIMABLE}"
+            )),
+            shape,
+            freshness,
+        )
         .fetch_all(conn),
     )
     .await
