@@ -67,10 +67,31 @@ async fn subscribe(
         )
         .await
         .map_err(|e| ReconcilerError::JetStream(e.to_string()))?;
-    consumer
-        .messages()
+    berth_schemas::streams::pull_messages(&consumer)
         .await
         .map_err(|e| ReconcilerError::JetStream(e.to_string()))
+}
+
+/// [`subscribe`] until it succeeds (every [`RETRY_DELAY`]): a JetStream cluster still electing
+/// its leaders (all of it just started, or a node was lost) times requests out for a while.
+/// `None` once `shutdown` fires.
+async fn subscribed(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    shutdown: &CancellationToken,
+) -> Option<consumer::pull::Stream> {
+    loop {
+        match subscribe(js, subjects).await {
+            Ok(messages) => return Some(messages),
+            Err(error) => {
+                warn!(%error, "result consumer: JetStream not ready yet; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep(RETRY_DELAY) => {}
+                }
+            }
+        }
+    }
 }
 
 /// Consumes results until `shutdown` fires, judging hosts' health and retrying failed
@@ -85,20 +106,15 @@ pub async fn consume(
     shutdown: CancellationToken,
 ) -> Result<(), ReconcilerError> {
     let js = jetstream::new(nats.clone());
-    // A JetStream cluster still electing its leaders (all of it just started, or a node was
-    // lost) times requests out for a while: wait it out instead of exiting.
-    let mut messages = loop {
-        match subscribe(&js, subjects).await {
-            Ok(messages) => break messages,
-            Err(error) => {
-                warn!(%error, "result consumer: JetStream not ready yet; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(RETRY_DELAY) => {}
-                }
-            }
-        }
+    let Some(mut messages) = subscribed(&js, subjects, &shutdown).await else {
+        return Ok(());
     };
+    metrics::describe_counter!(
+        "berth_result_resubscribes_total",
+        "Times the result consumer lost its pull (consumer leader killed or moved, consumer \
+         stopped by a JetStream node) and subscribed again"
+    );
+    metrics::counter!("berth_result_resubscribes_total").increment(0);
     metrics::describe_counter!(
         "berth_results_rejected_total",
         "Host results not believed (forged or misrouted), by reason; none of them was applied"
@@ -117,11 +133,26 @@ pub async fn consume(
             _ = shutdown.cancelled() => break,
             msg = messages.next() => match msg {
                 Some(Ok(msg)) => msg,
-                Some(Err(error)) => {
-                    warn!(%error, "result stream error; continuing");
+                // The pull is lost or ended: its consumer's leader was killed or moved (missed
+                // idle heartbeats), or a node stopped the consumer (`409 Consumer Deleted`,
+                // after which the stream ends). Only a new pull gets results again; the
+                // process must not end, nor wait for the old request to expire.
+                lost => {
+                    let error = lost.and_then(Result::err).map(|e| e.to_string());
+                    let error = error.as_deref().unwrap_or("the message stream ended");
+                    warn!(error, "result pull lost; resubscribing");
+                    metrics::counter!("berth_result_resubscribes_total").increment(1);
+                    // A pause, so a stream that fails at once does not spin.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(RETRY_DELAY) => {}
+                    }
+                    match subscribed(&js, subjects, &shutdown).await {
+                        Some(m) => messages = m,
+                        None => break,
+                    }
                     continue;
                 }
-                None => break,
             },
         };
         let result: CommandResult = match wire::decode(&msg.payload) {

@@ -13,6 +13,8 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::StreamError;
+use async_nats::jetstream::consumer::{pull, PullConsumer};
 use async_nats::jetstream::{self, stream};
 
 use crate::subjects::Subjects;
@@ -24,6 +26,32 @@ pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 /// How long the event stream keeps an event (limits retention): consumers can replay this far
 /// back. The `events` table stays the durable record; this bounds the stream's disk.
 pub const EVENTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// How often a consumer's leader sends an idle heartbeat on a pull request that has nothing
+/// to deliver. Two missed ones (10 s) tell the client its pull is lost: the leader was killed
+/// or moved, and nothing will arrive on that request. async-nats' own default (15 s, and a
+/// re-pull only when the request's [`PULL_EXPIRES`] + 5 s passed) stalled a consumer 30–35 s
+/// after its leader's node was killed (`tests/topology/faults.rs`).
+pub const PULL_IDLE_HEARTBEAT: Duration = Duration::from_secs(5);
+
+/// How long one pull request stays open on the server before the client sends the next.
+pub const PULL_EXPIRES: Duration = Duration::from_secs(30);
+
+/// The message stream of a durable pull consumer as every Berth consumer opens it: batches of
+/// up to 200, [`PULL_IDLE_HEARTBEAT`], [`PULL_EXPIRES`]. Its consumer resubscribes on any
+/// error or end of the stream (a missed heartbeat, `409 Consumer Deleted`, which nats-server
+/// 2.9 also sends to waiting pulls when a node merely stops the consumer, no responders).
+///
+/// Errors: [`StreamError`] when the pull subscription cannot be made.
+pub async fn pull_messages(consumer: &PullConsumer) -> Result<pull::Stream, StreamError> {
+    consumer
+        .stream()
+        .max_messages_per_batch(200)
+        .heartbeat(PULL_IDLE_HEARTBEAT)
+        .expires(PULL_EXPIRES)
+        .messages()
+        .await
+}
 
 /// The event stream's definition.
 pub fn events_stream_config(subjects: &Subjects) -> stream::Config {

@@ -140,3 +140,71 @@ async fn a_command_is_not_timed_out_while_its_result_waits_in_the_consumers_back
         .unwrap();
     berth_schemas::streams::delete_streams(&js, &subjects).await;
 }
+
+/// The result consumer outlives the JetStream consumer it pulls from. A JetStream node that
+/// deletes or stops it (nats-server 2.9 also sends waiting pulls `409 Consumer Deleted` when a
+/// node merely stops the consumer; the client's message stream then ends) once ended
+/// `results::consume` and with it the reconciler process: results then waited until an
+/// operator restarted it. Now it subscribes again, the consumer is made anew, and a result
+/// published after the deletion is applied.
+#[sqlx::test(migrator = "berth_store::MIGRATOR")]
+async fn the_result_consumer_subscribes_again_when_its_jetstream_consumer_is_deleted(db: PgPool) {
+    let plane = Plane::start(db).await;
+    let subjects = unique_subjects();
+    let nats = async_nats::connect(nats_url()).await.unwrap();
+    let js = jetstream::new(nats.clone());
+    let shutdown = CancellationToken::new();
+    let consumer = tokio::spawn({
+        let (subjects, db, shutdown) = (subjects.clone(), plane.db.clone(), shutdown.clone());
+        async move {
+            results::consume(
+                &subjects,
+                &db,
+                nats,
+                Default::default(),
+                results::APPLY_CONCURRENCY,
+                shutdown,
+            )
+            .await
+        }
+    });
+    let answer = |row| inproc::result_for(&row, inproc::succeeded(CommandKind::Create));
+    let first = plane.create().await;
+    let result = answer(plane.latest(first).await);
+    js.publish(subjects.result(plane.host), wire::encode(&result).into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    eventually("the first result is applied", || async {
+        inproc::row(&plane.db, first).await.state == "running"
+    })
+    .await;
+
+    let stream = js.get_stream(subjects.result_stream()).await.unwrap();
+    stream
+        .delete_consumer(&subjects.reconciler_consumer())
+        .await
+        .unwrap();
+    let second = plane.create().await;
+    let result = answer(plane.latest(second).await);
+    js.publish(subjects.result(plane.host), wire::encode(&result).into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    eventually(
+        "a result published after the deletion is applied",
+        || async { inproc::row(&plane.db, second).await.state == "running" },
+    )
+    .await;
+    assert!(!consumer.is_finished(), "the result consumer ended");
+
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(60), consumer)
+        .await
+        .expect("the consumer stops")
+        .unwrap()
+        .unwrap();
+    berth_schemas::streams::delete_streams(&js, &subjects).await;
+}

@@ -43,12 +43,20 @@ pub async fn in_transit(db: &PgPool) -> HashSet<String> {
     .collect()
 }
 
-/// Waits until the load created `more` sandboxes beyond what it had.
-pub async fn progress(load: &Load, more: usize) {
+/// Waits until the load created `more` sandboxes beyond what it had; panics after
+/// [`SETTLE_TIMEOUT`] with what the load saw, what is in transit and each part's state.
+pub async fn progress(topo: &Topology, load: &Load, more: usize) {
     let target = load.created() + more;
     let deadline = Instant::now() + SETTLE_TIMEOUT;
     while load.created() < target {
-        assert!(Instant::now() < deadline, "the load made no progress");
+        if Instant::now() >= deadline {
+            panic!(
+                "the load made no progress: {:?}\nin transit: {:?}\n{}",
+                load.tally(),
+                in_transit(&topo.db).await,
+                topo.diagnosis(8)
+            );
+        }
         tokio::time::sleep(POLL).await;
     }
 }
@@ -89,14 +97,27 @@ async fn a_nats_node_and_then_the_jetstream_meta_leader_killed_under_load_lose_n
     let _serial = SERIAL.lock().await;
     let topo = Topology::up(db, 3, &NO_RATE_LIMITS).await;
     let load = Load::start(&topo, LOAD_SANDBOXES, CONCURRENCY);
-    progress(&load, PROGRESS).await;
+    progress(&topo, &load, PROGRESS).await;
 
+    // The node leading the reconcilers' result consumer when it is not the meta leader (its
+    // pulls die with it, and only a new pull gets results again), else another one; when the
+    // meta leader leads that consumer, the second fault kills it.
     let leader = topo.meta_leader().await;
-    let node = format!("nats{}", if leader == 1 { 2 } else { 1 });
+    let node = match topo.consumer_leader("_RESULT", "reconciler").await {
+        Some(n) if n != leader => n,
+        _ => {
+            if leader == 1 {
+                2
+            } else {
+                1
+            }
+        }
+    };
+    let node = format!("nats{node}");
     let before = load.tally();
     let (t0, watched) = (Instant::now(), in_transit(&topo.db).await);
     topo.part("kill", &node);
-    progress(&load, PROGRESS).await;
+    progress(&topo, &load, PROGRESS).await;
     topo.part("start", &node);
     let node_converged = converged(&topo, t0, watched).await;
     let after_node = load.tally();
@@ -104,7 +125,7 @@ async fn a_nats_node_and_then_the_jetstream_meta_leader_killed_under_load_lose_n
     let leader = format!("nats{}", topo.meta_leader().await);
     let (t1, watched) = (Instant::now(), in_transit(&topo.db).await);
     topo.part("kill", &leader);
-    progress(&load, PROGRESS).await;
+    progress(&topo, &load, PROGRESS).await;
     topo.part("start", &leader);
     let leader_converged = converged(&topo, t1, watched).await;
     let after_leader = load.tally();
@@ -112,7 +133,9 @@ async fn a_nats_node_and_then_the_jetstream_meta_leader_killed_under_load_lose_n
     let tally = load.finish().await;
     assert_converged(&topo, &tally).await;
     report(
-        "kill -9 a NATS node (not the meta leader), restart",
+        &format!(
+            "kill -9 {node} (not the meta leader; the result consumer's if it leads it), restart"
+        ),
         node_converged,
         &since(&before, &after_node),
     );
@@ -131,7 +154,7 @@ async fn an_api_killed_mid_request_is_retried_on_the_other_with_the_same_answer_
     let _serial = SERIAL.lock().await;
     let topo = Topology::up(db, 3, &NO_RATE_LIMITS).await;
     let load = Load::start(&topo, LOAD_SANDBOXES, CONCURRENCY);
-    progress(&load, PROGRESS).await;
+    progress(&topo, &load, PROGRESS).await;
 
     // A create that waits for `running` on api1, so the API holds it open after its commit.
     let key = format!("held-{}", crate::support::unique());
@@ -250,7 +273,7 @@ async fn the_leader_reconciler_killed_under_load_is_replaced_within_its_lease(db
     env.push(("BERTH_LEADER_LEASE", &lease));
     let topo = Topology::up(db, 3, &env).await;
     let load = Load::start(&topo, LOAD_SANDBOXES, CONCURRENCY);
-    progress(&load, PROGRESS).await;
+    progress(&topo, &load, PROGRESS).await;
 
     let leader = topo.leader_reconciler().await;
     let before = load.tally();

@@ -63,7 +63,7 @@ async fn a_host_cut_off_for_thirty_seconds_catches_up_when_healed(db: PgPool) {
     let _serial = SERIAL.lock().await;
     let topo = Topology::up(db, 3, &NO_RATE_LIMITS).await;
     let load = Load::start(&topo, LOAD_SANDBOXES, CONCURRENCY);
-    progress(&load, PROGRESS).await;
+    progress(&topo, &load, PROGRESS).await;
     let host = busiest_host(&topo).await;
     let before = load.tally();
     cut(&topo, host);
@@ -97,7 +97,7 @@ async fn a_host_cut_off_past_lost_and_failover_has_its_stale_containers_destroye
     ]);
     let topo = Topology::up(db, 3, &env).await;
     let load = Load::start(&topo, LOAD_SANDBOXES, CONCURRENCY);
-    progress(&load, PROGRESS).await;
+    progress(&topo, &load, PROGRESS).await;
     let host = busiest_host(&topo).await;
     let id = topo.host_id(host);
     let before = load.tally();
@@ -213,7 +213,7 @@ async fn a_postgres_restart_under_load_loses_nothing(db: PgPool) {
     let _serial = SERIAL.lock().await;
     let topo = Topology::up(db, 3, &NO_RATE_LIMITS).await;
     let load = Load::start(&topo, LOAD_SANDBOXES, CONCURRENCY);
-    progress(&load, PROGRESS).await;
+    progress(&topo, &load, PROGRESS).await;
     let before = load.tally();
     let (t0, watched) = (Instant::now(), in_transit(&topo.db).await);
     topo.sh("pg_ctlcluster", &[version, name, "restart"]);

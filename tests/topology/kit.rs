@@ -133,6 +133,24 @@ impl Topology {
         )
     }
 
+    /// Every part (`pids/*`) in name order, each with whether it runs and its log's last
+    /// `lines` lines: what a test that saw the topology stall prints.
+    pub fn diagnosis(&self, lines: usize) -> String {
+        let mut names: Vec<String> = std::fs::read_dir(self.dir.join("pids"))
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+            .iter()
+            .map(|name| self.part_state(name, lines))
+            .collect::<Vec<_>>()
+            .join("\n\n")
+    }
+
     /// The network namespace of host `n` (1-based).
     pub fn netns(&self, n: usize) -> String {
         format!("{}-h{n}", self.prefix)
@@ -192,6 +210,51 @@ impl Topology {
             );
             tokio::time::sleep(POLL).await;
         }
+    }
+
+    /// The 1-based NATS node that leads consumer `consumer` of the stream whose name ends
+    /// with `stream_suffix` (e.g. `_RESULT`), as the servers' `/jsz` report it; `None` while
+    /// none does.
+    pub async fn consumer_leader(&self, stream_suffix: &str, consumer: &str) -> Option<usize> {
+        for url in &self.nats_monitor {
+            let url = format!("{url}/jsz?accounts=true&streams=true&consumers=true");
+            let Ok(resp) = self.http.get(url).send().await else {
+                continue;
+            };
+            let Ok(body) = resp.json::<serde_json::Value>().await else {
+                continue;
+            };
+            let accounts = body["account_details"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            for account in &accounts {
+                let streams = account["stream_detail"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
+                for stream in streams.iter().filter(|s| {
+                    s["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with(stream_suffix))
+                }) {
+                    let consumers = stream["consumer_detail"]
+                        .as_array()
+                        .cloned()
+                        .unwrap_or_default();
+                    for c in consumers.iter().filter(|c| c["name"] == consumer) {
+                        let leader = c["cluster"]["leader"].as_str().unwrap_or("");
+                        if let Some(n) = leader
+                            .rsplit_once("-n")
+                            .and_then(|(_, n)| n.parse::<usize>().ok())
+                        {
+                            return Some(n);
+                        }
+                    }
+                }
+            }
+        }
+        None
     }
 
     /// The 1-based reconciler that says it leads (`berth_reconciler_is_leader 1`), once one
@@ -269,9 +332,9 @@ impl Drop for Topology {
             .args(["down", "--dir"])
             .arg(&self.dir)
             .status();
-        if std::thread::panicking() {
+        if std::thread::panicking() || std::env::var_os("BERTH_KEEP_TOPOLOGY").is_some() {
             eprintln!(
-                "test failed: the topology's logs are in {}",
+                "the topology's logs are in {} (kept: a test failed or BERTH_KEEP_TOPOLOGY is set)",
                 self.dir.join("logs").display()
             );
         } else {

@@ -93,8 +93,7 @@ pub async fn consume(
                 .get_or_create_consumer(&name, config.clone())
                 .await
                 .map_err(HostdError::nats("create the host consumer"))?;
-            consumer
-                .messages()
+            berth_schemas::streams::pull_messages(&consumer)
                 .await
                 .map_err(HostdError::nats("pull commands"))
         };
