@@ -22,5 +22,6 @@ mod migrate;
 mod network;
 mod runc;
 mod spoofing;
+mod statefile;
 mod tools;
 mod warm;
