@@ -14,6 +14,7 @@ mod disk;
 mod egress;
 mod gvisor;
 mod harness;
+mod heartbeat_cost;
 mod images;
 mod io;
 mod keeper;
