@@ -10,6 +10,11 @@ use berth_schemas::CommandKind;
 /// Labels: `runtime`, `operation`.
 pub const RUNTIME_OPERATION_DURATION: &str = "berth_hostd_runtime_operation_duration_seconds";
 
+/// Counter of container lists that fell back from reading a runtime's state files
+/// (`crate::runtime::statefile`) to running its `list` command. Labels: `runtime`, `reason`
+/// (`read`, `parse`, `unexpected`).
+pub const RUNTIME_STATE_FALLBACKS: &str = "berth_hostd_runtime_state_fallbacks_total";
+
 /// Counter of commands handled. Labels: `kind` (`sandbox.create`, …), `outcome`.
 pub const COMMANDS_TOTAL: &str = "berth_hostd_commands_total";
 
@@ -45,6 +50,12 @@ impl CommandOutcome {
 pub fn runtime_operation(runtime: &'static str, operation: &'static str, elapsed: Duration) {
     ::metrics::histogram!(RUNTIME_OPERATION_DURATION, "runtime" => runtime, "operation" => operation)
         .record(elapsed.as_secs_f64());
+}
+
+/// Counts one fallback from a runtime's state files to its `list` command.
+pub fn runtime_state_fallback(runtime: &'static str, reason: &'static str) {
+    ::metrics::counter!(RUNTIME_STATE_FALLBACKS, "runtime" => runtime, "reason" => reason)
+        .increment(1);
 }
 
 /// Counts one handled command.

@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use serde::Deserialize;
 
+use super::statefile::StateFileError;
 use super::ContainerStatus;
 use crate::console::ConsoleWriter;
 use crate::error::HostdError;
@@ -211,7 +212,40 @@ impl OciCli {
         .await
     }
 
-    /// Every container of the root.
+    /// Every container of the root, by id, as `read` finds it in the runtime's own state
+    /// files ([`super::statefile`]: the status `list` would print, without a process), timed
+    /// as operation `list_state`. When `read` fails, from [`OciCli::list`] (the `list`
+    /// process), counted in [`metrics::RUNTIME_STATE_FALLBACKS`] and logged: a state file
+    /// this hostd cannot judge never makes a container look stopped or absent.
+    ///
+    /// Errors: as [`OciCli::list`], only when it is run.
+    pub async fn list_from_state(
+        &self,
+        read: fn(&Path) -> Result<HashMap<String, ContainerStatus>, StateFileError>,
+    ) -> Result<HashMap<String, ContainerStatus>, HostdError> {
+        let started = Instant::now();
+        let read = read(&self.root);
+        metrics::runtime_operation(self.name, "list_state", started.elapsed());
+        match read {
+            Ok(containers) => Ok(containers),
+            Err(e) => {
+                tracing::warn!(
+                    runtime = self.name,
+                    reason = e.reason(),
+                    error = %e.report(),
+                    "runtime state files not read; asking the runtime's list"
+                );
+                metrics::runtime_state_fallback(self.name, e.reason());
+                self.list().await
+            }
+        }
+    }
+
+    /// Every container of the root: `<binary> list --format json`, a process (about 7 ms for
+    /// runc, 30 ms for runsc); the heartbeat reads state files instead
+    /// ([`OciCli::list_from_state`]).
+    ///
+    /// Errors: [`HostdError::Tool`] / [`HostdError::Io`] from the process or its output.
     pub async fn list(&self) -> Result<HashMap<String, ContainerStatus>, HostdError> {
         self.timed("list", async {
             let out = self.call(&["list", "--format", "json"]).await?;

@@ -12,6 +12,7 @@ pub mod exit;
 pub mod runc;
 pub mod runsc;
 pub mod sim;
+pub mod statefile;
 
 use std::collections::HashMap;
 use std::path::Path;

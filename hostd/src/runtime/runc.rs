@@ -98,7 +98,9 @@ impl RuntimeDriver for Runc {
     }
 
     fn list(&self) -> BoxFuture<'_, Result<HashMap<String, ContainerStatus>, HostdError>> {
-        self.cli.list().boxed()
+        self.cli
+            .list_from_state(super::statefile::runc::list)
+            .boxed()
     }
 
     /// Kills a running container and waits for its init to exit before `delete --force`.

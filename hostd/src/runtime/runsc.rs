@@ -243,7 +243,9 @@ impl RuntimeDriver for Runsc {
     }
 
     fn list(&self) -> BoxFuture<'_, Result<HashMap<String, ContainerStatus>, HostdError>> {
-        self.cli.list().boxed()
+        self.cli
+            .list_from_state(super::statefile::runsc::list)
+            .boxed()
     }
 
     /// Kills the container's sandbox and gofer processes and waits for them to be reaped
@@ -320,7 +322,7 @@ impl RuntimeDriver for Runsc {
 /// Whether a `/proc/<pid>/cmdline` is that of `container_id`'s `program` (argv[0]): its
 /// sandbox (`runsc-sandbox`), whose last argument is the id, or its gofer (`runsc-gofer`),
 /// whose bundle dir is named after it.
-fn is_process_of(cmdline: &[u8], program: &str, container_id: &str) -> bool {
+pub(crate) fn is_process_of(cmdline: &[u8], program: &str, container_id: &str) -> bool {
     let mut args = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty());
     if args.next() != Some(program.as_bytes()) {
         return false;
