@@ -130,16 +130,6 @@ impl Harness {
     /// subjects and address pool (so the same host id), logging to `hostd.log` in the state
     /// dir. `crash_at` is its fault-injection crash point (`berth_hostd::fault`), if any.
     pub(crate) fn spawn_hostd_process(&mut self, crash_at: Option<&str>) -> anyhow::Result<()> {
-        self.spawn_hostd_binary(std::path::Path::new(env!("CARGO_BIN_EXE_berth")), crash_at)
-    }
-
-    /// [`Harness::spawn_hostd_process`] with another `berth` binary (an older build, to
-    /// compare).
-    pub(crate) fn spawn_hostd_binary(
-        &mut self,
-        binary: &std::path::Path,
-        crash_at: Option<&str>,
-    ) -> anyhow::Result<()> {
         ensure!(
             self.hostd.is_none() && self.process.is_none(),
             "hostd already runs"
@@ -148,7 +138,7 @@ impl Harness {
             .create(true)
             .append(true)
             .open(self.state_dir.join("hostd.log"))?;
-        let mut command = tokio::process::Command::new(binary);
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"));
         command
             .arg("hostd")
             .arg("--state-dir")

@@ -14,7 +14,6 @@ mod disk;
 mod egress;
 mod gvisor;
 mod harness;
-mod heartbeat_cost;
 mod images;
 mod io;
 mod keeper;
