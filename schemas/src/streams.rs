@@ -28,14 +28,19 @@ pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 pub const EVENTS_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// How often a consumer's leader sends an idle heartbeat on a pull request that has nothing
-/// to deliver. Two missed ones (10 s) tell the client its pull is lost: the leader was killed
-/// or moved, and nothing will arrive on that request. async-nats' own default (15 s, and a
-/// re-pull only when the request's [`PULL_EXPIRES`] + 5 s passed) stalled a consumer 30–35 s
-/// after its leader's node was killed (`tests/topology/faults.rs`).
+/// to deliver. Two missed ones (10 s) tell the client its pull is lost: the leader's node was
+/// killed, and nothing will arrive on that request. async-nats' own default (15 s, and no new
+/// pull before the old request's expiry + 5 s) stalled a consumer 30–35 s after the node of
+/// its leader was killed (`tests/topology/faults.rs`).
 pub const PULL_IDLE_HEARTBEAT: Duration = Duration::from_secs(5);
 
-/// How long one pull request stays open on the server before the client sends the next.
-pub const PULL_EXPIRES: Duration = Duration::from_secs(30);
+/// How long one pull request stays open on the server before the client sends the next. It
+/// bounds the stall when leadership moved but the request stayed behind on a live node: that
+/// node keeps heartbeating the request and delivers nothing (nats-server 2.9 does not release
+/// waiting pulls when its consumer leader steps down; seen as a host that got no command for
+/// 30 s after the meta leader's kill, with the default 30 s). Each consumer sends one pull per
+/// period when idle.
+pub const PULL_EXPIRES: Duration = Duration::from_secs(15);
 
 /// The message stream of a durable pull consumer as every Berth consumer opens it: batches of
 /// up to 200, [`PULL_IDLE_HEARTBEAT`], [`PULL_EXPIRES`]. Its consumer resubscribes on any
