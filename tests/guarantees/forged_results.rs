@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use berth_reconciler::results::{self, Applied, Rejection};
-use berth_schemas::wire::{self, Command, CommandResult};
+use berth_schemas::wire::{Command, CommandResult};
 use berth_schemas::{CommandId, CommandKind, Generation, HostId, SandboxState};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -173,39 +173,17 @@ async fn a_result_published_on_another_hosts_subject_is_not_applied(db: PgPool) 
         .await
         .unwrap();
     let shutdown = CancellationToken::new();
-    let consumer = tokio::spawn({
-        let (subjects, db, shutdown) = (subjects.clone(), plane.db.clone(), shutdown.clone());
-        async move {
-            let health = berth_reconciler::health::HealthConfig::default();
-            results::consume(
-                &subjects,
-                &db,
-                nats,
-                health,
-                results::APPLY_CONCURRENCY,
-                shutdown,
-            )
-            .await
-        }
-    });
+    let consumer = inproc::spawn_result_consumer(&subjects, &plane.db, nats, &shutdown);
 
     // Another (real, registered) host publishes on its own result subject, as its credentials
     // allow, a success that names the sandbox's host: forged.
     let intruder = HostId::new();
     inproc::heartbeat(&plane.db, intruder, inproc::HOST_CAPACITY).await;
     let forged = inproc::result_for(&stop, inproc::succeeded(CommandKind::Stop));
-    js.publish(subjects.result(intruder), wire::encode(&forged).into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    inproc::publish_result(&js, &subjects, intruder, &forged).await;
     // Then the sandbox's host reports, on its own subject, that the stop failed.
     let genuine = inproc::result_for(&stop, inproc::failed());
-    js.publish(subjects.result(plane.host), wire::encode(&genuine).into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    inproc::publish_result(&js, &subjects, plane.host, &genuine).await;
 
     // Had the forged success applied, the sandbox would be stopped and the failure a duplicate.
     eventually("the genuine stop failure is applied", || async {

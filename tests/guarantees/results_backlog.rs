@@ -8,7 +8,6 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer};
 use berth_reconciler::pass::{run_pass, Action, PassConfig};
 use berth_reconciler::{results, watermark};
-use berth_schemas::wire;
 use berth_schemas::CommandKind;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -71,11 +70,7 @@ async fn a_command_is_not_timed_out_while_its_result_waits_in_the_consumers_back
         &plane.latest(answered).await,
         inproc::succeeded(CommandKind::Create),
     );
-    js.publish(subjects.result(plane.host), wire::encode(&answer).into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    inproc::publish_result(&js, &subjects, plane.host, &answer).await;
     // Published (by the relay, as far as the pass can tell) after the host's answer was
     // queued: every sample from now on sees the result pending.
     let published: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(
@@ -101,20 +96,7 @@ async fn a_command_is_not_timed_out_while_its_result_waits_in_the_consumers_back
     }
 
     // The consumer applies the backlog; the watermark then passes both deadlines.
-    let consumer = tokio::spawn({
-        let (subjects, db, shutdown) = (subjects.clone(), plane.db.clone(), shutdown.clone());
-        async move {
-            results::consume(
-                &subjects,
-                &db,
-                nats,
-                Default::default(),
-                results::APPLY_CONCURRENCY,
-                shutdown,
-            )
-            .await
-        }
-    });
+    let consumer = inproc::spawn_result_consumer(&subjects, &plane.db, nats, &shutdown);
     eventually("the queued result is applied", || async {
         inproc::row(&plane.db, answered).await.state == "running"
     })
@@ -154,28 +136,11 @@ async fn the_result_consumer_subscribes_again_when_its_jetstream_consumer_is_del
     let nats = async_nats::connect(nats_url()).await.unwrap();
     let js = jetstream::new(nats.clone());
     let shutdown = CancellationToken::new();
-    let consumer = tokio::spawn({
-        let (subjects, db, shutdown) = (subjects.clone(), plane.db.clone(), shutdown.clone());
-        async move {
-            results::consume(
-                &subjects,
-                &db,
-                nats,
-                Default::default(),
-                results::APPLY_CONCURRENCY,
-                shutdown,
-            )
-            .await
-        }
-    });
+    let consumer = inproc::spawn_result_consumer(&subjects, &plane.db, nats, &shutdown);
     let answer = |row| inproc::result_for(&row, inproc::succeeded(CommandKind::Create));
     let first = plane.create().await;
     let result = answer(plane.latest(first).await);
-    js.publish(subjects.result(plane.host), wire::encode(&result).into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    inproc::publish_result(&js, &subjects, plane.host, &result).await;
     eventually("the first result is applied", || async {
         inproc::row(&plane.db, first).await.state == "running"
     })
@@ -188,11 +153,7 @@ async fn the_result_consumer_subscribes_again_when_its_jetstream_consumer_is_del
         .unwrap();
     let second = plane.create().await;
     let result = answer(plane.latest(second).await);
-    js.publish(subjects.result(plane.host), wire::encode(&result).into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    inproc::publish_result(&js, &subjects, plane.host, &result).await;
     eventually(
         "a result published after the deletion is applied",
         || async { inproc::row(&plane.db, second).await.state == "running" },

@@ -380,6 +380,46 @@ pub async fn event_states(db: &PgPool, id: SandboxId) -> Vec<String> {
         .expect("read events")
 }
 
+/// `berth_reconciler::results::consume` on a task of its own, with the default health
+/// config and concurrency, until `shutdown`; `nats` is its connection.
+pub fn spawn_result_consumer(
+    subjects: &Subjects,
+    db: &PgPool,
+    nats: async_nats::Client,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<Result<(), berth_reconciler::ReconcilerError>> {
+    let (subjects, db, shutdown) = (subjects.clone(), db.clone(), shutdown.clone());
+    tokio::spawn(async move {
+        berth_reconciler::results::consume(
+            &subjects,
+            &db,
+            nats,
+            Default::default(),
+            berth_reconciler::results::APPLY_CONCURRENCY,
+            shutdown,
+        )
+        .await
+    })
+}
+
+/// Publishes `result` on `host`'s result subject, as that host would, and awaits the stream's
+/// ack.
+pub async fn publish_result(
+    js: &async_nats::jetstream::Context,
+    subjects: &Subjects,
+    host: HostId,
+    result: &CommandResult,
+) {
+    js.publish(
+        subjects.result(host),
+        berth_schemas::wire::encode(result).into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+}
+
 /// Host health for scenarios that synthesize host failures to test the sandbox lifecycle: a
 /// host is never degraded (the third failure in a row would otherwise take the scenario's one
 /// host out of placement, and its next create would be `503 unavailable`). Host health has
