@@ -1,6 +1,7 @@
-//! The floors `berth bench` measures in the same run as the stack's figures: raw `runc run`,
-//! raw `runsc run`, and a raw `runsc checkpoint` + `runsc restore` of one detached sandbox, all
-//! of a busybox bundle made by `runc spec`; a raw Postgres commit; a raw JetStream publish.
+//! The floors `berth bench` measures in the same run as the stack's figures: raw `runc run`
+//! (interleaved with raw `crun run` where crun is installed, [`crun`]), raw `runsc run`, and a
+//! raw `runsc checkpoint` + `runsc restore` of one detached sandbox, all of a busybox bundle
+//! made by `runc spec`; a raw Postgres commit; a raw JetStream publish.
 //!
 //! A floor that cannot be measured (runsc missing, say) is returned as an error the caller
 //! prints and leaves empty: the table then says `n/a`, never a guessed figure.
@@ -13,6 +14,10 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
 use super::Samples;
+
+pub mod crun;
+
+pub use crun::CrunFloor;
 
 /// How long one floor or peer command may take before the bench gives it up (killed).
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(120);
@@ -94,6 +99,17 @@ impl Drop for RemoveOnDrop {
 ///
 /// Errors: the program could not start or exited non-zero (its stderr in the message).
 pub async fn timed(program: &str, args: &[&str]) -> anyhow::Result<Duration> {
+    timed_with(program, args, |_| {}).await
+}
+
+/// [`timed`], with `prepare` applied to the command before it is spawned (a `pre_exec`, say).
+///
+/// Errors: as [`timed`].
+pub async fn timed_with(
+    program: &str,
+    args: &[&str],
+    prepare: impl FnOnce(&mut tokio::process::Command),
+) -> anyhow::Result<Duration> {
     let err_path = std::env::temp_dir().join(format!(
         "berth-bench-{}-{}.stderr",
         std::process::id(),
@@ -102,14 +118,16 @@ pub async fn timed(program: &str, args: &[&str]) -> anyhow::Result<Duration> {
     let err_file = std::fs::File::create(&err_path)?;
     // Removed on drop too (an interrupted bench drops this future mid-command).
     let _remove = RemoveOnDrop(err_path.clone());
-    let t = Instant::now();
-    let run = tokio::process::Command::new(program)
+    let mut command = tokio::process::Command::new(program);
+    command
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(err_file)
-        .kill_on_drop(true)
-        .status();
+        .kill_on_drop(true);
+    prepare(&mut command);
+    let t = Instant::now();
+    let run = command.status();
     let status = match tokio::time::timeout(COMMAND_TIMEOUT, run).await {
         Ok(status) => status.with_context(|| format!("start {program}")),
         Err(_) => Err(anyhow::anyhow!(
@@ -124,6 +142,37 @@ pub async fn timed(program: &str, args: &[&str]) -> anyhow::Result<Duration> {
         bail!("{program} {}: {status}: {}", args.join(" "), stderr.trim());
     }
     Ok(elapsed)
+}
+
+/// The raw `runc run` floor and, interleaved with it sample by sample so load weighs on both
+/// alike, the raw `crun run` floor of the same bundle.
+#[derive(Default)]
+pub struct RuntimeFloors {
+    /// `runc run` of `/bin/true`, start to exit.
+    pub runc: Samples,
+    /// `crun run` of the same bundle, in the mode it ran in, or why it did not run.
+    pub crun: CrunFloor,
+}
+
+/// Measures [`RuntimeFloors`]: `samples` raw `runc run`s of a busybox `true`, each followed by
+/// a raw `crun run` of the same bundle when crun is installed and runs here in some mode
+/// ([`crun::probe`]; its probe run is not counted).
+///
+/// Errors: as [`runc_run`]; crun's own failures are its floor's [`CrunFloor::Refused`].
+pub async fn runc_and_crun_run(samples: usize) -> anyhow::Result<RuntimeFloors> {
+    let bundle = Bundle::new("runc", &["/bin/true"]).await?;
+    let root = path_str(&bundle.dir().join("runc-root"));
+    let dir = path_str(bundle.dir());
+    let mut crun = crun::Runner::probe(&bundle).await;
+    let mut out = RuntimeFloors::default();
+    for i in 0..samples {
+        let id = format!("floor{i}");
+        out.runc
+            .push(timed("runc", &["--root", &root, "run", "--bundle", &dir, &id]).await?);
+        crun.sample(&bundle).await;
+    }
+    out.crun = crun.into_floor();
+    Ok(out)
 }
 
 /// Raw `runc run` of a busybox container that runs `true`: the runtime's own cost.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use serde_json::{json, Value};
 
-use super::floors::{self, RunscFloors};
+use super::floors::{self, CrunFloor, RunscFloors};
 use super::podman::Podman;
 use super::targets::{in_ms, ratio, Goal, Target};
 use super::warm::{served, WarmClaims};
@@ -166,7 +166,13 @@ pub async fn measure(
     // The floors first, on a stack at rest: measured after the Berth phases they ran beside
     // the refills of the stack's warm pools.
     eprintln!("bench: the floors…");
-    let runc_floor = or_missing("the runc floor", floors::runc_run(FLOOR_SAMPLES).await);
+    let floors::RuntimeFloors {
+        runc: runc_floor,
+        crun: crun_floor,
+    } = or_missing(
+        "the runc floor",
+        floors::runc_and_crun_run(FLOOR_SAMPLES).await,
+    );
     let runsc = or_missing::<RunscFloors>(
         "the runsc floors",
         floors::runsc(args.runsc_floor_samples).await,
@@ -323,6 +329,21 @@ pub async fn measure(
     );
     row("gVisor delete→deleted", &gvisor.delete, "—", &none);
     row("raw runc run (busybox true)", &runc_floor, "—", &none);
+    match &crun_floor {
+        CrunFloor::Missing => {}
+        CrunFloor::Refused(said) => row(
+            &format!("raw crun run (busybox true): refused: {said}"),
+            &none,
+            "—",
+            &none,
+        ),
+        CrunFloor::Ran { mode, samples } => row(
+            &format!("raw crun run (busybox true; {})", mode.describe()),
+            samples,
+            "—",
+            &none,
+        ),
+    }
     row("raw runsc run (busybox true)", &runsc.run, "—", &none);
     row(
         "raw runsc run -d (busybox sleep)",

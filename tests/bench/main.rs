@@ -6,6 +6,7 @@
 mod support;
 
 mod failover;
+mod floors;
 mod interrupt;
 mod storage;
 
