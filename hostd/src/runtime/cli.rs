@@ -223,20 +223,37 @@ impl OciCli {
         &self,
         read: fn(&Path) -> Result<HashMap<String, ContainerStatus>, StateFileError>,
     ) -> Result<HashMap<String, ContainerStatus>, HostdError> {
+        self.from_state("list_state", || read(&self.root), self.list())
+            .await
+    }
+
+    /// What `read` gives from the runtime's state files (timed as `operation`), else what
+    /// `fallback` (the runtime's own command) gives: a state file that does not read as
+    /// expected is logged and counted in `berth_hostd_runtime_state_fallbacks_total`, and
+    /// never taken for a stopped or absent container.
+    ///
+    /// Errors: those of `fallback`.
+    pub async fn from_state<T>(
+        &self,
+        operation: &'static str,
+        read: impl FnOnce() -> Result<T, StateFileError>,
+        fallback: impl std::future::Future<Output = Result<T, HostdError>>,
+    ) -> Result<T, HostdError> {
         let started = Instant::now();
-        let read = read(&self.root);
-        metrics::runtime_operation(self.name, "list_state", started.elapsed());
+        let read = read();
+        metrics::runtime_operation(self.name, operation, started.elapsed());
         match read {
-            Ok(containers) => Ok(containers),
+            Ok(found) => Ok(found),
             Err(e) => {
                 tracing::warn!(
                     runtime = self.name,
+                    operation,
                     reason = e.reason(),
                     error = %e.report(),
-                    "runtime state files not read; asking the runtime's list"
+                    "runtime state files not read; asking the runtime"
                 );
                 metrics::runtime_state_fallback(self.name, e.reason());
-                self.list().await
+                fallback.await
             }
         }
     }

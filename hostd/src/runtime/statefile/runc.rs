@@ -90,15 +90,32 @@ pub fn list(root: &Path) -> Result<HashMap<String, ContainerStatus>, StateFileEr
             continue;
         }
         let dir = root.join(&id);
-        if let Some(status) = container(&dir)? {
+        if let Some((status, _)) = container(&dir)? {
             out.insert(id, status);
         }
     }
     Ok(out)
 }
 
-/// The status of the container whose directory is `dir`; `None` without its `state.json`.
-fn container(dir: &Path) -> Result<Option<ContainerStatus>, StateFileError> {
+/// Container `id` of the root `root` as `runc state` sees it: the status `runc state` would
+/// print and its state file; `None` when runc has no such container (no directory, no
+/// `state.json`, or `id` is no valid container id).
+///
+/// Errors: [`StateFileError`] when something does not read as expected (see the parent
+/// module's guarantees); the caller then asks `runc state`.
+pub fn state(
+    root: &Path,
+    id: &str,
+) -> Result<Option<(ContainerStatus, RuncState)>, StateFileError> {
+    if !valid_id(id) {
+        return Ok(None);
+    }
+    container(&root.join(id))
+}
+
+/// The status and state file of the container whose directory is `dir`; `None` without its
+/// `state.json`.
+fn container(dir: &Path) -> Result<Option<(ContainerStatus, RuncState)>, StateFileError> {
     let path = dir.join(STATE_FILE);
     let Some(bytes) = read_if_present(&path)? else {
         return Ok(None);
@@ -108,7 +125,7 @@ fn container(dir: &Path) -> Result<Option<ContainerStatus>, StateFileError> {
     let init = read_proc_stat(state.init_process_pid)?;
     // runc's `os.Stat`: any error is "no fifo".
     let exec_fifo = std::fs::metadata(dir.join(EXEC_FIFO)).is_ok();
-    Ok(Some(status(&state, frozen, init, exec_fifo)))
+    Ok(Some((status(&state, frozen, init, exec_fifo), state)))
 }
 
 /// Whether the container's cgroup is frozen, as runc's cgroup manager for this machine's
