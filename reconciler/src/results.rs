@@ -142,6 +142,11 @@ pub async fn consume(
                     let error = error.as_deref().unwrap_or("the message stream ended");
                     warn!(error, "result pull lost; resubscribing");
                     metrics::counter!("berth_result_resubscribes_total").increment(1);
+                    // The old stream goes now, not when the new one replaces it: alive, it
+                    // sends a pull of its own when the client reconnects, and a result
+                    // delivered to it before it is dropped is never applied nor acked (it
+                    // waits ACK_WAIT for redelivery; seen after a NATS restart).
+                    drop(messages);
                     // A pause, so a stream that fails at once does not spin.
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
