@@ -58,6 +58,12 @@ pub fn runtime_state_fallback(runtime: &'static str, reason: &'static str) {
         .increment(1);
 }
 
+/// Makes the [`RUNTIME_STATE_FALLBACKS`] series of `runtime` and `reason` exist, at 0 if new.
+pub fn runtime_state_fallbacks_exist(runtime: &'static str, reason: &'static str) {
+    ::metrics::counter!(RUNTIME_STATE_FALLBACKS, "runtime" => runtime, "reason" => reason)
+        .increment(0);
+}
+
 /// Counts one handled command.
 pub fn command(kind: CommandKind, outcome: CommandOutcome) {
     ::metrics::counter!(COMMANDS_TOTAL, "kind" => kind.as_str(), "outcome" => outcome.as_str())

@@ -137,11 +137,23 @@ async fn a_signal_to_the_callers_process_group_spares_the_keeper_and_what_it_kee
         "{berth} {} -- sh -c '{left}'; exec sleep 60",
         berth_hostd::keeper::KEEPER_SUBCOMMAND
     );
-    let mut shell = tokio::process::Command::new("sh")
+    let mut shell = tokio::process::Command::new("sh");
+    shell
         .args(["-c", &caller])
         .process_group(0)
-        .kill_on_drop(true)
-        .spawn()?;
+        .kill_on_drop(true);
+    // The test may run with SIGINT ignored (a background job of a shell, `nohup`), and an
+    // ignored signal stays ignored across exec: the caller's group must take SIGINT as from a
+    // terminal, or its `sleep` outlives the signal, and what the keeper keeps its own 60 s.
+    // SAFETY: signal(2) is async-signal-safe.
+    unsafe {
+        shell.pre_exec(|| {
+            nix::sys::signal::signal(Signal::SIGINT, nix::sys::signal::SigHandler::SigDfl)
+                .map(drop)
+                .map_err(std::io::Error::from)
+        });
+    }
+    let mut shell = shell.spawn()?;
     let group = Pid::from_raw(shell.id().context("the caller's pid")? as i32);
     let left = pid_in(&pidfile).await?;
     // Until its runtime ended the keeper dies with its caller, by design (a hostd killed
@@ -168,7 +180,9 @@ async fn a_signal_to_the_callers_process_group_spares_the_keeper_and_what_it_kee
         "what the keeper keeps is in its caller's process group"
     );
     killpg(group, Signal::SIGINT)?;
-    shell.wait().await?;
+    tokio::time::timeout(BOUND, shell.wait())
+        .await
+        .context("the caller's group outlived its SIGINT")??;
     tokio::time::sleep(Duration::from_millis(100)).await;
     ensure!(
         stat(keeper).is_some_and(|(state, _)| state != 'Z'),

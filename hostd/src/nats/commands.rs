@@ -117,6 +117,10 @@ pub async fn consume(
                     }
                     Some(Err(e)) => {
                         tracing::warn!(error = %e, "command stream error; resubscribing");
+                        // The old stream goes before the pause: alive, it would pull again
+                        // when the client reconnects, and a command delivered to it would
+                        // wait its ack wait for redelivery.
+                        drop(messages);
                         tokio::time::sleep(RESUBSCRIBE_DELAY).await;
                         continue 'resubscribe;
                     }

@@ -73,6 +73,11 @@ impl OciCli {
     ) -> Result<Self, HostdError> {
         std::fs::create_dir_all(&root)
             .map_err(HostdError::io(format!("create {}", root.display())))?;
+        // Every series exists from the start, so `rate()` and `absent()` work before the
+        // first fallback.
+        for reason in StateFileError::REASONS {
+            metrics::runtime_state_fallbacks_exist(name, reason);
+        }
         Ok(Self {
             name,
             binary,

@@ -67,6 +67,9 @@ pub enum StateFileError {
 }
 
 impl StateFileError {
+    /// Every [`StateFileError::reason`].
+    pub const REASONS: [&'static str; 3] = ["read", "parse", "unexpected"];
+
     /// The `reason` label of [`crate::metrics::RUNTIME_STATE_FALLBACKS`]: `read`, `parse` or
     /// `unexpected`.
     pub fn reason(&self) -> &'static str {
