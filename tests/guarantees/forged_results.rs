@@ -4,8 +4,6 @@
 //! else is rejected and changes nothing. Results are synthesized (no hostd), through
 //! `berth_reconciler::results::{apply, consume}` on the real Postgres and NATS.
 
-use std::time::Duration;
-
 use async_nats::jetstream;
 use berth_reconciler::results::{self, Applied, Rejection};
 use berth_schemas::wire::{Command, CommandResult};
@@ -194,11 +192,5 @@ async fn a_result_published_on_another_hosts_subject_is_not_applied(db: PgPool) 
         inproc::event_states(&plane.db, id).await,
         ["provisioning", "running", "stopping", "running"]
     );
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(60), consumer)
-        .await
-        .expect("the consumer stops")
-        .unwrap()
-        .unwrap();
-    berth_schemas::streams::delete_streams(&js, &subjects).await;
+    inproc::stop_result_consumer(&shutdown, consumer, &js, &subjects).await;
 }

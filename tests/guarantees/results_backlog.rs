@@ -115,12 +115,7 @@ async fn a_command_is_not_timed_out_while_its_result_waits_in_the_consumers_back
 
     shutdown.cancel();
     sampler.await.unwrap();
-    tokio::time::timeout(Duration::from_secs(60), consumer)
-        .await
-        .expect("the consumer stops")
-        .unwrap()
-        .unwrap();
-    berth_schemas::streams::delete_streams(&js, &subjects).await;
+    inproc::stop_result_consumer(&shutdown, consumer, &js, &subjects).await;
 }
 
 /// The result consumer outlives the JetStream consumer it pulls from. A JetStream node that
@@ -161,11 +156,5 @@ async fn the_result_consumer_subscribes_again_when_its_jetstream_consumer_is_del
     .await;
     assert!(!consumer.is_finished(), "the result consumer ended");
 
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(60), consumer)
-        .await
-        .expect("the consumer stops")
-        .unwrap()
-        .unwrap();
-    berth_schemas::streams::delete_streams(&js, &subjects).await;
+    inproc::stop_result_consumer(&shutdown, consumer, &js, &subjects).await;
 }

@@ -402,6 +402,23 @@ pub fn spawn_result_consumer(
     })
 }
 
+/// Stops a consumer of [`spawn_result_consumer`] through its `shutdown`, waits (at most 60 s)
+/// for it to end without error, then deletes the test's streams.
+pub async fn stop_result_consumer(
+    shutdown: &tokio_util::sync::CancellationToken,
+    consumer: tokio::task::JoinHandle<Result<(), berth_reconciler::ReconcilerError>>,
+    js: &async_nats::jetstream::Context,
+    subjects: &Subjects,
+) {
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(60), consumer)
+        .await
+        .expect("the consumer stops")
+        .unwrap()
+        .unwrap();
+    berth_schemas::streams::delete_streams(js, subjects).await;
+}
+
 /// Publishes `result` on `host`'s result subject, as that host would, and awaits the stream's
 /// ack.
 pub async fn publish_result(
