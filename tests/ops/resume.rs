@@ -44,7 +44,20 @@ pub(crate) async fn ready_snapshot(stack: &Stack, sandbox: &str) -> String {
         .await;
     assert_eq!(status, 202, "{body}");
     let snapshot = settled(stack, body["id"].as_str().unwrap()).await;
-    assert_eq!(snapshot["state"], "ready", "{snapshot}");
+    // The public reason names no host path; the host's log line does (which file, which tree).
+    let why = || -> Vec<String> {
+        stack
+            .hosts
+            .iter()
+            .flat_map(|h| h.log_lines("snapshot failed"))
+            .collect()
+    };
+    assert_eq!(
+        snapshot["state"],
+        "ready",
+        "{snapshot}\nhost logs: {:#?}",
+        why()
+    );
     snapshot["id"].as_str().unwrap().to_owned()
 }
 

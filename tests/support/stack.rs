@@ -52,6 +52,32 @@ impl std::ops::DerefMut for HostProcess {
 }
 
 impl HostProcess {
+    /// The lines of this host's log that contain `needle`, without terminal colours: what a
+    /// failed assertion prints, since CI removes the logs of a run that left nothing behind.
+    pub fn log_lines(&self, needle: &str) -> Vec<String> {
+        let log = std::fs::read_to_string(self.state_dir.with_extension("log")).unwrap_or_default();
+        log.lines()
+            .filter(|l| l.contains(needle))
+            .map(|l| {
+                let mut plain = String::with_capacity(l.len());
+                let mut chars = l.chars();
+                while let Some(c) = chars.next() {
+                    if c == '\u{1b}' {
+                        // Skip an escape sequence up to its final letter.
+                        for e in chars.by_ref() {
+                            if e.is_ascii_alphabetic() {
+                                break;
+                            }
+                        }
+                    } else {
+                        plain.push(c);
+                    }
+                }
+                plain
+            })
+            .collect()
+    }
+
     /// The runc root of this host (where its containers are listed).
     pub fn runc_root(&self) -> PathBuf {
         self.state_dir.join("runc")
