@@ -4,9 +4,11 @@
 //! - runc: freeze the container (`runc pause`, the cgroup freezer), capture the overlay upper
 //!   dir into a staging dir (only what changed since the parent snapshot is read and
 //!   compressed), thaw. `paused_ms` is the time from freeze to thaw.
-//! - gVisor: drain the agent's calls, `runsc checkpoint --leave-running` saves its memory and
-//!   leaves it running (this runsc restores the sandbox in place after saving), then freeze,
-//!   capture the upper dir, thaw. `paused_ms` covers the checkpoint and the freeze.
+//! - gVisor: drain the agent's calls, `runsc checkpoint` saves its memory and ends it, the
+//!   upper dir is captured while nothing runs (disk and memory of the same instant), then the
+//!   sandbox is restored in place. `paused_ms` covers checkpoint, capture and restore. (This
+//!   runsc's `pause` does not pause a restored sandbox, so the disk is never captured under
+//!   it after a restore.)
 //! - Then, with the sandbox running again, upload: chunks first, the manifest last. The
 //!   result reports the snapshot only once its manifest is stored (DESIGN.md guarantee 9).
 //!
@@ -111,63 +113,86 @@ async fn take(
         root: upper,
     }];
     let started = Instant::now();
+    let staging = storage.staging.clone();
+    let stage = move |sources: Vec<TreeSource>| async move {
+        tokio::task::spawn_blocking(move || {
+            berth_storage::stage(info, &sources, parent.as_ref(), &staging)
+        })
+        .await
+        .map_err(|e| HostdError::Io {
+            context: "snapshot capture task".into(),
+            source: std::io::Error::other(e),
+        })
+    };
     // A backup keeps the disk only: no checkpoint, only the freeze of the disk capture.
     let with_memory = runtime.memory_snapshot() && !order.disk_only;
-    if with_memory {
+    let (staged, paused) = if with_memory {
         if !host.gates.close_and_drain(id, SNAPSHOT_DRAIN_TIMEOUT).await {
             tracing::warn!(waited = ?SNAPSHOT_DRAIN_TIMEOUT, "agent calls still in flight; checkpointing anyway");
         }
         super::settle::before_checkpoint(record.link).await;
-        // Checkpoint, then restore in place: this runsc's `checkpoint --leave-running` never
-        // returns. The sandbox's netstack took its address off `eth0` at boot; the restore
-        // reads it from there again, as a memory stop's next start does.
-        let checkpointed = async {
-            runtime.checkpoint(&names.container_id, &memory_dir).await?;
-            let link = record
-                .link
-                .ok_or(HostdError::UnknownSandbox { sandbox_id: id })?;
-            crate::netns::ensure(&names, &link, &crate::netns::owner_alias(host.host_id, id))
-                .await?;
-            runtime
-                .restore(
-                    crate::runtime::RunRequest {
-                        container_id: &names.container_id,
-                        bundle: paths.dir(),
-                        console_log: &paths.console_log(),
-                        pid_file: &paths.init_pid(),
-                    },
-                    &memory_dir,
-                )
+        // Checkpoint (this runsc's `checkpoint --leave-running` never returns, so the sandbox
+        // ends), capture the disk while nothing runs, then restore in place. The disk is
+        // captured before the restore, not under a `runsc pause` after it: this runsc's pause
+        // does not pause a restored sandbox (runsc 0.0~20221219: a restored counter went on
+        // writing while "paused"), so a disk captured then was a running sandbox's, later than
+        // its memory, and a file it renamed meanwhile failed the capture.
+        let checkpointed = runtime.checkpoint(&names.container_id, &memory_dir).await;
+        let staged = match &checkpointed {
+            Ok(()) => {
+                sources.push(TreeSource {
+                    kind: TreeKind::Memory,
+                    root: memory_dir.clone(),
+                });
+                Some(stage(sources).await)
+            }
+            Err(_) => None,
+        };
+        // Restore whatever the capture did: a snapshot never leaves its sandbox stopped.
+        let restored = match checkpointed {
+            Ok(()) => {
+                async {
+                    let link = record
+                        .link
+                        .ok_or(HostdError::UnknownSandbox { sandbox_id: id })?;
+                    crate::netns::ensure(
+                        &names,
+                        &link,
+                        &crate::netns::owner_alias(host.host_id, id),
+                    )
+                    .await?;
+                    // The sandbox's netstack took its address off `eth0` at boot; the
+                    // restore reads it from there again, as a memory stop's next start does.
+                    runtime
+                        .restore(
+                            crate::runtime::RunRequest {
+                                container_id: &names.container_id,
+                                bundle: paths.dir(),
+                                console_log: &paths.console_log(),
+                                pid_file: &paths.init_pid(),
+                            },
+                            &memory_dir,
+                        )
+                        .await
+                }
                 .await
-        }
-        .await;
+            }
+            Err(e) => Err(e),
+        };
         host.gates.open(id);
-        checkpointed?;
-        sources.push(TreeSource {
-            kind: TreeKind::Memory,
-            root: memory_dir.clone(),
-        });
-    }
-    let freeze_started = Instant::now();
-    runtime.freeze(&names.container_id).await?;
-    let staging = storage.staging.clone();
-    let staged = tokio::task::spawn_blocking(move || {
-        berth_storage::stage(info, &sources, parent.as_ref(), &staging)
-    })
-    .await
-    .map_err(|e| HostdError::Io {
-        context: "snapshot capture task".into(),
-        source: std::io::Error::other(e),
-    });
-    // Thaw whatever the capture did: a snapshot never leaves its sandbox frozen.
-    let thawed = runtime.thaw(&names.container_id).await;
-    let paused = if with_memory {
-        started.elapsed()
+        let _ = std::fs::remove_dir_all(&memory_dir);
+        restored?;
+        let staged = staged.ok_or(HostdError::UnknownSandbox { sandbox_id: id })?;
+        (staged, started.elapsed())
     } else {
-        freeze_started.elapsed()
+        runtime.freeze(&names.container_id).await?;
+        let staged = stage(sources).await;
+        // Thaw whatever the capture did: a snapshot never leaves its sandbox frozen.
+        let thawed = runtime.thaw(&names.container_id).await;
+        let paused = started.elapsed();
+        thawed?;
+        (staged, paused)
     };
-    let _ = std::fs::remove_dir_all(&memory_dir);
-    thawed?;
     let staged = staged??;
     crate::fault::crash_point(crate::fault::Step::Captured);
     let paused_ms = u32::try_from(paused.as_millis()).unwrap_or(u32::MAX);
